@@ -1,0 +1,37 @@
+"""Typed errors raised by the library.
+
+Every message is one actionable line meant for the user; the CLI turns any
+`UmakitError` into ``Error: <message>`` and a non-zero exit in one place.
+"""
+
+
+class UmakitError(Exception):
+    """Base class of every error umakit raises on purpose."""
+
+
+class ModelNotFoundError(UmakitError):
+    """A model path, Hub repo or built-in model could not be found."""
+
+
+class ConfigError(UmakitError):
+    """config.json is missing, unreadable or lacks required fields."""
+
+
+class CheckpointError(UmakitError):
+    """Weights are missing, corrupt, truncated or of the wrong shape."""
+
+
+class UnsupportedModelError(UmakitError):
+    """The architecture, tensor type or format is not supported."""
+
+
+class TokenizerError(UmakitError):
+    """The tokenizer or chat template could not be loaded or applied."""
+
+
+class BackendUnavailableError(UmakitError):
+    """The requested backend or device is not installed or not present."""
+
+
+class InvalidArgumentError(UmakitError, ValueError):
+    """An argument has a value outside its allowed range."""
