@@ -1,0 +1,1 @@
+"""umakit's command line: a thin click layer over the `umakit` library."""

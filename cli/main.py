@@ -1,0 +1,51 @@
+"""The `umakit` command group.
+
+Subcommands live in their own modules and are imported only when used, so
+`umakit --help` and each command start fast. Library errors become a one-line
+message and exit status 1 here, in one place.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import click
+
+# command name -> "module:attribute"
+COMMANDS = {
+    "generate": "cli.generate:generate",
+}
+
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx):
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx, name):
+        target = COMMANDS.get(name)
+        if target is None:
+            return None
+        module, attr = target.split(":")
+        return getattr(importlib.import_module(module), attr)
+
+    def invoke(self, ctx):
+        from umakit.errors import UmakitError
+
+        try:
+            return super().invoke(ctx)
+        except UmakitError as e:
+            raise click.ClickException(str(e)) from e
+        except KeyboardInterrupt:
+            click.echo("\nInterrupted.", err=True)
+            sys.exit(130)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="umakit")
+def main():
+    """Local LLM inference for unified-memory machines."""
+
+
+if __name__ == "__main__":
+    main()

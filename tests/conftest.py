@@ -1,0 +1,34 @@
+import pytest
+
+from tiny import FAMILIES, make_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """``tiny_dir(family)`` -> path of a tiny random checkpoint, written once per session."""
+    made = {}
+
+    def get(family: str = "llama"):
+        if family not in made:
+            made[family] = make_tiny_model(family, tmp_path_factory.mktemp(family))
+        return made[family]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_dir):
+    """A loaded tiny llama on the MLX backend (float32 on CPU)."""
+    import umakit
+
+    return umakit.load(tiny_dir("llama"), backend="mlx")
+
+
+@pytest.fixture(autouse=True)
+def _isolated_home(tmp_path_factory, monkeypatch):
+    """Keep umakit's cache (hardware probe, imports) out of the user's home."""
+    home = tmp_path_factory.getbasetemp() / "umakit_home"
+    monkeypatch.setenv("UMAKIT_HOME", str(home))
+
+
+ALL_FAMILIES = sorted(FAMILIES)

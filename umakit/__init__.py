@@ -1,0 +1,22 @@
+"""umakit: local LLM inference for unified-memory machines.
+
+    import umakit
+    model = umakit.load()                       # the built-in default model
+    print(model.generate("Tell me a joke", max_tokens=64, seed=1).text)
+"""
+
+from .errors import UmakitError
+from .generation import Chunk, GenerationResult, GenerationStats
+from .model import Model, load
+from .sampling import SamplingParams
+
+__all__ = [
+    "Chunk",
+    "GenerationResult",
+    "GenerationStats",
+    "Model",
+    "SamplingParams",
+    "UmakitError",
+    "load",
+]
+__version__ = "0.1.0"

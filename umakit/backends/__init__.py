@@ -1,0 +1,77 @@
+"""Backend registry: engines are named, and imported only when chosen.
+
+Engines are named by what runs them (``mlx``, ``torch``); ``--device`` picks
+where. ``cuda`` and ``metal`` are accepted as shorthands.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import platform
+import sys
+
+from ..errors import BackendUnavailableError, InvalidArgumentError
+
+# engine name -> (module, class, pip extra that installs it)
+ENGINES = {
+    "mlx": ("umakit.backends.mlx", "MLXEngine", "umakit"),
+    "torch": ("umakit.backends.torch", "TorchEngine", "umakit[cuda]"),
+}
+SHORTHANDS = {"cuda": ("torch", "cuda"), "metal": ("mlx", "metal")}
+DEVICES = {"mlx": ("metal", "cpu"), "torch": ("cuda", "cpu")}
+# On a CPU-only machine "auto" takes the first engine here that is installed;
+# the order follows benchmarks/cpu_engines.py on a 2-core x86 Linux machine.
+CPU_PREFERENCE = ("mlx",)
+
+
+def is_apple_silicon() -> bool:
+    return sys.platform == "darwin" and platform.machine() == "arm64"
+
+
+def _installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def _cuda_available() -> bool:
+    if not _installed("torch"):
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def resolve(backend: str = "auto", device: str | None = None) -> tuple[str, str]:
+    """Choose (engine, device) from the user's words; explains every refusal."""
+    backend = (backend or "auto").lower()
+    if backend in SHORTHANDS:
+        backend, implied = SHORTHANDS[backend]
+        if device not in (None, "auto", implied):
+            raise InvalidArgumentError(f"--backend {implied} runs on device {implied}, not {device}")
+        device = implied
+    if backend == "auto":
+        if is_apple_silicon() and device in (None, "auto", "metal"):
+            backend = "mlx"
+        elif device in (None, "auto", "cuda") and _cuda_available():
+            backend = "torch"
+        else:
+            backend = next((e for e in CPU_PREFERENCE if _installed(e)), "mlx")
+    if backend not in ENGINES:
+        raise InvalidArgumentError(f"unknown backend {backend!r}; choose from auto, {', '.join(ENGINES)}, cuda")
+    if device in (None, "auto"):
+        if backend == "mlx":
+            device = "metal" if is_apple_silicon() else "cpu"
+        else:
+            device = "cuda" if _cuda_available() else "cpu"
+    if device not in DEVICES[backend]:
+        raise InvalidArgumentError(f"backend {backend} runs on {' or '.join(DEVICES[backend])}, not {device!r}")
+    return backend, device
+
+
+def engine_class(name: str):
+    """Import and return the engine class, with an install hint if it is missing."""
+    module, cls, extra = ENGINES[name]
+    dependency = "mlx" if name == "mlx" else "torch"
+    if not _installed(dependency):
+        raise BackendUnavailableError(f"the {name} backend needs {dependency}: pip install '{extra}'")
+    return getattr(importlib.import_module(module), cls)

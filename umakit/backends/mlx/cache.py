@@ -1,0 +1,44 @@
+"""The MLX KV cache: mlx-lm's per-layer caches behind umakit's KVCache protocol."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
+
+from ...errors import InvalidArgumentError
+
+KV_GROUP_SIZE = 64
+
+
+@dataclass
+class MLXCache:
+    layers: list  # one mlx-lm cache per layer, passed to the model as is
+    kv_bits: int | None = None
+
+    @classmethod
+    def for_model(cls, model, kv_bits: int | None = None) -> "MLXCache":
+        layers = make_prompt_cache(model)
+        if kv_bits is not None:
+            if kv_bits not in (4, 8):
+                raise InvalidArgumentError(f"kv_bits must be 4 or 8, got {kv_bits}")
+            if not all(type(c) is KVCache for c in layers):
+                raise InvalidArgumentError("this model's cache (sliding window or recurrent layers) cannot be quantized")
+            layers = [QuantizedKVCache(group_size=KV_GROUP_SIZE, bits=kv_bits) for _ in layers]
+        return cls(layers, kv_bits)
+
+    @property
+    def offset(self) -> int:
+        return self.layers[0].offset if self.layers else 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.layers)
+
+    def trim(self, n: int) -> int:
+        n = min(n, self.offset)
+        if n <= 0:
+            return 0
+        if not all(c.is_trimmable() for c in self.layers):
+            raise InvalidArgumentError("this model's cache cannot be trimmed")
+        return min(c.trim(n) for c in self.layers)

@@ -1,0 +1,259 @@
+"""MLX engine: mlx-lm's model classes, with umakit's loading, cache and decode loop."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from typing import Iterator, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten
+
+from ...checkpoint import Checkpoint
+from ...errors import BackendUnavailableError, CheckpointError, InvalidArgumentError, UnsupportedModelError
+from ...sampling import SamplingParams
+from ..base import WeightInfo
+from .cache import MLXCache
+from .sampling import make_sampler
+
+PREFILL_STEP = 512  # tokens per prefill chunk: bounds attention memory on long prompts
+DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+
+
+def _architecture(config: dict):
+    """mlx-lm's (Model, ModelArgs) for a config; a clear error for unknown types."""
+    model_type = config["model_type"]
+    try:
+        arch = importlib.import_module(f"mlx_lm.models.{model_type}")
+    except ImportError:
+        from mlx_lm.utils import MODEL_REMAPPING
+
+        try:
+            arch = importlib.import_module(f"mlx_lm.models.{MODEL_REMAPPING.get(model_type, model_type)}")
+        except ImportError as e:
+            import mlx_lm.models as models
+            from pathlib import Path
+
+            known = sorted(p.stem for p in Path(models.__path__[0]).glob("*.py") if not p.stem.startswith("_"))
+            raise UnsupportedModelError(
+                f"model_type {model_type!r} is not supported by mlx-lm; supported: {', '.join(known)}"
+            ) from e
+    return arch.Model, arch.ModelArgs
+
+
+def _category(name: str) -> str:
+    if "embed" in name or "wte" in name:
+        return "embedding"
+    if name.startswith("lm_head") or ".lm_head" in name or name.startswith("output."):
+        return "head"
+    if "norm" in name or name.endswith("ln_f.weight"):
+        return "norms"
+    if "attn" in name or "attention" in name:
+        return "attention"
+    if "mlp" in name or "feed_forward" in name or "experts" in name:
+        return "mlp"
+    return "other"
+
+
+class MLXEngine:
+    name = "mlx"
+
+    def __init__(self, ckpt: Checkpoint, device: str = "cpu", dtype: str = "auto"):
+        if device == "metal" and not mx.metal.is_available():
+            raise BackendUnavailableError("Metal is not available on this machine; use --device cpu")
+        self.device = device
+        self._mx_device = mx.gpu if device == "metal" else mx.cpu
+        self.config = ckpt.config
+        with mx.stream(self._mx_device):
+            self._load(ckpt, dtype)
+
+    # -- loading ------------------------------------------------------------
+    def _load(self, ckpt: Checkpoint, dtype: str) -> None:
+        model_cls, args_cls = _architecture(ckpt.config)
+        try:
+            model = model_cls(args_cls.from_dict(ckpt.config))
+        except (TypeError, KeyError, ValueError) as e:
+            raise UnsupportedModelError(f"config.json does not fit mlx-lm's {ckpt.model_type} model: {e}") from e
+        weights = {}
+        for f in ckpt.files:  # lazy: nothing is read until evaluated
+            weights.update(mx.load(str(f)))
+        if hasattr(model, "sanitize"):
+            weights = model.sanitize(weights)
+        self.quantization = ckpt.config.get("quantization")
+        if self.quantization:
+            _hook_up_quantization(model, weights, self.quantization)
+        target = self._compute_dtype(dtype, weights)
+        weights = {k: v.astype(target) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
+        _check_weights(model, weights)
+        model.load_weights(list(weights.items()), strict=False)
+        del weights  # drop the lazy source arrays so each converts and frees in turn
+        mx.eval(model.parameters())
+        model.eval()
+        self.model = model
+        self.dtype = next(k for k, v in DTYPES.items() if v == target)
+
+    def _compute_dtype(self, dtype: str, weights: dict) -> mx.Dtype:
+        if dtype != "auto":
+            if dtype not in DTYPES:
+                raise InvalidArgumentError(f"unknown dtype {dtype!r}; choose auto, {', '.join(DTYPES)}")
+            return DTYPES[dtype]
+        if self.device == "cpu":
+            # MLX-CPU emulates half precision and its quantized matmul accumulates
+            # in the activation dtype: float32 is both faster and correct there.
+            return mx.float32
+        floats = [v.dtype for v in weights.values() if mx.issubdtype(v.dtype, mx.floating)]
+        return max(set(floats), key=floats.count) if floats else mx.float16
+
+    # -- engine interface -----------------------------------------------------
+    def make_cache(self, kv_bits: int | None = None) -> MLXCache:
+        return MLXCache.for_model(self.model, kv_bits=kv_bits)
+
+    def logits(self, tokens: Sequence[int], cache: MLXCache | None = None) -> np.ndarray:
+        cache = cache if cache is not None else self.make_cache()
+        with mx.stream(self._mx_device):
+            out = self.model(mx.array(list(tokens))[None], cache=cache.layers)  # (1, T, V)
+            out = out[0].astype(mx.float32)
+            mx.eval(out)
+        return np.array(out)
+
+    def generate_tokens(
+        self,
+        prompt: Sequence[int],
+        cache: MLXCache,
+        sampling: SamplingParams,
+        seed: int | None = None,
+        history: Sequence[int] = (),
+    ) -> Iterator[int]:
+        if not prompt:
+            raise InvalidArgumentError("the prompt is empty: there is nothing to continue from")
+        sampler = make_sampler(sampling)
+        key = mx.random.key(seed if seed is not None else int(np.random.SeedSequence().entropy % 2**63))
+        window = sampling.repetition_context
+        recent = mx.array(list(history)[-window:] + list(prompt)[-window:], dtype=mx.uint32)[-window:][None]
+
+        def step(tokens: mx.array) -> mx.array:
+            nonlocal key, recent
+            logits = self.model(tokens[None], cache=cache.layers)[:, -1, :]  # (1, V)
+            key, sub = mx.random.split(key)
+            token = sampler(logits, recent, sub)  # (1,)
+            recent = mx.concatenate([recent, token[None].astype(mx.uint32)], axis=1)[:, -window:]
+            return token
+
+        with mx.stream(self._mx_device):
+            tokens = mx.array(list(prompt), dtype=mx.uint32)
+            while tokens.size > PREFILL_STEP:  # chunked prefill of all but the tail
+                self.model(tokens[:PREFILL_STEP][None], cache=cache.layers)
+                mx.eval([c.state for c in cache.layers])
+                tokens = tokens[PREFILL_STEP:]
+            y = step(tokens)
+            mx.async_eval(y)
+            while True:
+                # Queue step n+1 before handing out token n, so the host's work
+                # of building the next graph overlaps the device computing it.
+                next_y = step(y)
+                mx.async_eval(next_y)
+                yield y.item()
+                y = next_y
+
+    def weight_info(self) -> WeightInfo:
+        params = dict(tree_flatten(self.model.parameters()))
+        by_cat: dict[str, int] = {}
+        n_params = 0
+        for name, a in params.items():
+            by_cat[_category(name)] = by_cat.get(_category(name), 0) + a.nbytes
+            if not name.endswith((".scales", ".biases")):
+                n_params += a.size * (32 // self._bits_of(name) if a.dtype == mx.uint32 else 1)
+        total = sum(by_cat.values())
+        embed = by_cat.get("embedding", 0)
+        vocab = self.config.get("vocab_size") or 1
+        tied = "head" not in by_cat
+        # A decode step reads one embedding row, but a tied head reads the whole table.
+        per_token = total if tied else total - embed + embed // vocab
+        return WeightInfo(
+            total_bytes=total,
+            by_category=by_cat,
+            params=n_params,
+            bytes_per_token=per_token,
+            kv_bytes_per_token=self._kv_bytes_per_token(),
+            quantization=_describe_quantization(self.quantization),
+        )
+
+    def _bits_of(self, name: str) -> int:
+        q = self.quantization or {}
+        module = name.rsplit(".", 1)[0]
+        override = q.get(module)
+        return override["bits"] if isinstance(override, dict) else q.get("bits", 32)
+
+    def _kv_bytes_per_token(self, kv_bits: int | None = None) -> float:
+        c = self.config.get("text_config", self.config)
+        layers = c.get("num_hidden_layers", 0)
+        heads = c.get("num_attention_heads", 1)
+        kv_heads = c.get("num_key_value_heads") or heads
+        head_dim = c.get("head_dim") or c.get("hidden_size", 0) // heads
+        itemsize = DTYPES[self.dtype].size
+        return 2 * layers * kv_heads * head_dim * itemsize
+
+    @contextlib.contextmanager
+    def wired(self):
+        """Keep the weights resident (wired) on Metal while generating; restore after."""
+        if self.device != "metal":
+            yield
+            return
+        info = mx.metal.device_info()
+        limit = min(self.weight_info().total_bytes, int(info["max_recommended_working_set_size"]))
+        old = mx.set_wired_limit(limit)
+        try:
+            yield
+        finally:
+            mx.synchronize()
+            mx.set_wired_limit(old)
+
+    def reset_peak_memory(self) -> None:
+        mx.reset_peak_memory()
+
+    def peak_memory(self) -> int:
+        return mx.get_peak_memory()
+
+
+def _hook_up_quantization(model: nn.Module, weights: dict, q: dict) -> None:
+    """Swap in quantized layers wherever the checkpoint stores scales (mlx-lm's rule)."""
+
+    def predicate(path: str, module: nn.Module):
+        if isinstance(q.get(path), dict):
+            return q[path]
+        if q.get(path) is False:
+            return False
+        return hasattr(module, "to_quantized") and f"{path}.scales" in weights
+
+    try:
+        nn.quantize(model, group_size=q["group_size"], bits=q["bits"], class_predicate=predicate)
+    except (KeyError, ValueError) as e:
+        raise CheckpointError(f"config.json has an invalid quantization block {q}: {e}") from e
+
+
+def _check_weights(model: nn.Module, weights: dict) -> None:
+    """Name the first missing, unexpected or mis-shaped tensor before loading."""
+    expected = dict(tree_flatten(model.parameters()))
+    missing = [k for k in expected if k not in weights]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise CheckpointError(f"checkpoint is missing tensor {missing[0]}{more}")
+    unexpected = [k for k in weights if k not in expected]
+    if unexpected:
+        more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
+        raise CheckpointError(f"checkpoint has unexpected tensor {unexpected[0]}{more} for this model_type")
+    for k, v in weights.items():
+        if v.shape != expected[k].shape:
+            raise CheckpointError(
+                f"tensor {k} has shape {list(v.shape)} but the config implies {list(expected[k].shape)}"
+            )
+
+
+def _describe_quantization(q: dict | None) -> str:
+    if not q:
+        return "none"
+    overrides = {v["bits"] for k, v in q.items() if isinstance(v, dict) and "bits" in v}
+    extra = f", some layers {'/'.join(map(str, sorted(overrides)))}-bit" if overrides - {q["bits"]} else ""
+    return f"{q['bits']}-bit g{q['group_size']}{extra}"

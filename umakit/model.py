@@ -1,0 +1,198 @@
+"""`umakit.load` and the `Model` it returns: the Python API."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Sequence
+
+from . import backends, checkpoint
+from .backends.base import Engine, KVCache, WeightInfo
+from .errors import InvalidArgumentError
+from .generation import Chunk, GenerationResult, collect, stream_generate
+from .sampling import DEFAULT_MAX_TOKENS, SamplingParams
+from .tokenizer import Message, Tokenizer
+
+
+@dataclass
+class LoadInfo:
+    name: str
+    path: Path
+    backend: str
+    device: str
+    dtype: str
+    load_s: float
+    size_on_disk: int
+    weights: WeightInfo
+    context_length: int
+
+
+class Model:
+    """A loaded model: tokenizer, engine and the measurements around them."""
+
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, info: LoadInfo, peak_bandwidth: float | None = None):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.info = info
+        self._peak_bandwidth = peak_bandwidth
+        self._device_info = None
+
+    def __repr__(self) -> str:
+        i = self.info
+        return f"<umakit.Model {i.name} on {i.backend}/{i.device} {i.dtype}, {i.weights.quantization}>"
+
+    # -- prompts ----------------------------------------------------------------
+    def encode(
+        self,
+        prompt: str | None = None,
+        messages: Sequence[Message] | None = None,
+        system: str | None = None,
+        raw: bool = False,
+    ) -> list[int]:
+        """Prompt token ids. A plain prompt is sent as one user message through
+        the chat template unless ``raw`` (or the model has no template)."""
+        if (prompt is None) == (messages is None):
+            raise InvalidArgumentError("give exactly one of prompt or messages")
+        if messages is None:
+            if raw or self.tokenizer.chat_template is None:
+                return self.tokenizer.encode((system + "\n\n" if system else "") + prompt)
+            messages = [{"role": "user", "content": prompt}]
+        if system is not None:
+            messages = [{"role": "system", "content": system}] + [m for m in messages if m.get("role") != "system"]
+        return self.tokenizer.encode_chat(messages)
+
+    # -- generation ---------------------------------------------------------------
+    def stream(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: Sequence[Message] | None = None,
+        system: str | None = None,
+        raw: bool = False,
+        max_tokens: int = DEFAULT_MAX_TOKENS,
+        stop: Sequence[str] = (),
+        seed: int | None = None,
+        kv_bits: int | None = None,
+        sampling: SamplingParams | None = None,
+        **sampling_overrides,
+    ) -> Iterator[Chunk]:
+        """Yield text chunks as they are generated; the last chunk has the stats."""
+        ids = self.encode(prompt, messages, system, raw)
+        return self.stream_tokens(
+            ids, self.make_cache(kv_bits), max_tokens=max_tokens, stop=stop, seed=seed,
+            sampling=sampling, **sampling_overrides,
+        )
+
+    def generate(self, prompt: str | None = None, **kwargs) -> GenerationResult:
+        """Generate a whole reply: text, token ids, finish reason and stats."""
+        return collect(self.stream(prompt, **kwargs))
+
+    def stream_tokens(
+        self,
+        prompt: Sequence[int],
+        cache: KVCache,
+        *,
+        max_tokens: int = DEFAULT_MAX_TOKENS,
+        stop: Sequence[str] | str = (),
+        seed: int | None = None,
+        history: Sequence[int] = (),
+        sampling: SamplingParams | None = None,
+        **sampling_overrides,
+    ) -> Iterator[Chunk]:
+        """The token-level entry point: continue ``cache`` with ``prompt`` ids."""
+        if max_tokens < 1:
+            raise InvalidArgumentError(f"max_tokens must be at least 1, got {max_tokens}")
+        unknown = set(sampling_overrides) - set(SamplingParams.__dataclass_fields__)
+        if unknown:
+            raise InvalidArgumentError(f"unknown generation option(s): {', '.join(sorted(unknown))}")
+        params = (sampling or SamplingParams()).with_overrides(**sampling_overrides)
+        limit = self.info.context_length
+        if limit and cache.offset + len(prompt) + max_tokens > limit:
+            max_tokens = max(limit - cache.offset - len(prompt), 0)
+            if max_tokens == 0:
+                raise InvalidArgumentError(
+                    f"the prompt ({cache.offset + len(prompt)} tokens) fills the model's context of {limit} tokens"
+                )
+        stops = [stop] if isinstance(stop, str) else list(stop)
+        return stream_generate(
+            self.engine, self.tokenizer, prompt, cache, params, max_tokens,
+            stop=stops, seed=seed, history=history, roofline=self._fill_roofline,
+        )
+
+    def make_cache(self, kv_bits: int | None = None) -> KVCache:
+        return self.engine.make_cache(kv_bits=kv_bits)
+
+    def logits(self, tokens: Sequence[int]):
+        """Float32 logits (T, V) of a full forward pass over ``tokens``."""
+        return self.engine.logits(tokens)
+
+    # -- measurements -------------------------------------------------------------
+    @property
+    def device_info(self):
+        """The local device's facts (peak bandwidth measured once per machine on CPU)."""
+        if self._device_info is None:
+            from .hardware import detect_local
+
+            self._device_info = detect_local(self.info.device, override_gbps=self._peak_bandwidth)
+        return self._device_info
+
+    def _fill_roofline(self, stats, context_tokens: int) -> None:
+        from .roofline import decode_roofline
+
+        dev = self.device_info
+        w = self.info.weights
+        r = decode_roofline(
+            w.bytes_per_token, w.kv_bytes_per_token, context_tokens, stats.decode_tps,
+            dev.peak_bandwidth_gbps, dev.name, dev.bandwidth_source,
+        )
+        stats.bytes_per_token = r.bytes_per_token
+        stats.ceiling_tps = r.ceiling_tps
+        stats.achieved_gbps = r.achieved_gbps
+        stats.peak_gbps = r.peak_gbps
+        stats.mbu = r.mbu
+        stats.device_name = r.device_name
+        stats.bandwidth_source = r.bandwidth_source
+
+
+def load(
+    model: str | os.PathLike | None = None,
+    *,
+    backend: str = "auto",
+    device: str | None = None,
+    dtype: str = "auto",
+    peak_bandwidth: float | None = None,
+) -> Model:
+    """Load a model directory, Hub repo id, .gguf file, or (None) the built-in default.
+
+    ``backend`` is "auto", "mlx", "torch" or "cuda"; ``dtype`` is the compute
+    dtype ("auto": float32 on CPU, the checkpoint's dtype on a GPU).
+    """
+    t0 = time.perf_counter()
+    engine_name, device = backends.resolve(backend, device)
+    path = checkpoint.resolve(model)
+    ckpt = checkpoint.open_checkpoint(path)
+    tokenizer = Tokenizer(path, ckpt.config, extra_eos_ids=checkpoint.generation_eos_ids(path, ckpt.config))
+    engine = backends.engine_class(engine_name)(ckpt, device=device, dtype=dtype)
+    cfg = ckpt.config.get("text_config", ckpt.config)
+    info = LoadInfo(
+        name=_display_name(ckpt),
+        path=path,
+        backend=engine_name,
+        device=device,
+        dtype=engine.dtype,
+        load_s=time.perf_counter() - t0,
+        size_on_disk=sum(f.stat().st_size for f in ckpt.files),
+        weights=engine.weight_info(),
+        context_length=int(cfg.get("max_position_embeddings") or 0),
+    )
+    return Model(engine, tokenizer, info, peak_bandwidth=peak_bandwidth)
+
+
+def _display_name(ckpt: checkpoint.Checkpoint) -> str:
+    # Hub snapshots live in .../models--org--name/snapshots/<hash>
+    for parent in ckpt.path.parents:
+        if parent.name.startswith("models--"):
+            return parent.name[len("models--"):].replace("--", "/")
+    return ckpt.path.name

@@ -1,0 +1,58 @@
+"""Sampling settings shared by every backend.
+
+Each backend turns a `SamplingParams` into a pure function
+``(logits, recent_tokens, key) -> token`` with its own array library; both
+follow the order below, and one shared test suite checks that they agree:
+
+1. repetition penalty over the last `repetition_context` tokens (positive
+   logits divided by the penalty, negative ones multiplied, as in transformers);
+2. temperature 0 is greedy (argmax), otherwise logits are divided by it;
+3. top-k, then top-p (nucleus), then min-p filtering of the tempered
+   distribution; then one categorical draw.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from .errors import InvalidArgumentError
+
+DEFAULT_MAX_TOKENS = 512
+DEFAULT_TEMPERATURE = 0.7
+DEFAULT_TOP_P = 0.95
+DEFAULT_TOP_K = 0
+DEFAULT_MIN_P = 0.0
+DEFAULT_REPETITION_PENALTY = 1.0
+DEFAULT_REPETITION_CONTEXT = 64
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = DEFAULT_TEMPERATURE
+    top_p: float = DEFAULT_TOP_P
+    top_k: int = DEFAULT_TOP_K  # 0 disables
+    min_p: float = DEFAULT_MIN_P  # 0 disables
+    repetition_penalty: float = DEFAULT_REPETITION_PENALTY  # 1 disables
+    repetition_context: int = DEFAULT_REPETITION_CONTEXT
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise InvalidArgumentError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise InvalidArgumentError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise InvalidArgumentError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 <= self.min_p < 1:
+            raise InvalidArgumentError(f"min_p must be in [0, 1), got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            raise InvalidArgumentError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.repetition_context < 1:
+            raise InvalidArgumentError(f"repetition_context must be >= 1, got {self.repetition_context}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def with_overrides(self, **kwargs) -> "SamplingParams":
+        """A copy with the given fields replaced (None values are ignored)."""
+        return replace(self, **{k: v for k, v in kwargs.items() if v is not None})
