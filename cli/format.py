@@ -1,0 +1,36 @@
+"""Turning the library's numbers into short human-readable text."""
+
+from __future__ import annotations
+
+
+def size(n: float) -> str:
+    """Bytes in binary units: 1.5 GiB, 270 MiB, 12 KiB."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}" if n < 10 * scale else f"{n / scale:.0f} {unit}"
+    return f"{int(n)} B"
+
+
+def decode_line(stats) -> str:
+    """'decode 41.2 tok/s · 372 GB/s · 47% of 800 GB/s (M2 Ultra)'."""
+    line = f"decode {stats.decode_tps:.1f} tok/s"
+    if stats.peak_gbps:
+        src = "" if stats.bandwidth_source == "published" else f", {stats.bandwidth_source}"
+        line += (f" · {stats.achieved_gbps:.1f} GB/s · {100 * stats.mbu:.0f}% of "
+                 f"{stats.peak_gbps:.0f} GB/s ({stats.device_name}{src})")
+    return line
+
+
+def stats_line(stats) -> str:
+    """One line for stderr after a generation."""
+    parts = [f"prompt {stats.prompt_tokens} tok"]
+    if stats.cached_tokens:
+        parts.append(f"cached {stats.cached_tokens} tok")
+    parts += [
+        f"TTFT {stats.ttft_s:.2f} s",
+        f"prefill {stats.prefill_tps:.1f} tok/s",
+        f"{stats.generated_tokens} tok generated",
+        decode_line(stats),
+        f"peak mem {size(stats.peak_memory_bytes)}",
+    ]
+    return " · ".join(parts)

@@ -1,0 +1,45 @@
+"""`umakit generate`: one prompt in, streamed text out, stats on stderr."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from .format import stats_line
+from .options import SAMPLING_KEYS, model_options, sampling_options
+
+
+@click.command()
+@click.option("--model", "-m", default=None, help="Model directory, .gguf file or Hub repo id (default: built-in SmolLM2-135M).")
+@click.option("--prompt", "-p", required=True, help="The prompt; '-' reads it from stdin.")
+@click.option("--system", "-s", default=None, help="System prompt.")
+@click.option("--raw", is_flag=True, help="Send the prompt as plain text, without the chat template.")
+@click.option("--stop", multiple=True, help="Stop string (repeatable); it is not printed.")
+@click.option("--kv-bits", type=click.Choice(["4", "8"]), default=None, help="Quantize the KV cache.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, tokens, finish reason, stats).")
+@sampling_options
+@model_options
+def generate(model, prompt, system, raw, stop, kv_bits, as_json, max_tokens, seed, backend, device, dtype,
+             peak_bandwidth, **sampling):
+    """Generate a reply to one prompt."""
+    import umakit
+    from umakit.generation import collect
+
+    if prompt == "-":
+        prompt = sys.stdin.read()
+    m = umakit.load(model, backend=backend, device=device, dtype=dtype, peak_bandwidth=peak_bandwidth)
+    chunks = m.stream(prompt, system=system, raw=raw, max_tokens=max_tokens, stop=stop, seed=seed,
+                      kv_bits=int(kv_bits) if kv_bits else None, **{k: sampling[k] for k in SAMPLING_KEYS})
+    with m.engine.wired():
+        if as_json:
+            result = collect(chunks)
+            out = {"model": m.info.name, "backend": m.info.backend, "device": m.info.device, **result.to_dict()}
+            click.echo(json.dumps(out, ensure_ascii=False))
+            return
+        for chunk in chunks:
+            click.echo(chunk.text, nl=False)
+            if chunk.stats is not None:
+                click.echo()
+                click.echo(f"[{chunk.finish_reason}] " + stats_line(chunk.stats), err=True)

@@ -1,0 +1,15 @@
+"""Adapters that run each backend's sampler on numpy inputs, for shared tests."""
+
+import numpy as np
+
+
+def mlx_sample(logits: np.ndarray, recent: np.ndarray, params, seed: int) -> np.ndarray:
+    import mlx.core as mx
+
+    from umakit.backends.mlx.sampling import make_sampler
+
+    out = make_sampler(params)(mx.array(logits), mx.array(recent.astype(np.uint32)), mx.random.key(seed))
+    return np.array(out)
+
+
+BACKENDS = {"mlx": mlx_sample}

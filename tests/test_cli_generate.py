@@ -1,0 +1,61 @@
+"""`umakit generate` through click's runner and as a real installed command."""
+
+import json
+import os
+import subprocess
+import sys
+
+from click.testing import CliRunner
+
+from cli.main import main
+
+
+def run(*args, input=None):
+    return CliRunner().invoke(main, list(args), input=input)
+
+
+def test_generate_streams_text_and_stats(tiny_dir):
+    r = run("generate", "-m", str(tiny_dir("llama")), "-p", "The quick", "--temp", "0", "--max-tokens", "6", "--raw")
+    assert r.exit_code == 0, r.output
+    text, stats = r.stdout, r.stderr
+    assert len(text) > 0
+    assert stats.startswith("[length] prompt ") and "decode " in stats and " tok/s" in stats and "% of " in stats
+
+
+def test_generate_json(tiny_dir):
+    r = run("generate", "-m", str(tiny_dir("llama")), "-p", "The quick", "--temp", "0", "--max-tokens", "5", "--json")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert out["finish_reason"] == "length" and len(out["tokens"]) == 5
+    assert set(out["stats"]) >= {"prompt_tokens", "ttft_s", "prefill_tps", "decode_tps", "peak_memory_bytes",
+                                 "bytes_per_token", "achieved_gbps", "mbu"}
+    assert out["backend"] == "mlx"
+
+
+def test_generate_prompt_from_stdin_matches_argument(tiny_dir):
+    args = ["generate", "-m", str(tiny_dir("llama")), "--temp", "0", "--max-tokens", "5", "--json"]
+    a = json.loads(run(*args, "-p", "The quick").stdout)
+    b = json.loads(run(*args, "-p", "-", input="The quick").stdout)
+    assert a["tokens"] == b["tokens"]
+
+
+def test_user_mistakes_are_one_line_errors(tiny_dir, tmp_path):
+    r = run("generate", "-m", str(tmp_path / "missing"), "-p", "x")
+    assert r.exit_code == 1
+    assert r.output.strip().splitlines() == [f"Error: model not found: {tmp_path / 'missing'} (no such directory, file or Hub repo id)"]
+    r = run("generate", "-m", str(tiny_dir("llama")), "-p", "x", "--backend", "tpu")
+    assert r.exit_code == 1 and "unknown backend 'tpu'" in r.output and "Traceback" not in r.output
+    r = run("generate", "-m", str(tiny_dir("llama")), "-p", "x", "--temp", "-1")
+    assert r.exit_code == 2 and "Traceback" not in r.output
+
+
+def test_installed_command_in_a_subprocess(tiny_dir):
+    exe = os.path.join(os.path.dirname(sys.executable), "umakit")
+    p = subprocess.run(
+        [exe, "generate", "-m", str(tiny_dir("llama")), "-p", "The quick", "--temp", "0", "--max-tokens", "4", "--json"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert p.returncode == 0, p.stderr
+    assert len(json.loads(p.stdout)["tokens"]) == 4
+    p = subprocess.run([exe, "generate", "-m", "/definitely/not/here", "-p", "x"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1 and p.stderr.strip() == "Error: model not found: /definitely/not/here (no such directory, file or Hub repo id)"

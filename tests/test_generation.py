@@ -1,0 +1,106 @@
+"""The decode loop above the backend: text streaming, stops, finish reasons, stats."""
+
+import pytest
+
+from umakit.generation import FINISH_LENGTH, FINISH_STOP, FINISH_STOP_STRING, StopStringFilter
+from umakit.tokenizer import StreamingDetokenizer
+
+TEXT = "The quick brown fox 🚀 jumps\nover 東京 — Ünïcödé ✓\n\n  indented\tand tabbed  "
+
+
+def test_streaming_detokenizer_rebuilds_text_exactly(tiny_model):
+    tok = tiny_model.tokenizer
+    ids = tok.encode(TEXT, add_special_tokens=False)
+    assert len(ids) > 20
+    detok = StreamingDetokenizer(tok)
+    pieces = [detok.add(i) for i in ids] + [detok.flush()]
+    assert "".join(pieces) == tok.decode(ids) == TEXT
+    assert all("\ufffd" not in p for p in pieces)  # never half a character
+
+
+@pytest.mark.parametrize(
+    "stream, stops, expected",
+    [
+        (["Hel", "lo ", "wor", "ld"], ["lo w"], ("Hel", True)),
+        (["ab", "c<", "/s", ">tail"], ["</s>"], ("abc", True)),
+        (["a<", "b"], ["</s>"], ("a<b", False)),
+        (["xyz"], [], ("xyz", False)),
+        (["STOP"], ["STOP", "ST"], ("", True)),
+    ],
+)
+def test_stop_string_filter(stream, stops, expected):
+    f = StopStringFilter(stops)
+    out, hit = "", False
+    for piece in stream:
+        text, hit = f.feed(piece)
+        out += text
+        if hit:
+            break
+    if not hit:
+        out += f.flush()
+    assert (out, hit) == expected
+
+
+def greedy(model, **kw):
+    return model.generate("The quick brown", temperature=0, raw=True, **kw)
+
+
+def test_max_tokens_and_stats(tiny_model):
+    r = greedy(tiny_model, max_tokens=12)
+    assert r.finish_reason == FINISH_LENGTH
+    assert len(r.tokens) == r.stats.generated_tokens == 12
+    assert r.text == tiny_model.tokenizer.decode(r.tokens)
+    s = r.stats
+    assert s.prompt_tokens == len(tiny_model.encode("The quick brown", raw=True))
+    assert s.ttft_s > 0 and s.prefill_tps > 0 and s.decode_tps > 0 and s.peak_memory_bytes > 0
+    # roofline: bytes per token covers the weights read plus the cache, and the arithmetic holds
+    w = tiny_model.info.weights
+    assert s.bytes_per_token > w.bytes_per_token
+    assert s.achieved_gbps == pytest.approx(s.bytes_per_token * s.decode_tps / 1e9)
+    assert s.mbu == pytest.approx(s.achieved_gbps / s.peak_gbps)
+
+
+def test_stream_equals_generate(tiny_model):
+    chunks = list(tiny_model.stream("The quick brown", temperature=0, raw=True, max_tokens=10))
+    assert "".join(c.text for c in chunks) == greedy(tiny_model, max_tokens=10).text
+    assert chunks[-1].finish_reason == FINISH_LENGTH and chunks[-1].stats is not None
+
+
+def test_eos_stops_without_emitting_it(tiny_model, monkeypatch):
+    tokens = greedy(tiny_model, max_tokens=8).tokens
+    monkeypatch.setattr(tiny_model.tokenizer, "eos_ids", frozenset({tokens[3]}) - set(tokens[:3]))
+    r = greedy(tiny_model, max_tokens=8)
+    assert r.finish_reason == FINISH_STOP
+    assert r.tokens == tokens[:3]
+
+
+def test_stop_string_is_not_emitted(tiny_model):
+    full = greedy(tiny_model, max_tokens=16).text
+    stop = full[5:9]
+    r = greedy(tiny_model, max_tokens=16, stop=[stop])
+    assert r.finish_reason == FINISH_STOP_STRING
+    assert r.text == full[: full.index(stop)]
+
+
+def test_seed_makes_sampling_reproducible(tiny_model):
+    a = tiny_model.generate("The quick", temperature=1.0, seed=7, max_tokens=16, raw=True)
+    b = tiny_model.generate("The quick", temperature=1.0, seed=7, max_tokens=16, raw=True)
+    others = {tuple(tiny_model.generate("The quick", temperature=1.0, seed=s, max_tokens=16, raw=True).tokens)
+              for s in range(4)}
+    assert a.tokens == b.tokens
+    assert len(others) > 1
+
+
+def test_chat_template_is_applied(tiny_model):
+    ids = tiny_model.encode("hi", system="be brief")
+    text = tiny_model.tokenizer.decode(ids)
+    assert text == "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    msgs = [{"role": "user", "content": "hi"}]
+    assert tiny_model.encode(messages=msgs, system="be brief") == ids
+
+
+def test_unknown_option_is_an_error(tiny_model):
+    from umakit.errors import InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError, match="unknown generation option.*temprature"):
+        tiny_model.generate("x", temprature=0.1)
