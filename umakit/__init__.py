@@ -5,12 +5,19 @@
     print(model.generate("Tell me a joke", max_tokens=64, seed=1).text)
 """
 
+from .chat import ChatSession, ChatSettings
+from .checkpoint import resolve as resolve_model
+from .checkpoint import size_on_disk as checkpoint_size
 from .errors import UmakitError
 from .generation import Chunk, GenerationResult, GenerationStats
 from .model import Model, load
 from .sampling import SamplingParams
 
 __all__ = [
+    "ChatSession",
+    "ChatSettings",
+    "checkpoint_size",
+    "resolve_model",
     "Chunk",
     "GenerationResult",
     "GenerationStats",

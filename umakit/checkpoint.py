@@ -223,6 +223,14 @@ def open_checkpoint(path: Path) -> Checkpoint:
     return Checkpoint(path=path, config=config, files=files, tensors=tensors)
 
 
+def size_on_disk(path: Path) -> int:
+    """Bytes of a model directory's weight files."""
+    try:
+        return sum(f.stat().st_size for f in weight_files(path))
+    except CheckpointError:
+        return 0
+
+
 def generation_eos_ids(path: Path, config: dict) -> set[int]:
     """EOS ids named by config.json and generation_config.json (either may hold a list)."""
     ids: set[int] = set()

@@ -57,6 +57,9 @@ class Engine(Protocol):
 
     def make_cache(self, kv_bits: int | None = None) -> KVCache: ...
 
+    def prefill(self, tokens: Sequence[int], cache: KVCache) -> None:
+        """Append ``tokens`` to ``cache`` (no sampling, no logits kept)."""
+
     def generate_tokens(
         self,
         prompt: Sequence[int],

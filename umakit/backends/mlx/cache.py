@@ -29,16 +29,21 @@ class MLXCache:
 
     @property
     def offset(self) -> int:
-        return self.layers[0].offset if self.layers else 0
+        # The minimum, so that a step interrupted half-way through the layers
+        # still leaves a consistent length to trim back to.
+        return min((c.offset for c in self.layers), default=0)
 
     @property
     def nbytes(self) -> int:
         return sum(c.nbytes for c in self.layers)
 
     def trim(self, n: int) -> int:
-        n = min(n, self.offset)
-        if n <= 0:
+        keep = max(self.offset - n, 0)
+        if all(c.offset == keep for c in self.layers):
             return 0
         if not all(c.is_trimmable() for c in self.layers):
             raise InvalidArgumentError("this model's cache cannot be trimmed")
-        return min(c.trim(n) for c in self.layers)
+        dropped = self.offset - keep
+        for c in self.layers:
+            c.trim(c.offset - keep)
+        return dropped

@@ -118,6 +118,13 @@ class MLXEngine:
             mx.eval(out)
         return np.array(out)
 
+    def prefill(self, tokens: Sequence[int], cache: MLXCache) -> None:
+        """Run ``tokens`` into ``cache`` without computing any logits."""
+        with mx.stream(self._mx_device):
+            for i in range(0, len(tokens), PREFILL_STEP):
+                self.model(mx.array(list(tokens[i:i + PREFILL_STEP]), dtype=mx.uint32)[None], cache=cache.layers)
+                mx.eval([c.state for c in cache.layers])  # only the cache: the unused logits are never computed
+
     def generate_tokens(
         self,
         prompt: Sequence[int],

@@ -1,0 +1,46 @@
+"""`umakit run`: chat with a model in the terminal (or answer piped lines)."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from .chat_ui import Repl
+from .format import size
+from .options import SAMPLING_KEYS, model_options, sampling_options
+
+
+@click.command("run")
+@click.argument("model", required=False)
+@click.option("--system", "-s", default=None, help="System prompt.")
+@click.option("--max-context", type=click.IntRange(min=16), default=None,
+              help="Context limit in tokens (default: the model's); oldest turns are dropped beyond it.")
+@click.option("--kv-bits", type=click.Choice(["4", "8"]), default=None, help="Quantize the KV cache.")
+@click.option("--stats/--no-stats", default=None, help="Stats footer after each reply (default: on in a terminal).")
+@sampling_options
+@model_options
+def run(model, system, max_context, kv_bits, stats, max_tokens, seed, backend, device, dtype, peak_bandwidth, **sampling):
+    """Chat with MODEL (default: the built-in SmolLM2-135M-Instruct)."""
+    import umakit
+    from umakit.chat import ChatSession, ChatSettings
+
+    tty = sys.stdin.isatty() and sys.stdout.isatty()
+    path = umakit.resolve_model(model)
+    if tty:
+        click.echo(click.style(f"Loading {path.name} ({size(umakit.checkpoint_size(path))} on disk)…", dim=True), err=True)
+    m = umakit.load(path, backend=backend, device=device, dtype=dtype, peak_bandwidth=peak_bandwidth)
+    settings = ChatSettings(system=system, max_tokens=max_tokens, max_context=max_context,
+                            kv_bits=int(kv_bits) if kv_bits else None, seed=seed,
+                            sampling=umakit.SamplingParams(**{k: sampling[k] for k in SAMPLING_KEYS}))
+    session = ChatSession(m, settings)
+    repl = Repl(session, color=tty, show_stats=tty if stats is None else stats)
+    with m.engine.wired():
+        if not sys.stdin.isatty():
+            repl.piped(sys.stdin)
+            return
+        i, w = m.info, m.info.weights
+        click.echo(click.style(
+            f"{i.name} · {i.backend}/{i.device} {i.dtype} · {w.quantization} · context {session.settings.max_context} · "
+            f"weights {size(w.total_bytes)} · loaded in {i.load_s:.1f} s · /help for commands", dim=True), err=True)
+        repl.interactive()
