@@ -15,6 +15,7 @@ import click
 # command name -> "module:attribute"
 COMMANDS = {
     "generate": "cli.generate:generate",
+    "plan": "cli.plan_cmd:plan",
     "run": "cli.run_cmd:run",
 }
 

@@ -1,11 +1,13 @@
-"""Where umakit keeps its per-user state: imported models, hardware probes."""
+"""Where umakit keeps its files: ``$UMAKIT_HOME``, by default ``~/.cache/umakit``."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
+DEFAULT_HOME = Path("~/.cache/umakit")
+
 
 def umakit_home() -> Path:
-    """``$UMAKIT_HOME``, default ``~/.cache/umakit`` (not created here)."""
-    return Path(os.environ.get("UMAKIT_HOME") or Path.home() / ".cache" / "umakit").expanduser()
+    """umakit's data directory (not created here)."""
+    return Path(os.environ.get("UMAKIT_HOME") or DEFAULT_HOME).expanduser()

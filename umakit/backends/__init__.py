@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import platform
+import shutil
 import sys
 
 from ..errors import BackendUnavailableError, InvalidArgumentError
@@ -34,7 +36,8 @@ def _installed(module: str) -> bool:
 
 
 def _cuda_available() -> bool:
-    if not _installed("torch"):
+    # Importing torch costs seconds: look for an NVIDIA driver first.
+    if not _installed("torch") or not (os.path.exists("/proc/driver/nvidia/version") or shutil.which("nvidia-smi")):
         return False
     import torch
 

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
-
 from ...errors import InvalidArgumentError
+from .mlx_lm_import import import_mlx_lm
+
+_cache = import_mlx_lm("models.cache")
+KVCache, QuantizedKVCache, make_prompt_cache = _cache.KVCache, _cache.QuantizedKVCache, _cache.make_prompt_cache
 
 KV_GROUP_SIZE = 64
 

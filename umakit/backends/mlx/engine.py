@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-import importlib
+from pathlib import Path
 from typing import Iterator, Sequence
 
 import mlx.core as mx
@@ -16,6 +16,7 @@ from ...errors import BackendUnavailableError, CheckpointError, InvalidArgumentE
 from ...sampling import SamplingParams
 from ..base import WeightInfo
 from .cache import MLXCache
+from .mlx_lm_import import import_mlx_lm
 from .sampling import make_sampler
 
 PREFILL_STEP = 512  # tokens per prefill chunk: bounds attention memory on long prompts
@@ -25,21 +26,16 @@ DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 def _architecture(config: dict):
     """mlx-lm's (Model, ModelArgs) for a config; a clear error for unknown types."""
     model_type = config["model_type"]
-    try:
-        arch = importlib.import_module(f"mlx_lm.models.{model_type}")
-    except ImportError:
-        from mlx_lm.utils import MODEL_REMAPPING
-
-        try:
-            arch = importlib.import_module(f"mlx_lm.models.{MODEL_REMAPPING.get(model_type, model_type)}")
-        except ImportError as e:
-            import mlx_lm.models as models
-            from pathlib import Path
-
-            known = sorted(p.stem for p in Path(models.__path__[0]).glob("*.py") if not p.stem.startswith("_"))
-            raise UnsupportedModelError(
-                f"model_type {model_type!r} is not supported by mlx-lm; supported: {', '.join(known)}"
-            ) from e
+    models = import_mlx_lm("models")
+    known = sorted(p.stem for p in Path(models.__path__[0]).glob("*.py") if not p.stem.startswith("_"))
+    if model_type not in known:
+        # mlx-lm serves some types with another's code (e.g. mistral -> llama)
+        model_type = import_mlx_lm("utils").MODEL_REMAPPING.get(model_type, model_type)
+    if model_type not in known:
+        raise UnsupportedModelError(
+            f"model_type {config['model_type']!r} is not supported by mlx-lm; supported: {', '.join(known)}"
+        )
+    arch = import_mlx_lm(f"models.{model_type}")
     return arch.Model, arch.ModelArgs
 
 

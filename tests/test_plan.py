@@ -1,0 +1,251 @@
+"""`umakit plan`: memory anatomy from config shapes, device fits and offload splits, the CLI."""
+
+import json
+import math
+
+import pytest
+from click.testing import CliRunner
+
+import cli.main
+from umakit import plan as P
+from umakit.errors import ConfigError, InvalidArgumentError, ModelNotFoundError
+from umakit.hardware import GiB, DeviceInfo, lookup_device
+from umakit.roofline import offload_ceiling_tps
+
+PRESETS = ["gemma-3-27b", "llama-2-13b", "llama-2-70b", "llama-2-7b", "llama-3-70b", "llama-3-8b",
+           "llama-3.1-70b", "llama-3.1-8b", "mistral-7b", "mixtral-8x7b", "qwen2.5-72b", "qwen2.5-7b",
+           "smollm2-135m"]
+
+
+def plan(preset, **kwargs):
+    return P.plan_model(P.load_preset(preset), name=preset, **kwargs)
+
+
+def cat(p, name):
+    return next(c for c in p.categories if c.name == name)
+
+
+def test_llama2_7b_kv_cache_worked_examples():
+    assert plan("llama-2-7b").kv_bytes == 4 * GiB  # default context 8192
+    assert plan("llama-2-7b", context=32768).kv_bytes == 16 * GiB
+    assert plan("llama-2-7b", context=32768, batch=4).kv_bytes == 64 * GiB
+    assert plan("llama-2-7b").kv_bytes_per_token == 512 * 1024
+
+
+def test_llama3_8b_weights_fp16_and_4bit():
+    fp16 = plan("llama-3-8b")
+    assert fp16.params == 8_030_261_248
+    assert 16.0e9 < fp16.weight_bytes < 16.1e9  # about 16 GB
+    assert 4.0e9 < fp16.params * 4 / 8 < 4.1e9  # about 4 GB at 4 bits before group overhead
+    q4 = plan("llama-3-8b", bits=4)
+    norms = cat(q4, "norms").params
+    # every matrix at 4.5 bits (4-bit, group 64, fp16 scale and bias), norms at 16 bits
+    assert q4.weight_bytes == pytest.approx((q4.params - norms) * 4.5 / 8 + norms * 2, abs=8)
+    assert cat(q4, "mlp").bits_per_weight == 4.5
+    mixed = plan("llama-3-8b", bits=4, embed_bits=8)
+    assert cat(mixed, "embedding").bits_per_weight == cat(mixed, "head").bits_per_weight == 8.5
+    assert cat(mixed, "attention").bits_per_weight == 4.5
+
+
+def test_categories_of_an_untied_and_a_tied_model():
+    p = plan("llama-3-8b")
+    assert cat(p, "embedding").params == cat(p, "head").params == 128256 * 4096
+    assert cat(p, "embedding").read_bytes_per_step == 4096 * 2  # one row per token
+    assert cat(p, "head").read_bytes_per_step == cat(p, "head").bytes
+    s = plan("smollm2-135m")
+    assert s.params == 134_515_008
+    assert cat(s, "head").params == 0 and cat(s, "head").bytes == 0
+    assert cat(s, "head").read_bytes_per_step == cat(s, "embedding").bytes  # tied: reads the whole table
+    assert s.step_read_bytes == s.weight_read_bytes_per_step + s.kv_bytes
+    assert s.total_bytes == s.weight_bytes + s.kv_bytes + s.working_bytes
+
+
+def test_moe_reads_only_the_routed_experts():
+    p = plan("mixtral-8x7b")
+    assert 46.6e9 < p.params < 46.8e9
+    mlp = cat(p, "mlp")
+    router = 32 * 4096 * 8 * 2
+    assert mlp.read_bytes_per_step == pytest.approx((mlp.bytes - router) * 2 / 8 + router, rel=1e-9)
+    assert p.weight_read_bytes_per_step < 0.3 * p.weight_bytes
+    wide = plan("mixtral-8x7b", batch=8)
+    assert cat(wide, "mlp").read_bytes_per_step > mlp.read_bytes_per_step  # more tokens, more experts
+    assert any("MoE" in n for n in p.notes)
+
+
+def test_sliding_window_layers_cap_their_cache():
+    g = plan("gemma-3-27b")
+    per_layer = 2 * 16 * 128 * 2
+    assert g.kv_bytes == per_layer * (10 * 8192 + 52 * 1024)
+    assert plan("gemma-3-27b", context=512).kv_bytes == per_layer * 62 * 512
+    assert any("window" in n for n in g.notes)
+    # Qwen2.5 declares a window but does not use it
+    assert plan("qwen2.5-7b").kv_bytes == 2 * 28 * 4 * 128 * 2 * 8192
+
+
+def test_qwen_biases_counted():
+    assert plan("qwen2.5-7b").params == 7_615_616_512
+
+
+TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+
+
+@pytest.mark.parametrize("cls, extra", [
+    ("LlamaConfig", dict(tie_word_embeddings=False)),
+    ("MistralConfig", dict(tie_word_embeddings=False, sliding_window=None)),
+    ("Qwen2Config", dict(tie_word_embeddings=True)),
+    ("Qwen3Config", dict(tie_word_embeddings=True, head_dim=16)),
+    ("MixtralConfig", dict(tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2)),
+    ("Gemma3TextConfig", dict(head_dim=16, sliding_window=8, query_pre_attn_scalar=16)),
+])
+def test_parameter_count_matches_transformers(cls, extra):
+    transformers = pytest.importorskip("transformers")
+    config = getattr(transformers, cls)(**TINY, **extra)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    expected = sum(p.numel() for p in model.parameters())  # tied weights are counted once
+    assert P.plan_model(config.to_dict()).params == expected
+
+
+@pytest.mark.parametrize("kwargs, flag", [(dict(bits=5), "--bits"), (dict(kv_bits=2), "--kv-bits"),
+                                          (dict(embed_bits=3), "--embed-bits"), (dict(group_size=48), "--group-size"),
+                                          (dict(context=0), "--context"), (dict(batch=0), "--batch")])
+def test_bad_arguments(kwargs, flag):
+    with pytest.raises(InvalidArgumentError, match=flag):
+        plan("llama-3-8b", **kwargs)
+
+
+def test_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match="hidden_size"):
+        P.plan_model({"num_hidden_layers": 2})
+    with pytest.raises(ModelNotFoundError, match="llama-3-8b"):
+        P.load_preset("llama-9")
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(ConfigError):
+        P.load_config(tmp_path)
+    with pytest.raises(ModelNotFoundError):
+        P.load_config(tmp_path / "missing")
+
+
+def test_presets_all_load_and_plan():
+    assert P.list_presets() == PRESETS
+    for name in PRESETS:
+        assert plan(name, bits=4).total_bytes > 0
+    s = P.load_preset("smollm2-135m")
+    keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+            "vocab_size", "tie_word_embeddings", "rope_theta", "max_position_embeddings", "model_type")
+    assert tuple(s[k] for k in keys) == (576, 30, 9, 3, 1536, 49152, True, 100000.0, 8192, "llama")
+
+
+def test_resolve_config_sources(tmp_path):
+    model_dir = tmp_path / "my-model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(P.load_preset("llama-2-7b")))
+    assert P.resolve_config(str(model_dir))[0] == "my-model"
+    assert P.resolve_config(config=str(model_dir / "config.json"))[0] == "my-model"
+    assert P.resolve_config("llama-3-8b") == ("llama-3-8b", P.load_preset("llama-3-8b"))
+    assert P.resolve_config()[0] == P.DEFAULT_PRESET
+    with pytest.raises(InvalidArgumentError):
+        P.resolve_config("llama-3-8b", preset="mistral-7b")
+
+
+def test_device_fit_and_ceiling():
+    p = plan("llama-3-8b", devices=[lookup_device("RTX 4090 24GB"), lookup_device("M2 Ultra 192GB")])
+    rtx, m2u = p.devices
+    assert rtx.fits and rtx.offload is None and rtx.budget_bytes == 23 * GiB
+    assert rtx.ceiling_tps == pytest.approx(1008e9 / p.step_read_bytes)
+    assert m2u.fits and m2u.budget_bytes == 144 * GiB
+    assert m2u.ceiling_tps == pytest.approx(800e9 / p.step_read_bytes)
+
+
+def test_apple_beyond_its_working_set_does_not_fit_and_has_no_offload():
+    p = plan("llama-3.1-70b", context=131072, devices=[lookup_device("M2 Ultra 192GB")])
+    (m2u,) = p.devices
+    assert p.total_bytes > 144 * GiB and not m2u.fits and m2u.offload is None
+
+
+def test_offload_split_arithmetic():
+    p = plan("llama-2-70b", bits=4, devices=[lookup_device("RTX 4090 24GB")])
+    (d,) = p.devices
+    o = d.offload
+    assert not d.fits and o is not None
+    budget = 23 * GiB
+    assert o.layers_resident == (budget - p.fixed_bytes) // p.layer_bytes
+    assert 0 < o.layers_resident < o.layers_total == 80
+    assert p.fixed_bytes + o.layers_resident * p.layer_bytes <= budget
+    assert o.streamed_bytes == (80 - o.layers_resident) * p.layer_read_bytes
+    assert (o.pcie_gbps, o.pcie_source) == (25.0, "PCIe 4.0 x16 typical")
+    resident = p.fixed_read_bytes + o.layers_resident * p.layer_read_bytes
+    assert o.ceiling_tps == pytest.approx(offload_ceiling_tps(resident, o.streamed_bytes, 1008, 25))
+    assert o.ceiling_tps < d.ceiling_tps
+    # whole model = fixed parts + layers, so the split accounts for every weight
+    layers_and_fixed = p.weight_bytes + p.kv_bytes + p.working_bytes
+    assert p.fixed_bytes + 80 * p.layer_bytes == pytest.approx(layers_and_fixed, abs=200)
+
+
+def test_offload_uses_measured_pcie_and_reports_impossible_splits():
+    gpu = DeviceInfo("Test GPU", "nvidia", 500.0, "published", 12 * GiB, pcie_h2d_gbps=10.0, pcie_gen=4)
+    o = plan("llama-3-8b", devices=[gpu]).devices[0].offload
+    assert (o.pcie_gbps, o.pcie_source) == (10.0, "measured") and o.ceiling_tps > 0
+    huge = plan("llama-3-8b", context=131072, batch=8, devices=[gpu]).devices[0].offload
+    assert huge.layers_resident == 0 and huge.ceiling_tps is None
+
+
+def test_plan_to_dict_is_json():
+    p = plan("mixtral-8x7b", bits=4, devices=[lookup_device("H100 80GB")])
+    d = json.loads(json.dumps(P.plan_to_dict(p)))
+    assert d["params"] == p.params and d["devices"][0]["device"]["name"] == "NVIDIA H100 SXM 80GB"
+    assert {c["name"] for c in d["categories"]} == {"embedding", "attention", "mlp", "head", "norms"}
+
+
+def test_peak_bandwidth_needs_the_local_device(monkeypatch):
+    with pytest.raises(InvalidArgumentError, match="--device local"):
+        P.resolve_devices(["H100 80GB"], override_gbps=100)
+    (local,) = P.resolve_devices(["local"], override_gbps=100)
+    assert (local.peak_bandwidth_gbps, local.bandwidth_source) == (100, "user")
+
+
+# -- the command ------------------------------------------------------------------
+
+@pytest.fixture
+def run(monkeypatch):
+    monkeypatch.setitem(cli.main.COMMANDS, "plan", "cli.plan_cmd:plan")
+    return lambda *args: CliRunner().invoke(cli.main.main, ["plan", *args])
+
+
+def test_cli_text(run):
+    r = run("--preset", "llama-2-70b", "--bits", "4", "--device", "RTX 4090 24GB", "--device", "M2 Ultra 192GB")
+    assert r.exit_code == 0, r.output
+    out = r.output
+    for word in ("embedding", "attention", "mlp", "head", "norms", "KV cache", "working memory", "GiB",
+                 "NVIDIA RTX 4090 24GB", "Apple M2 Ultra 192GB", "published", "tok/s", "layers resident", "PCIe"):
+        assert word in out, word
+    assert "320.00 KiB/token x 8192 tokens x 1 = 2.50 GiB" in out
+
+
+def test_cli_default_devices_include_the_local_machine(run):
+    r = run("--peak-bandwidth", "42")
+    assert r.exit_code == 0, r.output
+    assert P.DEFAULT_PRESET in r.output and "42 GB/s user" in r.output
+    assert all(name in r.output for name in ("M2 Ultra", "M4 Max", "RTX 4090", "H100"))
+
+
+def test_cli_json(run, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(P.load_preset("llama-2-7b")))
+    r = run(str(tmp_path), "--context", "32768", "--batch", "4", "--json", "--device", "H100 80GB")
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.output)
+    assert d["kv_bytes"] == 64 * GiB and d["batch"] == 4 and len(d["devices"]) == 1
+    assert math.isclose(d["devices"][0]["ceiling_tps"], 4 * 3350e9 / d["step_read_bytes"])
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--preset", "nope"], "Error: unknown preset 'nope'; choose from "),
+    (["--preset", "llama-3-8b", "--bits", "5"], "Error: --bits must be 16, 8 or 4 (got 5)"),
+    (["--preset", "llama-3-8b", "--device", "Voodoo 5"], "Error: unknown device 'Voodoo 5'"),
+    (["llama-3-8b", "--config", "x.json"], "Error: give only one of MODEL, --preset and --config"),
+])
+def test_cli_errors_are_one_line(run, args, message):
+    r = run(*args)
+    assert r.exit_code == 1
+    lines = [line for line in r.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(message), r.output

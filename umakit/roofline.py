@@ -1,0 +1,114 @@
+"""Memory-bandwidth roofline for decoding: pure arithmetic, no framework imports.
+
+Decoding one token reads every weight used by that step plus the whole KV cache
+once, so tokens/s can never exceed ``peak bandwidth / bytes read per token``.
+Bandwidths are in GB/s (1e9 bytes per second); sizes are in bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .errors import InvalidArgumentError
+
+GB = 1e9
+KV_BITS = (2, 3, 4, 5, 6, 8)  # quantized KV cache widths the affine scheme supports
+
+
+def quantized_bits_per_weight(bits: int, group_size: int, scale_bytes: int = 2) -> float:
+    """Stored bits per weight of affine group quantization.
+
+    Each group of ``group_size`` weights carries one scale and one bias of
+    ``scale_bytes`` each: 4-bit, group 64, fp16 scale+bias -> 4 + 32/64 = 4.5.
+    """
+    if bits <= 0 or group_size <= 0 or scale_bytes <= 0:
+        raise InvalidArgumentError(
+            f"bits, group size and scale bytes must be positive (got {bits}, {group_size}, {scale_bytes})"
+        )
+    return bits + 2 * scale_bytes * 8 / group_size
+
+
+def kv_bytes_per_token(
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    kv_bits: int | None = None,
+    dtype_bytes: int = 2,
+    group_size: int = 64,
+) -> int:
+    """Bytes of K and V cached per token: 2 x L x H_kv x D x bytes per element.
+
+    ``kv_bits`` None (or 16) keeps the cache in a ``dtype_bytes`` float type.
+    Quantized caches pack ``kv_bits`` per element and add one scale and one
+    bias of ``dtype_bytes`` per group of ``group_size`` along the head dimension.
+    """
+    if min(num_layers, num_kv_heads, head_dim) <= 0:
+        raise InvalidArgumentError(
+            f"layers, KV heads and head dim must be positive (got {num_layers}, {num_kv_heads}, {head_dim})"
+        )
+    if kv_bits is None or kv_bits == 16:
+        per_head = head_dim * dtype_bytes
+    elif kv_bits in KV_BITS:
+        if group_size <= 0:
+            raise InvalidArgumentError(f"KV group size must be positive (got {group_size})")
+        groups = math.ceil(head_dim / group_size)
+        per_head = math.ceil(head_dim * kv_bits / 8) + groups * 2 * dtype_bytes
+    else:
+        raise InvalidArgumentError(f"--kv-bits must be 16 or one of {KV_BITS} (got {kv_bits})")
+    return 2 * num_layers * num_kv_heads * per_head
+
+
+@dataclass(frozen=True)
+class RooflineStats:
+    """Decode-step bandwidth numbers for one measured (or planned) run."""
+
+    bytes_per_token: float  # weights read per step + KV cache read at this context
+    peak_gbps: float
+    ceiling_tps: float  # peak / bytes per token
+    achieved_gbps: float | None  # bytes per token x measured tok/s
+    mbu: float | None  # memory-bandwidth utilisation: achieved / peak, 0..1
+    device_name: str
+    bandwidth_source: str  # "published" | "measured" | "user"
+
+
+def decode_roofline(
+    weight_bytes_per_token: float,
+    kv_bytes_per_token: float,
+    context_tokens: int,
+    tokens_per_s: float | None,
+    peak_gbps: float,
+    device_name: str,
+    source: str,
+) -> RooflineStats:
+    """Roofline for decoding at ``context_tokens`` of cache; ``tokens_per_s`` None gives the ceiling only."""
+    if peak_gbps <= 0:
+        raise InvalidArgumentError(f"peak bandwidth must be positive (got {peak_gbps} GB/s)")
+    if weight_bytes_per_token < 0 or kv_bytes_per_token < 0 or context_tokens < 0:
+        raise InvalidArgumentError("bytes per token and context must not be negative")
+    total = weight_bytes_per_token + kv_bytes_per_token * context_tokens
+    if total <= 0:
+        raise InvalidArgumentError("nothing is read per token: weight bytes and KV bytes are both zero")
+    achieved = None if tokens_per_s is None else total * tokens_per_s / GB
+    return RooflineStats(
+        bytes_per_token=total,
+        peak_gbps=peak_gbps,
+        ceiling_tps=peak_gbps * GB / total,
+        achieved_gbps=achieved,
+        mbu=None if achieved is None else achieved / peak_gbps,
+        device_name=device_name,
+        bandwidth_source=source,
+    )
+
+
+def offload_ceiling_tps(
+    resident_bytes: float, streamed_bytes: float, vram_gbps: float, pcie_gbps: float
+) -> float:
+    """Decode steps/s when ``resident_bytes`` are read from VRAM and ``streamed_bytes``
+    cross PCIe each step: 1 / (resident / VRAM bw + streamed / PCIe bw)."""
+    if vram_gbps <= 0 or pcie_gbps <= 0:
+        raise InvalidArgumentError(f"bandwidths must be positive (got {vram_gbps}, {pcie_gbps} GB/s)")
+    if resident_bytes < 0 or streamed_bytes < 0 or resident_bytes + streamed_bytes <= 0:
+        raise InvalidArgumentError("resident and streamed bytes must be non-negative and not both zero")
+    seconds = resident_bytes / (vram_gbps * GB) + streamed_bytes / (pcie_gbps * GB)
+    return 1.0 / seconds
