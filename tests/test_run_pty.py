@@ -1,0 +1,123 @@
+"""`umakit run` driven in a real pseudo-terminal, and in piped mode, on the default model."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from conftest import requires_default_model
+
+pexpect = pytest.importorskip("pexpect")
+
+EXE = os.path.join(os.path.dirname(sys.executable), "umakit")
+FOOTER = re.compile(r"prefilled (\d+) new tok · reused (\d+) cached")
+PROMPT = ">>> "
+pytestmark = [pytest.mark.slow, requires_default_model]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def default_model_imported():
+    """Import the GGUF once, outside the timed interactions."""
+    import umakit
+
+    umakit.resolve_model(None)
+
+
+def spawn(*args):
+    child = pexpect.spawn(EXE, ["run", "--temp", "0", *args], encoding="utf-8", timeout=180,
+                          dimensions=(40, 200), env={**os.environ, "TERM": "dumb"})
+    child.expect("/help for commands")
+    child.expect_exact(PROMPT)
+    return child
+
+
+def say(child, text):
+    child.sendline(text)
+    child.expect(FOOTER)
+    new, reused = int(child.match.group(1)), int(child.match.group(2))
+    child.expect_exact(PROMPT)
+    return new, reused
+
+
+def command(child, text):
+    child.sendline(text)
+    child.expect_exact(PROMPT)
+    return child.before
+
+
+def quit(child):
+    child.sendline("/exit")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+
+
+def test_second_turn_prefills_only_new_tokens():
+    child = spawn("--max-tokens", "12")
+    new1, reused1 = say(child, "Hi!")
+    new2, reused2 = say(child, "What is 2+2?")
+    assert reused1 == 0 and new1 > 0
+    assert reused2 > new1 - 1  # the whole first turn (at least its prompt) came from the cache
+    assert new2 < reused2 + new2 and new2 < 40  # only the new turn's tokens were prefilled
+    stats = command(child, "/stats")
+    cached = int(re.search(r"cache (\d+) tok", stats).group(1))
+    assert cached >= reused2 + new2
+    command(child, "/reset")
+    assert "cache 0 tok" in command(child, "/stats")
+    new3, reused3 = say(child, "Hi!")
+    assert (new3, reused3) == (new1, 0)
+    child.sendeof()
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+
+
+def test_ctrl_c_stops_reply_and_session_continues():
+    child = spawn("--max-tokens", "400")
+    child.sendline("Write a very long story about a dragon who loves libraries.")
+    child.expect_exact("libraries.\r\n")  # the echo of the input line
+    child.expect(r"\w+ \w+ \w+")  # the reply has started streaming
+    child.sendintr()
+    child.expect("reply stopped")
+    child.expect_exact(PROMPT)
+    command(child, "/set max_tokens 8")
+    new, reused = say(child, "Thanks!")
+    assert reused > 0  # the cut reply stayed in the history and in the cache
+    assert "unknown command /frobnicate" in command(child, "/frobnicate")
+    child.sendintr()  # Ctrl-C at an empty prompt exits cleanly
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+
+
+def test_save_then_load_reproduces_history(tmp_path):
+    first, second = tmp_path / "a.json", tmp_path / "b.json"
+    child = spawn("--max-tokens", "10", "--system", "You are terse.")
+    say(child, "Name a color.")
+    say(child, "Name a fruit.")
+    assert "saved 4 messages" in command(child, f"/save {first}")
+    quit(child)
+
+    child = spawn("--max-tokens", "10")
+    out = command(child, f"/load {first}")
+    assert re.search(r"loaded 4 messages .* prefilled \d+ tokens", out)
+    new, reused = say(child, "Name an animal.")
+    assert reused > new  # the restored history was prefilled by /load
+    command(child, f"/save {second}")
+    quit(child)
+    a, b = json.loads(first.read_text()), json.loads(second.read_text())
+    assert b["messages"][:4] == a["messages"] and b["settings"]["system"] == "You are terse."
+
+
+def test_piped_mode_is_deterministic_and_plain():
+    script = "What is the capital of France?\nAnd what is the capital of Germany?\n"
+    outs = [subprocess.run([EXE, "run", "--temp", "0", "--max-tokens", "24"], input=script,
+                           capture_output=True, text=True, timeout=300) for _ in range(2)]
+    assert all(o.returncode == 0 for o in outs), outs[0].stderr
+    assert outs[0].stdout == outs[1].stdout
+    replies = outs[0].stdout.split("\n\n")
+    assert "Paris" in replies[0] and "Berlin" in replies[1]
+    assert "\x1b[" not in outs[0].stdout and outs[0].stderr == ""  # no colours, no footers
