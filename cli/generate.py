@@ -30,6 +30,8 @@ def generate(model, prompt, system, raw, stop, kv_bits, as_json, max_tokens, see
     if prompt == "-":
         prompt = sys.stdin.read()
     m = umakit.load(model, backend=backend, device=device, dtype=dtype, peak_bandwidth=peak_bandwidth)
+    for warning in m.info.warnings:
+        click.echo(click.style(f"Warning: {warning}", fg="yellow"), err=True)
     chunks = m.stream(prompt, system=system, raw=raw, max_tokens=max_tokens, stop=stop, seed=seed,
                       kv_bits=int(kv_bits) if kv_bits else None, **{k: sampling[k] for k in SAMPLING_KEYS})
     with m.engine.wired():

@@ -30,6 +30,8 @@ def run(model, system, max_context, kv_bits, stats, max_tokens, seed, backend, d
     if tty:
         click.echo(click.style(f"Loading {path.name} ({size(umakit.checkpoint_size(path))} on disk)…", dim=True), err=True)
     m = umakit.load(path, backend=backend, device=device, dtype=dtype, peak_bandwidth=peak_bandwidth)
+    for warning in m.info.warnings:
+        click.echo(click.style(f"Warning: {warning}", fg="yellow"), err=True)
     settings = ChatSettings(system=system, max_tokens=max_tokens, max_context=max_context,
                             kv_bits=int(kv_bits) if kv_bits else None, seed=seed,
                             sampling=umakit.SamplingParams(**{k: sampling[k] for k in SAMPLING_KEYS}))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -27,6 +27,7 @@ class LoadInfo:
     size_on_disk: int
     weights: WeightInfo
     context_length: int
+    warnings: list[str] = field(default_factory=list)  # e.g. weights near the memory limit
 
 
 class Model:
@@ -187,7 +188,34 @@ def load(
         weights=engine.weight_info(),
         context_length=int(cfg.get("max_position_embeddings") or 0),
     )
+    info.warnings = memory_warnings(info.weights.total_bytes, device)
     return Model(engine, tokenizer, info, peak_bandwidth=peak_bandwidth)
+
+
+NEAR_LIMIT = 0.9  # warn when weights take more than this share of usable memory
+
+
+def memory_warnings(weight_bytes: int, device: str) -> list[str]:
+    """A warning, with the fix, when the weights are near or over usable memory."""
+    gib = weight_bytes / 2**30
+    if device == "cpu":
+        limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        where, fix = "RAM", "use a smaller or more quantized model (umakit quantize --bits 4)"
+    else:
+        from .hardware import detect_local
+
+        dev = detect_local(device)
+        limit = dev.usable_bytes
+        if dev.kind == "apple":
+            where = "the GPU's recommended working set"
+            fix = (f"raise it with `sudo sysctl iogpu.wired_limit_mb={int(weight_bytes * 1.2 / 2**20)}` "
+                   "or use a more quantized model (umakit quantize --bits 4)")
+        else:
+            where, fix = "VRAM", "use a more quantized model (umakit quantize --bits 4)"
+    if weight_bytes <= NEAR_LIMIT * limit:
+        return []
+    return [f"the weights ({gib:.1f} GiB) are {weight_bytes / limit:.0%} of {where} ({limit / 2**30:.1f} GiB); "
+            f"generation may swap or fail: {fix}"]
 
 
 def _display_name(ckpt: checkpoint.Checkpoint) -> str:
