@@ -106,10 +106,12 @@ def test_unknown_option_is_an_error(tiny_model):
         tiny_model.generate("x", temprature=0.1)
 
 
-def test_memory_warning_names_the_fix(monkeypatch):
+def test_memory_warning_names_the_fix():
+    import os
+
     from umakit.model import memory_warnings
 
-    ram = __import__("os").sysconf("SC_PAGE_SIZE") * __import__("os").sysconf("SC_PHYS_PAGES")
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     assert memory_warnings(ram // 10, "cpu") == []
     (warning,) = memory_warnings(int(ram * 0.95), "cpu")
     assert "95% of RAM" in warning and "umakit quantize --bits 4" in warning
