@@ -14,7 +14,9 @@ import click
 
 # command name -> "module:attribute"
 COMMANDS = {
+    "bench": "cli.bench_cmd:bench",
     "generate": "cli.generate:generate",
+    "import": "cli.import_cmd:import_cmd",
     "plan": "cli.plan_cmd:plan",
     "run": "cli.run_cmd:run",
 }

@@ -9,6 +9,7 @@ from .chat import ChatSession, ChatSettings
 from .checkpoint import resolve as resolve_model
 from .checkpoint import size_on_disk as checkpoint_size
 from .errors import UmakitError
+from .gguf import ImportReport, import_gguf
 from .generation import Chunk, GenerationResult, GenerationStats
 from .model import Model, load
 from .sampling import SamplingParams
@@ -21,6 +22,8 @@ __all__ = [
     "Chunk",
     "GenerationResult",
     "GenerationStats",
+    "ImportReport",
+    "import_gguf",
     "Model",
     "SamplingParams",
     "UmakitError",

@@ -117,9 +117,10 @@ class Model:
                     f"the prompt ({cache.offset + len(prompt)} tokens) fills the model's context of {limit} tokens"
                 )
         stops = [stop] if isinstance(stop, str) else list(stop)
+        kv_bits = getattr(cache, "kv_bits", None)
         return stream_generate(
-            self.engine, self.tokenizer, prompt, cache, params, max_tokens,
-            stop=stops, seed=seed, history=history, roofline=self._fill_roofline,
+            self.engine, self.tokenizer, prompt, cache, params, max_tokens, stop=stops, seed=seed,
+            history=history, roofline=lambda stats, context: self._fill_roofline(stats, context, kv_bits),
         )
 
     def make_cache(self, kv_bits: int | None = None) -> KVCache:
@@ -139,13 +140,12 @@ class Model:
             self._device_info = detect_local(self.info.device, override_gbps=self._peak_bandwidth)
         return self._device_info
 
-    def _fill_roofline(self, stats, context_tokens: int) -> None:
+    def _fill_roofline(self, stats, context_tokens: int, kv_bits: int | None = None) -> None:
         from .roofline import decode_roofline
 
         dev = self.device_info
-        w = self.info.weights
         r = decode_roofline(
-            w.bytes_per_token, w.kv_bytes_per_token, context_tokens, stats.decode_tps,
+            self.info.weights.bytes_per_token, self.engine.kv_bytes_per_token(kv_bits), context_tokens, stats.decode_tps,
             dev.peak_bandwidth_gbps, dev.name, dev.bandwidth_source,
         )
         stats.bytes_per_token = r.bytes_per_token

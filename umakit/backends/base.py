@@ -79,6 +79,9 @@ class Engine(Protocol):
 
     def weight_info(self) -> WeightInfo: ...
 
+    def kv_bytes_per_token(self, kv_bits: int | None = None) -> int:
+        """Cache bytes per token (all layers, K and V) at the given KV quantization."""
+
     def wired(self) -> AbstractContextManager: ...
 
     def reset_peak_memory(self) -> None: ...

@@ -15,7 +15,8 @@ from ...checkpoint import Checkpoint
 from ...errors import BackendUnavailableError, CheckpointError, InvalidArgumentError, UnsupportedModelError
 from ...sampling import SamplingParams
 from ..base import WeightInfo
-from .cache import MLXCache
+from ...roofline import kv_bytes_per_token
+from .cache import KV_GROUP_SIZE, MLXCache
 from .mlx_lm_import import import_mlx_lm
 from .sampling import make_sampler
 
@@ -56,14 +57,35 @@ def _category(name: str) -> str:
 class MLXEngine:
     name = "mlx"
 
-    def __init__(self, ckpt: Checkpoint, device: str = "cpu", dtype: str = "auto"):
+    def __init__(self, ckpt: Checkpoint | None, device: str = "cpu", dtype: str = "auto"):
         if device == "metal" and not mx.metal.is_available():
             raise BackendUnavailableError("Metal is not available on this machine; use --device cpu")
         self.device = device
         self._mx_device = mx.gpu if device == "metal" else mx.cpu
-        self.config = ckpt.config
+        if ckpt is not None:
+            self.config = ckpt.config
+            with mx.stream(self._mx_device):
+                self._load(ckpt, dtype)
+
+    @classmethod
+    def synthetic(cls, config: dict, device: str = "cpu", dtype: str = "auto",
+                  bits: int | None = None, group_size: int = 64) -> "MLXEngine":
+        """Random weights in a real architecture's exact shapes (for benchmarks)."""
+        self = cls(None, device)
+        self.config = dict(config)
         with mx.stream(self._mx_device):
-            self._load(ckpt, dtype)
+            model_cls, args_cls = _architecture(self.config)
+            model = model_cls(args_cls.from_dict(self.config))  # mlx's initialisers: random, never all zeros
+            target = self._compute_dtype(dtype, {}) if dtype != "auto" or device == "cpu" else mx.float16
+            model.set_dtype(target)
+            self.quantization = None
+            if bits is not None:
+                nn.quantize(model, group_size=group_size, bits=bits)
+                self.quantization = self.config["quantization"] = {"group_size": group_size, "bits": bits}
+            mx.eval(model.parameters())
+        self.model = model
+        self.dtype = next(k for k, v in DTYPES.items() if v == target)
+        return self
 
     # -- loading ------------------------------------------------------------
     def _load(self, ckpt: Checkpoint, dtype: str) -> None:
@@ -179,7 +201,7 @@ class MLXEngine:
             by_category=by_cat,
             params=n_params,
             bytes_per_token=per_token,
-            kv_bytes_per_token=self._kv_bytes_per_token(),
+            kv_bytes_per_token=self.kv_bytes_per_token(),
             quantization=_describe_quantization(self.quantization),
         )
 
@@ -189,14 +211,15 @@ class MLXEngine:
         override = q.get(module)
         return override["bits"] if isinstance(override, dict) else q.get("bits", 32)
 
-    def _kv_bytes_per_token(self, kv_bits: int | None = None) -> float:
+    def kv_bytes_per_token(self, kv_bits: int | None = None) -> int:
+        """Cache bytes per token over all layers, K and V (quantized: with group overhead)."""
         c = self.config.get("text_config", self.config)
-        layers = c.get("num_hidden_layers", 0)
         heads = c.get("num_attention_heads", 1)
-        kv_heads = c.get("num_key_value_heads") or heads
-        head_dim = c.get("head_dim") or c.get("hidden_size", 0) // heads
-        itemsize = DTYPES[self.dtype].size
-        return 2 * layers * kv_heads * head_dim * itemsize
+        return kv_bytes_per_token(
+            c.get("num_hidden_layers", 0), c.get("num_key_value_heads") or heads,
+            c.get("head_dim") or c.get("hidden_size", 0) // heads,
+            kv_bits=kv_bits, dtype_bytes=DTYPES[self.dtype].size, group_size=KV_GROUP_SIZE,
+        )
 
     @contextlib.contextmanager
     def wired(self):

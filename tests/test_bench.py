@@ -1,0 +1,85 @@
+"""`umakit bench`: the measurement loop, records, comparison and plot."""
+
+import json
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from cli.main import main
+from umakit.bench import BenchSettings, ceiling_curve, load_record, run_bench
+from umakit.errors import InvalidArgumentError
+from umakit.hardware import DeviceInfo
+
+DEVICE = DeviceInfo("Test chip", "cpu", 100.0, "user", 8 << 30)
+
+
+@pytest.fixture(scope="module")
+def record(tiny_model):
+    settings = BenchSettings(prompt_tokens=16, gen_tokens=6, repeat=3, warmup=1, contexts=(8, 64))
+    return run_bench(tiny_model.engine, "tiny", DEVICE, settings).to_dict()
+
+
+def test_record_holds_runs_summary_and_roofline(record, tiny_model):
+    assert len(record["runs"]) == 3
+    w = tiny_model.info.weights
+    for run in record["runs"]:
+        assert run["decode_tps"] > 0 and run["ttft_s"] > 0
+        # bytes per token = weights read + KV cache at the mid-run context (16 prompt + 6 // 2)
+        assert run["bytes_per_token"] == w.bytes_per_token + tiny_model.engine.kv_bytes_per_token() * (16 + 3)
+        assert run["achieved_gbps"] == pytest.approx(run["bytes_per_token"] * run["decode_tps"] / 1e9)
+        assert run["mbu"] == pytest.approx(run["achieved_gbps"] / 100.0)
+    s = record["summary"]["decode_tps"]
+    assert s["min"] <= s["median"] <= s["max"]
+    assert [p["context"] for p in record["contexts"]] == [8, 64]
+    # the KV term grows with context, so the ceiling falls
+    assert record["contexts"][0]["ceiling_tps"] > record["contexts"][1]["ceiling_tps"]
+    assert record["machine"]["bandwidth_source"] == "user" and record["model"]["backend"] == "mlx"
+    assert {"python", "mlx"} <= set(record["versions"])
+
+
+def test_ceiling_curve(record):
+    m = record["model"]
+    assert ceiling_curve(record, [0]) == [pytest.approx(100e9 / m["bytes_per_token"])]
+
+
+def test_cli_run_compare_and_plot(tiny_dir, tmp_path, record):
+    out = tmp_path / "r.json"
+    r = CliRunner().invoke(main, ["bench", str(tiny_dir("llama")), "--prompt-tokens", "8", "--gen-tokens", "4",
+                                  "--repeat", "2", "--warmup", "0", "--json", str(out), "--peak-bandwidth", "50"])
+    assert r.exit_code == 0, r.output
+    assert "decode tok/s" in r.stdout and "50 GB/s (user)" in r.stdout
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(record))
+    png = tmp_path / "plot.png"
+    r = CliRunner().invoke(main, ["bench", "--compare", str(out), "--compare", str(other), "--plot", str(png)])
+    assert r.exit_code == 0, r.output
+    assert "Test chip" in r.stdout and "decode @ 64 ctx" in r.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bad_record_is_a_clear_error(tmp_path):
+    bad = tmp_path / "x.json"
+    bad.write_text("{}")
+    with pytest.raises(InvalidArgumentError, match="not a umakit bench record"):
+        load_record(bad)
+
+
+def test_synthetic_model_has_the_real_shapes(tiny_dir, tiny_model):
+    from mlx.utils import tree_flatten
+
+    from umakit.backends.mlx import MLXEngine
+
+    engine = MLXEngine.synthetic(tiny_model.config if hasattr(tiny_model, "config") else tiny_model.engine.config)
+    real = {k: v.shape for k, v in tree_flatten(tiny_model.engine.model.parameters())}
+    fake = dict(tree_flatten(engine.model.parameters()))
+    assert {k: v.shape for k, v in fake.items()} == real
+    assert all(np.abs(np.array(fake[k])).sum() > 0 for k in fake)  # never all zeros
+
+
+def test_synthetic_preset_matches_the_real_default_model_size():
+    from umakit.backends.mlx import MLXEngine
+    from umakit.plan import load_preset
+
+    engine = MLXEngine.synthetic(load_preset("smollm2-135m"), bits=8)
+    assert engine.weight_info().params == 134_515_008  # SmolLM2-135M's parameter count

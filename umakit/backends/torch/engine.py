@@ -1,0 +1,357 @@
+"""PyTorch engine: umakit's compact model, streamed from safetensors, on CUDA or CPU."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+import sys
+from typing import Iterator, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from ...checkpoint import Checkpoint
+from ...errors import BackendUnavailableError, CheckpointError, InvalidArgumentError
+from ...sampling import SamplingParams
+from ..base import WeightInfo
+from . import quant
+from .cache import GROW_STEP, StaticKVCache
+from .model import ModelArgs, Transformer, fuse_projections, rope_inv_freq
+from .sampling import make_sampler
+
+PREFILL_STEP = 512  # tokens per prefill chunk: bounds attention memory on long prompts
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+SAFETENSORS_FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+CUDA_CACHE_TOKENS = 4096  # initial KV capacity on CUDA: a decode graph is captured per capacity
+
+
+class TorchEngine:
+    name = "torch"
+
+    def __init__(self, ckpt: Checkpoint, device: str = "cpu", dtype: str = "auto"):
+        shapes = {k: t.shape for k, t in ckpt.tensors.items()}
+        floats = [SAFETENSORS_FLOATS[t.dtype] for t in ckpt.tensors.values() if t.dtype in SAFETENSORS_FLOATS]
+        self._setup(ckpt.config, shapes, lambda: _stream(ckpt, device), device, _compute_dtype(dtype, floats, device))
+
+    @classmethod
+    def from_tensors(cls, config: dict, shapes: dict, source, device: str = "cpu", dtype: str = "auto"):
+        """An engine over tensors made in memory, named as in a checkpoint (synthetic benchmark models).
+
+        ``shapes`` maps every tensor name to its shape; ``source()`` yields (name, tensor) pairs.
+        """
+        self = cls.__new__(cls)
+        self._setup(config, shapes, source, device, _compute_dtype(dtype, [torch.bfloat16], device))
+        return self
+
+    def _setup(self, config: dict, shapes: dict, source, device: str, dtype: torch.dtype) -> None:
+        if device not in ("cpu", "cuda"):
+            raise InvalidArgumentError(f"the torch backend runs on cuda or cpu, not {device!r}")
+        if device == "cuda" and not torch.cuda.is_available():
+            raise BackendUnavailableError("PyTorch sees no CUDA device here; use --device cpu or a CUDA build of torch")
+        self.device = device
+        self._device = torch.device(device)
+        self.config = config
+        self.args = ModelArgs.from_config(config)
+        self._dtype = dtype
+        self.dtype = str(dtype).removeprefix("torch.")
+        self.quantization = config.get("quantization")
+        with torch.inference_mode():
+            self.model = build_model(self.args, config, shapes, source(), self._device, dtype)
+        self._params = _logical_params(config, shapes)
+        self._graphs = None
+        if device == "cuda":
+            from .kernels import GraphDecoder
+
+            self._graphs = GraphDecoder(self.model)
+
+    # -- engine interface -----------------------------------------------------
+    def make_cache(self, kv_bits: int | None = None) -> StaticKVCache:
+        if kv_bits is not None:
+            raise InvalidArgumentError("the torch backend does not quantize the KV cache; leave kv_bits unset")
+        a = self.args
+        start = CUDA_CACHE_TOKENS if self.device == "cuda" else GROW_STEP
+        return StaticKVCache(a.num_hidden_layers, a.num_key_value_heads, a.head_dim, a.max_position_embeddings,
+                             self._dtype, self._device, capacity=start)
+
+    def _forward(self, tokens: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
+        """Logits (1, T, V) of ``tokens`` (T,) appended to ``cache``."""
+        positions = torch.arange(cache.offset, cache.offset + tokens.shape[0], device=self._device)
+        return self.model(tokens[None], positions, cache)
+
+    def logits(self, tokens: Sequence[int], cache: StaticKVCache | None = None) -> np.ndarray:
+        cache = cache if cache is not None else self.make_cache()
+        with torch.inference_mode():
+            out = self._forward(torch.tensor(list(tokens), device=self._device), cache)
+            return out[0].float().cpu().numpy()
+
+    def prefill(self, tokens: Sequence[int], cache: StaticKVCache) -> None:
+        """Run ``tokens`` into ``cache``; the head is skipped."""
+        ids = torch.tensor(list(tokens), dtype=torch.long, device=self._device)
+        with torch.inference_mode():
+            for i in range(0, len(ids), PREFILL_STEP):
+                chunk = ids[i:i + PREFILL_STEP]
+                positions = torch.arange(cache.offset, cache.offset + len(chunk), device=self._device)
+                self.model(chunk[None], positions, cache, head=False)
+
+    def generate_tokens(
+        self,
+        prompt: Sequence[int],
+        cache: StaticKVCache,
+        sampling: SamplingParams,
+        seed: int | None = None,
+        history: Sequence[int] = (),
+    ) -> Iterator[int]:
+        if not prompt:
+            raise InvalidArgumentError("the prompt is empty: there is nothing to continue from")
+        sampler = make_sampler(sampling)
+        generator = torch.Generator(device=self._device)
+        generator.manual_seed(seed if seed is not None else int(np.random.SeedSequence().entropy % 2**63))
+        window = sampling.repetition_context
+        penalty = sampling.repetition_penalty != 1.0
+        recent = (list(history)[-window:] + list(prompt))[-window:] if penalty else []
+        recent = torch.tensor(recent, dtype=torch.long, device=self._device)[None]  # (1, n)
+        host = torch.empty(1, dtype=torch.long, pin_memory=self.device == "cuda")
+        with torch.inference_mode():
+            self.prefill(prompt[:-1], cache)
+            logits = self._forward(torch.tensor(prompt[-1:], device=self._device), cache)[:, -1]  # (1, V)
+        while True:
+            with torch.inference_mode():
+                y = sampler(logits, recent, generator)  # (1,)
+                if penalty:
+                    recent = torch.cat([recent, y[:, None]], dim=1)[:, -window:]
+                host.copy_(y, non_blocking=True)
+                done = torch.cuda.Event() if self.device == "cuda" else None
+                if done is not None:
+                    done.record()
+                # Queue step n+1 before handing out token n: on CUDA the device
+                # computes it while the caller handles the token.
+                logits = self._decode(y, cache)
+            if done is not None:
+                done.synchronize()
+            yield int(host[0])
+
+    def _decode(self, token: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
+        if self._graphs is not None:
+            return self._graphs(token, cache)
+        return self._forward(token, cache)[:, -1]
+
+    def weight_info(self) -> WeightInfo:
+        by_cat: dict[str, int] = {}
+        seen: set[int] = set()
+        for name, t in _named_tensors(self.model):
+            if t.data_ptr() in seen:
+                continue  # a tied head shares the embedding's storage
+            seen.add(t.data_ptr())
+            by_cat[_category(name)] = by_cat.get(_category(name), 0) + t.numel() * t.element_size()
+        total = sum(by_cat.values())
+        embed = by_cat.get("embedding", 0)
+        tied = "head" not in by_cat
+        # A decode step reads one embedding row, but a tied head reads the whole table.
+        per_token = total if tied else total - embed + embed // self.args.vocab_size
+        return WeightInfo(
+            total_bytes=total,
+            by_category=by_cat,
+            params=self._params,
+            bytes_per_token=per_token,
+            kv_bytes_per_token=self._kv_bytes_per_token(),
+            quantization=_describe_quantization(self.quantization, self.model),
+        )
+
+    def _kv_bytes_per_token(self) -> float:
+        a = self.args
+        return 2 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim * self._dtype.itemsize
+
+    def wired(self):
+        """Nothing to wire: CUDA memory is the device's own, and CPU pages are the OS's to keep."""
+        return contextlib.nullcontext()
+
+    def reset_peak_memory(self) -> None:
+        if self.device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        elif sys.platform == "linux":
+            with contextlib.suppress(OSError):  # resets VmHWM; some sandboxes forbid it
+                with open("/proc/self/clear_refs", "w") as f:
+                    f.write("5")
+
+    def peak_memory(self) -> int:
+        """Peak device memory on CUDA; on CPU the process's peak resident memory."""
+        if self.device == "cuda":
+            return torch.cuda.max_memory_allocated()
+        with contextlib.suppress(OSError, ValueError, StopIteration):
+            with open("/proc/self/status") as f:
+                return int(next(line for line in f if line.startswith("VmHWM:")).split()[1]) * 1024
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak if sys.platform == "darwin" else peak * 1024
+
+
+# -- loading ---------------------------------------------------------------------
+def _compute_dtype(dtype: str, floats: list, device: str) -> torch.dtype:
+    """The requested dtype; "auto" is float32 on CPU and the checkpoint's half precision on CUDA."""
+    if dtype != "auto":
+        if dtype not in DTYPES:
+            raise InvalidArgumentError(f"unknown dtype {dtype!r}; choose auto, {', '.join(DTYPES)}")
+        return DTYPES[dtype]
+    if device == "cpu":
+        return torch.float32
+    halves = [f for f in floats if f != torch.float32]
+    return max(set(halves), key=halves.count) if halves else torch.bfloat16
+
+
+def _quant_spec(path: str, q: dict, tensors) -> dict | None:
+    """mlx-lm's rule: a per-module dict overrides; otherwise quantized iff ``{path}.scales`` exists."""
+    if isinstance(q.get(path), dict):
+        return {"bits": q[path].get("bits", q.get("bits")), "group_size": q[path].get("group_size", q.get("group_size"))}
+    if q.get(path) is False or f"{path}.scales" not in tensors:
+        return None
+    return {"bits": q.get("bits"), "group_size": q.get("group_size")}
+
+
+def _swap_quantized(model: Transformer, q: dict, tensors, dtype: torch.dtype) -> None:
+    for path, module in list(model.named_modules()):
+        if not isinstance(module, (nn.Linear, nn.Embedding)):
+            continue
+        spec = _quant_spec(path, q, tensors)
+        if spec is None:
+            continue
+        if spec["bits"] not in quant.BITS or spec["group_size"] not in quant.GROUP_SIZES:
+            raise CheckpointError(f"{path}: {spec['bits']}-bit groups of {spec['group_size']} are not supported")
+        try:
+            if isinstance(module, nn.Embedding):
+                new = quant.QuantizedEmbedding(module.num_embeddings, module.embedding_dim, **spec, dtype=dtype,
+                                               device="meta")
+            else:
+                new = quant.QuantizedLinear(module.in_features, module.out_features, module.bias is not None,
+                                            **spec, device="meta")
+        except ValueError as e:
+            raise CheckpointError(f"{path}: {e}") from e
+        parent, _, attr = path.rpartition(".")
+        setattr(model.get_submodule(parent), attr, new)
+
+
+def _sanitize(name: str) -> str | None:
+    """The model's name for a checkpoint tensor (None: not a weight of this model)."""
+    if "rotary_emb.inv_freq" in name:
+        return None
+    return name
+
+
+def _expected(model: Transformer) -> dict[str, torch.Tensor]:
+    out = dict(model.named_parameters())
+    out.update({k: v for k, v in model.named_buffers() if k != "inv_freq" and v is not None})
+    return out
+
+
+def _stream(ckpt: Checkpoint, device: str):
+    """Each tensor of the checkpoint in turn, read straight to ``device``."""
+    from safetensors import safe_open
+
+    for file in ckpt.files:
+        with safe_open(str(file), framework="pt", device=device) as f:
+            for key in f.keys():
+                yield key, f.get_tensor(key)
+
+
+def build_model(args: ModelArgs, config: dict, shapes: dict, source, device: torch.device,
+                dtype: torch.dtype) -> Transformer:
+    """Build the model on the meta device, then fill it from ``source`` one tensor at a time."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    _swap_quantized(model, config.get("quantization") or {}, shapes, dtype)
+    names = {n: k for k in shapes if (n := _sanitize(k)) is not None}
+    expected = _expected(model)
+    tied = args.tie_word_embeddings or not any(n.startswith("lm_head.") for n in names)
+    if tied:
+        expected = {k: v for k, v in expected.items() if not k.startswith("lm_head.")}
+    _check(expected, names, shapes)
+
+    for key, t in source:
+        name = _sanitize(key)
+        if name is None:
+            continue
+        if t.is_floating_point() and not name.endswith((".scales", ".biases")):
+            t = t.to(device=device, dtype=dtype)
+        _assign(model, name, t.to(device))
+
+    embed = model.model.embed_tokens
+    if tied:
+        if isinstance(embed, quant.QuantizedEmbedding):
+            model.lm_head = embed.as_linear()
+        else:
+            model.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False, device="meta")
+            model.lm_head.weight = embed.weight
+    fuse_projections(model, quant.concat)
+    quant.convert_model(model, device, dtype)
+    if tied and isinstance(embed, quant.QuantizedEmbedding) and isinstance(model.lm_head, nn.Linear):
+        # The tied head was dequantized: look rows up in it and drop the packed table.
+        model.model.embed_tokens = nn.Embedding.from_pretrained(model.lm_head.weight, freeze=True)
+    model.inv_freq = rope_inv_freq(args).to(device)
+    return model.eval()
+
+
+def _check(expected: dict, names: dict, shapes: dict) -> None:
+    """Name the first missing, unexpected or mis-shaped tensor before any data is read."""
+    missing = [k for k in expected if k not in names]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise CheckpointError(f"checkpoint is missing tensor {missing[0]}{more}")
+    unexpected = [k for k in names if k not in expected]
+    if unexpected:
+        more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
+        raise CheckpointError(f"checkpoint has unexpected tensor {unexpected[0]}{more} for this model_type")
+    for name, key in names.items():
+        shape = tuple(expected[name].shape)
+        if tuple(shapes[key]) != shape:
+            raise CheckpointError(f"tensor {key} has shape {list(shapes[key])} but the config implies {list(shape)}")
+
+
+def _assign(model: nn.Module, name: str, t: torch.Tensor) -> None:
+    path, _, attr = name.rpartition(".")
+    module = model.get_submodule(path)
+    if attr in module._parameters:
+        module._parameters[attr] = nn.Parameter(t, requires_grad=False)
+    else:
+        module._buffers[attr] = t
+
+
+def _logical_params(config: dict, shapes: dict) -> int:
+    """Weights the model has (a packed word holds 32/bits of them; scales and biases are not counted)."""
+    q = config.get("quantization") or {}
+    n = 0
+    for name, shape in shapes.items():
+        if name.endswith((".scales", ".biases")) or "rotary_emb" in name:
+            continue
+        count = int(np.prod(shape))
+        module = name.rsplit(".", 1)[0]
+        if name.endswith(".weight") and f"{module}.scales" in shapes:
+            count = count * 32 // (_quant_spec(module, q, shapes) or {"bits": 32})["bits"]
+        n += count
+    return n
+
+
+def _named_tensors(model: nn.Module):
+    yield from model.named_parameters(remove_duplicate=False)
+    yield from ((k, v) for k, v in model.named_buffers(remove_duplicate=False) if k != "inv_freq")
+
+
+def _category(name: str) -> str:
+    if "embed" in name:
+        return "embedding"
+    if name.startswith("lm_head"):
+        return "head"
+    if "norm" in name:
+        return "norms"
+    if "self_attn" in name:
+        return "attention"
+    if "mlp" in name:
+        return "mlp"
+    return "other"
+
+
+def _describe_quantization(q: dict | None, model: Transformer) -> str:
+    if not q:
+        return "none"
+    overrides = {v["bits"] for k, v in q.items() if isinstance(v, dict) and "bits" in v}
+    extra = f", some layers {'/'.join(map(str, sorted(overrides)))}-bit" if overrides - {q["bits"]} else ""
+    return f"{q['bits']}-bit g{q['group_size']}{extra} ({quant.describe_execution(model)})"

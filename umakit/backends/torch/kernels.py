@@ -1,0 +1,172 @@
+"""CUDA fast paths: a fused dequantize-matvec (Triton) and the decode step as a CUDA graph.
+
+Nothing here touches CUDA or imports Triton at import time, so the module
+imports on any machine; `GraphDecoder(capture=False)` runs the same static
+decode step eagerly, which is how its logic is tested without a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .quant import Int4PackLinear, QuantizedLinear, dense
+
+SPAN_MIN = 256  # smallest attention span of a captured decode step; spans double from here
+MAX_GRAPHS = 8  # captured graphs kept per engine (spans of the caches in use)
+
+
+# -- quantized linear layers on CUDA -----------------------------------------------
+def cuda_linear(m: QuantizedLinear, dtype: torch.dtype) -> nn.Module:
+    """The fastest CUDA form of ``m`` within float tolerance of dequantize-then-matmul in ``dtype``.
+
+    4-bit in bfloat16: torch's tinygemm int4 kernels, after an exact repack.
+    Otherwise (8 or 2 bits, float16 or float32 compute, odd shapes): the Triton
+    kernel below for decode, dequantize + cuBLAS for prefill.
+    """
+    device = m.weight.device
+    if dtype == torch.bfloat16 and m.bits == 4 and Int4PackLinear.supports(m, device):
+        return Int4PackLinear(m, device)
+    if _triton() is not None and m.bits in (2, 4, 8):
+        return TritonAffineLinear(m, dtype)
+    return dense(m, dtype)
+
+
+@functools.cache
+def _triton():
+    try:
+        import triton  # noqa: F401
+
+        return _build_kernel()
+    except ImportError:
+        return None
+
+
+def _build_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.autotune(
+        configs=[
+            triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w)
+            for bn, bk, w in [(4, 256, 4), (8, 256, 4), (16, 128, 4), (8, 512, 8), (16, 256, 8), (32, 128, 8)]
+        ],
+        key=["N", "K", "BITS", "GROUP"],
+    )
+    @triton.jit
+    def affine_matvec(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, K, WORDS, GROUPS,
+                      BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # y[n] = sum_k x[k] * (s[n, k // GROUP] * q[n, k] + b[n, k // GROUP]), accumulated in float32.
+        PER_WORD: tl.constexpr = 32 // BITS
+        pid = tl.program_id(0)
+        rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
+        row_ok = rows < N
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)  # (BLOCK_K,)
+            ok = row_ok[:, None] & (cols < K)[None, :]
+            # Each packed word is loaded PER_WORD times; the repeats hit L1.
+            words = tl.load(w_ptr + rows[:, None] * WORDS + (cols // PER_WORD)[None, :], mask=ok, other=0)
+            q = (words >> ((cols % PER_WORD) * BITS)[None, :]) & ((1 << BITS) - 1)  # int32 words: mask drops sign bits
+            g = rows[:, None] * GROUPS + (cols // GROUP)[None, :]
+            s = tl.load(s_ptr + g, mask=ok, other=0.0).to(tl.float32)
+            b = tl.load(b_ptr + g, mask=ok, other=0.0).to(tl.float32)
+            x = tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
+            acc += tl.sum((q.to(tl.float32) * s + b) * x[None, :], axis=1)
+        tl.store(y_ptr + rows, acc.to(y_ptr.dtype.element_ty), mask=row_ok)
+
+    return affine_matvec
+
+
+class TritonAffineLinear(nn.Module):
+    """MLX affine weights read as stored: a fused Triton matvec for one token, cuBLAS after dequantizing for more."""
+
+    def __init__(self, m: QuantizedLinear, dtype: torch.dtype):
+        super().__init__()
+        self.in_features, self.out_features = m.in_features, m.out_features
+        self.bits, self.group_size = m.bits, m.group_size
+        self.register_buffer("weight", m.weight.view(torch.int32).contiguous())
+        self.register_buffer("scales", m.scales.to(dtype).contiguous())
+        self.register_buffer("biases", m.biases.to(dtype).contiguous())
+        self.register_buffer("bias", None if m.bias is None else m.bias.to(dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape[:-1]
+        x = x.reshape(-1, self.in_features)
+        if x.shape[0] == 1:
+            y = torch.empty(1, self.out_features, dtype=x.dtype, device=x.device)
+            N, K = self.out_features, self.in_features
+            grid = lambda meta: (triton_cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
+            _triton()[grid](x, self.weight, self.scales, self.biases, y, N, K, self.weight.shape[1],
+                            self.scales.shape[1], BITS=self.bits, GROUP=self.group_size)
+        else:
+            from .quant import dequantize
+
+            w = dequantize(self.weight, self.scales, self.biases, self.bits, self.group_size, x.dtype)
+            y = F.linear(x, w)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*shape, self.out_features)
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# -- the decode step as a CUDA graph -------------------------------------------------
+class GraphDecoder:
+    """One decode step (a single token) captured as a CUDA graph per cache buffer and attention span.
+
+    The step attends to a fixed span of cache slots (256, 512, 1024, ...) under
+    a mask, so a graph serves every position inside its span; the inputs are
+    copied into static tensors on the device, so no step waits for the host.
+    """
+
+    def __init__(self, model: nn.Module, capture: bool = True):
+        self.model = model
+        self.capture = capture
+        self.graphs: dict[tuple, tuple] = {}  # cache layout and span -> (graph, token, position, logits)
+        self.pool = None
+
+    def __call__(self, token: torch.Tensor, cache) -> torch.Tensor:
+        """Logits (1, V) of ``token`` (1,) appended to ``cache``."""
+        span = SPAN_MIN
+        while span < cache.offset + 1:
+            span *= 2
+        cache.reserve(min(span, cache.max_tokens) - cache.offset)  # grow a whole span at once
+        span = min(span, cache.capacity)
+        if not self.capture:
+            position = torch.full((1,), cache.offset, dtype=torch.long, device=token.device)
+            out = self.model(token.view(1, 1), position, cache, static=span)[:, -1]
+            cache.advance(1)
+            return out
+        # The layout of the cache buffers is baked into a graph: key on all of it.
+        key = (cache.k.data_ptr(), cache.v.data_ptr(), cache.capacity, span)
+        if key not in self.graphs:
+            if len(self.graphs) >= MAX_GRAPHS:
+                self.graphs.pop(next(iter(self.graphs)))
+            self.graphs[key] = self._capture(token, cache, span)
+        graph, static_token, position, logits = self.graphs[key]
+        static_token.copy_(token.view(1, 1))
+        position.fill_(cache.offset)
+        graph.replay()
+        cache.advance(1)
+        return logits
+
+    def _capture(self, token: torch.Tensor, cache, span: int):
+        static_token = token.view(1, 1).clone()
+        position = torch.full((1,), cache.offset, dtype=torch.long, device=token.device)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm up (Triton autotuning, cuBLAS handles) outside the capture
+            for _ in range(2):
+                self.model(static_token, position, cache, static=span)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = self.model(static_token, position, cache, static=span)[:, -1]
+        self.pool = graph.pool()
+        return graph, static_token, position, logits

@@ -1,0 +1,270 @@
+"""A compact Llama-family transformer (llama, mistral, qwen2, qwen3) in PyTorch.
+
+Parameter names equal the Hugging Face checkpoint's, so loading is a plain
+assignment; `fuse_projections` then joins q/k/v and gate/up into one matmul
+each, which is what runs. The KV cache is passed explicitly to every layer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...errors import UnsupportedModelError
+
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass
+class ModelArgs:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # qwen2: biases on q/k/v only
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False  # qwen3: RMSNorm on each head of q and k before RoPE
+    sliding_window: int | None = None
+
+    @classmethod
+    def from_config(cls, config: dict) -> "ModelArgs":
+        """Build from a Hugging Face config.json as is; refuse what this model cannot run."""
+        c = config.get("text_config", config)
+        kind = c["model_type"]
+        if kind not in SUPPORTED:
+            raise UnsupportedModelError(
+                f"model_type {kind!r} is not supported by the torch backend; supported: {', '.join(SUPPORTED)}"
+            )
+        if c.get("hidden_act", "silu") != "silu":
+            raise UnsupportedModelError(f"hidden_act {c['hidden_act']!r} is not supported; only silu is")
+        window = c.get("sliding_window")
+        if kind in ("qwen2", "qwen3"):
+            if c.get("use_sliding_window"):
+                raise UnsupportedModelError(f"{kind} with use_sliding_window is not supported by the torch backend")
+            window = None
+        try:
+            heads = c["num_attention_heads"]
+            bias = bool(c.get("attention_bias", False))
+            return cls(
+                model_type=kind,
+                vocab_size=c["vocab_size"],
+                hidden_size=c["hidden_size"],
+                intermediate_size=c["intermediate_size"],
+                num_hidden_layers=c["num_hidden_layers"],
+                num_attention_heads=heads,
+                num_key_value_heads=c.get("num_key_value_heads") or heads,
+                head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+                rms_norm_eps=c.get("rms_norm_eps", 1e-6),
+                rope_theta=c.get("rope_theta", 10000.0),
+                rope_scaling=c.get("rope_scaling"),
+                max_position_embeddings=c.get("max_position_embeddings") or 4096,
+                tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+                qkv_bias=bias or kind == "qwen2",
+                o_bias=bias,
+                mlp_bias=bool(c.get("mlp_bias", False)),
+                qk_norm=kind == "qwen3",
+                sliding_window=window,
+            )
+        except KeyError as e:
+            raise UnsupportedModelError(f"config.json lacks {e.args[0]!r}, which a {kind} model needs") from e
+
+
+# -- RoPE and masks: pure functions ---------------------------------------------
+def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
+    """Inverse frequencies (head_dim/2,), float32, with the config's rope scaling."""
+    d = args.head_dim
+    inv = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    s = args.rope_scaling or {}
+    kind = s.get("rope_type", s.get("type", "default"))
+    if kind == "linear":
+        inv = inv / s["factor"]
+    elif kind == "llama3":
+        low, high = s["low_freq_factor"], s["high_freq_factor"]
+        old = s["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        smooth = (old / wavelen - low) / (high - low)
+        mid = (1 - smooth) * inv / s["factor"] + smooth * inv
+        inv = torch.where(wavelen > old / low, inv / s["factor"], torch.where(wavelen < old / high, inv, mid))
+    elif kind != "default":
+        raise UnsupportedModelError(f"rope_scaling type {kind!r} is not supported; supported: default, linear, llama3")
+    return inv.float()
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
+    """cos, sin of shape (T, head_dim) for integer ``positions`` (T,), as transformers computes them."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # (T, hd/2)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (T, hd)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (i, i + hd/2) of x (B, H, T, hd): the Hugging Face (non-interleaved) layout."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def attention_mask(positions: torch.Tensor, key_len: int, window: int | None) -> torch.Tensor:
+    """Boolean (T, key_len) mask: query at position p sees keys 0..p (and only the last ``window``)."""
+    keys = torch.arange(key_len, device=positions.device)[None, :]
+    mask = keys <= positions[:, None]
+    if window:
+        mask &= keys > positions[:, None] - window
+    return mask
+
+
+class Step(NamedTuple):
+    """What every layer needs to know about the tokens of one forward call."""
+
+    cos: torch.Tensor  # (T, hd)
+    sin: torch.Tensor  # (T, hd)
+    positions: torch.Tensor  # (T,) int64
+    mask: torch.Tensor | None  # (T, S) bool, None when every cached key is visible
+    static: int  # 0: attend to the filled cache; else to its first `static` slots under the mask (CUDA graphs)
+
+
+# -- blocks -----------------------------------------------------------------------
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        # Half precision: normalise in float32, scale after casting back (as transformers does).
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = a.num_attention_heads, a.num_key_value_heads, a.head_dim
+        self.window = a.sliding_window
+        q, kv = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+        self.q_proj = nn.Linear(a.hidden_size, q, bias=a.qkv_bias)
+        self.k_proj = nn.Linear(a.hidden_size, kv, bias=a.qkv_bias)
+        self.v_proj = nn.Linear(a.hidden_size, kv, bias=a.qkv_bias)
+        self.o_proj = nn.Linear(q, a.hidden_size, bias=a.o_bias)
+        if a.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, a.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, a.rms_norm_eps)
+        self.qkv_proj = None  # set by fuse_projections
+
+    def forward(self, x, step: Step, cache, layer: int):
+        B, T, _ = x.shape
+        q, k, v = self.qkv_proj(x).split(
+            [self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.n_kv * self.head_dim], dim=-1
+        )
+        q = q.view(B, T, self.n_heads, self.head_dim)
+        k = k.view(B, T, self.n_kv, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), step.cos, step.sin)  # (B, nh, T, hd)
+        k = apply_rope(k.transpose(1, 2), step.cos, step.sin)  # (B, nkv, T, hd)
+        v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
+        k, v = cache.update(layer, k, v, step.positions, step.static)  # (B, nkv, S, hd)
+        groups = self.n_heads // self.n_kv
+        if step.mask is None and T == 1:
+            # One query per head: fold each kv group's queries into the time axis,
+            # so attention reads the cache once per kv head (GQA without copies).
+            out = F.scaled_dot_product_attention(q.view(B, self.n_kv, groups, self.head_dim), k, v)
+            out = out.reshape(B, 1, self.n_heads * self.head_dim)  # (B, 1, nh*hd)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=step.mask, enable_gqa=groups > 1)
+            out = out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
+        return self.o_proj(out)
+
+
+class MLP(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.gate_proj = nn.Linear(a.hidden_size, a.intermediate_size, bias=a.mlp_bias)
+        self.up_proj = nn.Linear(a.hidden_size, a.intermediate_size, bias=a.mlp_bias)
+        self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=a.mlp_bias)
+        self.gate_up_proj = None  # set by fuse_projections
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.self_attn = Attention(a)
+        self.mlp = MLP(a)
+        self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+
+    def forward(self, x, step: Step, cache, layer: int):
+        h = x + self.self_attn(self.input_layernorm(x), step, cache, layer)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Inner(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
+        self.layers = nn.ModuleList(Block(a) for _ in range(a.num_hidden_layers))
+        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model = Inner(args)
+        # A tied head is made at load time from the embedding table (see the engine's loader).
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache, static: int = 0,
+                head: bool = True) -> torch.Tensor:
+        """Logits (B, T, V) for ``tokens`` (B, T) at ``positions`` (T,), written into ``cache``.
+
+        ``static`` > 0: attend to that many cache slots under a mask built from
+        ``positions`` (a device tensor), so that a decode step has the same shapes
+        at every position (CUDA graphs); the caller advances the cache. Otherwise
+        attend to the filled part only. ``head=False`` skips the output head.
+        """
+        T, window = tokens.shape[1], self.args.sliding_window
+        if not static:
+            cache.reserve(T)
+        x = self.model.embed_tokens(tokens)
+        if static:
+            mask = attention_mask(positions, static, window)
+        elif T > 1 or (window and cache.offset + T > window):
+            mask = attention_mask(positions, cache.offset + T, window)
+        else:
+            mask = None  # one new token sees every cached one
+        step = Step(*rope_cos_sin(self.inv_freq, positions, x.dtype), positions, mask, static)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, step, cache, i)
+        if not static:
+            cache.advance(T)
+        return self.lm_head(self.model.norm(x)) if head else x
+
+
+def fuse_projections(model: Transformer, concat) -> None:
+    """Join q/k/v and gate/up into one linear each; ``concat(modules)`` builds the joined module."""
+    for block in model.model.layers:
+        a, m = block.self_attn, block.mlp
+        a.qkv_proj = concat([a.q_proj, a.k_proj, a.v_proj])
+        m.gate_up_proj = concat([m.gate_proj, m.up_proj])
+        del a.q_proj, a.k_proj, a.v_proj, m.gate_proj, m.up_proj

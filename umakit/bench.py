@@ -1,0 +1,241 @@
+"""Throughput measurement against the bandwidth roofline (`umakit bench`).
+
+A run prefills a prompt of random token ids, then decodes a fixed number of
+tokens greedily, ignoring end-of-sequence so every run does the same work.
+Clocks are read after the token is on the host (``.item()`` synchronises).
+"""
+
+from __future__ import annotations
+
+import platform
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+from .errors import InvalidArgumentError
+from .roofline import decode_roofline
+from .sampling import SamplingParams
+
+GREEDY = SamplingParams(temperature=0)
+DEFAULT_PROMPT_TOKENS = 512
+DEFAULT_GEN_TOKENS = 128
+DEFAULT_REPEAT = 5
+CONTEXT_PROBE_TOKENS = 16  # decode steps timed at each context length of the sweep
+RECORD_VERSION = 1
+
+
+@dataclass
+class BenchSettings:
+    prompt_tokens: int = DEFAULT_PROMPT_TOKENS
+    gen_tokens: int = DEFAULT_GEN_TOKENS
+    repeat: int = DEFAULT_REPEAT
+    warmup: int = 1
+    kv_bits: int | None = None
+    contexts: tuple[int, ...] = ()  # context lengths for the decode-vs-context sweep
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.prompt_tokens < 1 or self.gen_tokens < 2 or self.repeat < 1 or self.warmup < 0:
+            raise InvalidArgumentError("bench needs prompt tokens >= 1, gen tokens >= 2, repeat >= 1, warmup >= 0")
+
+
+@dataclass
+class Run:
+    ttft_s: float
+    prefill_tps: float
+    decode_tps: float
+    achieved_gbps: float
+    mbu: float
+    bytes_per_token: float
+    peak_memory_bytes: int
+
+
+@dataclass
+class Summary:
+    median: float
+    min: float
+    max: float
+    stdev: float
+
+    @classmethod
+    def of(cls, values: list[float]) -> "Summary":
+        return cls(statistics.median(values), min(values), max(values),
+                   statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+@dataclass
+class ContextPoint:
+    context: int
+    decode_tps: float
+    bytes_per_token: float
+    ceiling_tps: float
+    achieved_gbps: float
+    mbu: float
+
+
+@dataclass
+class BenchRecord:
+    """One machine's measurement of one model: everything needed to compare runs."""
+
+    machine: dict
+    model: dict
+    settings: dict
+    versions: dict
+    runs: list[Run]
+    summary: dict[str, Summary]
+    contexts: list[ContextPoint] = field(default_factory=list)
+    synthetic: bool = False
+    created: str = ""
+    version: int = RECORD_VERSION
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def random_prompt(vocab_size: int, n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(vocab_size) for _ in range(n)]
+
+
+def _timed_run(engine, prompt, gen_tokens, kv_bits, device, weights) -> Run:
+    cache = engine.make_cache(kv_bits=kv_bits)
+    engine.reset_peak_memory()
+    t0 = time.perf_counter()
+    tokens = engine.generate_tokens(prompt, cache, GREEDY, seed=0)
+    next(tokens)
+    t1 = time.perf_counter()
+    for _ in range(gen_tokens - 1):
+        next(tokens)
+    t2 = time.perf_counter()
+    tokens.close()
+    decode_tps = (gen_tokens - 1) / (t2 - t1)
+    r = decode_roofline(weights.bytes_per_token, engine.kv_bytes_per_token(kv_bits),
+                        len(prompt) + gen_tokens // 2, decode_tps, device.peak_bandwidth_gbps,
+                        device.name, device.bandwidth_source)
+    return Run(t1 - t0, len(prompt) / (t1 - t0), decode_tps, r.achieved_gbps, r.mbu, r.bytes_per_token,
+               engine.peak_memory())
+
+
+def run_bench(engine, name: str, device, settings: BenchSettings, synthetic: bool = False,
+              progress: Callable[[str, int, int], None] | None = None) -> BenchRecord:
+    """Warm up, then time ``settings.repeat`` runs and the context sweep."""
+    weights = engine.weight_info()
+    vocab = engine.config.get("vocab_size") or engine.config.get("text_config", {}).get("vocab_size")
+    prompt = random_prompt(vocab, settings.prompt_tokens, settings.seed)
+    total = settings.warmup + settings.repeat + len(settings.contexts)
+    done = 0
+
+    def tick(what: str):
+        nonlocal done
+        done += 1
+        if progress:
+            progress(what, done, total)
+
+    for _ in range(settings.warmup):
+        _timed_run(engine, prompt, min(settings.gen_tokens, 8), settings.kv_bits, device, weights)
+        tick("warm-up")
+    runs = []
+    for i in range(settings.repeat):
+        runs.append(_timed_run(engine, prompt, settings.gen_tokens, settings.kv_bits, device, weights))
+        tick(f"run {i + 1}/{settings.repeat}")
+    points = []
+    for ctx in settings.contexts:
+        run = _timed_run(engine, random_prompt(vocab, ctx, settings.seed + ctx), CONTEXT_PROBE_TOKENS,
+                         settings.kv_bits, device, weights)
+        r = decode_roofline(weights.bytes_per_token, engine.kv_bytes_per_token(settings.kv_bits), ctx,
+                            run.decode_tps, device.peak_bandwidth_gbps, device.name, device.bandwidth_source)
+        points.append(ContextPoint(ctx, run.decode_tps, r.bytes_per_token, r.ceiling_tps, r.achieved_gbps, r.mbu))
+        tick(f"context {ctx}")
+    summary = {k: Summary.of([getattr(r, k) for r in runs]) for k in Run.__dataclass_fields__}
+    return BenchRecord(
+        machine=_machine(device),
+        model={"name": name, "params": weights.params, "bits_per_weight": round(weights.bits_per_weight, 3),
+               "weight_bytes": weights.total_bytes, "bytes_per_token": weights.bytes_per_token,
+               "kv_bytes_per_token": engine.kv_bytes_per_token(settings.kv_bits),
+               "quantization": weights.quantization, "backend": engine.name, "device": engine.device,
+               "dtype": engine.dtype},
+        settings=asdict(settings),
+        versions=_versions(engine.name),
+        runs=runs,
+        summary=summary,
+        contexts=points,
+        synthetic=synthetic,
+        created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    )
+
+
+def _machine(device) -> dict:
+    return {
+        "device": device.name, "kind": device.kind, "memory_bytes": device.memory_bytes,
+        "peak_bandwidth_gbps": device.peak_bandwidth_gbps, "bandwidth_source": device.bandwidth_source,
+        "working_set_bytes": device.working_set_bytes, "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+    }
+
+
+def _versions(engine: str) -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": platform.python_version()}
+    for pkg in ("umakit", "mlx", "mlx-lm", "torch"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            pass
+    return out
+
+
+def load_record(path) -> dict:
+    """A bench JSON file, checked enough to compare."""
+    import json
+    from pathlib import Path
+
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        data["machine"]["peak_bandwidth_gbps"], data["summary"]["decode_tps"]["median"], data["model"]["name"]
+    except FileNotFoundError as e:
+        raise InvalidArgumentError(f"no such bench file: {path}") from e
+    except (ValueError, KeyError, TypeError) as e:
+        raise InvalidArgumentError(f"{path} is not a umakit bench record ({e})") from e
+    return data
+
+
+def ceiling_curve(record: dict, contexts: list[int]) -> list[float]:
+    """The roofline ceiling (tok/s) of a record's model and machine at each context length."""
+    m, peak = record["model"], record["machine"]["peak_bandwidth_gbps"]
+    return [peak * 1e9 / (m["bytes_per_token"] + m["kv_bytes_per_token"] * c) for c in contexts]
+
+
+def plot_records(records: list[dict], path) -> None:
+    """Decode tok/s against context length, each machine with its roofline ceiling (PNG)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise InvalidArgumentError("--plot needs matplotlib: pip install 'umakit[plot]'") from e
+    from .fsutil import atomic_file
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for i, rec in enumerate(records):
+        points = rec.get("contexts") or []
+        xs = [p["context"] for p in points] or [rec["settings"]["prompt_tokens"]]
+        ys = [p["decode_tps"] for p in points] or [rec["summary"]["decode_tps"]["median"]]
+        label = f"{rec['machine']['device']} · {rec['model']['name']} ({rec['model']['quantization']})"
+        color = f"C{i}"
+        ax.plot(xs, ys, "o-", color=color, label=f"{label}: measured")
+        grid = sorted(set([1] + xs + [max(xs) * 2]))
+        ax.plot(grid, ceiling_curve(rec, grid), "--", color=color, label=f"{label}: roofline ceiling")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("decode tok/s")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    with atomic_file(path, "wb") as f:
+        fig.savefig(f, format="png", dpi=120)
+    plt.close(fig)

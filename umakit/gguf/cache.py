@@ -1,0 +1,65 @@
+"""Import a GGUF once into umakit's cache, safely when processes race.
+
+The import is written to a temporary directory beside the target and renamed
+into place; ``rename`` onto an existing non-empty directory fails atomically,
+so when two processes import at once one wins and the other uses its result.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from ..errors import ModelNotFoundError
+from ..home import umakit_home
+from .convert import is_complete, plan_import, write_import
+from .reader import open_gguf
+
+
+def import_once(gguf_path: Path, target: Path) -> Path:
+    """Return ``target``, importing ``gguf_path`` into it first unless it holds a finished import."""
+    if is_complete(target):
+        return target
+    plan = plan_import(open_gguf(gguf_path))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    try:
+        write_import(plan, tmp)
+        _install(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone already unless another process won
+    return target
+
+
+def _install(tmp: Path, target: Path) -> None:
+    for _ in range(3):
+        try:
+            os.rename(tmp, target)  # replaces an empty directory, fails on a non-empty one
+            return
+        except OSError:
+            if is_complete(target):
+                return  # another process finished first: use its import
+        # An incomplete leftover (an interrupted older version): move it aside and retry.
+        old = target.with_name(f".{target.name}.old-{os.getpid()}")
+        with contextlib.suppress(FileNotFoundError):
+            os.rename(target, old)
+        shutil.rmtree(old, ignore_errors=True)
+    os.rename(tmp, target)
+
+
+def cached_import(gguf_path: str | os.PathLike) -> Path:
+    """The imported directory for ``gguf_path`` under ``$UMAKIT_HOME/models/gguf``.
+
+    The cache key is the file's resolved path, size and modification time, so a
+    changed file is imported again and an unchanged one is not even parsed.
+    """
+    path = Path(gguf_path).expanduser().resolve()
+    if not path.is_file():
+        raise ModelNotFoundError(f"{path} does not exist or is not a file")
+    stat = path.stat()
+    key = hashlib.sha256(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    return import_once(path, umakit_home() / "models" / "gguf" / f"{path.stem}-{key}")

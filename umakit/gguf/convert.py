@@ -1,0 +1,245 @@
+"""Turn a GGUF file into a Hugging Face-style directory in MLX's quantized layout.
+
+`plan_import` reads and checks everything (architecture, tensor names and
+types, tokenizer) before a byte is written; `write_import` converts tensor by
+tensor into a directory; `import_gguf` wraps both in an atomic directory so a
+failed import leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+
+from ..errors import UnsupportedModelError
+from ..fsutil import atomic_dir
+from . import quants
+from .arch import ArchSpec, map_names, qk_row_order, spec_for
+from .reader import GGUFFile, open_gguf, sha256_file
+from .tokenizer import TokenizerFiles, build_tokenizer, dumps
+
+WEIGHTS_FILE = "model.safetensors"
+# Bump when the output layout changes: cached imports of an older format are then redone.
+IMPORT_FORMAT = 1
+
+
+class LossyTensor(NamedTuple):
+    """A tensor with no exact MLX form, re-quantized."""
+
+    name: str  # HF tensor name in the output
+    from_type: str  # GGUF type, e.g. "Q6_K"
+    to_bits: int
+    max_abs_err: float
+
+
+@dataclass
+class ImportReport:
+    """What an import wrote; the CLI prints it."""
+
+    out_dir: Path
+    exact_tensors: int  # converted without any change of value (quantized or float)
+    lossy_tensors: list[LossyTensor]  # re-quantized, with the largest error each
+    bytes_written: int
+    seconds: float
+    warnings: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ImportPlan:
+    """Everything checked and derived from a GGUF before any output is written."""
+
+    gf: GGUFFile
+    spec: ArchSpec
+    names: dict[str, str]  # GGUF name -> HF name
+    config: dict
+    tokenizer: TokenizerFiles
+
+
+def plan_import(gf: GGUFFile) -> ImportPlan:
+    """Check that every part of ``gf`` can be converted; raise before anything is written."""
+    spec = spec_for(gf)
+    names = map_names(gf, spec)
+    unsupported = set()
+    for name in names:
+        t = gf.tensors[name]
+        qtype = t.tensor_type
+        if qtype in quants.FLOAT_TYPES:
+            continue
+        if len(t.shape) != 2:
+            raise UnsupportedModelError(f"{gf.path.name}: quantized tensor {name} is not 2-D")
+        if qtype not in quants.EXACT and not quants.can_dequantize(qtype):
+            unsupported.add(qtype.name)
+    if unsupported:
+        exact = ", ".join(t.name for t in quants.EXACT)
+        raise UnsupportedModelError(
+            f"{gf.path.name}: tensor type {', '.join(sorted(unsupported))} is not supported "
+            f"(exact: F32, F16, BF16, {exact}; others the gguf package can dequantize are re-quantized)"
+        )
+    return ImportPlan(gf, spec, names, spec.config(gf), build_tokenizer(gf))
+
+
+def _float_tensor(t, hf: str, spec: ArchSpec, order: np.ndarray | None):
+    import mlx.core as mx
+
+    data = np.asarray(t.data)
+    if t.tensor_type == quants.T.BF16:
+        data = data.view(np.uint16)
+    if order is not None:
+        data = data[order]
+    arr = mx.array(np.ascontiguousarray(data))
+    if t.tensor_type == quants.T.BF16:
+        arr = arr.view(mx.bfloat16)
+    if spec.norm_offset and hf.endswith("norm.weight"):
+        arr = (arr.astype(mx.float32) - spec.norm_offset).astype(arr.dtype)
+    return arr
+
+
+def _exact(t, order: np.ndarray | None) -> tuple[tuple, int, None]:
+    """Repack a block type that is an affine format already; values do not change."""
+    aff = quants.to_affine(np.asarray(t.data), t.tensor_type, cols=int(t.shape[0]))
+    if order is not None:
+        aff = aff.take_rows(order)
+    dtype = quants.pick_dtype(aff.scales, aff.biases)
+    return (quants.pack(aff.q, aff.bits), aff.scales.astype(dtype), aff.biases.astype(dtype)), aff.bits, None
+
+
+def _requantize(t, order: np.ndarray | None) -> tuple[tuple, int, float]:
+    """Dequantize with the gguf package, re-quantize to MLX; return arrays, bits, max abs error."""
+    import mlx.core as mx
+    from gguf import quants as gguf_quants
+
+    values = gguf_quants.dequantize(np.asarray(t.data), t.tensor_type)  # (rows, cols) float32
+    if order is not None:
+        values = values[order]
+    bits = quants.lossy_bits(t.tensor_type)
+    ref = mx.array(values)
+    w, scales, biases = mx.quantize(ref, group_size=quants.GROUP_SIZE, bits=bits)
+    half = scales.astype(mx.float16), biases.astype(mx.float16)
+    if all(mx.all(mx.isfinite(x)).item() for x in half):
+        scales, biases = half
+    back = mx.dequantize(
+        w, scales.astype(mx.float32), biases.astype(mx.float32), group_size=quants.GROUP_SIZE, bits=bits
+    )
+    err = mx.max(mx.abs(back - ref)).item()
+    mx.eval(w, scales, biases)
+    return (w, scales, biases), bits, float(err)
+
+
+def write_import(plan: ImportPlan, dest: Path) -> ImportReport:
+    """Convert ``plan.gf`` into the existing, empty directory ``dest``."""
+    import mlx.core as mx
+
+    start = time.perf_counter()
+    gf, spec, config = plan.gf, plan.spec, plan.config
+    arrays: dict[str, mx.array] = {}
+    quantized: dict[str, tuple[int, int]] = {}  # module path -> (group_size, bits)
+    lossy: list[LossyTensor] = []
+    exact = 0
+    for name, hf in plan.names.items():
+        t = gf.tensors[name]
+        rows = int(t.shape[1]) if len(t.shape) == 2 else int(t.shape[0])  # ne = (cols, rows)
+        order = qk_row_order(hf, rows, config) if spec.permute_qk else None
+        if t.tensor_type in quants.FLOAT_TYPES:
+            arrays[hf] = _float_tensor(t, hf, spec, order)
+            exact += 1
+            continue
+        convert = _exact if t.tensor_type in quants.EXACT else _requantize
+        packed, bits, err = convert(t, order)
+        if err is None:
+            exact += 1
+        else:
+            lossy.append(LossyTensor(hf, t.tensor_type.name, bits, err))
+        module = hf.removesuffix(".weight")
+        for suffix, arr in zip(("weight", "scales", "biases"), packed):
+            arrays[f"{module}.{suffix}"] = mx.array(arr) if isinstance(arr, np.ndarray) else arr
+        quantized[module] = (quants.GROUP_SIZE, bits)
+
+    mx.save_safetensors(str(dest / WEIGHTS_FILE), arrays, metadata={"format": "mlx"})
+    del arrays
+
+    full_config = _full_config(plan, quantized, lossy)
+    files = {
+        "config.json": full_config,
+        "tokenizer_config.json": plan.tokenizer.tokenizer_config,
+        "generation_config.json": plan.tokenizer.generation_config,
+    }
+    for fname, obj in files.items():
+        (dest / fname).write_text(dumps(obj), encoding="utf-8")
+    (dest / "tokenizer.json").write_text(plan.tokenizer.tokenizer_json, encoding="utf-8")
+    written = sum(p.stat().st_size for p in dest.iterdir() if p.is_file())
+    return ImportReport(
+        out_dir=dest,
+        exact_tensors=exact,
+        lossy_tensors=lossy,
+        bytes_written=written,
+        seconds=time.perf_counter() - start,
+        warnings=list(plan.tokenizer.warnings),
+    )
+
+
+def _full_config(plan: ImportPlan, quantized: dict, lossy: list[LossyTensor]) -> dict:
+    gf, spec = plan.gf, plan.spec
+    has_bf16 = any(t.tensor_type == quants.T.BF16 for t in gf.tensors.values())
+    config = {
+        "architectures": [spec.hf_class],
+        "model_type": spec.model_type,
+        **plan.config,
+        **plan.tokenizer.special_ids,
+        "torch_dtype": "bfloat16" if has_bf16 or spec.model_type.startswith("gemma") else "float16",
+    }
+    if quantized:
+        (group_size, bits), _ = Counter(quantized.values()).most_common(1)[0]
+        q = {"group_size": group_size, "bits": bits, "mode": "affine"}
+        for module, (g, b) in sorted(quantized.items()):
+            if (g, b) != (group_size, bits):
+                q[module] = {"group_size": g, "bits": b}
+        config["quantization"] = q
+        config["quantization_config"] = dict(q)
+    config["umakit"] = {
+        "source": "gguf",
+        "import_format": IMPORT_FORMAT,
+        "file": gf.path.name,
+        "sha256": sha256_file(gf.path),
+        "gguf_version": gf.version,
+        "lossy_tensors": {
+            t.name: {"from": t.from_type, "bits": t.to_bits, "max_abs_err": t.max_abs_err} for t in lossy
+        },
+    }
+    return config
+
+
+def import_gguf(path: str | os.PathLike, out_dir: str | os.PathLike, force: bool = False) -> ImportReport:
+    """Convert the GGUF at ``path`` into a model directory at ``out_dir``.
+
+    Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q5_K tensors convert exactly to MLX
+    affine groups; F32/F16/BF16 stay as they are; any other type is
+    dequantized and re-quantized, and listed in the report with its error.
+    An existing ``out_dir`` is replaced only with ``force``, and only once the
+    new one is complete; a failed import leaves nothing behind.
+    """
+    start = time.perf_counter()
+    plan = plan_import(open_gguf(path))
+    with atomic_dir(out_dir, force=force) as tmp:
+        report = write_import(plan, Path(tmp))
+    report.out_dir = Path(out_dir)
+    report.seconds = time.perf_counter() - start  # parsing and checking included
+    return report
+
+
+def is_complete(model_dir: Path) -> bool:
+    """Whether ``model_dir`` holds a finished import (cheap: no file is parsed but config.json)."""
+    needed = ("config.json", WEIGHTS_FILE, "tokenizer.json", "tokenizer_config.json")
+    if not all((model_dir / f).is_file() for f in needed):
+        return False
+    try:
+        meta = json.loads((model_dir / "config.json").read_text())["umakit"]
+        return meta["source"] == "gguf" and meta["import_format"] == IMPORT_FORMAT
+    except (OSError, ValueError, KeyError, TypeError):
+        return False

@@ -1,0 +1,191 @@
+"""GGUF quantization blocks as MLX affine groups, in pure numpy.
+
+MLX's affine format stores, for each group of ``group_size`` consecutive
+weights of a row, ``w = scale * q + bias`` with unsigned integer codes ``q``.
+Several GGUF block types are exactly that with groups of 32:
+
+    Q4_0  w = d * (q - 8)            -> scale d,        bias -8 d     (4 bits)
+    Q4_1  w = d * q + m              -> scale d,        bias m        (4 bits)
+    Q5_0  w = d * (q - 16)           -> scale d,        bias -16 d    (5 bits)
+    Q5_1  w = d * q + m              -> scale d,        bias m        (5 bits)
+    Q8_0  w = d * q, q signed        -> q + 128, scale d, bias -128 d (8 bits)
+    Q4_K  w = d*sc_j * q - dmin*m_j  -> one group per 32-wide sub-block (4 bits)
+    Q5_K  as Q4_K with 5-bit q                                        (5 bits)
+
+Each scale and bias is a float16 times a small integer, so it is exact in
+float32; `pick_dtype` stores it as float16 when that is exact too. Every other
+block type has no such form (Q6_K's groups are 16 wide, IQ types use lookup
+grids) and is re-quantized by the caller; `lossy_bits` picks the width.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as T
+
+GROUP_SIZE = 32
+MLX_BITS = (2, 3, 4, 5, 6, 8)
+FLOAT_TYPES = {T.F32: np.float32, T.F16: np.float16, T.BF16: np.uint16}  # bf16 kept as raw bits
+
+
+@dataclass
+class Affine:
+    """Integer codes with per-group scales and biases, one row per output feature."""
+
+    q: np.ndarray  # (rows, cols) uint8 codes
+    scales: np.ndarray  # (rows, cols // group_size) float32
+    biases: np.ndarray  # (rows, cols // group_size) float32
+    bits: int
+    group_size: int = GROUP_SIZE
+
+    def take_rows(self, order: np.ndarray) -> Affine:
+        return Affine(self.q[order], self.scales[order], self.biases[order], self.bits, self.group_size)
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    """(n, 2) little-endian bytes -> (n, 1) float32."""
+    return np.ascontiguousarray(b).view(np.float16).astype(np.float32)
+
+
+def _nibbles16(qs: np.ndarray) -> np.ndarray:
+    """(n, 16) bytes -> (n, 32) codes: low nibbles are elements 0-15, high 16-31."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=1)
+
+
+def _bits32(qh: np.ndarray) -> np.ndarray:
+    """(n, 4) bytes of a little-endian uint32 -> (n, 32) bits, bit j for element j."""
+    return np.unpackbits(np.ascontiguousarray(qh), axis=1, bitorder="little")
+
+
+def _q4_0(b: np.ndarray):
+    d = _f16(b[:, :2])
+    return _nibbles16(b[:, 2:]), d, -8 * d
+
+
+def _q4_1(b: np.ndarray):
+    return _nibbles16(b[:, 4:]), _f16(b[:, :2]), _f16(b[:, 2:4])
+
+
+def _q5_0(b: np.ndarray):
+    d = _f16(b[:, :2])
+    return _nibbles16(b[:, 6:]) | (_bits32(b[:, 2:6]) << 4), d, -16 * d
+
+
+def _q5_1(b: np.ndarray):
+    return _nibbles16(b[:, 8:]) | (_bits32(b[:, 4:8]) << 4), _f16(b[:, :2]), _f16(b[:, 2:4])
+
+
+def _q8_0(b: np.ndarray):
+    d = _f16(b[:, :2])
+    q = (b[:, 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+    return q, d, -128 * d
+
+
+def _k_scales(b: np.ndarray):
+    """Super-block scale and min, and the 8 sub-block 6-bit (sc, m) pairs packed in 12 bytes."""
+    d, dmin = _f16(b[:, :2]), _f16(b[:, 2:4])
+    lo, hi, mix = b[:, 4:8], b[:, 8:12], b[:, 12:16]
+    sc = np.concatenate([lo & 0x3F, (mix & 0x0F) | ((lo >> 6) << 4)], axis=1)
+    m = np.concatenate([hi & 0x3F, (mix >> 4) | ((hi >> 6) << 4)], axis=1)
+    return d * sc.astype(np.float32), -(dmin * m.astype(np.float32))  # (n, 8) each
+
+
+def _k_nibbles(qs: np.ndarray) -> np.ndarray:
+    """(n, 128) bytes -> (n, 256): 32-byte chunk c holds sub-block 2c low, 2c+1 high."""
+    qs = qs.reshape(-1, 4, 1, 32)  # (n, chunk, 1, byte)
+    return ((qs >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F).reshape(-1, 256)
+
+
+def _q4_k(b: np.ndarray):
+    scales, biases = _k_scales(b)
+    return _k_nibbles(b[:, 16:]), scales, biases
+
+
+def _q5_k(b: np.ndarray):
+    scales, biases = _k_scales(b)
+    # Bit j of high byte i is the fifth bit of element i of sub-block j.
+    high = np.unpackbits(b[:, 16:48], axis=1, bitorder="little").reshape(-1, 32, 8)  # (n, i, j)
+    high = high.transpose(0, 2, 1).reshape(-1, 256)
+    return _k_nibbles(b[:, 48:]) | (high << 4), scales, biases
+
+
+# type -> (block decoder, bits); a decoder maps (n_blocks, type_size) bytes to
+# codes (n_blocks, block_size) and scales, biases (n_blocks, block_size // 32).
+EXACT: dict[T, tuple[Callable, int]] = {
+    T.Q4_0: (_q4_0, 4),
+    T.Q4_1: (_q4_1, 4),
+    T.Q5_0: (_q5_0, 5),
+    T.Q5_1: (_q5_1, 5),
+    T.Q8_0: (_q8_0, 8),
+    T.Q4_K: (_q4_k, 4),
+    T.Q5_K: (_q5_k, 5),
+}
+
+
+def to_affine(data: np.ndarray, qtype: T, cols: int) -> Affine:
+    """Decode a 2-D tensor's raw blocks, (rows, bytes per row), to affine groups."""
+    decode, bits = EXACT[qtype]
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    rows = data.shape[0]
+    q, scales, biases = decode(np.ascontiguousarray(data).reshape(-1, type_size))
+    return Affine(
+        q=q.reshape(rows, cols),
+        scales=scales.reshape(rows, cols // GROUP_SIZE),
+        biases=biases.reshape(rows, cols // GROUP_SIZE),
+        bits=bits,
+    )
+
+
+def pack(q: np.ndarray, bits: int) -> np.ndarray:
+    """Pack (rows, cols) codes into MLX's (rows, cols * bits / 32) uint32 words.
+
+    Code j of a row occupies bits [j * bits, (j + 1) * bits) of the row read as
+    one little-endian bit string, for every width MLX supports.
+    """
+    rows, cols = q.shape
+    assert bits in MLX_BITS and cols % 32 == 0 and q.dtype == np.uint8
+    if bits == 8:
+        return np.ascontiguousarray(q).view("<u4")
+    out = np.empty((rows, cols * bits // 32), dtype="<u4")
+    shifts = np.arange(8, dtype=np.uint64) * np.uint64(bits)
+    step = max(1, (1 << 21) // cols)  # bound the uint64 temporary to ~16 MB
+    for r in range(0, rows, step):
+        chunk = q[r : r + step].astype(np.uint64).reshape(-1, cols // 8, 8)
+        # 8 codes fill exactly `bits` bytes of a little-endian uint64
+        word = np.bitwise_or.reduce(chunk << shifts, axis=-1)  # (r, cols / 8)
+        packed = word[..., None].view(np.uint8)[..., :bits]  # (r, cols / 8, bits)
+        out[r : r + step] = np.ascontiguousarray(packed).reshape(len(chunk), -1).view("<u4")
+    return out
+
+
+def pick_dtype(scales: np.ndarray, biases: np.ndarray) -> np.dtype:
+    """float16 when both round-trip through it exactly, else float32."""
+    for x in (scales, biases):
+        h = x.astype(np.float16)
+        if not (np.isfinite(h).all() and np.array_equal(h.astype(np.float32), x)):
+            return np.dtype(np.float32)
+    return np.dtype(np.float16)
+
+
+def lossy_bits(qtype: T) -> int:
+    """Narrowest MLX width holding at least the type's bits per weight (Q6_K -> 8, Q3_K -> 4)."""
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    need = math.ceil(type_size * 8 / block_size)
+    return next((b for b in MLX_BITS if b >= need), MLX_BITS[-1])
+
+
+def can_dequantize(qtype: T) -> bool:
+    """Whether the gguf package can dequantize ``qtype`` (probed on one zero block)."""
+    from gguf import quants
+
+    _, type_size = GGML_QUANT_SIZES[qtype]
+    try:
+        quants.dequantize(np.zeros((1, type_size), dtype=np.uint8), qtype)
+    except (NotImplementedError, ValueError):
+        return False
+    return True
