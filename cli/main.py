@@ -15,6 +15,7 @@ import click
 # command name -> "module:attribute"
 COMMANDS = {
     "bench": "cli.bench_cmd:bench",
+    "compare": "cli.compare_cmd:compare_cmd",
     "generate": "cli.generate:generate",
     "import": "cli.import_cmd:import_cmd",
     "plan": "cli.plan_cmd:plan",

@@ -155,7 +155,7 @@ def run_bench(engine, name: str, device, settings: BenchSettings, synthetic: boo
                "weight_bytes": weights.total_bytes, "bytes_per_token": weights.bytes_per_token,
                "kv_bytes_per_token": engine.kv_bytes_per_token(settings.kv_bits),
                "quantization": weights.quantization, "backend": engine.name, "device": engine.device,
-               "dtype": engine.dtype},
+               "dtype": engine.dtype, "config": _shape_config(engine.config)},
         settings=asdict(settings),
         versions=_versions(engine.name),
         runs=runs,
@@ -164,6 +164,11 @@ def run_bench(engine, name: str, device, settings: BenchSettings, synthetic: boo
         synthetic=synthetic,
         created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     )
+
+
+def _shape_config(config: dict) -> dict:
+    """The config fields a plan needs (drops umakit's import provenance)."""
+    return {k: v for k, v in config.items() if k not in ("umakit", "quantization_config")}
 
 
 def _machine(device) -> dict:
