@@ -12,4 +12,14 @@ def mlx_sample(logits: np.ndarray, recent: np.ndarray, params, seed: int) -> np.
     return np.array(out)
 
 
-BACKENDS = {"mlx": mlx_sample}
+def torch_sample(logits: np.ndarray, recent: np.ndarray, params, seed: int) -> np.ndarray:
+    import torch
+
+    from umakit.backends.torch.sampling import make_sampler
+
+    generator = torch.Generator().manual_seed(seed)
+    out = make_sampler(params)(torch.from_numpy(logits), torch.from_numpy(recent.astype(np.int64)), generator)
+    return out.numpy()
+
+
+BACKENDS = {"mlx": mlx_sample, "torch": torch_sample}

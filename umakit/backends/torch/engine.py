@@ -14,11 +14,12 @@ from torch import nn
 
 from ...checkpoint import Checkpoint
 from ...errors import BackendUnavailableError, CheckpointError, InvalidArgumentError
+from ...roofline import kv_bytes_per_token
 from ...sampling import SamplingParams
 from ..base import WeightInfo
 from . import quant
 from .cache import GROW_STEP, StaticKVCache
-from .model import ModelArgs, Transformer, fuse_projections, rope_inv_freq
+from .model import ModelArgs, RMSNorm, Transformer, fuse_projections, rope_inv_freq
 from .sampling import make_sampler
 
 PREFILL_STEP = 512  # tokens per prefill chunk: bounds attention memory on long prompts
@@ -44,6 +45,39 @@ class TorchEngine:
         self = cls.__new__(cls)
         self._setup(config, shapes, source, device, _compute_dtype(dtype, [torch.bfloat16], device))
         return self
+
+    @classmethod
+    def synthetic(cls, config: dict, device: str = "cpu", dtype: str = "auto",
+                  bits: int | None = None, group_size: int = 64) -> "TorchEngine":
+        """Random weights in a real architecture's exact shapes (for benchmarks)."""
+        config = dict(config)
+        args = ModelArgs.from_config(config)
+        with torch.device("meta"):
+            model = Transformer(args)
+        shapes: dict[str, tuple] = {}
+        for path, m in model.named_modules():
+            if isinstance(m, RMSNorm):
+                shapes[f"{path}.weight"] = tuple(m.weight.shape)
+            if not isinstance(m, (nn.Linear, nn.Embedding)) or (path == "lm_head" and args.tie_word_embeddings):
+                continue
+            rows, cols = m.weight.shape
+            if bits and cols % group_size == 0:
+                shapes[f"{path}.weight"] = (rows, cols * bits // 32)
+                shapes[f"{path}.scales"] = shapes[f"{path}.biases"] = (rows, cols // group_size)
+            else:
+                shapes[f"{path}.weight"] = (rows, cols)
+            if getattr(m, "bias", None) is not None:
+                shapes[f"{path}.bias"] = (rows,)
+        if bits:
+            config["quantization"] = {"group_size": group_size, "bits": bits}
+        target = _compute_dtype(dtype, [torch.bfloat16], device)
+
+        def source():
+            for name, shape in shapes.items():
+                packed = name.endswith(".weight") and f"{name.removesuffix('.weight')}.scales" in shapes
+                yield name, _random_tensor(name, shape, packed, target, torch.device(device))
+
+        return cls.from_tensors(config, shapes, source, device, str(target).removeprefix("torch."))
 
     def _setup(self, config: dict, shapes: dict, source, device: str, dtype: torch.dtype) -> None:
         if device not in ("cpu", "cuda"):
@@ -155,13 +189,15 @@ class TorchEngine:
             by_category=by_cat,
             params=self._params,
             bytes_per_token=per_token,
-            kv_bytes_per_token=self._kv_bytes_per_token(),
+            kv_bytes_per_token=self.kv_bytes_per_token(),
             quantization=_describe_quantization(self.quantization, self.model),
         )
 
-    def _kv_bytes_per_token(self) -> float:
+    def kv_bytes_per_token(self, kv_bits: int | None = None) -> int:
+        """Cache bytes per token over all layers, K and V (this backend's cache is never quantized)."""
         a = self.args
-        return 2 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim * self._dtype.itemsize
+        return kv_bytes_per_token(a.num_hidden_layers, a.num_key_value_heads, a.head_dim,
+                                  kv_bits=kv_bits, dtype_bytes=self._dtype.itemsize)
 
     def wired(self):
         """Nothing to wire: CUDA memory is the device's own, and CPU pages are the OS's to keep."""
@@ -328,6 +364,19 @@ def _logical_params(config: dict, shapes: dict) -> int:
             count = count * 32 // (_quant_spec(module, q, shapes) or {"bits": 32})["bits"]
         n += count
     return n
+
+
+def _random_tensor(name: str, shape: tuple, packed: bool, dtype: torch.dtype, device: torch.device):
+    """A synthetic weight: random codes and small scales when ``packed``, unit norms, small floats."""
+    if packed:
+        return torch.randint(-2**31, 2**31 - 1, shape, dtype=torch.int32, device=device).view(torch.uint32)
+    if name.endswith("norm.weight"):
+        return torch.ones(shape, dtype=dtype, device=device)
+    if name.endswith(".scales"):
+        return torch.full(shape, 0.002, dtype=dtype, device=device)
+    if name.endswith(".biases"):
+        return torch.full(shape, -0.001, dtype=dtype, device=device)
+    return torch.randn(shape, dtype=dtype, device=device) * 0.02
 
 
 def _named_tensors(model: nn.Module):
