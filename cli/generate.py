@@ -8,7 +8,7 @@ import sys
 import click
 
 from .format import stats_line
-from .options import SAMPLING_KEYS, model_options, sampling_options
+from .options import SAMPLING_KEYS, model_options, quantize_option, sampling_options
 
 
 @click.command()
@@ -21,15 +21,17 @@ from .options import SAMPLING_KEYS, model_options, sampling_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, tokens, finish reason, stats).")
 @sampling_options
 @model_options
+@quantize_option
 def generate(model, prompt, system, raw, stop, kv_bits, as_json, max_tokens, seed, backend, device, dtype,
-             peak_bandwidth, **sampling):
+             peak_bandwidth, quantize, **sampling):
     """Generate a reply to one prompt."""
     import umakit
     from umakit.generation import collect
 
     if prompt == "-":
         prompt = sys.stdin.read()
-    m = umakit.load(model, backend=backend, device=device, dtype=dtype, peak_bandwidth=peak_bandwidth)
+    m = umakit.load(model, backend=backend, device=device, dtype=dtype, peak_bandwidth=peak_bandwidth,
+                    quantize=int(quantize) if quantize else None)
     for warning in m.info.warnings:
         click.echo(click.style(f"Warning: {warning}", fg="yellow"), err=True)
     chunks = m.stream(prompt, system=system, raw=raw, max_tokens=max_tokens, stop=stop, seed=seed,

@@ -14,6 +14,11 @@ from umakit.sampling import (
 )
 
 
+quantize_option = click.option(
+    "--quantize", type=click.Choice(["4", "8"]), default=None,
+    help="Quantize a float checkpoint in memory on load (mlx backend; default recipe, group 64).")
+
+
 def model_options(f):
     """--backend, --device, --dtype, --peak-bandwidth."""
     f = click.option("--peak-bandwidth", type=float, metavar="GB/s", help="Override the device's peak memory bandwidth.")(f)

@@ -8,7 +8,7 @@ import click
 
 from .chat_ui import Repl
 from .format import size
-from .options import SAMPLING_KEYS, model_options, sampling_options
+from .options import SAMPLING_KEYS, model_options, quantize_option, sampling_options
 
 
 @click.command("run")
@@ -20,7 +20,9 @@ from .options import SAMPLING_KEYS, model_options, sampling_options
 @click.option("--stats/--no-stats", default=None, help="Stats footer after each reply (default: on in a terminal).")
 @sampling_options
 @model_options
-def run(model, system, max_context, kv_bits, stats, max_tokens, seed, backend, device, dtype, peak_bandwidth, **sampling):
+@quantize_option
+def run(model, system, max_context, kv_bits, stats, max_tokens, seed, backend, device, dtype, peak_bandwidth, quantize,
+        **sampling):
     """Chat with MODEL (default: the built-in SmolLM2-135M-Instruct)."""
     import umakit
     from umakit.chat import ChatSession, ChatSettings
@@ -29,7 +31,8 @@ def run(model, system, max_context, kv_bits, stats, max_tokens, seed, backend, d
     path = umakit.resolve_model(model)
     if tty:
         click.echo(click.style(f"Loading {path.name} ({size(umakit.checkpoint_size(path))} on disk)…", dim=True), err=True)
-    m = umakit.load(path, backend=backend, device=device, dtype=dtype, peak_bandwidth=peak_bandwidth)
+    m = umakit.load(path, backend=backend, device=device, dtype=dtype, peak_bandwidth=peak_bandwidth,
+                    quantize=int(quantize) if quantize else None)
     for warning in m.info.warnings:
         click.echo(click.style(f"Warning: {warning}", fg="yellow"), err=True)
     settings = ChatSettings(system=system, max_tokens=max_tokens, max_context=max_context,

@@ -164,18 +164,27 @@ def load(
     device: str | None = None,
     dtype: str = "auto",
     peak_bandwidth: float | None = None,
+    quantize: int | dict | None = None,
 ) -> Model:
     """Load a model directory, Hub repo id, .gguf file, or (None) the built-in default.
 
     ``backend`` is "auto", "mlx", "torch" or "cuda"; ``dtype`` is the compute
     dtype ("auto": float32 on CPU, the checkpoint's dtype on a GPU).
+    ``quantize`` (e.g. ``4`` or ``{"bits": 4, "group_size": 64, "recipe": "mixed"}``)
+    quantizes a float checkpoint in memory, without writing files (mlx backend).
     """
     t0 = time.perf_counter()
     engine_name, device = backends.resolve(backend, device)
+    if quantize is not None and engine_name != "mlx":
+        raise InvalidArgumentError(
+            f"quantize on load runs on the mlx backend; for {engine_name}, write a quantized checkpoint "
+            "with `umakit quantize` and load that"
+        )
     path = checkpoint.resolve(model)
     ckpt = checkpoint.open_checkpoint(path)
     tokenizer = Tokenizer(path, ckpt.config, extra_eos_ids=checkpoint.generation_eos_ids(path, ckpt.config))
-    engine = backends.engine_class(engine_name)(ckpt, device=device, dtype=dtype)
+    options = {"quantize": quantize} if quantize is not None else {}
+    engine = backends.engine_class(engine_name)(ckpt, device=device, dtype=dtype, **options)
     cfg = ckpt.config.get("text_config", ckpt.config)
     info = LoadInfo(
         name=_display_name(ckpt),

@@ -57,7 +57,8 @@ def _category(name: str) -> str:
 class MLXEngine:
     name = "mlx"
 
-    def __init__(self, ckpt: Checkpoint | None, device: str = "cpu", dtype: str = "auto"):
+    def __init__(self, ckpt: Checkpoint | None, device: str = "cpu", dtype: str = "auto",
+                 quantize: int | dict | None = None):
         if device == "metal" and not mx.metal.is_available():
             raise BackendUnavailableError("Metal is not available on this machine; use --device cpu")
         self.device = device
@@ -66,6 +67,19 @@ class MLXEngine:
             self.config = ckpt.config
             with mx.stream(self._mx_device):
                 self._load(ckpt, dtype)
+                if quantize is not None:
+                    self._quantize_in_memory(quantize)
+
+    def _quantize_in_memory(self, spec: int | dict) -> None:
+        from ...quantize import apply_on_load
+
+        if self.quantization:
+            raise InvalidArgumentError(
+                f"the checkpoint is already quantized ({_describe_quantization(self.quantization)}); "
+                "quantize on load needs a float checkpoint"
+            )
+        self.quantization = apply_on_load(self.model, spec)
+        self.config = {**self.config, "quantization": self.quantization}
 
     @classmethod
     def synthetic(cls, config: dict, device: str = "cpu", dtype: str = "auto",
