@@ -14,6 +14,7 @@ import click
 
 # command name -> "module:attribute"
 COMMANDS = {
+    "batch": "cli.batch_cmd:batch_cmd",
     "bench": "cli.bench_cmd:bench",
     "compare": "cli.compare_cmd:compare_cmd",
     "generate": "cli.generate:generate",

@@ -123,6 +123,18 @@ class Model:
             history=history, roofline=lambda stats, context: self._fill_roofline(stats, context, kv_bits),
         )
 
+    def generate_batch(self, prompts: Sequence, **kwargs):
+        """One result per prompt, in order, decoded together (see umakit.batch.generate_batch)."""
+        from .batch import generate_batch
+
+        return generate_batch(self, prompts, **kwargs)
+
+    def stream_batch(self, prompts: Sequence, **kwargs):
+        """Yield (index, result) as each prompt finishes (see umakit.batch.stream_batch)."""
+        from .batch import stream_batch
+
+        return stream_batch(self, prompts, **kwargs)
+
     def make_cache(self, kv_bits: int | None = None) -> KVCache:
         return self.engine.make_cache(kv_bits=kv_bits)
 

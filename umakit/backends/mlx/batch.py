@@ -16,12 +16,16 @@ import os
 from typing import Iterable, Sequence
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, KVCache, RotatingKVCache, make_prompt_cache
 
 from ...errors import InvalidArgumentError, UnsupportedModelError
 from ..batch_protocol import BatchRow
 from .engine import PREFILL_STEP
+from .mlx_lm_import import import_mlx_lm
 from .sampling import make_sampler
+
+_cache = import_mlx_lm("models.cache")
+BatchKVCache, BatchRotatingKVCache = _cache.BatchKVCache, _cache.BatchRotatingKVCache
+KVCache, RotatingKVCache, make_prompt_cache = _cache.KVCache, _cache.RotatingKVCache, _cache.make_prompt_cache
 
 CPU_KV_FRACTION = 0.5  # of the RAM available now: leaves room for activations and the OS
 PAD_WASTE = 1.5  # prefill rows together while padded tokens stay under this factor of real ones

@@ -1,0 +1,116 @@
+"""`umakit batch`: a JSON Lines file of prompts in, one result line per prompt out."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from umakit.batch import DEFAULT_BATCH_SIZE
+
+from .options import SAMPLING_KEYS, model_options, sampling_options
+
+
+class Progress:
+    """'[#####-----] 12/40 · 3456 tok · 45.6 tok/s · ETA 1m23s' on stderr.
+
+    Redrawn in place on a terminal; elsewhere (a log file) one line at most
+    every `LOG_EVERY_S` seconds, and always at the end.
+    """
+
+    LOG_EVERY_S = 10.0
+    WIDTH = 20
+
+    def __init__(self, total: int):
+        self.total, self.done, self.tokens = total, 0, 0
+        self.t0 = self.t_logged = time.perf_counter()
+        self.tty = sys.stderr.isatty()
+        if self.tty and total:
+            self._draw()
+
+    def line(self) -> str:
+        elapsed = time.perf_counter() - self.t0
+        filled = self.WIDTH * self.done // self.total if self.total else self.WIDTH
+        parts = [f"[{'#' * filled}{'-' * (self.WIDTH - filled)}] {self.done}/{self.total}", f"{self.tokens} tok"]
+        parts.append(f"{self.tokens / elapsed:.1f} tok/s" if elapsed > 0 else "- tok/s")
+        if 0 < self.done < self.total:
+            eta = elapsed / self.done * (self.total - self.done)
+            parts.append(f"ETA {int(eta // 60)}m{int(eta % 60):02d}s")
+        return " · ".join(parts)
+
+    def _draw(self) -> None:
+        click.echo("\r" + self.line() + "\x1b[K", err=True, nl=False)
+
+    def update(self, tokens: int) -> None:
+        self.done += 1
+        self.tokens += tokens
+        if self.tty:
+            self._draw()
+        elif time.perf_counter() - self.t_logged >= self.LOG_EVERY_S:
+            self.t_logged = time.perf_counter()
+            click.echo(self.line(), err=True)
+
+    def close(self) -> None:
+        if self.tty:
+            click.echo(err=True)
+        else:
+            click.echo(self.line(), err=True)
+
+
+@click.command("batch")
+@click.argument("model", required=False)
+@click.option("--input", "-i", "input_path", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help='JSON Lines: {"id": ..., "prompt": "..."} or {"id": ..., "messages": [...]}, plus per-item settings.')
+@click.option("--output", "-o", "output_path", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="Results are appended here as they finish; ids already in it are skipped (resume).")
+@click.option("--batch-size", "-b", type=click.IntRange(min=1), default=DEFAULT_BATCH_SIZE, show_default=True,
+              help="Prompts decoded together (lowered if their KV cache would not fit in memory).")
+@click.option("--system", "-s", default=None, help="System prompt for items without their own.")
+@click.option("--raw", is_flag=True, help="Send prompts as plain text, without the chat template.")
+@click.option("--stop", multiple=True, help="Stop string (repeatable), for items without their own.")
+@sampling_options
+@model_options
+def batch_cmd(model, input_path, output_path, batch_size, system, raw, stop, max_tokens, seed, backend, device, dtype,
+              peak_bandwidth, **sampling):
+    """Generate a reply to every prompt of a JSON Lines file, in batches."""
+    import umakit
+    from umakit import batch, batch_io
+    from umakit.errors import UmakitError
+    from umakit.sampling import SamplingParams
+
+    items, errors = batch_io.read_items(input_path)  # duplicate ids stop here, before anything runs
+    done = batch_io.prepare_output(output_path)
+    todo = [it for it in items if batch_io.id_key(it.id) not in done]
+    if len(todo) < len(items):
+        click.echo(f"{len(items) - len(todo)} of {len(items)} items already in {output_path}: skipped", err=True)
+    requests, ids = [], []
+    if todo:
+        m = umakit.load(model, backend=backend, device=device, dtype=dtype, peak_bandwidth=peak_bandwidth)
+        for warning in m.info.warnings:
+            click.echo(click.style(f"Warning: {warning}", fg="yellow"), err=True)
+        params = SamplingParams().with_overrides(**{k: sampling[k] for k in SAMPLING_KEYS})
+        for it in todo:
+            try:
+                requests.append(batch.make_request(m, it.fields, max_tokens=max_tokens, stop=stop, seed=seed,
+                                                   system=system, raw=raw, sampling=params))
+                ids.append(it.id)
+            except UmakitError as e:
+                errors.append(batch_io.LineError(it.line, str(e), it.id))
+    errors.sort(key=lambda e: e.line)
+    for e in errors:
+        click.echo(f"Skipped {e}", err=True)
+    batch_io.write_errors(batch_io.errors_path(output_path), errors)
+    if requests:
+        stream = batch.BatchStream(m, requests, batch_size)
+        if stream.note:
+            click.echo(click.style(f"Note: {stream.note}", fg="yellow"), err=True)
+        progress = Progress(len(requests))
+        with m.engine.wired(), batch_io.ResultWriter(output_path) as out:
+            for i, result in stream:
+                out.write(batch_io.result_record(ids[i], result))
+                progress.update(result.stats.generated_tokens)
+        progress.close()
+    if errors:
+        raise click.ClickException(f"{len(errors)} input line(s) skipped; see {batch_io.errors_path(output_path)}")

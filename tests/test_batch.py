@@ -1,0 +1,221 @@
+"""Batched generation against the sequential decode loop as the oracle."""
+
+import re
+
+import mlx.core as mx
+import pytest
+
+import umakit
+from umakit.backends.batch_protocol import BatchDecoder, BatchRow
+from umakit.backends.mlx.batch import MLXBatchDecoder
+from umakit.batch import BatchRequest, generate_batch, plan_batch_size, stream_batch
+from umakit.errors import InvalidArgumentError, UnsupportedModelError
+from umakit.sampling import SamplingParams
+
+# Very different lengths: one token to a few hundred (the tiny models hold 512).
+PROMPTS = [
+    "The",
+    "The quick brown fox jumps over the lazy dog. " * 8,
+    "Paris is",
+    [{"role": "user", "content": "Unified memory lets the GPU read every weight."}],
+    "Ünïcödé ✓ 東京 🚀",
+    "fox " * 60,
+    "The capital of France",
+    "Unified memory lets the GPU read every weight at full bandwidth. " * 3,
+    "dog",
+    "The lazy dog. " * 20,
+]
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def models(tiny_dir):
+    loaded = {}
+
+    def get(family):
+        if family not in loaded:
+            loaded[family] = umakit.load(tiny_dir(family), backend="mlx")
+        return loaded[family]
+
+    return get
+
+
+def sequential(model, prompts, **kw):
+    out = []
+    for p in prompts:
+        args = {"messages": p} if isinstance(p, list) else {"prompt": p, "raw": True}
+        out.append(model.generate(**args, **kw))
+    return out
+
+
+def batched_prompts(prompts):
+    # Plain strings go raw, as in `sequential`; message lists through the template.
+    return [p if isinstance(p, list) else {"prompt": p} for p in prompts]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
+def test_greedy_batch_equals_sequential_token_for_token(models, family):
+    model = models(family)
+    expected = sequential(model, PROMPTS, max_tokens=MAX_TOKENS, temperature=0)
+    for size in (1, 3, 8):
+        run = generate_batch(model, batched_prompts(PROMPTS), max_tokens=MAX_TOKENS, temperature=0,
+                             batch_size=size, raw=True)
+        assert run.batch_size == size and run.note is None
+        for i, (want, got) in enumerate(zip(expected, run)):
+            assert got.tokens == want.tokens, f"{family} batch {size} prompt {i}"
+            assert got.text == want.text and got.finish_reason == want.finish_reason
+        assert run.stats.generated_tokens == sum(len(r.tokens) for r in expected)
+
+
+def test_gemma3_rows_outlive_the_sliding_window(models):
+    # The tiny gemma3 window is 8 tokens: prompts and replies run far past it,
+    # and slots are refilled while other rows' window caches have rotated.
+    model = models("gemma3")
+    assert model.engine.config["sliding_window"] == 8
+    prompts = PROMPTS[:5]
+    expected = sequential(model, prompts, max_tokens=40, temperature=0)
+    run = generate_batch(model, batched_prompts(prompts), max_tokens=40, temperature=0, batch_size=2, raw=True)
+    assert [r.tokens for r in run] == [r.tokens for r in expected]
+
+
+def test_seeded_sampling_per_row_matches_sequential(models):
+    model = models("llama")
+    settings = [
+        dict(temperature=0.8, seed=1),
+        dict(temperature=1.0, top_k=20, seed=2),
+        dict(temperature=0),
+        dict(temperature=0.7, top_p=0.9, min_p=0.05, seed=3),
+        dict(temperature=0, repetition_penalty=1.3),
+    ]
+    prompts = [PROMPTS[i] for i in (0, 1, 2, 6, 9)]
+    expected = [model.generate(p, raw=True, max_tokens=16, **s) for p, s in zip(prompts, settings)]
+    items = [{"prompt": p, **s} for p, s in zip(prompts, settings)]
+    run = generate_batch(model, items, max_tokens=16, raw=True, batch_size=3)
+    assert [r.tokens for r in run] == [r.tokens for r in expected]
+    assert expected[0].tokens != expected[1].tokens  # the seeds really differ
+
+
+def test_stop_strings_and_max_tokens_are_per_row(models):
+    model = models("llama")
+    prompts = [PROMPTS[0], PROMPTS[8], PROMPTS[2]]
+    free = sequential(model, prompts, max_tokens=MAX_TOKENS, temperature=0)
+    text = free[1].text  # a stop string from the middle of row 1's free reply
+    stop = next(text[i:i + 3] for i in range(4, len(text) - 3) if "\ufffd" not in text[i:i + 3])
+    items = [
+        {"prompt": prompts[0], "max_tokens": 3},
+        {"prompt": prompts[1], "stop": [stop]},
+        {"prompt": prompts[2], "max_tokens": 11},
+    ]
+    run = generate_batch(model, items, max_tokens=MAX_TOKENS, temperature=0, raw=True, batch_size=3)
+    assert run[0].finish_reason == "length" and len(run[0].tokens) == 3
+    assert run[0].tokens == free[0].tokens[:3]
+    assert run[1].finish_reason == "stop_string" and stop not in run[1].text
+    assert len(run[1].tokens) < len(free[1].tokens)
+    want = model.generate(prompts[1], raw=True, max_tokens=MAX_TOKENS, temperature=0, stop=[stop])
+    assert run[1].text == want.text and run[1].tokens == want.tokens
+    assert run[2].finish_reason == "length" and run[2].tokens == free[2].tokens[:11]
+
+
+def test_stream_yields_each_index_once_as_rows_finish(models):
+    model = models("llama")
+    items = [{"prompt": "The", "max_tokens": 30}, {"prompt": "Paris is", "max_tokens": 2}, {"prompt": "fox", "max_tokens": 9}]
+    stream = stream_batch(model, items, temperature=0, raw=True, batch_size=3)
+    order = [i for i, _ in stream]
+    assert order == [1, 2, 0]
+    assert stream.stats.steps < 30 + 2 + 9  # one forward pass per step serves every row
+
+
+def test_slots_are_refilled_while_other_rows_run(models, monkeypatch):
+    """Continuous batching: a finished row's slot is taken by the next prompt at once."""
+    model = models("llama")
+    sizes_at_add, sizes_at_step = [], []
+    add, step = MLXBatchDecoder.add, MLXBatchDecoder.step
+    monkeypatch.setattr(MLXBatchDecoder, "add", lambda self, rows: (sizes_at_add.append(self.size), add(self, rows))[1])
+    monkeypatch.setattr(MLXBatchDecoder, "step", lambda self: (sizes_at_step.append(self.size), step(self))[1])
+    prompts = [PROMPTS[i] for i in (0, 2, 4, 5, 7, 8)]  # none meets EOS early
+    items = [{"prompt": p, "max_tokens": n} for p, n in zip(prompts, (20, 3, 5, 20, 4, 6))]
+    run = generate_batch(model, items, temperature=0, raw=True, batch_size=3)
+    assert all(r.finish_reason == "length" for r in run)
+    assert max(sizes_at_step) == 3
+    assert sizes_at_add[0] == 0 and any(n > 0 for n in sizes_at_add[1:])  # refills join running rows
+    assert len(sizes_at_step) < sum(n + 1 for n in (20, 3, 5, 20, 4, 6))
+
+
+def test_prefill_of_new_rows_leaves_running_caches_untouched(models):
+    model = models("llama")
+    dec = MLXBatchDecoder(model.engine)
+    assert isinstance(dec, BatchDecoder)
+    greedy = SamplingParams(temperature=0)
+    dec.add([BatchRow(0, model.encode("Paris is", raw=True), greedy)])
+    for _ in range(4):
+        dec.step()
+    layer = dec._cache[0]
+    pad, end = layer.left_padding.tolist()[0], layer.size()
+    before = mx.array(layer.keys[0, :, pad:end])
+    dec.add([BatchRow(1, model.encode(PROMPTS[1], raw=True), greedy), BatchRow(2, [5], greedy)])
+    pad = layer.left_padding.tolist()[0]
+    assert dec.size == 3 and pad > 0  # the running row was padded on the left, not rewritten
+    assert mx.array_equal(layer.keys[0, :, pad:pad + before.shape[1]], before).item()
+
+
+def test_memory_plan_lowers_the_batch_size_with_a_note(models, monkeypatch):
+    model = models("llama")
+    kv = model.info.weights.kv_bytes_per_token
+    monkeypatch.setattr(MLXBatchDecoder, "kv_budget_bytes", lambda self: int(2.5 * 256 * kv))
+    run = generate_batch(model, batched_prompts(PROMPTS[:5]), max_tokens=8, temperature=0, raw=True, batch_size=8)
+    assert run.batch_size == 2
+    assert run.note.startswith("batch size lowered from 5 to 2: each sequence may hold 256 tokens")
+    expected = sequential(model, PROMPTS[:5], max_tokens=8, temperature=0)
+    assert [r.tokens for r in run] == [r.tokens for r in expected]
+    monkeypatch.setattr(MLXBatchDecoder, "kv_budget_bytes", lambda self: 1000)
+    with pytest.raises(InvalidArgumentError, match="not even one sequence fits"):
+        stream_batch(model, ["The"], max_tokens=8)
+
+
+def test_plan_counts_the_longest_row_in_blocks():
+    reqs = [BatchRequest((1,) * 10, max_tokens=20), BatchRequest((1,) * 300, max_tokens=10)]
+    assert plan_batch_size(reqs, 8, 100.0, 10**9) == (2, None)  # no more rows than prompts
+    size, note = plan_batch_size(reqs * 4, 8, 100.0, 512 * 100 * 3)
+    assert size == 3 and "from 8 to 3" in note and "512 tokens" in note
+
+
+def test_bad_prompts_are_rejected_before_anything_runs(models):
+    model = models("llama")
+    cases = [
+        ({"prompt": "x", "max_token": 3}, "unknown setting(s) max_token"),
+        ({"prompt": "x", "messages": []}, "give exactly one of 'prompt' or 'messages'"),
+        ({"prompt": "x", "top_k": 1.5}, "top_k must be an integer"),
+        ({"prompt": "x", "temperature": -1}, "temperature must be >= 0"),
+        ({"prompt": "x", "stop": [1]}, "stop must be a string or a list of strings"),
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens must be at least 1"),
+        ({"prompt": ""}, "the prompt is empty"),
+        (42, "a prompt must be a string"),
+    ]
+    for item, message in cases:
+        with pytest.raises(InvalidArgumentError, match="prompt 1: " + re.escape(message)):
+            stream_batch(model, ["fine", item], raw=True)
+
+
+def test_empty_batch_and_unsupported_backends(models, monkeypatch):
+    model = models("llama")
+    run = generate_batch(model, [])
+    assert len(run) == 0 and run.stats.generated_tokens == 0
+
+    class OtherEngine:
+        name = "torch"
+
+    from umakit.batch import batch_decoder
+
+    with pytest.raises(UnsupportedModelError, match="batched decoding is not available on the torch backend yet"):
+        batch_decoder(OtherEngine())
+
+
+def test_unsupported_cache_layers_are_refused_clearly(models, monkeypatch):
+    from umakit.backends.mlx.cache import QuantizedKVCache
+
+    import umakit.backends.mlx.batch as mlx_batch
+
+    model = models("llama")
+    monkeypatch.setattr(mlx_batch, "make_prompt_cache", lambda m: [QuantizedKVCache() for _ in m.layers])
+    with pytest.raises(UnsupportedModelError, match="batched decoding does not support QuantizedKVCache cache layers"):
+        stream_batch(model, ["The"])

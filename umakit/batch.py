@@ -1,0 +1,359 @@
+"""Batched generation: many prompts decoded together, one forward pass per step.
+
+Continuous batching: up to ``batch_size`` prompts run at once; when one
+finishes (EOS, a stop string or its max_tokens) its slot goes to the next
+waiting prompt. The backend's `BatchDecoder` holds the caches and samples;
+this module owns the queue, per-row detokenizing and stops, the memory plan
+and the statistics.
+
+    results = generate_batch(model, ["Hi", [{"role": "user", "content": "Yo"}],
+                                     {"prompt": "Count", "max_tokens": 20, "temperature": 0}])
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from typing import Iterator, Sequence
+
+from .backends.batch_protocol import BatchDecoder, BatchRow
+from .errors import InvalidArgumentError, UnsupportedModelError
+from .generation import (
+    FINISH_LENGTH,
+    FINISH_STOP,
+    FINISH_STOP_STRING,
+    GenerationResult,
+    GenerationStats,
+    StopStringFilter,
+)
+from .sampling import DEFAULT_MAX_TOKENS, SamplingParams
+from .tokenizer import StreamingDetokenizer, Tokenizer
+
+DEFAULT_BATCH_SIZE = 8
+KV_BLOCK = 256  # batch caches grow in blocks of this many positions
+SAMPLING_FIELDS = tuple(SamplingParams.__dataclass_fields__)
+ITEM_KEYS = frozenset({"prompt", "messages", "system", "max_tokens", "stop", "seed", *SAMPLING_FIELDS})
+
+
+@dataclass(frozen=True)
+class BatchRequest:
+    """One prompt, encoded, with its own settings."""
+
+    prompt: tuple[int, ...]
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+
+@dataclass
+class BatchStats:
+    """The whole run's numbers; per-prompt numbers are in each result's stats."""
+
+    items: int = 0
+    batch_size: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    steps: int = 0  # forward passes over the batch
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    elapsed_s: float = 0.0
+    bytes_read: float = 0.0  # weights plus KV cache (padding included) read by the decode steps
+
+    @property
+    def decode_tps(self) -> float:
+        """Generated tokens per second of decoding, all rows together."""
+        return self.generated_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Generated tokens per second of the whole run, prefills included."""
+        return self.generated_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    @property
+    def achieved_gbps(self) -> float:
+        return self.bytes_read / self.decode_s / 1e9 if self.decode_s > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "decode_tps": self.decode_tps, "tokens_per_s": self.tokens_per_s,
+                "achieved_gbps": self.achieved_gbps}
+
+
+def batch_decoder(engine) -> BatchDecoder:
+    """The engine's batched decoder; a clear error where a backend has none."""
+    if engine.name == "mlx":
+        from .backends.mlx.batch import MLXBatchDecoder
+
+        return MLXBatchDecoder(engine)
+    raise UnsupportedModelError(f"batched decoding is not available on the {engine.name} backend yet")
+
+
+def _check_type(name: str, value, types: tuple, what: str):
+    if isinstance(value, bool) or not isinstance(value, types):
+        raise InvalidArgumentError(f"{name} must be {what}, got {value!r}")
+    return value
+
+
+def make_request(
+    model,
+    item,
+    *,
+    max_tokens: int = DEFAULT_MAX_TOKENS,
+    stop: Sequence[str] | str = (),
+    seed: int | None = None,
+    system: str | None = None,
+    raw: bool = False,
+    sampling: SamplingParams | None = None,
+) -> BatchRequest:
+    """Encode one prompt: a string, a message list, or a dict with ``prompt`` or
+    ``messages`` and optional per-item settings that override the arguments."""
+    if isinstance(item, BatchRequest):
+        return item
+    if isinstance(item, str):
+        fields = {"prompt": item}
+    elif isinstance(item, (list, tuple)):
+        fields = {"messages": list(item)}
+    elif isinstance(item, dict):
+        fields = dict(item)
+    else:
+        raise InvalidArgumentError(f"a prompt must be a string, a message list or a dict, got {type(item).__name__}")
+    unknown = set(fields) - ITEM_KEYS
+    if unknown:
+        raise InvalidArgumentError(f"unknown setting(s) {', '.join(sorted(unknown))}; known: {', '.join(sorted(ITEM_KEYS))}")
+    if ("prompt" in fields) == ("messages" in fields):
+        raise InvalidArgumentError("give exactly one of 'prompt' or 'messages'")
+    if "prompt" in fields:
+        _check_type("prompt", fields["prompt"], (str,), "a string")
+    else:
+        _check_type("messages", fields["messages"], (list,), "a list of {role, content} objects")
+    system = fields.get("system", system)
+    if system is not None:
+        _check_type("system", system, (str,), "a string")
+    max_tokens = _check_type("max_tokens", fields.get("max_tokens", max_tokens), (int,), "an integer")
+    if max_tokens < 1:
+        raise InvalidArgumentError(f"max_tokens must be at least 1, got {max_tokens}")
+    seed = fields.get("seed", seed)
+    if seed is not None:
+        _check_type("seed", seed, (int,), "an integer")
+    stop = fields.get("stop", stop)
+    stop = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+        raise InvalidArgumentError(f"stop must be a string or a list of strings, got {stop!r}")
+    overrides = {}
+    for k in SAMPLING_FIELDS:
+        if k in fields:
+            ints = k in ("top_k", "repetition_context")
+            overrides[k] = _check_type(k, fields[k], (int,) if ints else (int, float), "an integer" if ints else "a number")
+    params = (sampling or SamplingParams()).with_overrides(**overrides)
+    ids = model.encode(fields.get("prompt"), fields.get("messages"), system, raw)
+    if not ids:
+        raise InvalidArgumentError("the prompt is empty: there is nothing to continue from")
+    limit = model.info.context_length
+    if limit and len(ids) + max_tokens > limit:
+        max_tokens = limit - len(ids)
+        if max_tokens < 1:
+            raise InvalidArgumentError(f"the prompt ({len(ids)} tokens) fills the model's context of {limit} tokens")
+    return BatchRequest(tuple(ids), max_tokens, params, seed, tuple(stop))
+
+
+def plan_batch_size(requests: Sequence[BatchRequest], requested: int, kv_bytes_per_token: float,
+                    budget_bytes: int) -> tuple[int, str | None]:
+    """The batch size the KV-cache budget allows, and a one-line note if it is below the request.
+
+    A row of a padded batch cache is as long as the longest row, so each row
+    is budgeted for the longest prompt plus its max_tokens.
+    """
+    if requested < 1:
+        raise InvalidArgumentError(f"batch_size must be at least 1, got {requested}")
+    size = max(min(requested, len(requests)), 1)
+    if not requests or kv_bytes_per_token <= 0:
+        return size, None
+    longest = max(len(r.prompt) + r.max_tokens for r in requests)
+    row_tokens = -(-longest // KV_BLOCK) * KV_BLOCK
+    row_bytes = row_tokens * kv_bytes_per_token
+    fits = int(max(budget_bytes, 0) // row_bytes)
+    if fits >= size:
+        return size, None
+    need = f"each sequence may hold {row_tokens} tokens ({row_bytes / 2**20:.0f} MiB of KV cache)"
+    have = f"{max(budget_bytes, 0) / 2**20:.0f} MiB is available for the cache"
+    if fits < 1:
+        raise InvalidArgumentError(f"not even one sequence fits: {need} and {have}; lower max_tokens or shorten the prompts")
+    return fits, f"batch size lowered from {size} to {fits}: {need} and {have}"
+
+
+class _Row:
+    """One running prompt: its text so far, stops and clock (as `stream_generate` does it)."""
+
+    def __init__(self, request: BatchRequest, tokenizer: Tokenizer, now: float):
+        self.request = request
+        self.eos = tokenizer.eos_ids
+        self.detok = StreamingDetokenizer(tokenizer)
+        self.stops = StopStringFilter(request.stop)
+        self.parts: list[str] = []
+        self.tokens: list[int] = []
+        self.drawn = 0
+        self.finish: str | None = None
+        self.t_start = now
+        self.t_first = self.t_last = now
+
+    def feed(self, token: int, now: float) -> bool:
+        """Take one sampled token; True once the row is finished."""
+        self.drawn += 1
+        if self.drawn == 1:
+            self.t_first = now
+        self.t_last = now
+        if token in self.eos:
+            self.finish = FINISH_STOP
+            return True
+        self.tokens.append(token)
+        text, hit = self.stops.feed(self.detok.add(token))
+        self.parts.append(text)
+        if hit:
+            self.finish = FINISH_STOP_STRING
+        elif self.drawn >= self.request.max_tokens:
+            self.finish = FINISH_LENGTH
+        return self.finish is not None
+
+    def result(self, peak_memory: int) -> GenerationResult:
+        if self.finish != FINISH_STOP_STRING:
+            tail, hit = self.stops.feed(self.detok.flush())
+            self.parts.append(tail if hit else tail + self.stops.flush())
+            self.finish = FINISH_STOP_STRING if hit else self.finish
+        n_prompt = len(self.request.prompt)
+        s = GenerationStats(prompt_tokens=n_prompt, generated_tokens=len(self.tokens), peak_memory_bytes=peak_memory)
+        s.ttft_s = self.t_first - self.t_start
+        s.prefill_tps = n_prompt / s.ttft_s if s.ttft_s > 0 else 0.0
+        s.decode_s = self.t_last - self.t_first
+        steps = s.generated_tokens if self.finish == FINISH_STOP else max(s.generated_tokens - 1, 0)
+        s.decode_tps = steps / s.decode_s if s.decode_s > 0 and steps else 0.0
+        return GenerationResult("".join(self.parts), self.tokens, self.finish, s)
+
+
+class BatchStream:
+    """Iterate to run the batch: ``(index, GenerationResult)`` pairs in the order they finish.
+
+    ``batch_size`` and ``note`` (set when the memory plan lowered the batch
+    size) are known before iterating; ``stats`` fills in as it runs.
+    """
+
+    def __init__(self, model, requests: Sequence[BatchRequest], batch_size: int = DEFAULT_BATCH_SIZE):
+        self._model = model
+        self.requests = list(requests)
+        self._decoder = batch_decoder(model.engine) if self.requests else None
+        budget = self._decoder.kv_budget_bytes() if self._decoder else 0
+        w = model.info.weights
+        self.batch_size, self.note = plan_batch_size(self.requests, batch_size, w.kv_bytes_per_token, budget)
+        self.stats = BatchStats(items=len(self.requests), batch_size=self.batch_size,
+                                prompt_tokens=sum(len(r.prompt) for r in self.requests))
+        self._started = False
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def __iter__(self) -> Iterator[tuple[int, GenerationResult]]:
+        if self._started:
+            raise InvalidArgumentError("a batch stream runs once; call stream_batch again")
+        self._started = True
+        return self._run()
+
+    def _run(self) -> Iterator[tuple[int, GenerationResult]]:
+        engine, tokenizer, stats = self._model.engine, self._model.tokenizer, self.stats
+        w = self._model.info.weights
+        waiting = deque(range(len(self.requests)))
+        rows: dict[int, _Row] = {}
+        engine.reset_peak_memory()
+        t0 = time.perf_counter()
+        try:
+            while waiting or rows:
+                if waiting and len(rows) < self.batch_size:
+                    t = time.perf_counter()
+                    new = [waiting.popleft() for _ in range(min(self.batch_size - len(rows), len(waiting)))]
+                    rows.update((i, _Row(self.requests[i], tokenizer, t)) for i in new)
+                    r = self.requests
+                    self._decoder.add([BatchRow(i, r[i].prompt, r[i].sampling, r[i].seed) for i in new])
+                    stats.prefill_s += time.perf_counter() - t
+                t = time.perf_counter()
+                out = self._decoder.step()
+                now = time.perf_counter()
+                stats.decode_s += now - t
+                stats.steps += 1
+                stats.bytes_read += w.bytes_per_token + self._decoder.size * self._decoder.context_tokens() * w.kv_bytes_per_token
+                finished = [i for i, token in out if rows[i].feed(token, now)]
+                if finished:
+                    self._decoder.remove(finished)
+                for i in finished:
+                    result = rows.pop(i).result(engine.peak_memory())
+                    stats.generated_tokens += result.stats.generated_tokens
+                    stats.elapsed_s = time.perf_counter() - t0
+                    yield i, result
+        finally:
+            if rows:  # stopped early (an error, or the caller closed the stream)
+                self._decoder.remove(list(rows))
+            stats.elapsed_s = time.perf_counter() - t0
+
+
+@dataclass
+class BatchRun:
+    """What `generate_batch` returns: one result per prompt, in order, plus the run's numbers."""
+
+    results: list[GenerationResult]
+    batch_size: int
+    note: str | None
+    stats: BatchStats
+
+    def __len__(self) -> int:
+        return len(self.results)
+
+    def __iter__(self) -> Iterator[GenerationResult]:
+        return iter(self.results)
+
+    def __getitem__(self, i):
+        return self.results[i]
+
+
+def stream_batch(
+    model,
+    prompts: Sequence,
+    *,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    max_tokens: int = DEFAULT_MAX_TOKENS,
+    stop: Sequence[str] | str = (),
+    seed: int | None = None,
+    system: str | None = None,
+    raw: bool = False,
+    sampling: SamplingParams | None = None,
+    **sampling_overrides,
+) -> BatchStream:
+    """Prepare a batched run of ``prompts``; iterate it for ``(index, result)`` as each finishes.
+
+    Each prompt is a string, a message list, a dict (``prompt`` or ``messages``
+    plus any of max_tokens, stop, seed, system and the sampling fields) or a
+    `BatchRequest`. Every prompt is encoded and checked before anything runs.
+    A ``seed`` makes each row reproduce ``model.generate(..., seed=seed)``.
+    """
+    unknown = set(sampling_overrides) - set(SAMPLING_FIELDS)
+    if unknown:
+        raise InvalidArgumentError(f"unknown generation option(s): {', '.join(sorted(unknown))}")
+    params = (sampling or SamplingParams()).with_overrides(**sampling_overrides)
+    requests = []
+    for i, item in enumerate(prompts):
+        try:
+            requests.append(make_request(model, item, max_tokens=max_tokens, stop=stop, seed=seed,
+                                         system=system, raw=raw, sampling=params))
+        except InvalidArgumentError as e:
+            raise InvalidArgumentError(f"prompt {i}: {e}") from e
+    return BatchStream(model, requests, batch_size)
+
+
+def generate_batch(model, prompts: Sequence, **kwargs) -> BatchRun:
+    """Generate a reply to every prompt; one `GenerationResult` per prompt, in order.
+
+    Takes the keyword arguments of `stream_batch`. ``note`` on the result is
+    set when the batch size had to be lowered to fit the KV cache in memory.
+    """
+    stream = stream_batch(model, prompts, **kwargs)
+    results: list[GenerationResult | None] = [None] * len(stream)
+    for i, result in stream:
+        results[i] = result
+    return BatchRun(results, stream.batch_size, stream.note, stream.stats)
