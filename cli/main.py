@@ -17,9 +17,11 @@ COMMANDS = {
     "batch": "cli.batch_cmd:batch_cmd",
     "bench": "cli.bench_cmd:bench",
     "compare": "cli.compare_cmd:compare_cmd",
+    "eval": "cli.eval_cmd:eval_cmd",
     "generate": "cli.generate:generate",
     "import": "cli.import_cmd:import_cmd",
     "plan": "cli.plan_cmd:plan",
+    "quantize": "cli.quantize_cmd:quantize_cmd",
     "run": "cli.run_cmd:run",
 }
 

@@ -203,7 +203,8 @@ class MLXEngine:
         for name, a in params.items():
             by_cat[_category(name)] = by_cat.get(_category(name), 0) + a.nbytes
             if not name.endswith((".scales", ".biases")):
-                n_params += a.size * (32 // self._bits_of(name) if a.dtype == mx.uint32 else 1)
+                # packed along the input dimension: (out, in * bits / 32) words
+                n_params += a.size * 32 // self._bits_of(name) if a.dtype == mx.uint32 else a.size
         total = sum(by_cat.values())
         embed = by_cat.get("embedding", 0)
         vocab = self.config.get("vocab_size") or 1
