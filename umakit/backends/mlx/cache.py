@@ -24,6 +24,11 @@ class MLXCache:
         if kv_bits is not None:
             if kv_bits not in (4, 8):
                 raise InvalidArgumentError(f"kv_bits must be 4 or 8, got {kv_bits}")
+            head_dim = model.layers[0].self_attn.head_dim if hasattr(model, "layers") else None
+            if head_dim is not None and head_dim % KV_GROUP_SIZE:
+                raise InvalidArgumentError(
+                    f"a quantized KV cache needs a head size divisible by {KV_GROUP_SIZE}; this model's is {head_dim}"
+                )
             if not all(type(c) is KVCache for c in layers):
                 raise InvalidArgumentError("this model's cache (sliding window or recurrent layers) cannot be quantized")
             layers = [QuantizedKVCache(group_size=KV_GROUP_SIZE, bits=kv_bits) for _ in layers]

@@ -145,7 +145,7 @@ class MLXEngine:
     def logits(self, tokens: Sequence[int], cache: MLXCache | None = None) -> np.ndarray:
         cache = cache if cache is not None else self.make_cache()
         with mx.stream(self._mx_device):
-            out = self.model(mx.array(list(tokens))[None], cache=cache.layers)  # (1, T, V)
+            out = self.model(mx.array([int(t) for t in tokens])[None], cache=cache.layers)  # (1, T, V)
             out = out[0].astype(mx.float32)
             mx.eval(out)
         return np.array(out)
