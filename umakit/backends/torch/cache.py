@@ -45,6 +45,7 @@ class StaticKVCache:
             k[:, :, :, : self.offset] = self.k[:, :, :, : self.offset]
             v[:, :, :, : self.offset] = self.v[:, :, :, : self.offset]
         self.k, self.v = k, v
+        self.layers = list(zip(k.unbind(0), v.unbind(0), strict=True))  # per-layer views, made once
 
     @property
     def capacity(self) -> int:
@@ -68,15 +69,15 @@ class StaticKVCache:
         ``static`` > 0: write at the device-side ``positions`` and return the first
         ``static`` slots, so the shapes do not depend on the offset.
         """
-        kc, vc = self.k[layer], self.v[layer]
+        kc, vc = self.layers[layer]
         if static:
             kc.index_copy_(2, positions, k)
             vc.index_copy_(2, positions, v)
             return kc[:, :, :static], vc[:, :, :static]
-        end = self.offset + k.shape[2]
-        kc[:, :, self.offset: end] = k
-        vc[:, :, self.offset: end] = v
-        return kc[:, :, :end], vc[:, :, :end]
+        T, end = k.shape[2], self.offset + k.shape[2]
+        kc.narrow(2, self.offset, T).copy_(k)
+        vc.narrow(2, self.offset, T).copy_(v)
+        return kc.narrow(2, 0, end), vc.narrow(2, 0, end)
 
     def advance(self, n: int) -> None:
         self.offset += n

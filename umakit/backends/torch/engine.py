@@ -1,9 +1,19 @@
-"""PyTorch engine: umakit's compact model, streamed from safetensors, on CUDA or CPU."""
+"""PyTorch engine: umakit's compact model, streamed from safetensors, on CUDA or CPU.
+
+How quantized (MLX affine) layers run, by compute dtype:
+
+CPU, float32 ("auto")  dequantized once at load: exact, but reads 4 bytes a weight.
+CPU, float16           float16 weights, float32 inputs and sums (FBGEMM): 2 bytes a
+                       weight, weights rounded to float16 (x86 only).
+CPU, bfloat16          torch's int4 kernels after an exact repack: ~0.6 bytes a
+                       weight, inputs and outputs rounded to bfloat16.
+CUDA ("auto": the checkpoint's half type)  tinygemm int4 in bfloat16, otherwise a
+                       fused Triton dequantize-matvec; the decode step is a CUDA graph.
+"""
 
 from __future__ import annotations
 
 import contextlib
-import os
 import resource
 import sys
 from typing import Iterator, Sequence
@@ -25,7 +35,7 @@ from .sampling import make_sampler
 PREFILL_STEP = 512  # tokens per prefill chunk: bounds attention memory on long prompts
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 SAFETENSORS_FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-CUDA_CACHE_TOKENS = 4096  # initial KV capacity on CUDA: a decode graph is captured per capacity
+CUDA_CACHE_TOKENS = 4096  # initial KV capacity on CUDA, so captured decode graphs rarely go stale
 
 
 class TorchEngine:
@@ -88,11 +98,14 @@ class TorchEngine:
         self._device = torch.device(device)
         self.config = config
         self.args = ModelArgs.from_config(config)
-        self._dtype = dtype
         self.dtype = str(dtype).removeprefix("torch.")
+        # On CPU, float16 means float16 weights with float32 activations, cache
+        # and accumulation (quant.Fp16Linear): x86 CPUs have no fast half math.
+        half_weights = device == "cpu" and dtype == torch.float16 and quant.Fp16Linear.available()
+        self._dtype = torch.float32 if half_weights else dtype  # activations and KV cache
         self.quantization = config.get("quantization")
         with torch.inference_mode():
-            self.model = build_model(self.args, config, shapes, source(), self._device, dtype)
+            self.model = build_model(self.args, config, shapes, source(), self._device, self._dtype, dtype)
         self._params = _logical_params(config, shapes)
         self._graphs = None
         if device == "cuda":
@@ -146,24 +159,29 @@ class TorchEngine:
         penalty = sampling.repetition_penalty != 1.0
         recent = (list(history)[-window:] + list(prompt))[-window:] if penalty else []
         recent = torch.tensor(recent, dtype=torch.long, device=self._device)[None]  # (1, n)
-        host = torch.empty(1, dtype=torch.long, pin_memory=self.device == "cuda")
         with torch.inference_mode():
             self.prefill(prompt[:-1], cache)
             logits = self._forward(torch.tensor(prompt[-1:], device=self._device), cache)[:, -1]  # (1, V)
+        if self.device == "cuda":
+            host = torch.empty(1, dtype=torch.long, pin_memory=True)
         while True:
             with torch.inference_mode():
                 y = sampler(logits, recent, generator)  # (1,)
                 if penalty:
                     recent = torch.cat([recent, y[:, None]], dim=1)[:, -window:]
+            if self.device != "cuda":
+                yield int(y)
+                with torch.inference_mode():
+                    logits = self._decode(y, cache)
+                continue
+            # CUDA: queue step n+1 before handing out token n, so the device
+            # computes it while the host waits only for the token's copy.
+            with torch.inference_mode():
                 host.copy_(y, non_blocking=True)
-                done = torch.cuda.Event() if self.device == "cuda" else None
-                if done is not None:
-                    done.record()
-                # Queue step n+1 before handing out token n: on CUDA the device
-                # computes it while the caller handles the token.
+                copied = torch.cuda.Event()
+                copied.record()
                 logits = self._decode(y, cache)
-            if done is not None:
-                done.synchronize()
+            copied.synchronize()
             yield int(host[0])
 
     def _decode(self, token: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
@@ -179,6 +197,9 @@ class TorchEngine:
                 continue  # a tied head shares the embedding's storage
             seen.add(t.data_ptr())
             by_cat[_category(name)] = by_cat.get(_category(name), 0) + t.numel() * t.element_size()
+        for name, m in self.model.named_modules():
+            if isinstance(m, quant.Fp16Linear):  # FBGEMM's packed weights are not tensors
+                by_cat[_category(name)] = by_cat.get(_category(name), 0) + m.packed_nbytes
         total = sum(by_cat.values())
         embed = by_cat.get("embedding", 0)
         tied = "head" not in by_cat
@@ -238,7 +259,7 @@ def _compute_dtype(dtype: str, floats: list, device: str) -> torch.dtype:
 def _quant_spec(path: str, q: dict, tensors) -> dict | None:
     """mlx-lm's rule: a per-module dict overrides; otherwise quantized iff ``{path}.scales`` exists."""
     if isinstance(q.get(path), dict):
-        return {"bits": q[path].get("bits", q.get("bits")), "group_size": q[path].get("group_size", q.get("group_size"))}
+        return {k: q[path].get(k, q.get(k)) for k in ("bits", "group_size")}
     if q.get(path) is False or f"{path}.scales" not in tensors:
         return None
     return {"bits": q.get("bits"), "group_size": q.get("group_size")}
@@ -290,8 +311,12 @@ def _stream(ckpt: Checkpoint, device: str):
 
 
 def build_model(args: ModelArgs, config: dict, shapes: dict, source, device: torch.device,
-                dtype: torch.dtype) -> Transformer:
-    """Build the model on the meta device, then fill it from ``source`` one tensor at a time."""
+                dtype: torch.dtype, weights: torch.dtype | None = None) -> Transformer:
+    """Build the model on the meta device, then fill it from ``source`` one tensor at a time.
+
+    ``dtype`` is that of activations and float tensors, ``weights`` that of the
+    linear layers' execution form (default: ``dtype``).
+    """
     with torch.device("meta"):
         model = Transformer(args)
     _swap_quantized(model, config.get("quantization") or {}, shapes, dtype)
@@ -318,7 +343,7 @@ def build_model(args: ModelArgs, config: dict, shapes: dict, source, device: tor
             model.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False, device="meta")
             model.lm_head.weight = embed.weight
     fuse_projections(model, quant.concat)
-    quant.convert_model(model, device, dtype)
+    quant.convert_model(model, device, weights or dtype)
     if tied and isinstance(embed, quant.QuantizedEmbedding) and isinstance(model.lm_head, nn.Linear):
         # The tied head was dequantized: look rows up in it and drop the packed table.
         model.model.embed_tokens = nn.Embedding.from_pretrained(model.lm_head.weight, freeze=True)

@@ -95,7 +95,7 @@ class TritonAffineLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape[:-1]
-        x = x.reshape(-1, self.in_features)
+        x = x.reshape(-1, self.in_features).contiguous()
         if x.shape[0] == 1:
             y = torch.empty(1, self.out_features, dtype=x.dtype, device=x.device)
             N, K = self.out_features, self.in_features
@@ -136,7 +136,7 @@ class GraphDecoder:
         span = SPAN_MIN
         while span < cache.offset + 1:
             span *= 2
-        cache.reserve(min(span, cache.max_tokens) - cache.offset)  # grow a whole span at once
+        cache.reserve(max(1, min(span, cache.max_tokens) - cache.offset))  # grow a whole span at once
         span = min(span, cache.capacity)
         if not self.capture:
             position = torch.full((1,), cache.offset, dtype=torch.long, device=token.device)

@@ -106,16 +106,20 @@ def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
 
 
 def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
-    """cos, sin of shape (T, head_dim) for integer ``positions`` (T,), as transformers computes them."""
+    """cos and signed sin, each (T, head_dim), for integer ``positions`` (T,).
+
+    transformers rotates pairs (i, i + hd/2): x * cos + cat(-x2, x1) * sin. With
+    the sign folded into the first half of sin, cat(-x2, x1) * sin becomes
+    roll(x) * signed_sin, one op fewer per call.
+    """
     freqs = positions.float()[:, None] * inv_freq[None, :]  # (T, hd/2)
-    emb = torch.cat((freqs, freqs), dim=-1)  # (T, hd)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    cos, sin = freqs.cos(), freqs.sin()
+    return torch.cat((cos, cos), dim=-1).to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (i, i + hd/2) of x (B, H, T, hd): the Hugging Face (non-interleaved) layout."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x (B, H, T, hd) in the Hugging Face (non-interleaved) layout."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
 
 
 def attention_mask(positions: torch.Tensor, key_len: int, window: int | None) -> torch.Tensor:
@@ -131,7 +135,7 @@ class Step(NamedTuple):
     """What every layer needs to know about the tokens of one forward call."""
 
     cos: torch.Tensor  # (T, hd)
-    sin: torch.Tensor  # (T, hd)
+    sin: torch.Tensor  # (T, hd), sign folded in (see rope_cos_sin)
     positions: torch.Tensor  # (T,) int64
     mask: torch.Tensor | None  # (T, S) bool, None when every cached key is visible
     static: int  # 0: attend to the filled cache; else to its first `static` slots under the mask (CUDA graphs)
@@ -145,17 +149,15 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        # Half precision: normalise in float32, scale after casting back (as transformers does).
-        return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
+        # transformers' formula (float32 inside); on CPU F.rms_norm is a composite of ~25 ops.
+        x32 = x.float()
+        return self.weight * (x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
 class Attention(nn.Module):
     def __init__(self, a: ModelArgs):
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = a.num_attention_heads, a.num_key_value_heads, a.head_dim
-        self.window = a.sliding_window
         q, kv = self.n_heads * self.head_dim, self.n_kv * self.head_dim
         self.q_proj = nn.Linear(a.hidden_size, q, bias=a.qkv_bias)
         self.k_proj = nn.Linear(a.hidden_size, kv, bias=a.qkv_bias)
@@ -168,27 +170,25 @@ class Attention(nn.Module):
 
     def forward(self, x, step: Step, cache, layer: int):
         B, T, _ = x.shape
-        q, k, v = self.qkv_proj(x).split(
-            [self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.n_kv * self.head_dim], dim=-1
-        )
-        q = q.view(B, T, self.n_heads, self.head_dim)
-        k = k.view(B, T, self.n_kv, self.head_dim)
+        nh, nkv = self.n_heads, self.n_kv
+        qkv = self.qkv_proj(x).view(B, T, nh + 2 * nkv, self.head_dim)
         if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q.transpose(1, 2), step.cos, step.sin)  # (B, nh, T, hd)
-        k = apply_rope(k.transpose(1, 2), step.cos, step.sin)  # (B, nkv, T, hd)
-        v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
-        k, v = cache.update(layer, k, v, step.positions, step.static)  # (B, nkv, S, hd)
-        groups = self.n_heads // self.n_kv
-        if step.mask is None and T == 1:
-            # One query per head: fold each kv group's queries into the time axis,
-            # so attention reads the cache once per kv head (GQA without copies).
-            out = F.scaled_dot_product_attention(q.view(B, self.n_kv, groups, self.head_dim), k, v)
-            out = out.reshape(B, 1, self.n_heads * self.head_dim)  # (B, 1, nh*hd)
+            q, k, v = qkv.split([nh, nkv, nkv], dim=2)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=2)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=step.mask, enable_gqa=groups > 1)
-            out = out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
-        return self.o_proj(out)
+            qk, v = qkv.split([nh + nkv, nkv], dim=2)
+        qk = apply_rope(qk.transpose(1, 2), step.cos, step.sin)  # (B, nh+nkv, T, hd): q and k in one go
+        q, k = qk.split([nh, nkv], dim=1)
+        k, v = cache.update(layer, k, v.transpose(1, 2), step.positions, step.static)  # (B, nkv, S, hd)
+        if T == 1:
+            # One query per head, all at the same position: fold each kv group's
+            # queries into the time axis, so the cache is read once per kv head.
+            q = q.reshape(B, nkv, nh // nkv, self.head_dim)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=step.mask)  # mask (1, S) or None
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=step.mask, enable_gqa=nh != nkv)
+            out = out.transpose(1, 2)  # (B, T, nh, hd)
+        return self.o_proj(out.reshape(B, T, nh * self.head_dim))
 
 
 class MLP(nn.Module):

@@ -54,8 +54,8 @@ def pack(q: torch.Tensor, bits: int) -> torch.Tensor:
 def dequantize(w, scales, biases, bits: int, group_size: int, dtype=torch.float32) -> torch.Tensor:
     """Float weights (rows, cols): scales * q + biases, computed in float32."""
     rows, groups = scales.shape
-    q = unpack(w, bits, groups * group_size).view(rows, groups, group_size).float()
-    out = q * scales.float()[..., None] + biases.float()[..., None]  # (rows, groups, group)
+    out = unpack(w, bits, groups * group_size).view(rows, groups, group_size).float()  # (rows, groups, group)
+    out.mul_(scales.float()[..., None]).add_(biases.float()[..., None])
     return out.view(rows, -1).to(dtype)
 
 
@@ -81,7 +81,8 @@ class QuantizedLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.bits, self.group_size = bits, group_size
         groups = in_features // group_size
-        self.register_buffer("weight", torch.empty(out_features, in_features * bits // 32, dtype=torch.uint32, device=device))
+        words = in_features * bits // 32
+        self.register_buffer("weight", torch.empty(out_features, words, dtype=torch.uint32, device=device))
         self.register_buffer("scales", torch.empty(out_features, groups, dtype=dtype, device=device))
         self.register_buffer("biases", torch.empty(out_features, groups, dtype=dtype, device=device))
         self.register_buffer("bias", torch.empty(out_features, dtype=dtype, device=device) if bias else None)
@@ -117,7 +118,7 @@ class QuantizedEmbedding(QuantizedLinear):
 def concat(layers: list[nn.Module]) -> nn.Module:
     """One layer computing ``torch.cat([l(x) for l in layers], -1)``, by stacking output rows."""
     first = layers[0]
-    same = all(type(m) is type(first) for m in layers)
+    same = all(type(m) is type(first) and (m.bias is None) == (first.bias is None) for m in layers)
     if same and isinstance(first, nn.Linear):
         fused = nn.Linear(first.in_features, sum(m.out_features for m in layers), bias=first.bias is not None,
                           device="meta")
@@ -167,7 +168,8 @@ class Int4PackLinear(nn.Module):
             s, b = torch.cat([16 * s, s], dim=1), torch.cat([b + 128 * s, 8 * s], dim=1)
         else:
             b = b + 8 * s
-        self.register_buffer("scales_and_zeros", torch.stack([s, b], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16))  # (G, N, 2)
+        sz = torch.stack([s, b], dim=-1).transpose(0, 1)  # (G, N, 2)
+        self.register_buffer("scales_and_zeros", sz.contiguous().to(torch.bfloat16))
         if device.type == "cuda":
             tiles = next(t for t in (8, 4, 2) if q.shape[1] % (t * 16) == 0)
             packed = torch.ops.aten._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8), tiles)
@@ -187,7 +189,9 @@ class Int4PackLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape[:-1]
-        x = x.reshape(-1, self.in_features).to(torch.bfloat16)  # (M, K)
+        x = x.reshape(-1, self.in_features)  # (M, K)
+        if x.dtype != torch.bfloat16:
+            x = x.to(torch.bfloat16)
         if self.split:
             x = torch.cat([x, x], dim=-1)  # (M, 2K): one input per nibble plane
         y = self.op(x, self.packed, self.group_size, self.scales_and_zeros)
@@ -205,6 +209,28 @@ def dense(m: QuantizedLinear, dtype: torch.dtype) -> nn.Linear:
     return out
 
 
+class Fp16Linear(nn.Module):
+    """Float16 weights, float32 inputs and accumulation (FBGEMM, x86 CPUs): half the bytes of float32.
+
+    The only rounding is of the weights to float16 (2^-11 relative); products
+    and sums stay in float32.
+    """
+
+    def __init__(self, lin: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = lin.in_features, lin.out_features
+        bias = None if lin.bias is None else lin.bias.float()
+        self.packed = torch.ops.quantized.linear_prepack_fp16(lin.weight.float(), bias)
+        self.packed_nbytes = 2 * lin.weight.numel() + (0 if bias is None else bias.nbytes)
+
+    @staticmethod
+    def available() -> bool:
+        return "fbgemm" in torch.backends.quantized.supported_engines
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
+
+
 def for_execution(m: QuantizedLinear, device: torch.device, dtype: torch.dtype) -> nn.Module:
     """The fastest form of ``m`` that stays within float tolerance of dequantize-then-matmul in ``dtype``."""
     if device.type == "cuda":
@@ -213,19 +239,38 @@ def for_execution(m: QuantizedLinear, device: torch.device, dtype: torch.dtype) 
         return cuda_linear(m, dtype)
     if dtype == torch.bfloat16 and Int4PackLinear.supports(m, device):
         return Int4PackLinear(m, device)
+    if dtype == torch.float16 and Fp16Linear.available():
+        return dense(m, torch.float32)  # packed into an Fp16Linear by convert_model
     return dense(m, dtype)
 
 
 def convert_model(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
-    """Swap every loaded `QuantizedLinear` for its execution form (embeddings stay lookups)."""
+    """Swap every loaded `QuantizedLinear` for its execution form (embeddings stay lookups).
+
+    On CPU in float16, every linear layer then holds float16 weights for
+    FBGEMM's float32 kernels (see `Fp16Linear`).
+    """
     for path, module in list(model.named_modules()):
         if type(module) is QuantizedLinear:
-            parent, _, attr = path.rpartition(".")
-            setattr(model.get_submodule(parent), attr, for_execution(module, device, dtype))
+            _replace(model, path, for_execution(module, device, dtype))
+    for path, module in list(model.named_modules()):
+        if isinstance(module, Concat) and all(isinstance(m, nn.Linear) for m in module.parts):
+            _replace(model, path, concat(list(module.parts)))  # mixed bits, all dequantized: one matmul again
+    if device.type == "cpu" and dtype == torch.float16 and Fp16Linear.available():
+        for path, module in list(model.named_modules()):
+            if type(module) is nn.Linear:
+                _replace(model, path, Fp16Linear(module))
+
+
+def _replace(model: nn.Module, path: str, new: nn.Module) -> None:
+    parent, _, attr = path.rpartition(".")
+    setattr(model.get_submodule(parent), attr, new)
 
 
 def describe_execution(model: nn.Module) -> str:
     kinds = {type(m).__name__ for m in model.modules()}
+    if "Fp16Linear" in kinds:
+        return "runs as float16 weights, float32 math"
     if "Int4PackLinear" in kinds:
         return "runs on int4 kernels, bfloat16"
     if "TritonAffineLinear" in kinds:

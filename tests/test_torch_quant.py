@@ -1,0 +1,149 @@
+"""The torch backend's reading of MLX's affine quantization; `mx.quantize` is the ground truth."""
+
+import json
+import shutil
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import umakit
+from umakit.backends.torch import quant
+
+PROMPT = [5, 17, 42, 99, 3, 250, 7, 301, 12, 64, 128, 77, 31, 200, 11]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    """These models are small: more threads gain nothing, and on a busy machine they cost a lot."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def mlx_quantized(rows, cols, bits, group_size, seed=0):
+    w = mx.random.normal((rows, cols), key=mx.random.key(seed)) * 0.05
+    q, s, b = mx.quantize(w, group_size=group_size, bits=bits)
+    truth = np.array(mx.dequantize(q, s, b, group_size=group_size, bits=bits))
+    as_torch = [torch.from_numpy(np.array(a)) for a in (q, s, b)]
+    return as_torch, truth
+
+
+def layer(rows, cols, bits, group_size, seed=0):
+    (q, s, b), truth = mlx_quantized(rows, cols, bits, group_size, seed)
+    m = quant.QuantizedLinear(cols, rows, False, bits, group_size, device="meta")
+    m.weight, m.scales, m.biases = q, s.half(), b.half()  # checkpoints store half-precision scales
+    return m
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_unpack_agrees_with_mlx(bits, group_size):
+    (q, s, b), truth = mlx_quantized(24, 256, bits, group_size)
+    ours = quant.dequantize(q, s, b, bits, group_size).numpy()
+    np.testing.assert_allclose(ours, truth, rtol=0, atol=1e-6)
+    assert torch.equal(quant.pack(quant.unpack(q, bits, 256), bits), q)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantize_then_dequantize_is_close(bits):
+    w = torch.randn(32, 128)
+    packed, s, b = quant.quantize(w, bits, 32)
+    err = (quant.dequantize(packed, s, b, bits, 32) - w).abs().max()
+    assert err <= (w.max() - w.min()) / 2**bits
+
+
+SHAPES = [(80, 96, 32), (48, 192, 64), (272, 384, 128), (16, 128, 128), (100, 64, 32), (1040, 320, 64)]
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows, cols, group_size", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_execution_forms_equal_dequantize_then_matmul(bits, rows, cols, group_size, dtype):
+    if dtype == torch.float16 and not quant.Fp16Linear.available():
+        pytest.skip("float16 weights with float32 math need FBGEMM (x86)")
+    m = layer(rows, cols, bits, group_size)
+    reference = m.dequantized(torch.float32)
+    model = torch.nn.Module()
+    model.layer = m
+    quant.convert_model(model, torch.device("cpu"), dtype)
+    run = model.layer
+    if dtype == torch.bfloat16 and rows % 16 == 0:
+        assert isinstance(run, quant.Int4PackLinear)
+    for tokens in (1, 5):
+        x = torch.randn(1, tokens, cols)
+        want = F.linear(x, reference)
+        if dtype == torch.float32:  # float tolerance
+            torch.testing.assert_close(run(x), want, rtol=1e-5, atol=1e-5)
+        elif dtype == torch.float16:  # float16 weights (2^-11 each), float32 inputs and sums
+            assert (run(x) - want).abs().max() <= 2**-10 * want.abs().max()
+        else:  # bfloat16 inputs and outputs: 8 significant bits
+            assert (run(x.bfloat16()).float() - want).abs().max() <= 2**-7 * want.abs().max()
+
+
+def test_quantized_embedding_rows_equal_the_table():
+    (q, s, b), truth = mlx_quantized(50, 64, 8, 32)
+    e = quant.QuantizedEmbedding(50, 64, 8, 32, device="meta")
+    e.weight, e.scales, e.biases = q, s, b
+    ids = torch.tensor([[3, 0, 49, 3]])
+    np.testing.assert_allclose(e(ids)[0].numpy(), truth[[3, 0, 49, 3]], atol=1e-6)
+
+
+# -- a quantized checkpoint, with mlx-lm's per-layer overrides --------------------
+OVERRIDES = {
+    "model.embed_tokens": {"group_size": 32, "bits": 8},
+    "model.layers.0.self_attn.k_proj": {"group_size": 64, "bits": 8},  # fused with 4-bit q and v
+    "model.layers.0.mlp.down_proj": {"group_size": 64, "bits": 8},
+    "lm_head": {"group_size": 64, "bits": 4},
+}
+FLOAT = ("layers.1.self_attn.v_proj", "layers.1.self_attn.o_proj")  # left unquantized
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])  # qwen2: q/k/v biases and a tied, quantized table
+def quantized_dir(request, tiny_dir, tmp_path_factory):
+    """A tiny model quantized with mx.quantize: 4-bit g32, with the overrides above; two layers left float."""
+    src = tiny_dir(request.param)
+    out = tmp_path_factory.mktemp(f"{request.param}-q4")
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, out / f.name)
+    weights = mx.load(str(src / "model.safetensors"))
+    arrays = {}
+    for name, w in weights.items():
+        module = name.removesuffix(".weight")
+        spec = OVERRIDES.get(module, {"group_size": 32, "bits": 4})
+        if w.ndim != 2 or module.endswith(FLOAT):  # norms, and the float layers
+            arrays[name] = w
+            continue
+        q, s, b = mx.quantize(w, **spec)
+        arrays.update({name: q, f"{module}.scales": s.astype(mx.float16), f"{module}.biases": b.astype(mx.float16)})
+    mx.save_safetensors(str(out / "model.safetensors"), arrays, metadata={"format": "mlx"})
+    config = json.loads((src / "config.json").read_text())
+    config["quantization"] = {"group_size": 32, "bits": 4, **OVERRIDES}
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def test_quantized_checkpoint_matches_the_mlx_backend(quantized_dir):
+    ours = umakit.load(quantized_dir, backend="torch", device="cpu")
+    theirs = umakit.load(quantized_dir, backend="mlx", device="cpu")
+    np.testing.assert_allclose(ours.logits(PROMPT), theirs.logits(PROMPT), atol=1e-4, rtol=1e-4)
+    w = ours.info.weights
+    assert w.quantization.startswith("4-bit g32, some layers 4/8-bit")
+    assert w.params == theirs.info.weights.params
+
+
+@pytest.mark.parametrize(
+    "dtype, kind, tolerance", [("float16", "Fp16Linear", 0.005), ("bfloat16", "Int4PackLinear", 0.05)]
+)
+def test_quantized_checkpoint_in_half_precision_is_close(quantized_dir, dtype, kind, tolerance):
+    if kind == "Fp16Linear" and not quant.Fp16Linear.available():
+        pytest.skip("float16 weights with float32 math need FBGEMM (x86)")
+    ours = umakit.load(quantized_dir, backend="torch", device="cpu", dtype=dtype)
+    assert ours.info.dtype == dtype
+    assert kind in {type(m).__name__ for m in ours.engine.model.modules()}
+    theirs = umakit.load(quantized_dir, backend="mlx", device="cpu").logits(PROMPT)
+    assert np.abs(ours.logits(PROMPT) - theirs).max() <= tolerance * np.abs(theirs).max()
