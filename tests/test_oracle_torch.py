@@ -36,7 +36,7 @@ def ref_logits(ref, tokens):
 @pytest.fixture(scope="module", params=FAMILIES)
 def pair(request, tiny_dir):
     path = tiny_dir(request.param)
-    return request.param, umakit.load(path, backend="torch", device="cpu"), reference(path)
+    return request.param, umakit.load(path, backend="torch", device="cpu", dtype="float32"), reference(path)
 
 
 def test_logits_match_transformers(pair):
@@ -80,7 +80,7 @@ def test_prefill_trim_and_continue(pair):
 
 
 def test_cache_grows_past_its_first_capacity(tiny_dir):
-    model = umakit.load(tiny_dir("llama"), backend="torch", device="cpu")
+    model = umakit.load(tiny_dir("llama"), backend="torch", device="cpu", dtype="float32")
     cache = model.make_cache()
     start = cache.capacity
     tokens = (PROMPT * 40)[: start + 20]
@@ -91,7 +91,7 @@ def test_cache_grows_past_its_first_capacity(tiny_dir):
 
 
 def test_sampled_generation_is_seeded(tiny_dir):
-    model = umakit.load(tiny_dir("qwen2"), backend="torch", device="cpu")
+    model = umakit.load(tiny_dir("qwen2"), backend="torch", device="cpu", dtype="float32")
     a = model.generate("The quick brown", raw=True, max_tokens=12, temperature=1.0, seed=7)
     b = model.generate("The quick brown", raw=True, max_tokens=12, temperature=1.0, seed=7)
     assert a.tokens == b.tokens and a.stats.decode_tps > 0 and a.stats.peak_memory_bytes > 0
@@ -121,7 +121,7 @@ def test_static_decode_step_equals_eager(tiny_dir, family):
     """The CUDA-graph decode step (fixed attention span under a mask), run eagerly on CPU."""
     from umakit.backends.torch.kernels import GraphDecoder
 
-    model = umakit.load(tiny_dir(family), backend="torch", device="cpu")
+    model = umakit.load(tiny_dir(family), backend="torch", device="cpu", dtype="float32")
     step = GraphDecoder(model.engine.model, capture=False)
     cache = model.make_cache()
     model.engine.prefill(PROMPT[:5], cache)
@@ -140,7 +140,7 @@ def test_sliding_window_matches_transformers(tiny_dir, tmp_path):
     shutil.copytree(tiny_dir("mistral"), path)
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**config, "sliding_window": 6}))
-    model, ref = umakit.load(path, backend="torch", device="cpu"), reference(path)
+    model, ref = umakit.load(path, backend="torch", device="cpu", dtype="float32"), reference(path)
     np.testing.assert_allclose(model.logits(PROMPT), ref_logits(ref, PROMPT), atol=1e-4, rtol=1e-4)
     cache = model.make_cache()
     model.engine.prefill(PROMPT[:4], cache)

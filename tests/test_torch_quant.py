@@ -128,7 +128,7 @@ def quantized_dir(request, tiny_dir, tmp_path_factory):
 
 
 def test_quantized_checkpoint_matches_the_mlx_backend(quantized_dir):
-    ours = umakit.load(quantized_dir, backend="torch", device="cpu")
+    ours = umakit.load(quantized_dir, backend="torch", device="cpu", dtype="float32")
     theirs = umakit.load(quantized_dir, backend="mlx", device="cpu")
     np.testing.assert_allclose(ours.logits(PROMPT), theirs.logits(PROMPT), atol=1e-4, rtol=1e-4)
     w = ours.info.weights
@@ -147,3 +147,11 @@ def test_quantized_checkpoint_in_half_precision_is_close(quantized_dir, dtype, k
     assert kind in {type(m).__name__ for m in ours.engine.model.modules()}
     theirs = umakit.load(quantized_dir, backend="mlx", device="cpu").logits(PROMPT)
     assert np.abs(ours.logits(PROMPT) - theirs).max() <= tolerance * np.abs(theirs).max()
+
+
+def test_auto_on_cpu_takes_half_weights_with_float32_math(quantized_dir):
+    model = umakit.load(quantized_dir, backend="torch", device="cpu")
+    expected = "float16" if quant.Fp16Linear.available() else "float32"
+    assert model.info.dtype == expected
+    exact = umakit.load(quantized_dir, backend="mlx", device="cpu")
+    np.testing.assert_allclose(model.logits(PROMPT), exact.logits(PROMPT), atol=0.005, rtol=0.005)

@@ -24,7 +24,7 @@ SHORTHANDS = {"cuda": ("torch", "cuda"), "metal": ("mlx", "metal")}
 DEVICES = {"mlx": ("metal", "cpu"), "torch": ("cuda", "cpu")}
 # On a CPU-only machine "auto" takes the first engine here that is installed;
 # the order follows benchmarks/cpu_engines.py on a 2-core x86 Linux machine.
-CPU_PREFERENCE = ("mlx",)
+CPU_PREFERENCE = ("torch", "mlx")
 
 
 def is_apple_silicon() -> bool:
