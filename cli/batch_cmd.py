@@ -87,11 +87,8 @@ def batch_cmd(model, input_path, output_path, batch_size, system, raw, stop, max
         click.echo(f"{len(items) - len(todo)} of {len(items)} items already in {output_path}: skipped", err=True)
     requests, ids = [], []
     if todo:
-        if backend == "auto" and device in (None, "auto", "cpu", "metal"):
-            from umakit.batch import BATCH_ENGINES
-
-            backend = BATCH_ENGINES[0]  # the torch engine has no batched decoder yet
-        m = umakit.load(model, backend=backend, device=device, dtype=dtype, peak_bandwidth=peak_bandwidth)
+        m = umakit.load(model, backend=backend, device=device, dtype=dtype, peak_bandwidth=peak_bandwidth,
+                        needs={"batch"})
         for warning in m.info.warnings:
             click.echo(click.style(f"Warning: {warning}", fg="yellow"), err=True)
         params = SamplingParams().with_overrides(**{k: sampling[k] for k in SAMPLING_KEYS})

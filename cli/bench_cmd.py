@@ -44,7 +44,8 @@ def bench(model, prompt_tokens, gen_tokens, repeat, warmup, kv_bits, contexts, s
         records = [lib.load_record(p) for p in compare]
         click.echo(compare_table(records))
     else:
-        engine, name, dev = _engine(model, synthetic, bits, backend, device, dtype, peak_bandwidth)
+        needs = {"kv_bits"} if kv_bits else set()
+        engine, name, dev = _engine(model, synthetic, bits, backend, device, dtype, peak_bandwidth, needs)
         settings = lib.BenchSettings(prompt_tokens, gen_tokens, repeat, warmup,
                                      int(kv_bits) if kv_bits else None, contexts)
         with click.progressbar(length=settings.warmup + repeat + len(contexts), label="benchmarking",
@@ -64,7 +65,7 @@ def bench(model, prompt_tokens, gen_tokens, repeat, warmup, kv_bits, contexts, s
         click.echo(f"wrote {plot}", err=True)
 
 
-def _engine(model, synthetic, bits, backend, device, dtype, peak_bandwidth):
+def _engine(model, synthetic, bits, backend, device, dtype, peak_bandwidth, needs):
     import umakit
     from umakit.hardware import detect_local
 
@@ -72,13 +73,13 @@ def _engine(model, synthetic, bits, backend, device, dtype, peak_bandwidth):
         from umakit.backends import engine_class, resolve
         from umakit.plan import load_preset
 
-        engine_name, device = resolve(backend, device)
+        engine_name, device = resolve(backend, device, frozenset(needs))
         cls = engine_class(engine_name)
         engine = cls.synthetic(load_preset(synthetic), device=device, dtype=dtype, bits=int(bits) if bits else None)
         return engine, synthetic, detect_local(device, override_gbps=peak_bandwidth)
     if bits:
         raise click.UsageError("--bits applies to --synthetic models; quantize a checkpoint with umakit quantize")
-    m = umakit.load(model, backend=backend, device=device, dtype=dtype, peak_bandwidth=peak_bandwidth)
+    m = umakit.load(model, backend=backend, device=device, dtype=dtype, peak_bandwidth=peak_bandwidth, needs=needs)
     return m.engine, m.info.name, m.device_info
 
 

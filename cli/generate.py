@@ -31,7 +31,7 @@ def generate(model, prompt, system, raw, stop, kv_bits, as_json, max_tokens, see
     if prompt == "-":
         prompt = sys.stdin.read()
     m = umakit.load(model, backend=backend, device=device, dtype=dtype, peak_bandwidth=peak_bandwidth,
-                    quantize=int(quantize) if quantize else None)
+                    quantize=int(quantize) if quantize else None, needs={"kv_bits"} if kv_bits else set())
     for warning in m.info.warnings:
         click.echo(click.style(f"Warning: {warning}", fg="yellow"), err=True)
     chunks = m.stream(prompt, system=system, raw=raw, max_tokens=max_tokens, stop=stop, seed=seed,

@@ -32,7 +32,7 @@ def run(model, system, max_context, kv_bits, stats, max_tokens, seed, backend, d
     if tty:
         click.echo(click.style(f"Loading {path.name} ({size(umakit.checkpoint_size(path))} on disk)…", dim=True), err=True)
     m = umakit.load(path, backend=backend, device=device, dtype=dtype, peak_bandwidth=peak_bandwidth,
-                    quantize=int(quantize) if quantize else None)
+                    quantize=int(quantize) if quantize else None, needs={"kv_bits"} if kv_bits else set())
     for warning in m.info.warnings:
         click.echo(click.style(f"Warning: {warning}", fg="yellow"), err=True)
     settings = ChatSettings(system=system, max_tokens=max_tokens, max_context=max_context,

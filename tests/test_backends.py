@@ -35,3 +35,12 @@ def test_missing_torch_gives_the_install_command(monkeypatch):
     monkeypatch.setattr(backends, "_installed", lambda m: m != "torch")
     with pytest.raises(BackendUnavailableError, match=r"the torch backend needs torch: pip install 'umakit\[cuda\]'"):
         backends.engine_class("torch")
+
+
+def test_auto_respects_needed_features(monkeypatch):
+    monkeypatch.setattr(backends, "is_apple_silicon", lambda: False)
+    monkeypatch.setattr(backends, "_cuda_available", lambda: False)
+    monkeypatch.setattr(backends, "_installed", lambda m: True)
+    assert backends.resolve("auto", needs=frozenset({"kv_bits"})) == ("mlx", "cpu")
+    with pytest.raises(InvalidArgumentError, match="torch backend does not support batch yet; use --backend mlx"):
+        backends.resolve("torch", needs=frozenset({"batch"}))

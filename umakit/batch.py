@@ -80,10 +80,6 @@ class BatchStats:
                 "achieved_gbps": self.achieved_gbps}
 
 
-# Engines with a batched decoder; "auto" picks among these for batch work.
-BATCH_ENGINES = ("mlx",)
-
-
 def batch_decoder(engine) -> BatchDecoder:
     """The engine's batched decoder; a clear error where a backend has none."""
     if engine.name == "mlx":

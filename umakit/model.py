@@ -177,6 +177,7 @@ def load(
     dtype: str = "auto",
     peak_bandwidth: float | None = None,
     quantize: int | dict | None = None,
+    needs: frozenset[str] = frozenset(),
 ) -> Model:
     """Load a model directory, Hub repo id, .gguf file, or (None) the built-in default.
 
@@ -184,14 +185,12 @@ def load(
     dtype ("auto": float32 on CPU, the checkpoint's dtype on a GPU).
     ``quantize`` (e.g. ``4`` or ``{"bits": 4, "group_size": 64, "recipe": "mixed"}``)
     quantizes a float checkpoint in memory, without writing files (mlx backend).
+    ``needs`` names features the caller will use (``{"kv_bits", "batch"}``), so
+    that "auto" picks an engine that has them.
     """
     t0 = time.perf_counter()
-    engine_name, device = backends.resolve(backend, device)
-    if quantize is not None and engine_name != "mlx":
-        raise InvalidArgumentError(
-            f"quantize on load runs on the mlx backend; for {engine_name}, write a quantized checkpoint "
-            "with `umakit quantize` and load that"
-        )
+    needs = frozenset(needs) | ({"quantize"} if quantize is not None else set())
+    engine_name, device = backends.resolve(backend, device, needs)
     path = checkpoint.resolve(model)
     ckpt = checkpoint.open_checkpoint(path)
     tokenizer = Tokenizer(path, ckpt.config, extra_eos_ids=checkpoint.generation_eos_ids(path, ckpt.config))

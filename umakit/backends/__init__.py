@@ -22,9 +22,12 @@ ENGINES = {
 }
 SHORTHANDS = {"cuda": ("torch", "cuda"), "metal": ("mlx", "metal")}
 DEVICES = {"mlx": ("metal", "cpu"), "torch": ("cuda", "cpu")}
-# On a CPU-only machine "auto" takes the first engine here that is installed;
-# the order follows benchmarks/cpu_engines.py on a 2-core x86 Linux machine.
+# On a CPU-only machine "auto" takes the first engine here that is installed
+# (and has the features asked for); the order follows benchmarks/cpu_engines.py
+# on a 2-core x86 Linux machine.
 CPU_PREFERENCE = ("torch", "mlx")
+# Optional features, by engine: a quantized KV cache, batched decoding, quantize on load.
+FEATURES = {"mlx": frozenset({"kv_bits", "batch", "quantize"}), "torch": frozenset()}
 
 
 def is_apple_silicon() -> bool:
@@ -44,8 +47,11 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def resolve(backend: str = "auto", device: str | None = None) -> tuple[str, str]:
-    """Choose (engine, device) from the user's words; explains every refusal."""
+def resolve(backend: str = "auto", device: str | None = None, needs: frozenset[str] = frozenset()) -> tuple[str, str]:
+    """Choose (engine, device) from the user's words; explains every refusal.
+
+    ``needs`` names features (see FEATURES) that "auto" must respect on a CPU.
+    """
     backend = (backend or "auto").lower()
     if backend in SHORTHANDS:
         backend, implied = SHORTHANDS[backend]
@@ -58,7 +64,7 @@ def resolve(backend: str = "auto", device: str | None = None) -> tuple[str, str]
         elif device in (None, "auto", "cuda") and _cuda_available():
             backend = "torch"
         else:
-            backend = next((e for e in CPU_PREFERENCE if _installed(e)), "mlx")
+            backend = next((e for e in CPU_PREFERENCE if _installed(e) and needs <= FEATURES[e]), "mlx")
     if backend not in ENGINES:
         raise InvalidArgumentError(f"unknown backend {backend!r}; choose from auto, {', '.join(ENGINES)}, cuda")
     if device in (None, "auto"):
@@ -68,6 +74,12 @@ def resolve(backend: str = "auto", device: str | None = None) -> tuple[str, str]
             device = "cuda" if _cuda_available() else "cpu"
     if device not in DEVICES[backend]:
         raise InvalidArgumentError(f"backend {backend} runs on {' or '.join(DEVICES[backend])}, not {device!r}")
+    missing = needs - FEATURES[backend]
+    if missing:
+        have = [e for e in ENGINES if missing <= FEATURES[e]]
+        raise InvalidArgumentError(
+            f"the {backend} backend does not support {', '.join(sorted(missing))} yet; use --backend {have[0]}"
+        )
     return backend, device
 
 
