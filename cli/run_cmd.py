@@ -29,10 +29,16 @@ def run(model, system, max_context, kv_bits, stats, max_tokens, seed, backend, d
 
     tty = sys.stdin.isatty() and sys.stdout.isatty()
     path = umakit.resolve_model(model)
+    options = dict(backend=backend, device=device, dtype=dtype, peak_bandwidth=peak_bandwidth,
+                   quantize=int(quantize) if quantize else None, needs={"kv_bits"} if kv_bits else set())
     if tty:
-        click.echo(click.style(f"Loading {path.name} ({size(umakit.checkpoint_size(path))} on disk)…", dim=True), err=True)
-    m = umakit.load(path, backend=backend, device=device, dtype=dtype, peak_bandwidth=peak_bandwidth,
-                    quantize=int(quantize) if quantize else None, needs={"kv_bits"} if kv_bits else set())
+        total = umakit.checkpoint_size(path)
+        with click.progressbar(length=total, label=f"Loading {path.name} ({size(total)} on disk)", file=sys.stderr,
+                               show_pos=False) as bar:
+            m = umakit.load(path, progress=lambda done, _: bar.update(done - bar.pos), **options)
+            bar.update(total - bar.pos)  # the file headers are not tensor bytes
+    else:
+        m = umakit.load(path, **options)
     for warning in m.info.warnings:
         click.echo(click.style(f"Warning: {warning}", fg="yellow"), err=True)
     settings = ChatSettings(system=system, max_tokens=max_tokens, max_context=max_context,

@@ -163,3 +163,13 @@ def test_unknown_backend(tiny_dir):
 
     with pytest.raises(InvalidArgumentError, match="unknown backend 'tpu'"):
         umakit.load(tiny_dir("llama"), backend="tpu")
+
+
+@pytest.mark.parametrize("backend", ["mlx", "torch"])
+def test_progress_reports_bytes_loaded(tiny_dir, backend):
+    seen = []
+    umakit.load(tiny_dir("llama"), backend=backend, progress=lambda done, total: seen.append((done, total)))
+    total = umakit.checkpoint_size(tiny_dir("llama"))
+    done = [d for d, _ in seen]
+    assert done == sorted(done) and seen[-1][1] <= total and seen[-1][0] == seen[-1][1]
+    assert seen[-1][1] > 0.99 * total  # everything but the file headers

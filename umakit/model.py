@@ -6,7 +6,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 from . import backends, checkpoint
 from .backends.base import Engine, KVCache, WeightInfo
@@ -178,6 +178,7 @@ def load(
     peak_bandwidth: float | None = None,
     quantize: int | dict | None = None,
     needs: frozenset[str] = frozenset(),
+    progress: Callable[[int, int], None] | None = None,
 ) -> Model:
     """Load a model directory, Hub repo id, .gguf file, or (None) the built-in default.
 
@@ -186,7 +187,8 @@ def load(
     ``quantize`` (e.g. ``4`` or ``{"bits": 4, "group_size": 64, "recipe": "mixed"}``)
     quantizes a float checkpoint in memory, without writing files (mlx backend).
     ``needs`` names features the caller will use (``{"kv_bits", "batch"}``), so
-    that "auto" picks an engine that has them.
+    that "auto" picks an engine that has them. ``progress(bytes_done, bytes_total)``
+    is called as the weights are read.
     """
     t0 = time.perf_counter()
     needs = frozenset(needs) | ({"quantize"} if quantize is not None else set())
@@ -195,6 +197,8 @@ def load(
     ckpt = checkpoint.open_checkpoint(path)
     tokenizer = Tokenizer(path, ckpt.config, extra_eos_ids=checkpoint.generation_eos_ids(path, ckpt.config))
     options = {"quantize": quantize} if quantize is not None else {}
+    if progress is not None:
+        options["progress"] = progress
     engine = backends.engine_class(engine_name)(ckpt, device=device, dtype=dtype, **options)
     cfg = ckpt.config.get("text_config", ckpt.config)
     info = LoadInfo(

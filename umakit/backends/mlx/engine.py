@@ -58,7 +58,7 @@ class MLXEngine:
     name = "mlx"
 
     def __init__(self, ckpt: Checkpoint | None, device: str = "cpu", dtype: str = "auto",
-                 quantize: int | dict | None = None):
+                 quantize: int | dict | None = None, progress=None):
         if device == "metal" and not mx.metal.is_available():
             raise BackendUnavailableError("Metal is not available on this machine; use --device cpu")
         self.device = device
@@ -66,7 +66,7 @@ class MLXEngine:
         if ckpt is not None:
             self.config = ckpt.config
             with mx.stream(self._mx_device):
-                self._load(ckpt, dtype)
+                self._load(ckpt, dtype, progress)
                 if quantize is not None:
                     self._quantize_in_memory(quantize)
 
@@ -102,7 +102,7 @@ class MLXEngine:
         return self
 
     # -- loading ------------------------------------------------------------
-    def _load(self, ckpt: Checkpoint, dtype: str) -> None:
+    def _load(self, ckpt: Checkpoint, dtype: str, progress=None) -> None:
         model_cls, args_cls = _architecture(ckpt.config)
         try:
             model = model_cls(args_cls.from_dict(ckpt.config))
@@ -121,7 +121,12 @@ class MLXEngine:
         _check_weights(model, weights)
         model.load_weights(list(weights.items()), strict=False)
         del weights  # drop the lazy source arrays so each converts and frees in turn
-        mx.eval(model.parameters())
+        done, total = 0, ckpt.nbytes
+        for name, array in tree_flatten(model.parameters()):  # read tensor by tensor, reporting bytes
+            mx.eval(array)
+            done += ckpt.tensors[name].nbytes if name in ckpt.tensors else array.nbytes
+            if progress:
+                progress(min(done, total), total)
         model.eval()
         self.model = model
         self.dtype = next(k for k, v in DTYPES.items() if v == target)

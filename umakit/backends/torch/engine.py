@@ -43,10 +43,11 @@ CUDA_CACHE_TOKENS = 4096  # initial KV capacity on CUDA, so captured decode grap
 class TorchEngine:
     name = "torch"
 
-    def __init__(self, ckpt: Checkpoint, device: str = "cpu", dtype: str = "auto"):
+    def __init__(self, ckpt: Checkpoint, device: str = "cpu", dtype: str = "auto", progress=None):
         shapes = {k: t.shape for k, t in ckpt.tensors.items()}
         floats = [SAFETENSORS_FLOATS[t.dtype] for t in ckpt.tensors.values() if t.dtype in SAFETENSORS_FLOATS]
-        self._setup(ckpt.config, shapes, lambda: _stream(ckpt, device), device, _compute_dtype(dtype, floats, device))
+        self._setup(ckpt.config, shapes, lambda: _stream(ckpt, device, progress), device,
+                    _compute_dtype(dtype, floats, device))
 
     @classmethod
     def from_tensors(cls, config: dict, shapes: dict, source, device: str = "cpu", dtype: str = "auto"):
@@ -304,14 +305,21 @@ def _expected(model: Transformer) -> dict[str, torch.Tensor]:
     return out
 
 
-def _stream(ckpt: Checkpoint, device: str):
-    """Each tensor of the checkpoint in turn, read straight to ``device``."""
+def _stream(ckpt: Checkpoint, device: str, progress=None):
+    """Each tensor of the checkpoint in turn, read straight to ``device``.
+
+    ``progress(bytes_done, bytes_total)`` hears about every tensor read.
+    """
     from safetensors import safe_open
 
+    done, total = 0, ckpt.nbytes
     for file in ckpt.files:
         with safe_open(str(file), framework="pt", device=device) as f:
             for key in f.keys():
                 yield key, f.get_tensor(key)
+                done += ckpt.tensors[key].nbytes
+                if progress:
+                    progress(done, total)
 
 
 def build_model(args: ModelArgs, config: dict, shapes: dict, source, device: torch.device,
