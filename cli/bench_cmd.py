@@ -26,6 +26,8 @@ def _contexts(ctx, param, value):
 @click.option("--gen-tokens", type=click.IntRange(min=2), default=DEFAULT_GEN_TOKENS, show_default=True)
 @click.option("--repeat", type=click.IntRange(min=1), default=DEFAULT_REPEAT, show_default=True)
 @click.option("--warmup", type=click.IntRange(min=0), default=1, show_default=True)
+@click.option("--batch", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Sequences decoded together; decode tok/s is then the aggregate.")
 @click.option("--kv-bits", type=click.Choice(["4", "8"]), default=None)
 @click.option("--contexts", callback=_contexts, default=None, help="Context lengths for the decode-vs-context sweep, e.g. 256,1024,4096.")
 @click.option("--synthetic", metavar="PRESET", default=None, help="Random weights in a preset's exact shapes (see umakit plan).")
@@ -35,7 +37,7 @@ def _contexts(ctx, param, value):
               help="Bench JSON files to show side by side (repeatable; no run).")
 @click.option("--plot", type=click.Path(dir_okay=False), default=None, help="PNG: decode tok/s vs context with roofline ceilings.")
 @model_options
-def bench(model, prompt_tokens, gen_tokens, repeat, warmup, kv_bits, contexts, synthetic, bits, json_out, compare,
+def bench(model, prompt_tokens, gen_tokens, repeat, warmup, batch, kv_bits, contexts, synthetic, bits, json_out, compare,
           plot, backend, device, dtype, peak_bandwidth):
     """Measure TTFT, prefill and decode speed, achieved GB/s and % of peak bandwidth."""
     from umakit import bench as lib
@@ -44,10 +46,10 @@ def bench(model, prompt_tokens, gen_tokens, repeat, warmup, kv_bits, contexts, s
         records = [lib.load_record(p) for p in compare]
         click.echo(compare_table(records))
     else:
-        needs = {"kv_bits"} if kv_bits else set()
+        needs = ({"kv_bits"} if kv_bits else set()) | ({"batch"} if batch > 1 else set())
         engine, name, dev = _engine(model, synthetic, bits, backend, device, dtype, peak_bandwidth, needs)
         settings = lib.BenchSettings(prompt_tokens, gen_tokens, repeat, warmup,
-                                     int(kv_bits) if kv_bits else None, contexts)
+                                     int(kv_bits) if kv_bits else None, contexts, batch=batch)
         with click.progressbar(length=settings.warmup + repeat + len(contexts), label="benchmarking",
                                file=sys.stderr) as bar:
             record = lib.run_bench(engine, name, dev, settings, synthetic=bool(synthetic),
@@ -100,7 +102,8 @@ def compare_table(records: list[dict]) -> str:
             ("engine", lambda r: f"{r['model']['backend']}/{r['model']['device']} {r['model']['dtype']}"),
             ("weights", lambda r: f"{size(r['model']['weight_bytes'])} · {r['model']['bits_per_weight']:.2f} bits/weight"),
             ("bytes/token", lambda r: size(r["summary"]["bytes_per_token"]["median"])),
-            ("prompt/gen tokens", lambda r: f"{r['settings']['prompt_tokens']}/{r['settings']['gen_tokens']} ×{r['settings']['repeat']}")]
+            ("prompt/gen tokens", lambda r: f"{r['settings']['prompt_tokens']}/{r['settings']['gen_tokens']} ×{r['settings']['repeat']}"
+                                            + (f", batch {r['settings'].get('batch', 1)}" if r["settings"].get("batch", 1) > 1 else ""))]
     rows = [(label, [f(r) for r in records]) for label, f in head]
     for label, key, fmt in ROWS:
         rows.append((label, [f"{fmt.format(s['median'])} ({fmt.format(s['min'])}-{fmt.format(s['max'])})"

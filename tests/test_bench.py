@@ -83,3 +83,13 @@ def test_synthetic_preset_matches_the_real_default_model_size():
 
     engine = MLXEngine.synthetic(load_preset("smollm2-135m"), bits=8)
     assert engine.weight_info().params == 134_515_008  # SmolLM2-135M's parameter count
+
+
+def test_batched_bench_reports_aggregate_throughput(tiny_model):
+    settings = BenchSettings(prompt_tokens=8, gen_tokens=5, repeat=1, warmup=0, batch=3)
+    rec = run_bench(tiny_model.engine, "tiny", DEVICE, settings).to_dict()
+    run = rec["runs"][0]
+    w = tiny_model.info.weights
+    # one step reads the weights once and every row's cache
+    assert run["bytes_per_token"] == w.bytes_per_token + tiny_model.engine.kv_bytes_per_token() * 3 * (8 + 2)
+    assert run["decode_tps"] > 0 and rec["settings"]["batch"] == 3

@@ -35,10 +35,14 @@ class BenchSettings:
     kv_bits: int | None = None
     contexts: tuple[int, ...] = ()  # context lengths for the decode-vs-context sweep
     seed: int = 0
+    batch: int = 1  # sequences decoded together (aggregate tok/s; weights read once per step)
 
     def __post_init__(self):
-        if self.prompt_tokens < 1 or self.gen_tokens < 2 or self.repeat < 1 or self.warmup < 0:
-            raise InvalidArgumentError("bench needs prompt tokens >= 1, gen tokens >= 2, repeat >= 1, warmup >= 0")
+        if self.prompt_tokens < 1 or self.gen_tokens < 2 or self.repeat < 1 or self.warmup < 0 or self.batch < 1:
+            raise InvalidArgumentError(
+                "bench needs prompt tokens >= 1, gen tokens >= 2, repeat >= 1, warmup >= 0, batch >= 1")
+        if self.batch > 1 and self.kv_bits is not None:
+            raise InvalidArgumentError("--batch with --kv-bits is not supported: batched caches are float")
 
 
 @dataclass
@@ -118,6 +122,32 @@ def _timed_run(engine, prompt, gen_tokens, kv_bits, device, weights) -> Run:
                engine.peak_memory())
 
 
+def _timed_batch_run(engine, prompts, gen_tokens, device, weights) -> Run:
+    """Decode ``len(prompts)`` rows together; tok/s is the aggregate, bytes are per step."""
+    from .backends.batch_protocol import BatchRow
+    from .batch import batch_decoder
+
+    decoder = batch_decoder(engine)
+    engine.reset_peak_memory()
+    counts = dict.fromkeys(range(len(prompts)), 0)
+    t0 = time.perf_counter()
+    decoder.add([BatchRow(i, p, GREEDY) for i, p in enumerate(prompts)])
+    t1 = None
+    while min(counts.values()) < gen_tokens:
+        for row, _ in decoder.step():
+            counts[row] += 1
+        if t1 is None and min(counts.values()) >= 1:
+            t1, first = time.perf_counter(), sum(counts.values())
+    t2 = time.perf_counter()
+    decoder.remove(list(counts))
+    tps = (sum(counts.values()) - first) / (t2 - t1)
+    steps_per_s = tps / len(prompts)
+    per_step = weights.bytes_per_token + engine.kv_bytes_per_token() * len(prompts) * (len(prompts[0]) + gen_tokens // 2)
+    achieved = per_step * steps_per_s / 1e9
+    return Run(t1 - t0, sum(map(len, prompts)) / (t1 - t0), tps, achieved, achieved / device.peak_bandwidth_gbps,
+               per_step, engine.peak_memory())
+
+
 def run_bench(engine, name: str, device, settings: BenchSettings, synthetic: bool = False,
               progress: Callable[[str, int, int], None] | None = None) -> BenchRecord:
     """Warm up, then time ``settings.repeat`` runs and the context sweep."""
@@ -137,8 +167,12 @@ def run_bench(engine, name: str, device, settings: BenchSettings, synthetic: boo
         _timed_run(engine, prompt, min(settings.gen_tokens, 8), settings.kv_bits, device, weights)
         tick("warm-up")
     runs = []
+    prompts = [random_prompt(vocab, settings.prompt_tokens, settings.seed + i) for i in range(settings.batch)]
     for i in range(settings.repeat):
-        runs.append(_timed_run(engine, prompt, settings.gen_tokens, settings.kv_bits, device, weights))
+        if settings.batch > 1:
+            runs.append(_timed_batch_run(engine, prompts, settings.gen_tokens, device, weights))
+        else:
+            runs.append(_timed_run(engine, prompt, settings.gen_tokens, settings.kv_bits, device, weights))
         tick(f"run {i + 1}/{settings.repeat}")
     points = []
     for ctx in settings.contexts:
