@@ -38,9 +38,11 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--backend", default="auto")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto", help="compute dtype (torch: auto, float32, float16, bfloat16)")
     args = ap.parse_args()
 
-    model = umakit.load(args.model, backend=args.backend)
+    model = umakit.load(args.model, backend=args.backend, device=args.device, dtype=args.dtype)
     w = model.info.weights
     print(f"{model} · weights {w.total_bytes / 2**20:.0f} MiB · {platform.machine()} {platform.system()}")
     generate_batch(model, PROMPTS[:2], max_tokens=8, temperature=0, batch_size=2)  # warm-up

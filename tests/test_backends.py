@@ -42,5 +42,6 @@ def test_auto_respects_needed_features(monkeypatch):
     monkeypatch.setattr(backends, "_cuda_available", lambda: False)
     monkeypatch.setattr(backends, "_installed", lambda m: True)
     assert backends.resolve("auto", needs=frozenset({"kv_bits"})) == ("mlx", "cpu")
-    with pytest.raises(InvalidArgumentError, match="torch backend does not support batch yet; use --backend mlx"):
-        backends.resolve("torch", needs=frozenset({"batch"}))
+    assert backends.resolve("auto", needs=frozenset({"batch"})) == ("torch", "cpu")
+    with pytest.raises(InvalidArgumentError, match="torch backend does not support kv_bits yet; use --backend mlx"):
+        backends.resolve("torch", needs=frozenset({"kv_bits"}))

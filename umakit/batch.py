@@ -86,6 +86,10 @@ def batch_decoder(engine) -> BatchDecoder:
         from .backends.mlx.batch import MLXBatchDecoder
 
         return MLXBatchDecoder(engine)
+    if engine.name == "torch":
+        from .backends.torch.batch import TorchBatchDecoder
+
+        return TorchBatchDecoder(engine)
     raise UnsupportedModelError(f"batched decoding is not available on the {engine.name} backend yet")
 
 

@@ -27,7 +27,7 @@ DEVICES = {"mlx": ("metal", "cpu"), "torch": ("cuda", "cpu")}
 # on a 2-core x86 Linux machine.
 CPU_PREFERENCE = ("torch", "mlx")
 # Optional features, by engine: a quantized KV cache, batched decoding, quantize on load.
-FEATURES = {"mlx": frozenset({"kv_bits", "batch", "quantize"}), "torch": frozenset()}
+FEATURES = {"mlx": frozenset({"kv_bits", "batch", "quantize"}), "torch": frozenset({"batch"})}
 
 
 def is_apple_silicon() -> bool:

@@ -88,7 +88,9 @@ class ModelArgs:
 def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
     """Inverse frequencies (head_dim/2,), float32, with the config's rope scaling."""
     d = args.head_dim
-    inv = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    # Always on the CPU: under the meta-device context of model building, arange
+    # would import torch._dynamo (about a second).
+    inv = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64, device="cpu") / d))
     s = args.rope_scaling or {}
     kind = s.get("rope_type", s.get("type", "default"))
     if kind == "linear":
@@ -134,10 +136,10 @@ def attention_mask(positions: torch.Tensor, key_len: int, window: int | None) ->
 class Step(NamedTuple):
     """What every layer needs to know about the tokens of one forward call."""
 
-    cos: torch.Tensor  # (T, hd)
+    cos: torch.Tensor  # (T, hd), or (B, 1, 1, hd) when each row has its own position
     sin: torch.Tensor  # (T, hd), sign folded in (see rope_cos_sin)
-    positions: torch.Tensor  # (T,) int64
-    mask: torch.Tensor | None  # (T, S) bool, None when every cached key is visible
+    positions: torch.Tensor  # (T,) int64, or (B,) one per row (`Transformer.decode_rows`)
+    mask: torch.Tensor | None  # (T, S) bool, None when every cached key is visible; (B, 1, 1, S) per row
     static: int  # 0: attend to the filled cache; else to its first `static` slots under the mask (CUDA graphs)
 
 
@@ -184,7 +186,7 @@ class Attention(nn.Module):
             # One query per head, all at the same position: fold each kv group's
             # queries into the time axis, so the cache is read once per kv head.
             q = q.reshape(B, nkv, nh // nkv, self.head_dim)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=step.mask)  # mask (1, S) or None
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=step.mask)  # mask (1, S), (B, 1, 1, S) or None
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=step.mask, enable_gqa=nh != nkv)
             out = out.transpose(1, 2)  # (B, T, nh, hd)
@@ -220,7 +222,8 @@ class Block(nn.Module):
 class Inner(nn.Module):
     def __init__(self, a: ModelArgs):
         super().__init__()
-        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
+        # _weight skips the random init: on the meta device its normal_ imports torch._dynamo (1.5 s)
+        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size, _weight=torch.empty(a.vocab_size, a.hidden_size))
         self.layers = nn.ModuleList(Block(a) for _ in range(a.num_hidden_layers))
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
@@ -259,6 +262,21 @@ class Transformer(nn.Module):
         if not static:
             cache.advance(T)
         return self.lm_head(self.model.norm(x)) if head else x
+
+    def decode_rows(self, tokens: torch.Tensor, positions: torch.Tensor, cache, span: int) -> torch.Tensor:
+        """Logits (B, V) for one token per row, ``tokens`` (B, 1), each at its own position (B,).
+
+        ``cache`` is a batch cache that writes row b's key at ``positions[b]`` and
+        returns its first ``span`` slots; each row sees its keys up to its position.
+        """
+        x = self.model.embed_tokens(tokens)
+        cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)  # (B, hd) each
+        mask = attention_mask(positions, span, self.args.sliding_window)  # (B, S)
+        # (B, 1, 1, hd) rotates each row's (B, H, 1, hd) at its position; (B, 1, 1, S) masks its keys.
+        step = Step(cos[:, None, None], sin[:, None, None], positions, mask[:, None, None], span)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, step, cache, i)
+        return self.lm_head(self.model.norm(x))[:, -1]
 
 
 def fuse_projections(model: Transformer, concat) -> None:
