@@ -26,6 +26,17 @@ def tiny_model(tiny_dir):
     return umakit.load(tiny_dir("llama"), backend="mlx")
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny models gain nothing from more torch threads, and on a busy machine they cost a lot."""
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
 @pytest.fixture(autouse=True)
 def _isolated_home(tmp_path_factory, monkeypatch):
     """Keep umakit's cache (hardware probe, imports) out of the user's home."""

@@ -8,19 +8,12 @@ import umakit
 from conftest import requires_default_model
 from umakit.sampling import SamplingParams
 
-pytestmark = [pytest.mark.slow, requires_default_model]
+pytestmark = [pytest.mark.slow, requires_default_model, pytest.mark.usefixtures("one_torch_thread")]
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Three prime numbers are"]
 TOKENS = 16  # MLX-CPU prefill is slow; raw prompts keep this file to seconds
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """These models are small: more threads gain nothing, and on a busy machine they cost a lot."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 @pytest.fixture(scope="module")

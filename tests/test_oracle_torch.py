@@ -13,13 +13,7 @@ PROMPT = [5, 17, 42, 99, 3, 250, 7, 301, 12, 64, 128, 77, 31, 200, 11]
 GREEDY = SamplingParams(temperature=0)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """These models are small: more threads gain nothing, and on a busy machine they cost a lot."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def reference(path):

@@ -15,13 +15,7 @@ from umakit.backends.torch import quant
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 301, 12, 64, 128, 77, 31, 200, 11]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """These models are small: more threads gain nothing, and on a busy machine they cost a lot."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def mlx_quantized(rows, cols, bits, group_size, seed=0):
