@@ -14,8 +14,6 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Three prime numbers
 TOKENS = 16  # MLX-CPU prefill is slow; raw prompts keep this file to seconds
 
 
-
-
 @pytest.fixture(scope="module")
 def models():
     torch_model = umakit.load(None, backend="torch", device="cpu", dtype="float32")
