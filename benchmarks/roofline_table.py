@@ -19,8 +19,7 @@ from pathlib import Path
 def variants():
     """(label, loader) pairs; each loader returns (engine, device info)."""
     import umakit
-    from umakit.backends import engine_class, resolve
-    from umakit.checkpoint import open_checkpoint, resolve as resolve_path
+    from umakit.backends import resolve
 
     def mlx(dequantize: bool):
         def load():

@@ -2,7 +2,6 @@
 
 import numpy as np
 import pytest
-import torch
 
 import umakit
 from conftest import requires_default_model

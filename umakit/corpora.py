@@ -118,10 +118,10 @@ class _Reader:
         if kind in (_LIST, _ATTRLIST):
             out = {}  # a pairlist: tag -> value
             while kind in (_LIST, _ATTRLIST):
-                attr = self.item() if has_attr else None
+                if has_attr:
+                    self.item()  # a pairlist node's attributes: read past them
                 tag = self.item() if has_tag else None
                 out[tag if tag is not None else len(out)] = self.item()
-                del attr
                 flags = self.int()
                 kind, has_attr, has_tag = flags & 0xFF, flags & (1 << 9), flags & (1 << 10)
             if kind != _NILVALUE:
