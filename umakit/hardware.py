@@ -356,6 +356,21 @@ def _ram_bytes() -> int:
         return _int(_run(["sysctl", "-n", "hw.memsize"]))
 
 
+def available_ram() -> int:
+    """Memory available now (Linux: MemAvailable, which counts reclaimable page cache)."""
+    try:
+        with open("/proc/meminfo") as f:  # Linux: MemAvailable counts reclaimable page cache
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+
+
 def _int(text: str) -> int:
     text = text.strip()
     return int(text) if text.isdigit() else 0

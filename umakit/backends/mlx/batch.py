@@ -19,6 +19,7 @@ import mlx.core as mx
 
 from ...errors import InvalidArgumentError, UnsupportedModelError
 from ..batch_protocol import BatchRow
+from ...hardware import available_ram
 from .engine import PREFILL_STEP
 from .mlx_lm_import import import_mlx_lm
 from .sampling import make_sampler
@@ -74,20 +75,6 @@ def _prefill_groups(rows: Sequence[BatchRow]) -> list[list[BatchRow]]:
                 continue
         groups.append([row])
     return groups
-
-
-def _available_ram() -> int:
-    try:
-        with open("/proc/meminfo") as f:  # Linux: MemAvailable counts reclaimable page cache
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
 
 
 class MLXBatchDecoder:
@@ -192,7 +179,7 @@ class MLXBatchDecoder:
         if self._engine.device == "metal":
             working_set = int(mx.metal.device_info()["max_recommended_working_set_size"])
             return working_set - self._engine.weight_info().total_bytes
-        return int(_available_ram() * CPU_KV_FRACTION)  # the weights are already resident
+        return int(available_ram() * CPU_KV_FRACTION)  # the weights are already resident
 
     def context_tokens(self) -> int:
         return max((c.size() for c in self._cache), default=0) if self._cache else 0

@@ -13,7 +13,6 @@ a seeded single-sequence run.
 
 from __future__ import annotations
 
-import os
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -21,6 +20,7 @@ import torch
 
 from ...errors import InvalidArgumentError
 from ..batch_protocol import BatchRow
+from ...hardware import available_ram
 from .cache import GROW_STEP
 from .sampling import make_sampler
 
@@ -187,21 +187,8 @@ class TorchBatchDecoder:
         if self._engine.device == "cuda":
             free, _ = torch.cuda.mem_get_info()
             return int(free * 0.9)  # the weights are already resident
-        return int(_available_ram() * CPU_KV_FRACTION)
+        return int(available_ram() * CPU_KV_FRACTION)
 
     def context_tokens(self) -> int:
         return max(self._lengths, default=0)
 
-
-def _available_ram() -> int:
-    try:
-        with open("/proc/meminfo") as f:  # Linux: MemAvailable counts reclaimable page cache
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
