@@ -149,3 +149,19 @@ def test_auto_on_cpu_takes_half_weights_with_float32_math(quantized_dir):
     assert model.info.dtype == expected
     exact = umakit.load(quantized_dir, backend="mlx", device="cpu")
     np.testing.assert_allclose(model.logits(PROMPT), exact.logits(PROMPT), atol=0.005, rtol=0.005)
+
+
+@pytest.mark.skipif(not quant.Fp16Linear.available(), reason="float16 weights with float32 math need FBGEMM (x86)")
+def test_background_packing_gives_the_synchronous_result_and_its_errors():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(96, 40)
+    x = torch.randn(3, 96)
+    now = torch.ops.quantized.linear_prepack_fp16(lin.weight.detach(), lin.bias.detach())
+    expected = torch.ops.quantized.linear_dynamic_fp16(x, now)
+    with torch.inference_mode():
+        assert torch.equal(quant.Fp16Linear(lin)(x), expected)
+        q = quant.QuantizedLinear(64, 16, False, 4, 32)
+        q.weight.zero_(), q.scales.fill_(1.0), q.biases.zero_()
+        q.scales = None  # a broken layer: the error surfaces at its first call, not lost in a thread
+        with pytest.raises(AttributeError):
+            quant.Fp16Linear(q)(torch.randn(1, 64))

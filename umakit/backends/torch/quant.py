@@ -13,6 +13,9 @@ dequantize-then-matmul in the compute dtype.
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -213,22 +216,53 @@ class Fp16Linear(nn.Module):
     """Float16 weights, float32 inputs and accumulation (FBGEMM, x86 CPUs): half the bytes of float32.
 
     The only rounding is of the weights to float16 (2^-11 relative); products
-    and sums stay in float32.
+    and sums stay in float32. FBGEMM's packing is slow (~10 ns a weight, over
+    a second for a 135M model), so it runs on a thread pool in the background:
+    loading returns at once and a layer's first call waits for its own packing
+    only, and the packing of later layers overlaps the work before that call.
     """
 
-    def __init__(self, lin: nn.Linear):
+    def __init__(self, source: nn.Module):
         super().__init__()
-        self.in_features, self.out_features = lin.in_features, lin.out_features
-        bias = None if lin.bias is None else lin.bias.float()
-        self.packed = torch.ops.quantized.linear_prepack_fp16(lin.weight.float(), bias)
-        self.packed_nbytes = 2 * lin.weight.numel() + (0 if bias is None else bias.nbytes)
+        self.in_features, self.out_features = source.in_features, source.out_features
+        has_bias = source.bias is not None
+        self.packed_nbytes = 2 * self.in_features * self.out_features + (4 * self.out_features if has_bias else 0)
+        self._packed = None
+        self._pending = _packer().submit(_pack_fp16, source)
 
     @staticmethod
     def available() -> bool:
         return "fbgemm" in torch.backends.quantized.supported_engines
 
+    @property
+    def packed(self):
+        if self._pending is not None:
+            self._packed, self._pending = self._pending.result(), None  # re-raises a packing error
+        return self._packed
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
+
+
+_PACKER = None
+
+
+def _packer():
+    global _PACKER
+    if _PACKER is None:
+        _PACKER = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="umakit-pack")
+    return _PACKER
+
+
+def _pack_fp16(source: nn.Module):
+    """FBGEMM's packed float16 form of a `QuantizedLinear` or `nn.Linear` (run on the packing pool)."""
+    with torch.inference_mode():
+        if isinstance(source, QuantizedLinear):
+            weight = source.dequantized(torch.float32)
+        else:
+            weight = source.weight.float()
+        bias = None if source.bias is None else source.bias.float()
+        return torch.ops.quantized.linear_prepack_fp16(weight, bias)
 
 
 def for_execution(m: QuantizedLinear, device: torch.device, dtype: torch.dtype) -> nn.Module:
@@ -240,25 +274,34 @@ def for_execution(m: QuantizedLinear, device: torch.device, dtype: torch.dtype) 
     if dtype == torch.bfloat16 and Int4PackLinear.supports(m, device):
         return Int4PackLinear(m, device)
     if dtype == torch.float16 and Fp16Linear.available():
-        return dense(m, torch.float32)  # packed into an Fp16Linear by convert_model
+        return Fp16Linear(m)
     return dense(m, dtype)
 
 
-def convert_model(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+def convert_model(model: nn.Module, device: torch.device, dtype: torch.dtype, tensors_only=lambda path: False) -> None:
     """Swap every loaded `QuantizedLinear` for its execution form (embeddings stay lookups).
 
     On CPU in float16, every linear layer then holds float16 weights for
-    FBGEMM's float32 kernels (see `Fp16Linear`).
+    FBGEMM's float32 kernels (see `Fp16Linear`), except where
+    ``tensors_only(path)``: FBGEMM's packed weights are not tensors, so such
+    layers (streamed ones, see offload.py) run dequantized in float32 instead.
     """
+    fp16 = device.type == "cpu" and dtype == torch.float16 and Fp16Linear.available()
+    for path, module in list(model.named_modules()):
+        if isinstance(module, Concat) and fp16 and all(isinstance(m, (QuantizedLinear, nn.Linear)) for m in module.parts):
+            # mixed bits: dequantize each part, then one matmul again
+            parts = [dense(m, torch.float32) if isinstance(m, QuantizedLinear) else m for m in module.parts]
+            _replace(model, path, concat(parts))
     for path, module in list(model.named_modules()):
         if type(module) is QuantizedLinear:
-            _replace(model, path, for_execution(module, device, dtype))
+            plain = tensors_only(path) and fp16
+            _replace(model, path, dense(module, torch.float32) if plain else for_execution(module, device, dtype))
     for path, module in list(model.named_modules()):
         if isinstance(module, Concat) and all(isinstance(m, nn.Linear) for m in module.parts):
             _replace(model, path, concat(list(module.parts)))  # mixed bits, all dequantized: one matmul again
-    if device.type == "cpu" and dtype == torch.float16 and Fp16Linear.available():
+    if fp16:
         for path, module in list(model.named_modules()):
-            if type(module) is nn.Linear:
+            if type(module) is nn.Linear and not tensors_only(path):
                 _replace(model, path, Fp16Linear(module))
 
 
