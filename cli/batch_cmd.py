@@ -10,7 +10,7 @@ import click
 
 from umakit.batch import DEFAULT_BATCH_SIZE
 
-from .options import SAMPLING_KEYS, model_options, sampling_options
+from .options import SAMPLING_KEYS, model_options, offload_options, sampling_options
 
 
 class Progress:
@@ -72,8 +72,9 @@ class Progress:
 @click.option("--stop", multiple=True, help="Stop string (repeatable), for items without their own.")
 @sampling_options
 @model_options
+@offload_options
 def batch_cmd(model, input_path, output_path, batch_size, system, raw, stop, max_tokens, seed, backend, device, dtype,
-              peak_bandwidth, **sampling):
+              peak_bandwidth, gpu_layers, vram_budget, **sampling):
     """Generate a reply to every prompt of a JSON Lines file, in batches."""
     import umakit
     from umakit import batch, batch_io
@@ -88,7 +89,7 @@ def batch_cmd(model, input_path, output_path, batch_size, system, raw, stop, max
     requests, ids = [], []
     if todo:
         m = umakit.load(model, backend=backend, device=device, dtype=dtype, peak_bandwidth=peak_bandwidth,
-                        needs={"batch"})
+                        needs={"batch"}, gpu_layers=gpu_layers, vram_budget=vram_budget)
         for warning in m.info.warnings:
             click.echo(click.style(f"Warning: {warning}", fg="yellow"), err=True)
         params = SamplingParams().with_overrides(**{k: sampling[k] for k in SAMPLING_KEYS})

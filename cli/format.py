@@ -18,6 +18,10 @@ def decode_line(stats) -> str:
         src = "" if stats.bandwidth_source == "published" else f", {stats.bandwidth_source}"
         line += (f" · {stats.achieved_gbps:.1f} GB/s · {100 * stats.mbu:.0f}% of "
                  f"{stats.peak_gbps:.0f} GB/s ({stats.device_name}{src})")
+    if stats.pcie_bytes_per_token:
+        line += (f" · streamed {size(stats.pcie_bytes_per_token)}/token at {stats.pcie_gbps:.1f} GB/s"
+                 f" (link {stats.pcie_peak_gbps:.0f} GB/s) · {100 * stats.overlap_efficiency:.0f}% of the"
+                 f" offload ceiling {stats.offload_ceiling_tps:.1f} tok/s")
     return line
 
 

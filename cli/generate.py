@@ -8,7 +8,7 @@ import sys
 import click
 
 from .format import stats_line
-from .options import SAMPLING_KEYS, model_options, quantize_option, sampling_options
+from .options import SAMPLING_KEYS, model_options, offload_options, quantize_option, sampling_options
 
 
 @click.command()
@@ -21,9 +21,10 @@ from .options import SAMPLING_KEYS, model_options, quantize_option, sampling_opt
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, tokens, finish reason, stats).")
 @sampling_options
 @model_options
+@offload_options
 @quantize_option
 def generate(model, prompt, system, raw, stop, kv_bits, as_json, max_tokens, seed, backend, device, dtype,
-             peak_bandwidth, quantize, **sampling):
+             peak_bandwidth, gpu_layers, vram_budget, quantize, **sampling):
     """Generate a reply to one prompt."""
     import umakit
     from umakit.generation import collect
@@ -31,7 +32,8 @@ def generate(model, prompt, system, raw, stop, kv_bits, as_json, max_tokens, see
     if prompt == "-":
         prompt = sys.stdin.read()
     m = umakit.load(model, backend=backend, device=device, dtype=dtype, peak_bandwidth=peak_bandwidth,
-                    quantize=int(quantize) if quantize else None, needs={"kv_bits"} if kv_bits else set())
+                    quantize=int(quantize) if quantize else None, needs={"kv_bits"} if kv_bits else set(),
+                    gpu_layers=gpu_layers, vram_budget=vram_budget)
     for warning in m.info.warnings:
         click.echo(click.style(f"Warning: {warning}", fg="yellow"), err=True)
     chunks = m.stream(prompt, system=system, raw=raw, max_tokens=max_tokens, stop=stop, seed=seed,

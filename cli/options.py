@@ -19,6 +19,15 @@ quantize_option = click.option(
     help="Quantize a float checkpoint in memory on load (mlx backend; default recipe, group 64).")
 
 
+def offload_options(f):
+    """--gpu-layers, --vram-budget: stream the other layers from host memory (torch backend)."""
+    f = click.option("--vram-budget", metavar="SIZE", default=None,
+                     help="Keep as many layers in device memory as fit in SIZE (e.g. 24GB); stream the rest.")(f)
+    f = click.option("--gpu-layers", type=click.IntRange(min=0), default=None, metavar="N",
+                     help="Keep the first N layers in device memory; stream the rest from host memory each step.")(f)
+    return f
+
+
 def model_options(f):
     """--backend, --device, --dtype, --peak-bandwidth."""
     f = click.option("--peak-bandwidth", type=float, metavar="GB/s", help="Override the device's peak memory bandwidth.")(f)

@@ -8,7 +8,7 @@ import click
 
 from .chat_ui import Repl
 from .format import size
-from .options import SAMPLING_KEYS, model_options, quantize_option, sampling_options
+from .options import SAMPLING_KEYS, model_options, offload_options, quantize_option, sampling_options
 
 
 @click.command("run")
@@ -20,9 +20,10 @@ from .options import SAMPLING_KEYS, model_options, quantize_option, sampling_opt
 @click.option("--stats/--no-stats", default=None, help="Stats footer after each reply (default: on in a terminal).")
 @sampling_options
 @model_options
+@offload_options
 @quantize_option
-def run(model, system, max_context, kv_bits, stats, max_tokens, seed, backend, device, dtype, peak_bandwidth, quantize,
-        **sampling):
+def run(model, system, max_context, kv_bits, stats, max_tokens, seed, backend, device, dtype, peak_bandwidth,
+        gpu_layers, vram_budget, quantize, **sampling):
     """Chat with MODEL (default: the built-in SmolLM2-135M-Instruct)."""
     import umakit
     from umakit.chat import ChatSession, ChatSettings
@@ -30,7 +31,8 @@ def run(model, system, max_context, kv_bits, stats, max_tokens, seed, backend, d
     tty = sys.stdin.isatty() and sys.stdout.isatty()
     path = umakit.resolve_model(model)
     options = dict(backend=backend, device=device, dtype=dtype, peak_bandwidth=peak_bandwidth,
-                   quantize=int(quantize) if quantize else None, needs={"kv_bits"} if kv_bits else set())
+                   quantize=int(quantize) if quantize else None, needs={"kv_bits"} if kv_bits else set(),
+                   gpu_layers=gpu_layers, vram_budget=vram_budget)
     if tty:
         total = umakit.checkpoint_size(path)
         with click.progressbar(length=total, label=f"Loading {path.name} ({size(total)} on disk)", file=sys.stderr,

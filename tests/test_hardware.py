@@ -201,12 +201,12 @@ def _fake_torch(monkeypatch, name, total_memory):
 def test_nvidia_name_from_torch_with_measured_pcie(tmp_path, monkeypatch):
     monkeypatch.setenv("UMAKIT_HOME", str(tmp_path))
     _fake_torch(monkeypatch, "NVIDIA GeForce RTX 4090", 24 * GiB)
-    monkeypatch.setattr(hardware, "_probe_pcie_gbps", lambda index=0: 24.6)
+    monkeypatch.setattr(hardware, "_probe_pcie_gbps", lambda index=0, *args, **kw: 24.6)
     dev = detect_local("cuda")
     assert (dev.name, dev.kind, dev.peak_bandwidth_gbps, dev.bandwidth_source) == (
         "NVIDIA GeForce RTX 4090", "nvidia", 1008, "published")
     assert dev.pcie_h2d_gbps == 24.6 and dev.pcie_gen == 4 and dev.memory_bytes == 24 * GiB
-    monkeypatch.setattr(hardware, "_probe_pcie_gbps", lambda index=0: 1.0)
+    monkeypatch.setattr(hardware, "_probe_pcie_gbps", lambda index=0, *args, **kw: 1.0)
     assert detect_local("cuda:0").pcie_h2d_gbps == 24.6  # cached
     with pytest.raises(InvalidArgumentError):
         detect_local("cuda:3")
@@ -215,7 +215,7 @@ def test_nvidia_name_from_torch_with_measured_pcie(tmp_path, monkeypatch):
 def test_unknown_nvidia_gpu_is_measured(tmp_path, monkeypatch):
     monkeypatch.setenv("UMAKIT_HOME", str(tmp_path))
     _fake_torch(monkeypatch, "NVIDIA Imaginary 9000", 12 * GiB)
-    monkeypatch.setattr(hardware, "_probe_pcie_gbps", lambda index=0: 11.0)
+    monkeypatch.setattr(hardware, "_probe_pcie_gbps", lambda index=0, *args, **kw: 11.0)
     monkeypatch.setattr(hardware, "_probe_cuda_gbps", lambda index=0: 432.1)
     dev = detect_local("cuda")
     assert (dev.peak_bandwidth_gbps, dev.bandwidth_source, dev.pcie_gen) == (432.1, "measured", None)

@@ -54,13 +54,16 @@ def write_tokenizer(path: Path, template: str | None = CHATML) -> None:
     (path / "tokenizer_config.json").write_text(json.dumps(config))
 
 
-def make_tiny_model(family: str, path: Path, seed: int = 0) -> Path:
-    """Write a random ``family`` model with save_pretrained plus a tokenizer; return ``path``."""
+def make_tiny_model(family: str, path: Path, seed: int = 0, **overrides) -> Path:
+    """Write a random ``family`` model with save_pretrained plus a tokenizer; return ``path``.
+
+    ``overrides`` change config fields (e.g. ``num_hidden_layers=5``).
+    """
     import torch
     import transformers
 
     cfg_name, model_name, extra = FAMILIES[family]
-    config = getattr(transformers, cfg_name)(**{**COMMON, **extra})
+    config = getattr(transformers, cfg_name)(**{**COMMON, **extra, **overrides})
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(config)
     with torch.no_grad():  # random norms too, so a missing norm weight would show

@@ -38,6 +38,12 @@ class GenerationStats:
     mbu: float = 0.0  # model bandwidth utilisation: achieved / peak
     device_name: str = ""
     bandwidth_source: str = ""
+    # Offload (layers streamed from host memory each step); all zero when everything is resident.
+    pcie_bytes_per_token: float = 0.0  # weight bytes copied host -> device per decode step
+    pcie_gbps: float = 0.0  # achieved: those bytes x decode tok/s
+    pcie_peak_gbps: float = 0.0  # the measured pinned host-to-device copy rate
+    offload_ceiling_tps: float = 0.0  # 1 / (resident bytes / memory bw + streamed bytes / PCIe bw)
+    overlap_efficiency: float = 0.0  # decode tok/s / offload ceiling: how well copies hide behind compute
 
     def to_dict(self) -> dict:
         return asdict(self)

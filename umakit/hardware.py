@@ -271,12 +271,27 @@ def detect_local(device: str = "auto", override_gbps: float | None = None, *, re
         source = "measured"
     pcie = None
     if kind == "nvidia":
-        pcie = _cached(facts, "pcie_h2d_gbps", lambda: _probe_pcie_gbps(facts.index), remeasure)
+        pcie = h2d_bandwidth(device, remeasure=remeasure)["pinned"]
     return DeviceInfo(
         name=facts.name, kind=kind, peak_bandwidth_gbps=peak, bandwidth_source=source,
         memory_bytes=facts.memory_bytes, working_set_bytes=facts.working_set_bytes,
         pcie_h2d_gbps=pcie, pcie_gen=chip.pcie_gen if chip else None, gpu_cores=facts.gpu_cores,
     )
+
+
+def h2d_bandwidth(device: str = "cuda", *, remeasure: bool = False) -> dict[str, float]:
+    """Host-to-device copy GB/s from pinned and from pageable host memory, measured once per machine
+    and cached like the peak bandwidth. For "cpu" (offload's test bed) it is the host copy rate."""
+    base, _, index = (device or "cuda").lower().partition(":")
+    kind = _DEVICE_KINDS.get(base)
+    if kind not in ("nvidia", "cpu") or (index and not index.isdigit()):
+        raise InvalidArgumentError(f"host-to-device copies are measured for cuda, cuda:N or cpu, not {device!r}")
+    facts = (_nvidia_facts if kind == "nvidia" else _cpu_facts)(int(index or 0))
+    return {
+        "pinned": _cached(facts, "pcie_h2d_gbps", lambda: _probe_pcie_gbps(facts.index, kind, pinned=True), remeasure),
+        "pageable": _cached(facts, "pcie_h2d_pageable_gbps",
+                            lambda: _probe_pcie_gbps(facts.index, kind, pinned=False), remeasure),
+    }
 
 
 def _is_apple_silicon() -> bool:
@@ -456,18 +471,27 @@ def _probe_cuda_gbps(index: int = 0, size_bytes: int = 1 << 30, repeats: int = 5
     return size_bytes / best / 1e9
 
 
-def _probe_pcie_gbps(index: int = 0, size_bytes: int = 256 << 20, repeats: int = 4) -> float:
-    """Host-to-device copy bandwidth from pinned memory (what streaming weights would see)."""
+def _probe_pcie_gbps(index: int = 0, kind: str = "nvidia", pinned: bool = True, size_bytes: int = 256 << 20,
+                     repeats: int = 4) -> float:
+    """Host-to-device copy bandwidth, from pinned or pageable memory (what streaming weights would see).
+
+    ``kind`` "cpu": a host-to-host copy, the rate offload's copies run at on a CPU.
+    """
     import torch
 
-    dev = torch.device("cuda", index)
-    host = torch.ones(size_bytes, dtype=torch.uint8).pin_memory()
-    target = torch.empty(size_bytes, dtype=torch.uint8, device=dev)
+    cuda = kind == "nvidia"
+    dev = torch.device("cuda", index) if cuda else torch.device("cpu")
+    host = torch.ones(size_bytes, dtype=torch.uint8)
+    if pinned and cuda:
+        host = host.pin_memory()
+    target = torch.ones(size_bytes, dtype=torch.uint8, device=dev)  # ones: every page faulted in first
     best = math.inf
     for _ in range(repeats):
-        torch.cuda.synchronize(dev)
+        if cuda:
+            torch.cuda.synchronize(dev)
         t0 = time.perf_counter()
-        target.copy_(host, non_blocking=True)
-        torch.cuda.synchronize(dev)
+        target.copy_(host, non_blocking=pinned and cuda)
+        if cuda:
+            torch.cuda.synchronize(dev)
         best = min(best, time.perf_counter() - t0)
     return size_bytes / best / 1e9

@@ -167,6 +167,18 @@ class Model:
         stats.mbu = r.mbu
         stats.device_name = r.device_name
         stats.bandwidth_source = r.bandwidth_source
+        streamed = self.info.weights.streamed_bytes_per_token
+        if streamed:
+            from .hardware import h2d_bandwidth
+            from .roofline import offload_ceiling
+
+            o = offload_ceiling(r.bytes_per_token - streamed, streamed, dev.peak_bandwidth_gbps,
+                                h2d_bandwidth(self.info.device)["pinned"], stats.decode_tps)
+            stats.pcie_bytes_per_token = streamed
+            stats.pcie_gbps = o.achieved_pcie_gbps
+            stats.pcie_peak_gbps = o.pcie_gbps
+            stats.offload_ceiling_tps = o.ceiling_tps
+            stats.overlap_efficiency = o.efficiency
 
 
 def load(
@@ -179,6 +191,8 @@ def load(
     quantize: int | dict | None = None,
     needs: frozenset[str] = frozenset(),
     progress: Callable[[int, int], None] | None = None,
+    gpu_layers: int | None = None,
+    vram_budget: int | str | None = None,
 ) -> Model:
     """Load a model directory, Hub repo id, .gguf file, or (None) the built-in default.
 
@@ -188,10 +202,14 @@ def load(
     quantizes a float checkpoint in memory, without writing files (mlx backend).
     ``needs`` names features the caller will use (``{"kv_bits", "batch"}``), so
     that "auto" picks an engine that has them. ``progress(bytes_done, bytes_total)``
-    is called as the weights are read.
+    is called as the weights are read. ``gpu_layers`` (keep the first N layers
+    in device memory) or ``vram_budget`` (bytes or "24GB": keep as many as fit)
+    stream the remaining layers from host memory on every step (torch backend;
+    on a CPU the copies are host copies, see umakit/offload.py).
     """
     t0 = time.perf_counter()
-    needs = frozenset(needs) | ({"quantize"} if quantize is not None else set())
+    offload = gpu_layers is not None or vram_budget is not None
+    needs = frozenset(needs) | ({"quantize"} if quantize is not None else set()) | ({"offload"} if offload else set())
     engine_name, device = backends.resolve(backend, device, needs)
     path = checkpoint.resolve(model)
     ckpt = checkpoint.open_checkpoint(path)
@@ -199,6 +217,8 @@ def load(
     options = {"quantize": quantize} if quantize is not None else {}
     if progress is not None:
         options["progress"] = progress
+    if offload:
+        options.update(gpu_layers=gpu_layers, vram_budget=vram_budget)
     engine = backends.engine_class(engine_name)(ckpt, device=device, dtype=dtype, **options)
     cfg = ckpt.config.get("text_config", ckpt.config)
     info = LoadInfo(

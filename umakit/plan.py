@@ -27,6 +27,7 @@ from typing import Sequence
 
 from .errors import ConfigError, InvalidArgumentError, ModelNotFoundError, UnsupportedModelError
 from .hardware import GiB, DeviceInfo, detect_local, lookup_device
+from .offload import plan_layers
 from .roofline import kv_bytes_per_token, offload_ceiling_tps, quantized_bits_per_weight
 
 PRESET_DIR = Path(__file__).parent / "presets"
@@ -324,20 +325,24 @@ def plan_device(plan: Plan, device: DeviceInfo) -> DevicePlan:
 
 
 def offload_split(plan: Plan, device: DeviceInfo, budget_bytes: int) -> OffloadPlan:
-    """Embeddings, head, KV cache and working memory resident first; as many whole layers as fit; the rest streamed."""
+    """The engine's own split (umakit.offload.plan_layers): embeddings, head, KV cache and working
+    memory resident first, then as many whole layers as fit next to the streaming ring; the rest streamed."""
     if device.pcie_h2d_gbps:
         pcie, source = device.pcie_h2d_gbps, "measured"
     else:
         gen = device.pcie_gen or 4
         pcie, source = PCIE_EFFECTIVE_GBPS[gen], f"PCIe {gen}.0 x16 typical" + ("" if device.pcie_gen else " (assumed)")
     layers = plan.num_layers
-    room = budget_bytes - plan.fixed_bytes
-    resident = min(layers, max(room, 0) // plan.layer_bytes)
+    reserved = plan.kv_bytes + plan.working_bytes
+    try:
+        split = plan_layers([plan.layer_bytes] * layers, plan.fixed_bytes - reserved, vram_budget=max(budget_bytes, 1),
+                            reserved_bytes=reserved)
+    except InvalidArgumentError:  # not even the resident minimum fits
+        return OffloadPlan(0, layers, plan.fixed_read_bytes, layers * plan.layer_read_bytes, pcie, source, None)
+    resident = split.gpu_layers
     streamed = (layers - resident) * plan.layer_read_bytes
     resident_read = plan.fixed_read_bytes + resident * plan.layer_read_bytes
-    ceiling = None
-    if room >= 0:
-        ceiling = plan.batch * offload_ceiling_tps(resident_read, streamed, device.peak_bandwidth_gbps, pcie)
+    ceiling = plan.batch * offload_ceiling_tps(resident_read, streamed, device.peak_bandwidth_gbps, pcie)
     return OffloadPlan(int(resident), int(layers), int(resident_read), int(streamed), pcie, source, ceiling)
 
 

@@ -112,3 +112,25 @@ def offload_ceiling_tps(
         raise InvalidArgumentError("resident and streamed bytes must be non-negative and not both zero")
     seconds = resident_bytes / (vram_gbps * GB) + streamed_bytes / (pcie_gbps * GB)
     return 1.0 / seconds
+
+
+@dataclass(frozen=True)
+class OffloadStats:
+    """A decode run with some weights streamed over PCIe, against its two-link ceiling."""
+
+    ceiling_tps: float  # 1 / (resident / memory bw + streamed / PCIe bw)
+    pcie_gbps: float  # the link's measured rate
+    achieved_pcie_gbps: float | None  # streamed bytes x measured tok/s
+    efficiency: float | None  # measured tok/s / ceiling (overlap efficiency)
+
+
+def offload_ceiling(resident_bytes: float, streamed_bytes: float, memory_gbps: float, pcie_gbps: float,
+                    tokens_per_s: float | None = None) -> OffloadStats:
+    """The offload ceiling of one decode step and, given the measured tok/s, how close a run came."""
+    ceiling = offload_ceiling_tps(resident_bytes, streamed_bytes, memory_gbps, pcie_gbps)
+    return OffloadStats(
+        ceiling_tps=ceiling,
+        pcie_gbps=pcie_gbps,
+        achieved_pcie_gbps=None if tokens_per_s is None else streamed_bytes * tokens_per_s / GB,
+        efficiency=None if tokens_per_s is None else tokens_per_s / ceiling,
+    )

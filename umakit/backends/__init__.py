@@ -26,8 +26,9 @@ DEVICES = {"mlx": ("metal", "cpu"), "torch": ("cuda", "cpu")}
 # (and has the features asked for); the order follows benchmarks/cpu_engines.py
 # on a 2-core x86 Linux machine.
 CPU_PREFERENCE = ("torch", "mlx")
-# Optional features, by engine: a quantized KV cache, batched decoding, quantize on load.
-FEATURES = {"mlx": frozenset({"kv_bits", "batch", "quantize"}), "torch": frozenset({"batch"})}
+# Optional features, by engine: a quantized KV cache, batched decoding, quantize on load,
+# streaming layers from host memory (--gpu-layers / --vram-budget).
+FEATURES = {"mlx": frozenset({"kv_bits", "batch", "quantize"}), "torch": frozenset({"batch", "offload"})}
 
 
 def is_apple_silicon() -> bool:

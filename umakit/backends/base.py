@@ -42,6 +42,7 @@ class WeightInfo:
     bytes_per_token: int = 0  # weight bytes one decode step reads (one embedding row, not the table)
     kv_bytes_per_token: float = 0.0  # cache bytes per cached token, all layers, K and V
     quantization: str = "none"  # e.g. "4-bit g32 (embeddings 8-bit)"
+    streamed_bytes_per_token: int = 0  # of bytes_per_token, those copied host -> device per step (offload)
 
     @property
     def bits_per_weight(self) -> float:

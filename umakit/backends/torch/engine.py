@@ -16,6 +16,7 @@ CUDA ("auto": the checkpoint's half type)  tinygemm int4 in bfloat16, otherwise 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import resource
 import sys
 from typing import Iterator, Sequence
@@ -26,12 +27,14 @@ from torch import nn
 
 from ...checkpoint import Checkpoint
 from ...errors import BackendUnavailableError, CheckpointError, InvalidArgumentError
+from ...offload import RING_SLOTS, OffloadPlan, parse_size, plan_layers
 from ...roofline import kv_bytes_per_token
 from ...sampling import SamplingParams
 from ..base import WeightInfo
 from . import quant
 from .cache import GROW_STEP, StaticKVCache
 from .model import ModelArgs, RMSNorm, Transformer, fuse_projections, rope_inv_freq
+from .offload import LayerStreamer
 from .sampling import make_sampler
 
 PREFILL_STEP = 512  # tokens per prefill chunk: bounds attention memory on long prompts
@@ -43,25 +46,32 @@ CUDA_CACHE_TOKENS = 4096  # initial KV capacity on CUDA, so captured decode grap
 class TorchEngine:
     name = "torch"
 
-    def __init__(self, ckpt: Checkpoint, device: str = "cpu", dtype: str = "auto", progress=None):
+    def __init__(self, ckpt: Checkpoint, device: str = "cpu", dtype: str = "auto", progress=None,
+                 gpu_layers: int | None = None, vram_budget: int | str | None = None):
+        """``gpu_layers`` (keep the first N layers resident) or ``vram_budget`` (bytes, or "24GB") stream the
+        other layers from host memory on every forward pass (see umakit/offload.py)."""
         shapes = {k: t.shape for k, t in ckpt.tensors.items()}
         floats = [SAFETENSORS_FLOATS[t.dtype] for t in ckpt.tensors.values() if t.dtype in SAFETENSORS_FLOATS]
-        self._setup(ckpt.config, shapes, lambda: _stream(ckpt, device, progress), device,
-                    _compute_dtype(dtype, floats, device))
+        staging = "cpu" if gpu_layers is not None or vram_budget is not None else device
+        self._setup(ckpt.config, shapes, lambda: _stream(ckpt, staging, progress), device,
+                    _compute_dtype(dtype, floats, device), gpu_layers, vram_budget)
 
     @classmethod
-    def from_tensors(cls, config: dict, shapes: dict, source, device: str = "cpu", dtype: str = "auto"):
+    def from_tensors(cls, config: dict, shapes: dict, source, device: str = "cpu", dtype: str = "auto",
+                     gpu_layers: int | None = None, vram_budget: int | str | None = None):
         """An engine over tensors made in memory, named as in a checkpoint (synthetic benchmark models).
 
         ``shapes`` maps every tensor name to its shape; ``source()`` yields (name, tensor) pairs.
         """
         self = cls.__new__(cls)
-        self._setup(config, shapes, source, device, _compute_dtype(dtype, [torch.bfloat16], device))
+        self._setup(config, shapes, source, device, _compute_dtype(dtype, [torch.bfloat16], device),
+                    gpu_layers, vram_budget)
         return self
 
     @classmethod
     def synthetic(cls, config: dict, device: str = "cpu", dtype: str = "auto",
-                  bits: int | None = None, group_size: int = 64) -> "TorchEngine":
+                  bits: int | None = None, group_size: int = 64, gpu_layers: int | None = None,
+                  vram_budget: int | str | None = None) -> "TorchEngine":
         """Random weights in a real architecture's exact shapes (for benchmarks)."""
         config = dict(config)
         args = ModelArgs.from_config(config)
@@ -85,14 +95,19 @@ class TorchEngine:
             config["quantization"] = {"group_size": group_size, "bits": bits}
         target = _compute_dtype(dtype, [torch.bfloat16], device)
 
+        offload = gpu_layers is not None or vram_budget is not None
+        staging = torch.device("cpu" if offload else device)  # streamed layers never visit the device whole
+
         def source():
             for name, shape in shapes.items():
                 packed = name.endswith(".weight") and f"{name.removesuffix('.weight')}.scales" in shapes
-                yield name, _random_tensor(name, shape, packed, target, torch.device(device))
+                yield name, _random_tensor(name, shape, packed, target, staging)
 
-        return cls.from_tensors(config, shapes, source, device, str(target).removeprefix("torch."))
+        return cls.from_tensors(config, shapes, source, device, str(target).removeprefix("torch."),
+                                gpu_layers, vram_budget)
 
-    def _setup(self, config: dict, shapes: dict, source, device: str, dtype: torch.dtype) -> None:
+    def _setup(self, config: dict, shapes: dict, source, device: str, dtype: torch.dtype,
+               gpu_layers: int | None = None, vram_budget=None) -> None:
         if device not in ("cpu", "cuda"):
             raise InvalidArgumentError(f"the torch backend runs on cuda or cpu, not {device!r}")
         if device == "cuda" and not torch.cuda.is_available():
@@ -107,11 +122,27 @@ class TorchEngine:
         half_weights = device == "cpu" and dtype == torch.float16 and quant.Fp16Linear.available()
         self._dtype = torch.float32 if half_weights else dtype  # activations and KV cache
         self.quantization = config.get("quantization")
+        self.offload = None  # an OffloadPlan, in bytes as loaded, when layers stream from host memory
+        plan = None
+        if gpu_layers is not None or vram_budget is not None:
+            plan = _plan_offload(self.args, shapes, dtype, self._dtype, gpu_layers, vram_budget)
+        offloaded = plan.offloaded_layers if plan else ()
         with torch.inference_mode():
-            self.model = build_model(self.args, config, shapes, source(), self._device, self._dtype, dtype)
+            self.model = build_model(self.args, config, shapes, source(), self._device, self._dtype, dtype, offloaded)
+            if offloaded:
+                self.model.streamer = LayerStreamer(self.model.model.layers, offloaded, self._device, RING_SLOTS,
+                                                    _category)
         self._params = _logical_params(config, shapes)
+        if plan is not None:
+            streamer = self.model.streamer
+            streamed = streamer.streamed_bytes if streamer else 0
+            resident = list(self._resident_tensor_bytes())
+            self.offload = dataclasses.replace(
+                plan, fixed_bytes=sum(n for name, n in resident if _layer_of(name) is None),
+                resident_bytes=sum(n for _, n in resident), streamed_bytes=streamed,
+                ring_bytes=streamer.ring_bytes if streamer else 0)
         self._graphs = None
-        if device == "cuda":
+        if device == "cuda" and not offloaded:  # streamed layers change weights under a graph: run eagerly
             from .kernels import GraphDecoder
 
             self._graphs = GraphDecoder(self.model)
@@ -192,17 +223,29 @@ class TorchEngine:
             return self._graphs(token, cache)
         return self._forward(token, cache)[:, -1]
 
-    def weight_info(self) -> WeightInfo:
-        by_cat: dict[str, int] = {}
+    def _resident_tensor_bytes(self) -> Iterator[tuple[str, int]]:
+        """(name, bytes) of every weight held on the device for good (streamed layers excluded)."""
         seen: set[int] = set()
+        streamer = self.model.streamer
         for name, t in _named_tensors(self.model):
+            if streamer is not None and _layer_of(name) in streamer.position:
+                continue  # views into the streaming ring
             if t.data_ptr() in seen:
                 continue  # a tied head shares the embedding's storage
             seen.add(t.data_ptr())
-            by_cat[_category(name)] = by_cat.get(_category(name), 0) + t.numel() * t.element_size()
+            yield name, t.numel() * t.element_size()
         for name, m in self.model.named_modules():
             if isinstance(m, quant.Fp16Linear):  # FBGEMM's packed weights are not tensors
-                by_cat[_category(name)] = by_cat.get(_category(name), 0) + m.packed_nbytes
+                yield name, m.packed_nbytes
+
+    def weight_info(self) -> WeightInfo:
+        by_cat: dict[str, int] = {}
+        for name, n in self._resident_tensor_bytes():
+            by_cat[_category(name)] = by_cat.get(_category(name), 0) + n
+        streamer = self.model.streamer
+        if streamer is not None:  # the host copies of the streamed layers
+            for cat, n in streamer.bytes_by_category.items():
+                by_cat[cat] = by_cat.get(cat, 0) + n
         total = sum(by_cat.values())
         embed = by_cat.get("embedding", 0)
         tied = "head" not in by_cat
@@ -215,6 +258,7 @@ class TorchEngine:
             bytes_per_token=per_token,
             kv_bytes_per_token=self.kv_bytes_per_token(),
             quantization=_describe_quantization(self.quantization, self.model),
+            streamed_bytes_per_token=streamer.streamed_bytes if streamer is not None else 0,
         )
 
     def kv_bytes_per_token(self, kv_bits: int | None = None) -> int:
@@ -323,12 +367,16 @@ def _stream(ckpt: Checkpoint, device: str, progress=None):
 
 
 def build_model(args: ModelArgs, config: dict, shapes: dict, source, device: torch.device,
-                dtype: torch.dtype, weights: torch.dtype | None = None) -> Transformer:
+                dtype: torch.dtype, weights: torch.dtype | None = None, offloaded: Sequence[int] = ()) -> Transformer:
     """Build the model on the meta device, then fill it from ``source`` one tensor at a time.
 
     ``dtype`` is that of activations and float tensors, ``weights`` that of the
-    linear layers' execution form (default: ``dtype``).
+    linear layers' execution form (default: ``dtype``). The ``offloaded`` layers
+    are read into host memory and converted one at a time on the device (so
+    it never holds two of them), in a form made of plain tensors that can be
+    streamed; the engine then hands them to a `LayerStreamer`.
     """
+    weights = weights or dtype
     with torch.device("meta"):
         model = Transformer(args)
     _swap_quantized(model, config.get("quantization") or {}, shapes, dtype)
@@ -339,13 +387,16 @@ def build_model(args: ModelArgs, config: dict, shapes: dict, source, device: tor
         expected = {k: v for k, v in expected.items() if not k.startswith("lm_head.")}
     _check(expected, names, shapes)
 
+    streamed = frozenset(offloaded)
+    host = torch.device("cpu")
     for key, t in source:
         name = _sanitize(key)
         if name is None:
             continue
+        target = host if _layer_of(name) in streamed else device
         if t.is_floating_point() and not name.endswith((".scales", ".biases")):
-            t = t.to(device=device, dtype=dtype)
-        _assign(model, name, t.to(device))
+            t = t.to(device=target, dtype=dtype)
+        _assign(model, name, t.to(target))
 
     embed = model.model.embed_tokens
     if tied:
@@ -355,12 +406,53 @@ def build_model(args: ModelArgs, config: dict, shapes: dict, source, device: tor
             model.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False, device="meta")
             model.lm_head.weight = embed.weight
     fuse_projections(model, quant.concat)
-    quant.convert_model(model, device, weights or dtype)
+    for i in sorted(streamed):
+        block = model.model.layers[i].to(device)
+        quant.convert_model(model, device, weights, where=lambda path, i=i: _layer_of(path) == i,
+                            tensors_only=lambda path: True)
+        block.to(host)
+    quant.convert_model(model, device, weights, where=lambda path: _layer_of(path) not in streamed)
     if tied and isinstance(embed, quant.QuantizedEmbedding) and isinstance(model.lm_head, nn.Linear):
         # The tied head was dequantized: look rows up in it and drop the packed table.
         model.model.embed_tokens = nn.Embedding.from_pretrained(model.lm_head.weight, freeze=True)
     model.inv_freq = rope_inv_freq(args).to(device)
     return model.eval()
+
+
+def _layer_of(name: str) -> int | None:
+    """The block index of a tensor or module path ("model.layers.3.mlp..." -> 3), None outside the blocks."""
+    if not name.startswith("model.layers."):
+        return None
+    return int(name.split(".", 3)[2])
+
+
+def _plan_offload(args: ModelArgs, shapes: dict, weights: torch.dtype, cache_dtype: torch.dtype,
+                  gpu_layers: int | None, vram_budget) -> OffloadPlan:
+    """Which layers stream, from the checkpoint's tensor sizes in the execution dtype (what CUDA runs).
+
+    The budget also holds the KV cache for `CUDA_CACHE_TOKENS` tokens and a prefill chunk's activations.
+    """
+    per_layer = [0] * args.num_hidden_layers
+    fixed = 0
+    for name, shape in shapes.items():
+        if (name := _sanitize(name)) is None:
+            continue
+        count = int(np.prod(shape))
+        packed = name.endswith(".weight") and f"{name.removesuffix('.weight')}.scales" in shapes
+        nbytes = count * (4 if packed else 2 if name.endswith((".scales", ".biases")) else weights.itemsize)
+        layer = _layer_of(name)
+        if layer is None:
+            fixed += nbytes
+        else:
+            per_layer[layer] += nbytes
+    a = args
+    tokens = min(a.max_position_embeddings, CUDA_CACHE_TOKENS)
+    kv = kv_bytes_per_token(a.num_hidden_layers, a.num_key_value_heads, a.head_dim, dtype_bytes=cache_dtype.itemsize)
+    width = 4 * a.hidden_size + 2 * a.intermediate_size + (a.num_attention_heads + 2 * a.num_key_value_heads) * a.head_dim
+    working = 4 * a.vocab_size + PREFILL_STEP * cache_dtype.itemsize * (width + a.num_attention_heads * tokens)
+    budget = None if vram_budget is None else parse_size(vram_budget)
+    return plan_layers(per_layer, fixed, gpu_layers=gpu_layers, vram_budget=budget, reserved_bytes=kv * tokens + working,
+                       ring_slots=RING_SLOTS)
 
 
 def _check(expected: dict, names: dict, shapes: dict) -> None:

@@ -236,6 +236,7 @@ class Transformer(nn.Module):
         # A tied head is made at load time from the embedding table (see the engine's loader).
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
+        self.streamer = None  # a LayerStreamer when some layers are offloaded
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache, static: int = 0,
                 head: bool = True) -> torch.Tensor:
@@ -257,8 +258,7 @@ class Transformer(nn.Module):
         else:
             mask = None  # one new token sees every cached one
         step = Step(*rope_cos_sin(self.inv_freq, positions, x.dtype), positions, mask, static)
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, step, cache, i)
+        x = self._blocks(x, step, cache)
         if not static:
             cache.advance(T)
         return self.lm_head(self.model.norm(x)) if head else x
@@ -274,9 +274,18 @@ class Transformer(nn.Module):
         mask = attention_mask(positions, span, self.args.sliding_window)  # (B, S)
         # (B, 1, 1, hd) rotates each row's (B, H, 1, hd) at its position; (B, 1, 1, S) masks its keys.
         step = Step(cos[:, None, None], sin[:, None, None], positions, mask[:, None, None], span)
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, step, cache, i)
+        x = self._blocks(x, step, cache)
         return self.lm_head(self.model.norm(x))[:, -1]
+
+    def _blocks(self, x: torch.Tensor, step: Step, cache) -> torch.Tensor:
+        streamer = self.streamer  # offloaded layers' weights arrive through it (offload.py)
+        for i, layer in enumerate(self.model.layers):
+            if streamer is not None:
+                streamer.before(i)
+            x = layer(x, step, cache, i)
+            if streamer is not None:
+                streamer.after(i)
+        return x
 
 
 def fuse_projections(model: Transformer, concat) -> None:
