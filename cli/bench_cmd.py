@@ -10,7 +10,7 @@ import click
 from umakit.bench import DEFAULT_GEN_TOKENS, DEFAULT_PROMPT_TOKENS, DEFAULT_REPEAT
 
 from .format import size
-from .options import model_options
+from .options import model_options, offload_options
 
 
 def _contexts(ctx, param, value):
@@ -35,10 +35,16 @@ def _contexts(ctx, param, value):
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, help="Write the record here.")
 @click.option("--compare", "compare", multiple=True, type=click.Path(exists=True, dir_okay=False),
               help="Bench JSON files to show side by side (repeatable; no run).")
-@click.option("--plot", type=click.Path(dir_okay=False), default=None, help="PNG: decode tok/s vs context with roofline ceilings.")
+@click.option("--plot", type=click.Path(dir_okay=False), default=None,
+              help="PNG: decode tok/s vs context with roofline ceilings (with --offload-sweep: vs layers streamed).")
+@click.option("--offload-sweep", is_flag=True,
+              help="Measure with 0%..100% of the layers streamed from host memory (torch backend), against the model.")
+@click.option("--sweep-steps", type=click.IntRange(min=2), default=5, show_default=True,
+              help="Steps of the offload sweep (5: 0, 25, 50, 75, 100% of the layers streamed).")
 @model_options
+@offload_options
 def bench(model, prompt_tokens, gen_tokens, repeat, warmup, batch, kv_bits, contexts, synthetic, bits, json_out, compare,
-          plot, backend, device, dtype, peak_bandwidth):
+          plot, offload_sweep, sweep_steps, backend, device, dtype, peak_bandwidth, gpu_layers, vram_budget):
     """Measure TTFT, prefill and decode speed, achieved GB/s and % of peak bandwidth."""
     from umakit import bench as lib
 
@@ -46,16 +52,31 @@ def bench(model, prompt_tokens, gen_tokens, repeat, warmup, batch, kv_bits, cont
         records = [lib.load_record(p) for p in compare]
         click.echo(compare_table(records))
     else:
+        if offload_sweep and (gpu_layers is not None or vram_budget is not None):
+            raise click.UsageError("--offload-sweep chooses the resident layers itself: drop --gpu-layers/--vram-budget")
+        offload = {"gpu_layers": gpu_layers, "vram_budget": vram_budget}
         needs = ({"kv_bits"} if kv_bits else set()) | ({"batch"} if batch > 1 else set())
-        engine, name, dev = _engine(model, synthetic, bits, backend, device, dtype, peak_bandwidth, needs)
+        if offload_sweep or gpu_layers is not None or vram_budget is not None:
+            needs.add("offload")
+        load, name, dev, layers = _loader(model, synthetic, bits, backend, device, dtype, peak_bandwidth, needs)
         settings = lib.BenchSettings(prompt_tokens, gen_tokens, repeat, warmup,
                                      int(kv_bits) if kv_bits else None, contexts, batch=batch)
-        with click.progressbar(length=settings.warmup + repeat + len(contexts), label="benchmarking",
-                               file=sys.stderr) as bar:
-            record = lib.run_bench(engine, name, dev, settings, synthetic=bool(synthetic),
-                                   progress=lambda what, done, total: bar.update(1))
+        if offload_sweep:
+            steps = len(lib.sweep_gpu_layers(layers, sweep_steps))
+            with click.progressbar(length=steps, label="offload sweep", file=sys.stderr) as bar:
+                record = lib.run_offload_sweep(lambda n: load(gpu_layers=n), layers, name, dev, settings, sweep_steps,
+                                               synthetic=bool(synthetic), progress=lambda what, done, total: bar.update(1))
+        else:
+            engine = load(**offload)
+            with click.progressbar(length=settings.warmup + repeat + len(contexts), label="benchmarking",
+                                   file=sys.stderr) as bar:
+                record = lib.run_bench(engine, name, dev, settings, synthetic=bool(synthetic),
+                                       progress=lambda what, done, total: bar.update(1))
         records = [json.loads(json.dumps(record.to_dict()))]
         click.echo(compare_table(records))
+        if records[0].get("offload_sweep"):
+            click.echo()
+            click.echo(sweep_table(records[0]))
         if json_out:
             from umakit.fsutil import atomic_file
 
@@ -63,26 +84,48 @@ def bench(model, prompt_tokens, gen_tokens, repeat, warmup, batch, kv_bits, cont
                 json.dump(records[0], f, indent=2)
             click.echo(f"wrote {json_out}", err=True)
     if plot:
-        lib.plot_records(records, plot)
+        if records[0].get("offload_sweep"):
+            lib.plot_sweep(records[0], plot)
+        else:
+            lib.plot_records(records, plot)
         click.echo(f"wrote {plot}", err=True)
 
 
-def _engine(model, synthetic, bits, backend, device, dtype, peak_bandwidth, needs):
-    import umakit
-    from umakit.hardware import detect_local
+def _loader(model, synthetic, bits, backend, device, dtype, peak_bandwidth, needs):
+    """(load(**offload) -> engine, model name, device facts, layer count); the link is measured when offloading."""
+    import dataclasses
 
+    import umakit
+    from umakit.backends import engine_class, resolve
+    from umakit.hardware import detect_local, h2d_bandwidth
+
+    engine_name, device = resolve(backend, device, frozenset(needs))
+    dev = detect_local(device, override_gbps=peak_bandwidth)
+    if "offload" in needs:
+        dev = dataclasses.replace(dev, pcie_h2d_gbps=h2d_bandwidth(device)["pinned"])
     if synthetic:
-        from umakit.backends import engine_class, resolve
         from umakit.plan import load_preset
 
-        engine_name, device = resolve(backend, device, frozenset(needs))
+        config = load_preset(synthetic)
         cls = engine_class(engine_name)
-        engine = cls.synthetic(load_preset(synthetic), device=device, dtype=dtype, bits=int(bits) if bits else None)
-        return engine, synthetic, detect_local(device, override_gbps=peak_bandwidth)
+        return (lambda **offload: cls.synthetic(config, device=device, dtype=dtype, bits=int(bits) if bits else None,
+                                                **offload)), synthetic, dev, _layer_count(config)
     if bits:
         raise click.UsageError("--bits applies to --synthetic models; quantize a checkpoint with umakit quantize")
-    m = umakit.load(model, backend=backend, device=device, dtype=dtype, peak_bandwidth=peak_bandwidth, needs=needs)
-    return m.engine, m.info.name, m.device_info
+    from umakit.model import display_name
+    from umakit.plan import load_config
+
+    path = umakit.resolve_model(model)
+
+    def load(**offload):
+        return umakit.load(path, backend=engine_name, device=device, dtype=dtype, peak_bandwidth=peak_bandwidth,
+                           needs=needs, **offload).engine
+
+    return load, display_name(path), dev, _layer_count(load_config(path))
+
+
+def _layer_count(config: dict) -> int:
+    return int(config.get("text_config", config).get("num_hidden_layers") or 0)
 
 
 ROWS = [
@@ -121,3 +164,16 @@ def compare_table(records: list[dict]) -> str:
     cols = [max(len(row[1][i]) for row in rows) for i in range(len(records))]
     return "\n".join(f"{label:<{width}}  " + "  ".join(f"{v:<{cols[i]}}" for i, v in enumerate(vals)).rstrip()
                      for label, vals in rows)
+
+
+def sweep_table(record: dict) -> str:
+    """The offload sweep, one row per step: measured against the modelled ceiling."""
+    link = record.get("pcie_gbps") or 0.0
+    lines = [f"offload sweep ({record['machine']['device']}, link {link:.1f} GB/s measured)",
+             "| layers streamed | resident | streamed/token | decode tok/s | GB/s | link GB/s | ceiling tok/s | of ceiling |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for p in record["offload_sweep"]:
+        lines.append(f"| {p['offloaded_fraction']:.0%} | {p['gpu_layers']}/{p['layers']} | "
+                     f"{size(p['streamed_bytes_per_token'])} | {p['decode_tps']:.2f} | {p['achieved_gbps']:.2f} | "
+                     f"{p['pcie_gbps']:.2f} | {p['ceiling_tps']:.2f} | {p['efficiency']:.0%} |")
+    return "\n".join(lines)

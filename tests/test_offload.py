@@ -199,3 +199,68 @@ def test_default_model_with_most_layers_streamed_matches_resident():
     assert len(m.engine.offload.offloaded_layers) == 26
     assert m.generate(prompt, temperature=0, max_tokens=12).tokens == base.generate(prompt, temperature=0,
                                                                                       max_tokens=12).tokens
+
+
+# -- bench --offload-sweep ------------------------------------------------------------------
+@pytest.mark.parametrize("layers, steps, expected", [
+    (30, 5, [30, 22, 15, 8, 0]), (5, 3, [5, 3, 0]), (2, 5, [2, 1, 0]), (1, 2, [1, 0]),
+])
+def test_sweep_steps_run_from_all_resident_to_all_streamed(layers, steps, expected):
+    from umakit.bench import sweep_gpu_layers
+
+    assert sweep_gpu_layers(layers, steps) == expected
+
+
+@pytest.fixture(scope="module")
+def llama_deep(tmp_path_factory):
+    return make_tiny_model("llama", tmp_path_factory.mktemp("llama-sweep"), num_hidden_layers=LAYERS)
+
+
+def test_offload_sweep_writes_json_and_plot(llama_deep, tmp_path):
+    from umakit.bench import modelled_sweep
+
+    out, png = tmp_path / "sweep.json", tmp_path / "sweep.png"
+    r = CliRunner().invoke(cli.main.main, [
+        "bench", str(llama_deep), "--offload-sweep", "--sweep-steps", "3", "--prompt-tokens", "8", "--gen-tokens", "4",
+        "--repeat", "1", "--warmup", "0", "--dtype", "float32", "--json", str(out), "--plot", str(png)])
+    assert r.exit_code == 0, r.output
+    assert "offload sweep" in r.output and "| 100% | 0/5 |" in r.output
+    record = json.loads(out.read_text())
+    points = record["offload_sweep"]
+    assert [p["gpu_layers"] for p in points] == [5, 3, 0]
+    streamed = [p["streamed_bytes_per_token"] for p in points]
+    assert streamed[0] == 0 < streamed[1] < streamed[2]
+    assert streamed[2] * 2 == pytest.approx(streamed[1] * 5, rel=0.01)  # alike layers: 5 streamed vs 2
+    link, peak = record["pcie_gbps"], record["machine"]["peak_bandwidth_gbps"]
+    for p in points[1:]:
+        resident = p["achieved_gbps"] * 1e9 / p["decode_tps"] - p["streamed_bytes_per_token"]
+        assert p["ceiling_tps"] == pytest.approx(1 / (resident / (peak * 1e9) + p["streamed_bytes_per_token"] / (link * 1e9)),
+                                                 rel=1e-6)
+        assert p["efficiency"] == pytest.approx(p["decode_tps"] / p["ceiling_tps"])
+        assert p["pcie_gbps"] == pytest.approx(p["streamed_bytes_per_token"] * p["decode_tps"] / 1e9)
+    xs, ys = modelled_sweep(record)
+    assert len(xs) == LAYERS + 1 and ys[0] == pytest.approx(points[0]["ceiling_tps"])
+    assert ys[-1] == pytest.approx(points[-1]["ceiling_tps"], rel=1e-6)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_with_offloaded_layers_is_labelled_pcie_by_compare(llama_deep, tmp_path):
+    from umakit.compare import limiting_link
+
+    out = tmp_path / "b.json"
+    r = CliRunner().invoke(cli.main.main, [
+        "bench", str(llama_deep), "--gpu-layers", "2", "--prompt-tokens", "8", "--gen-tokens", "4", "--repeat", "1",
+        "--warmup", "0", "--dtype", "float32", "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    record = json.loads(out.read_text())
+    assert record["offload"]["gpu_layers"] == 2 and record["offload"]["streamed_bytes_per_token"] > 0
+    assert record["summary"]["pcie_gbps"]["median"] > 0 and record["pcie_gbps"] > 0
+    assert limiting_link(record) == "PCIe"
+
+
+def test_offload_sweep_refuses_what_it_cannot_do(llama_deep):
+    runner = CliRunner()
+    both = runner.invoke(cli.main.main, ["bench", str(llama_deep), "--offload-sweep", "--gpu-layers", "1"])
+    assert both.exit_code != 0 and "drop --gpu-layers" in both.output
+    mlx = runner.invoke(cli.main.main, ["bench", str(llama_deep), "--offload-sweep", "--backend", "mlx"])
+    assert mlx.exit_code != 0 and "does not support offload" in mlx.output and "Traceback" not in mlx.output

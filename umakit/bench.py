@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 from .errors import InvalidArgumentError
-from .roofline import decode_roofline
+from .roofline import decode_roofline, offload_ceiling, offload_ceiling_tps
 from .sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0)
@@ -54,6 +54,8 @@ class Run:
     mbu: float
     bytes_per_token: float
     peak_memory_bytes: int
+    pcie_gbps: float = 0.0  # offload: streamed bytes per token x tok/s
+    offload_efficiency: float = 0.0  # offload: tok/s / the two-link ceiling
 
 
 @dataclass
@@ -80,6 +82,21 @@ class ContextPoint:
 
 
 @dataclass
+class SweepPoint:
+    """One step of an offload sweep: the same model with ``gpu_layers`` of ``layers`` resident."""
+
+    gpu_layers: int
+    layers: int
+    offloaded_fraction: float
+    decode_tps: float
+    achieved_gbps: float  # every byte a step reads, per second
+    streamed_bytes_per_token: int
+    pcie_gbps: float  # achieved over the link
+    ceiling_tps: float  # modelled: the plain roofline when nothing streams, else the offload ceiling
+    efficiency: float  # decode tok/s / ceiling
+
+
+@dataclass
 class BenchRecord:
     """One machine's measurement of one model: everything needed to compare runs."""
 
@@ -90,6 +107,9 @@ class BenchRecord:
     runs: list[Run]
     summary: dict[str, Summary]
     contexts: list[ContextPoint] = field(default_factory=list)
+    offload: dict | None = None  # the layer split, when layers stream from host memory
+    offload_sweep: list[SweepPoint] = field(default_factory=list)
+    pcie_gbps: float | None = None  # the measured host-to-device link, when offloading
     synthetic: bool = False
     created: str = ""
     version: int = RECORD_VERSION
@@ -118,8 +138,14 @@ def _timed_run(engine, prompt, gen_tokens, kv_bits, device, weights) -> Run:
     r = decode_roofline(weights.bytes_per_token, engine.kv_bytes_per_token(kv_bits),
                         len(prompt) + gen_tokens // 2, decode_tps, device.peak_bandwidth_gbps,
                         device.name, device.bandwidth_source)
-    return Run(t1 - t0, len(prompt) / (t1 - t0), decode_tps, r.achieved_gbps, r.mbu, r.bytes_per_token,
-               engine.peak_memory())
+    run = Run(t1 - t0, len(prompt) / (t1 - t0), decode_tps, r.achieved_gbps, r.mbu, r.bytes_per_token,
+              engine.peak_memory())
+    streamed = weights.streamed_bytes_per_token
+    if streamed and device.pcie_h2d_gbps:
+        o = offload_ceiling(r.bytes_per_token - streamed, streamed, device.peak_bandwidth_gbps,
+                            device.pcie_h2d_gbps, decode_tps)
+        run.pcie_gbps, run.offload_efficiency = o.achieved_pcie_gbps, o.efficiency
+    return run
 
 
 def _timed_batch_run(engine, prompts, gen_tokens, device, weights) -> Run:
@@ -183,6 +209,7 @@ def run_bench(engine, name: str, device, settings: BenchSettings, synthetic: boo
         points.append(ContextPoint(ctx, run.decode_tps, r.bytes_per_token, r.ceiling_tps, r.achieved_gbps, r.mbu))
         tick(f"context {ctx}")
     summary = {k: Summary.of([getattr(r, k) for r in runs]) for k in Run.__dataclass_fields__}
+    offload = getattr(engine, "offload", None)
     return BenchRecord(
         machine=_machine(device),
         model={"name": name, "params": weights.params, "bits_per_weight": round(weights.bits_per_weight, 3),
@@ -195,9 +222,118 @@ def run_bench(engine, name: str, device, settings: BenchSettings, synthetic: boo
         runs=runs,
         summary=summary,
         contexts=points,
+        offload=offload.to_dict() if offload is not None else None,
+        pcie_gbps=device.pcie_h2d_gbps if offload is not None else None,
         synthetic=synthetic,
         created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     )
+
+
+def sweep_gpu_layers(layers: int, steps: int) -> list[int]:
+    """Resident layer counts from all to none in ``steps`` even steps of the offloaded fraction."""
+    if steps < 2:
+        raise InvalidArgumentError(f"an offload sweep needs at least 2 steps (got {steps})")
+    counts = [layers - round(layers * i / (steps - 1)) for i in range(steps)]
+    return list(dict.fromkeys(counts))
+
+
+def run_offload_sweep(load_engine: Callable[[int], object], layers: int, name: str, device, settings: BenchSettings,
+                      steps: int = 5, synthetic: bool = False,
+                      progress: Callable[[str, int, int], None] | None = None) -> BenchRecord:
+    """Decode speed as more and more layers stream from host memory: ``load_engine(gpu_layers)`` per step.
+
+    ``device.pcie_h2d_gbps`` is the link the modelled ceiling uses. The
+    record's runs are those of the first step that loaded (all resident, where
+    it fits); a step whose resident part does not fit is left out.
+    """
+    counts = sweep_gpu_layers(layers, steps)
+    points, first = [], None
+    for i, gpu_layers in enumerate(counts):
+        try:
+            engine = load_engine(gpu_layers)
+        except (MemoryError, InvalidArgumentError, RuntimeError) as e:  # torch's CUDA out-of-memory is a RuntimeError
+            if "out of memory" not in str(e).lower() and "cannot hold" not in str(e):
+                raise
+            if progress:
+                progress(f"{gpu_layers} layers resident: does not fit", i + 1, len(counts))
+            continue
+        record = run_bench(engine, name, device, settings, synthetic=synthetic)
+        first = first or record
+        w = engine.weight_info()
+        tps = record.summary["decode_tps"].median
+        per_token = record.summary["bytes_per_token"].median
+        streamed = w.streamed_bytes_per_token
+        if streamed:
+            o = offload_ceiling(per_token - streamed, streamed, device.peak_bandwidth_gbps, device.pcie_h2d_gbps, tps)
+            ceiling, pcie = o.ceiling_tps, o.achieved_pcie_gbps
+        else:
+            ceiling, pcie = device.peak_bandwidth_gbps * 1e9 / per_token, 0.0
+        points.append(SweepPoint(gpu_layers, layers, (layers - gpu_layers) / layers, tps,
+                                 record.summary["achieved_gbps"].median, streamed, pcie, ceiling, tps / ceiling))
+        del engine, record
+        if progress:
+            progress(f"{gpu_layers} layers resident", i + 1, len(counts))
+    if first is None:
+        raise InvalidArgumentError("no step of the sweep fits in device memory, not even with every layer streamed")
+    first.offload_sweep = points
+    first.pcie_gbps = device.pcie_h2d_gbps
+    return first
+
+
+def modelled_sweep(record: dict) -> tuple[list[float], list[float]]:
+    """(offloaded fractions, offload ceiling tok/s) at every layer count of a sweep record's model.
+
+    Layers are taken as alike: each streamed layer moves the same bytes from
+    the resident read (in its resident form) to the link (in its streamed form),
+    both measured from the sweep's first and last steps.
+    """
+    points = sorted(record["offload_sweep"], key=lambda p: p["offloaded_fraction"])
+    peak, link = record["machine"]["peak_bandwidth_gbps"], record["pcie_gbps"]
+    layers = points[0]["layers"]
+
+    def split(p):  # (layers streamed, resident bytes per step, streamed bytes per step)
+        k = layers - p["gpu_layers"]
+        return k, p["achieved_gbps"] * 1e9 / p["decode_tps"] - p["streamed_bytes_per_token"], p["streamed_bytes_per_token"]
+
+    (k0, r0, _), (k1, r1, s1) = split(points[0]), split(points[-1])
+    if k1 == k0:
+        return [k0 / layers], [peak * 1e9 / r0]
+    resident_per_layer, streamed_per_layer = (r0 - r1) / (k1 - k0), s1 / k1
+    xs, ys = [], []
+    for k in range(layers + 1):
+        resident, streamed = max(r0 - (k - k0) * resident_per_layer, 1.0), k * streamed_per_layer
+        xs.append(k / layers)
+        ys.append(offload_ceiling_tps(resident, streamed, peak, link) if streamed else peak * 1e9 / resident)
+    return xs, ys
+
+
+def plot_sweep(record: dict, path) -> None:
+    """Decode tok/s and GB/s against the share of layers streamed, with the modelled curve (PNG)."""
+    plt = _pyplot()
+    from .fsutil import atomic_file
+
+    points = record["offload_sweep"]
+    xs = [100 * p["offloaded_fraction"] for p in points]
+    grid, ceilings = modelled_sweep(record)
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
+    top.plot(xs, [p["decode_tps"] for p in points], "o-", label="measured")
+    top.plot([100 * f for f in grid], ceilings, "--", label="modelled ceiling (memory + link)")
+    top.set_ylabel("decode tok/s")
+    top.set_yscale("log")
+    top.set_title(f"{record['model']['name']} on {record['machine']['device']}: layers streamed over the link "
+                  f"({record['pcie_gbps']:.1f} GB/s measured)", fontsize=9)
+    bottom.plot(xs, [p["achieved_gbps"] for p in points], "o-", label="all bytes read per step")
+    bottom.plot(xs, [p["pcie_gbps"] for p in points], "s-", label="bytes streamed over the link")
+    bottom.axhline(record["pcie_gbps"], color="gray", linestyle=":", label="link bandwidth (probe)")
+    bottom.set_ylabel("GB/s")
+    bottom.set_xlabel("layers streamed from host memory (%)")
+    for ax in (top, bottom):
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    with atomic_file(path, "wb") as f:
+        fig.savefig(f, format="png", dpi=120)
+    plt.close(fig)
 
 
 def _shape_config(config: dict) -> dict:
@@ -249,13 +385,7 @@ def ceiling_curve(record: dict, contexts: list[int]) -> list[float]:
 
 def plot_records(records: list[dict], path) -> None:
     """Decode tok/s against context length, each machine with its roofline ceiling (PNG)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as e:
-        raise InvalidArgumentError("--plot needs matplotlib: pip install 'umakit[plot]'") from e
+    plt = _pyplot()
     from .fsutil import atomic_file
 
     fig, ax = plt.subplots(figsize=(8, 5))
@@ -278,3 +408,14 @@ def plot_records(records: list[dict], path) -> None:
     with atomic_file(path, "wb") as f:
         fig.savefig(f, format="png", dpi=120)
     plt.close(fig)
+
+
+def _pyplot():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise InvalidArgumentError("--plot needs matplotlib: pip install 'umakit[plot]'") from e
+    return plt

@@ -222,7 +222,7 @@ def load(
     engine = backends.engine_class(engine_name)(ckpt, device=device, dtype=dtype, **options)
     cfg = ckpt.config.get("text_config", ckpt.config)
     info = LoadInfo(
-        name=_display_name(ckpt),
+        name=display_name(ckpt.path),
         path=path,
         backend=engine_name,
         device=device,
@@ -262,9 +262,10 @@ def memory_warnings(weight_bytes: int, device: str) -> list[str]:
             f"generation may swap or fail: {fix}"]
 
 
-def _display_name(ckpt: checkpoint.Checkpoint) -> str:
-    # Hub snapshots live in .../models--org--name/snapshots/<hash>
-    for parent in ckpt.path.parents:
+def display_name(path: Path) -> str:
+    """A checkpoint's name: the repo id of a Hub snapshot (.../models--org--name/snapshots/<hash>), else the folder's."""
+    path = Path(path)
+    for parent in path.parents:
         if parent.name.startswith("models--"):
             return parent.name[len("models--"):].replace("--", "/")
-    return ckpt.path.name
+    return path.name
