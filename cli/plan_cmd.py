@@ -7,6 +7,7 @@ import json
 import click
 
 from umakit import plan as P
+from umakit.offload import parse_size
 
 
 @click.command("plan")
@@ -23,15 +24,17 @@ from umakit import plan as P
               help="Repeatable: 'local' or a name like 'M4 Max 128GB' "
                    f"(default: local, {', '.join(P.REFERENCE_DEVICES)}).")
 @click.option("--peak-bandwidth", type=float, help="The local device's peak bandwidth in GB/s (overrides detection).")
+@click.option("--vram-budget", metavar="SIZE", help="Cap a GPU's memory for the model (e.g. 8GB), as when running with it.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 def plan(model, preset, config_path, bits, embed_bits, group_size, kv_bits, context, batch, devices,
-         peak_bandwidth, as_json):
+         peak_bandwidth, vram_budget, as_json):
     """Weights, KV cache and working memory of MODEL (a directory with config.json, or a preset
     name), whether it fits each device, and the decode tok/s ceiling there."""
     name, config = P.resolve_config(model, preset, config_path)
     p = P.plan_model(config, name=name, bits=bits, embed_bits=embed_bits, group_size=group_size,
                      kv_bits=kv_bits, context=context, batch=batch,
-                     devices=P.resolve_devices(devices, peak_bandwidth))
+                     devices=P.resolve_devices(devices, peak_bandwidth),
+                     vram_budget=parse_size(vram_budget) if vram_budget is not None else None)
     if as_json:
         click.echo(json.dumps(P.plan_to_dict(p), indent=2))
         return
@@ -56,6 +59,9 @@ def plan(model, preset, config_path, bits, embed_bits, group_size, kv_bits, cont
     rows = [["device", "usable / memory", "peak bandwidth", "fits", f"decode ceiling{total}"]]
     rows += [_device_row(d) for d in p.devices]
     click.echo("\n" + _table(rows, right=(1,)))
+    split = next((d.offload for d in p.devices if d.offload is not None and d.offload.ceiling_tps), None)
+    if split is not None:
+        click.echo(f"\nto run with this split: umakit run MODEL --backend cuda --gpu-layers {split.layers_resident}")
 
 
 def _device_row(d: P.DevicePlan) -> list[str]:

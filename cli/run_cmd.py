@@ -53,7 +53,12 @@ def run(model, system, max_context, kv_bits, stats, max_tokens, seed, backend, d
             repl.piped(sys.stdin)
             return
         i, w = m.info, m.info.weights
+        offload = ""
+        if i.offload:
+            offload = (f"{i.offload['gpu_layers']}/{i.offload['layers']} layers on {i.device}, "
+                       f"{size(i.offload['streamed_bytes_per_token'])} streamed per token · ")
         click.echo(click.style(
             f"{i.name} · {i.backend}/{i.device} {i.dtype} · {w.quantization} · context {session.settings.max_context} · "
-            f"weights {size(w.total_bytes)} · loaded in {i.load_s:.1f} s · /help for commands", dim=True), err=True)
+            f"weights {size(w.total_bytes)} · {offload}loaded in {i.load_s:.1f} s · /help for commands", dim=True),
+            err=True)
         repl.interactive()

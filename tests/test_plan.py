@@ -251,3 +251,21 @@ def test_cli_errors_are_one_line(run, args, message):
     assert r.exit_code == 1
     lines = [line for line in r.output.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith(message), r.output
+
+
+def test_a_vram_budget_caps_the_gpu_and_plans_the_split_the_engine_uses():
+    from umakit.offload import plan_layers
+
+    budget = 3 * 10**9
+    p = plan("llama-3-8b", bits=4, context=4096, devices=[lookup_device("RTX 4090 24GB")], vram_budget=budget)
+    (d,) = p.devices
+    assert d.budget_bytes == budget and not d.fits
+    reserve = p.kv_bytes + p.working_bytes
+    split = plan_layers([p.layer_bytes] * 32, p.fixed_bytes - reserve, vram_budget=budget, reserved_bytes=reserve)
+    assert d.offload.layers_resident == split.gpu_layers and 0 < split.gpu_layers < 32
+    out = CliRunner().invoke(cli.main.main, ["plan", "llama-3-8b", "--bits", "4", "--context", "4096",
+                                             "--device", "RTX 4090 24GB", "--vram-budget", "3GB"])
+    assert out.exit_code == 0, out.output
+    assert f"--gpu-layers {split.gpu_layers}" in out.output
+    bad = CliRunner().invoke(cli.main.main, ["plan", "llama-3-8b", "--vram-budget", "3XB"])
+    assert bad.exit_code != 0 and "as a size" in bad.output

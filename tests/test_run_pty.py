@@ -30,6 +30,7 @@ def spawn(*args):
     child = pexpect.spawn(EXE, ["run", "--temp", "0", *args], encoding="utf-8", timeout=180,
                           dimensions=(40, 200), env={**os.environ, "TERM": "dumb"})
     child.expect("/help for commands")
+    child.banner = child.before
     child.expect_exact(PROMPT)
     return child
 
@@ -121,3 +122,11 @@ def test_piped_mode_is_deterministic_and_plain():
     replies = outs[0].stdout.split("\n\n")
     assert "Paris" in replies[0] and "Berlin" in replies[1]
     assert "\x1b[" not in outs[0].stdout and outs[0].stderr == ""  # no colours, no footers
+
+
+def test_chat_with_most_layers_streamed_from_host_memory():
+    child = spawn("--max-tokens", "12", "--gpu-layers", "6", "--backend", "torch")
+    assert re.search(r"6/30 layers on cpu, [\d.]+ MiB streamed per token", child.banner)
+    new, reused = say(child, "Hi!")
+    assert new > 0 and reused == 0
+    quit(child)

@@ -28,6 +28,7 @@ class LoadInfo:
     weights: WeightInfo
     context_length: int
     warnings: list[str] = field(default_factory=list)  # e.g. weights near the memory limit
+    offload: dict | None = None  # the layer split when layers stream from host memory (OffloadPlan.to_dict)
 
 
 class Model:
@@ -231,6 +232,7 @@ def load(
         size_on_disk=sum(f.stat().st_size for f in ckpt.files),
         weights=engine.weight_info(),
         context_length=int(cfg.get("max_position_embeddings") or 0),
+        offload=engine.offload.to_dict() if getattr(engine, "offload", None) is not None else None,
     )
     info.warnings = memory_warnings(info.weights.total_bytes, device)
     return Model(engine, tokenizer, info, peak_bandwidth=peak_bandwidth)

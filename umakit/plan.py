@@ -223,11 +223,13 @@ def plan_model(
     context: int = DEFAULT_CONTEXT,
     batch: int = 1,
     devices: Sequence[DeviceInfo] = (),
+    vram_budget: int | None = None,
 ) -> Plan:
     """Weights by category, KV cache, working memory and totals; one DevicePlan per device.
 
     ``embed_bits`` (default: ``bits``) sets the embedding and output head, which
-    umakit's quantizer keeps at 8 bits when asked for 4.
+    umakit's quantizer keeps at 8 bits when asked for 4. ``vram_budget`` (bytes)
+    caps what a discrete GPU may hold, as ``--vram-budget`` does when running.
     """
     embed_bits = bits if embed_bits is None else embed_bits
     _check(bits, embed_bits, group_size, kv_bits, context, batch)
@@ -308,14 +310,16 @@ def plan_model(
         + H * FLOAT_BYTES + kv_total,
         notes=tuple(notes),
     )
-    return dataclasses.replace(plan, devices=tuple(plan_device(plan, d) for d in devices))
+    return dataclasses.replace(plan, devices=tuple(plan_device(plan, d, vram_budget) for d in devices))
 
 
-def plan_device(plan: Plan, device: DeviceInfo) -> DevicePlan:
+def plan_device(plan: Plan, device: DeviceInfo, vram_budget: int | None = None) -> DevicePlan:
     """Does ``plan`` fit on ``device``, its decode ceiling, and the PCIe-offload split where it does not."""
     budget = device.usable_bytes
     if device.kind == "nvidia":
         budget = max(device.memory_bytes - CUDA_RESERVED_BYTES, 0)
+        if vram_budget is not None:
+            budget = min(budget, vram_budget)
     fits = plan.total_bytes <= budget
     ceiling = plan.batch * device.peak_bandwidth_gbps * 1e9 / plan.step_read_bytes
     offload = None
