@@ -11,6 +11,12 @@ CPU, bfloat16          torch's int4 kernels after an exact repack: ~0.6 bytes a
                        weight, inputs and outputs rounded to bfloat16.
 CUDA ("auto": the checkpoint's half type)  tinygemm int4 in bfloat16, otherwise a
                        fused Triton dequantize-matvec; the decode step is a CUDA graph.
+
+With ``gpu_layers``/``vram_budget`` the layers past the resident ones live in
+host memory and stream through a ring of device buffers on every forward
+pass (offload.py here; the split: umakit/offload.py). Streamed layers need
+execution forms made of plain tensors, so on CPU they run in float32, and
+the decode step runs eagerly (no CUDA graph).
 """
 
 from __future__ import annotations

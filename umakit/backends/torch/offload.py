@@ -13,12 +13,14 @@ No host synchronisation: the copy of layer j + slots is queued as soon as
 layer j is queued, and runs once layer j has finished reading its slot. The
 ring is cyclic across forward passes, so the first offloaded layers of the
 next token are already copying while the head and sampling run. On CPU the
-same schedule runs with synchronous host copies, which is how CI tests it.
+same schedule runs with host copies on one copy thread (a future per slot
+stands in for the events), which is how CI tests it.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Sequence
 
 import torch
@@ -79,6 +81,9 @@ class LayerStreamer:
             self.copy_stream = torch.cuda.Stream(device)
             self.ready = [torch.cuda.Event() for _ in self.slots]
             self.free = [torch.cuda.Event() for _ in self.slots]
+        else:  # the CPU's "copy stream": one thread, copies in issue order; a future per slot
+            self.copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="umakit-stream")
+            self.copies: list[Future | None] = [None] * n_slots
         self.queue: deque[tuple[int, int]] = deque()  # (layer position, slot) copied or in flight, in order
         self.next = 0  # the next layer position to copy, cyclic
         self.issued = 0  # copies issued so far; slot = issued % slots
@@ -115,8 +120,8 @@ class LayerStreamer:
             with torch.cuda.stream(self.copy_stream):
                 self.slots[s][:n].copy_(self.hosts[j], non_blocking=True)
             self.ready[s].record(self.copy_stream)
-        else:
-            self.slots[s][:n].copy_(self.hosts[j])
+        else:  # layer j - slots has finished with slot s: compute is synchronous on CPU
+            self.copies[s] = self.copier.submit(_copy, self.slots[s][:n], self.hosts[j])
         self.queue.append((j, s))
         self.next = (j + 1) % len(self.order)
         self.issued += 1
@@ -133,8 +138,11 @@ class LayerStreamer:
             self.next = j
         while len(self.queue) < len(self.slots):
             self._issue()
+        s = self.queue[0][1]
         if self.cuda:
-            torch.cuda.current_stream(self.device).wait_event(self.ready[self.queue[0][1]])
+            torch.cuda.current_stream(self.device).wait_event(self.ready[s])
+        else:
+            self.copies[s].result()
 
     def after(self, layer: int) -> None:
         """Called after block ``layer`` is queued: free its slot for the layer ``slots`` ahead."""
@@ -149,6 +157,15 @@ class LayerStreamer:
     def _restart(self, j: int) -> None:
         if self.cuda:
             torch.cuda.synchronize(self.device)
+        else:
+            for copy in self.copies:
+                if copy is not None:
+                    copy.result()
         self.queue.clear()
         self.next = j
 
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    with torch.inference_mode():  # the slots are inference tensors
+        dst.copy_(src)
