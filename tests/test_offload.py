@@ -264,3 +264,25 @@ def test_offload_sweep_refuses_what_it_cannot_do(llama_deep):
     assert both.exit_code != 0 and "drop --gpu-layers" in both.output
     mlx = runner.invoke(cli.main.main, ["bench", str(llama_deep), "--offload-sweep", "--backend", "mlx"])
     assert mlx.exit_code != 0 and "does not support offload" in mlx.output and "Traceback" not in mlx.output
+
+
+def test_a_model_too_big_for_free_vram_is_refused_with_the_flag_that_streams_it(deep_dir):
+    from umakit.backends.torch.engine import ModelArgs, _check_fits, _plan_offload
+    from umakit.checkpoint import open_checkpoint
+
+    import torch
+
+    ckpt = open_checkpoint(deep_dir)
+    args = ModelArgs.from_config(ckpt.config)
+    shapes = {k: t.shape for k, t in ckpt.tensors.items()}
+    whole = _plan_offload(args, shapes, torch.float32, torch.float32, LAYERS, None)
+    need = whole.resident_bytes + whole.reserved_bytes
+    _check_fits(args, shapes, torch.float32, torch.float32, need)  # fits exactly: no error
+    layer = (whole.resident_bytes - whole.fixed_bytes) // LAYERS
+    for free in (need - 1, need - layer - 1):  # the ring's slots cost layers too: 1 and then 0 stay resident
+        split = _plan_offload(args, shapes, torch.float32, torch.float32, None, free)
+        assert split.gpu_layers < LAYERS
+        with pytest.raises(InvalidArgumentError, match=f"--gpu-layers {split.gpu_layers} "):
+            _check_fits(args, shapes, torch.float32, torch.float32, free)
+    with pytest.raises(InvalidArgumentError, match="more quantized model"):
+        _check_fits(args, shapes, torch.float32, torch.float32, whole.reserved_bytes)

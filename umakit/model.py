@@ -234,7 +234,9 @@ def load(
         context_length=int(cfg.get("max_position_embeddings") or 0),
         offload=engine.offload.to_dict() if getattr(engine, "offload", None) is not None else None,
     )
-    info.warnings = memory_warnings(info.weights.total_bytes, device)
+    # With layers streaming, the device holds only the resident part; the host holds all of it.
+    resident = info.offload["resident_bytes"] if info.offload and device != "cpu" else info.weights.total_bytes
+    info.warnings = memory_warnings(resident, device)
     return Model(engine, tokenizer, info, peak_bandwidth=peak_bandwidth)
 
 

@@ -132,6 +132,8 @@ class TorchEngine:
         plan = None
         if gpu_layers is not None or vram_budget is not None:
             plan = _plan_offload(self.args, shapes, dtype, self._dtype, gpu_layers, vram_budget)
+        elif device == "cuda":
+            _check_fits(self.args, shapes, dtype, self._dtype, torch.cuda.mem_get_info(self._device)[0])
         offloaded = plan.offloaded_layers if plan else ()
         with torch.inference_mode():
             self.model = build_model(self.args, config, shapes, source(), self._device, self._dtype, dtype, offloaded)
@@ -430,6 +432,23 @@ def _layer_of(name: str) -> int | None:
     if not name.startswith("model.layers."):
         return None
     return int(name.split(".", 3)[2])
+
+
+def _check_fits(args: ModelArgs, shapes: dict, weights: torch.dtype, cache_dtype: torch.dtype, free_bytes: int) -> None:
+    """Refuse, before reading any weight, a model that cannot fit the free VRAM whole, naming the flag that streams it."""
+    try:
+        plan = _plan_offload(args, shapes, weights, cache_dtype, None, free_bytes)
+    except InvalidArgumentError:
+        plan = None  # not even with every layer streamed
+    if plan is not None and not plan.offloaded_layers:
+        return
+    need = sum(_plan_offload(args, shapes, weights, cache_dtype, args.num_hidden_layers, None).to_dict()[k]
+               for k in ("resident_bytes", "reserved_bytes"))
+    fix = (f"keep {plan.gpu_layers} of {args.num_hidden_layers} layers on the GPU and stream the rest: "
+           f"--gpu-layers {plan.gpu_layers} (or --vram-budget {free_bytes / 1e9:.0f}GB)" if plan is not None
+           else "use a more quantized model (umakit quantize --bits 4)")
+    raise InvalidArgumentError(f"the model needs about {need / 1e9:.1f} GB of GPU memory but {free_bytes / 1e9:.1f} GB "
+                               f"is free; {fix}")
 
 
 def _plan_offload(args: ModelArgs, shapes: dict, weights: torch.dtype, cache_dtype: torch.dtype,
