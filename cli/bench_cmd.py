@@ -54,7 +54,7 @@ def bench(model, prompt_tokens, gen_tokens, repeat, warmup, batch, kv_bits, cont
     else:
         if offload_sweep and (gpu_layers is not None or vram_budget is not None):
             raise click.UsageError("--offload-sweep chooses the resident layers itself: drop --gpu-layers/--vram-budget")
-        offload = {"gpu_layers": gpu_layers, "vram_budget": vram_budget}
+        offload = {k: v for k, v in (("gpu_layers", gpu_layers), ("vram_budget", vram_budget)) if v is not None}
         needs = ({"kv_bits"} if kv_bits else set()) | ({"batch"} if batch > 1 else set())
         if offload_sweep or gpu_layers is not None or vram_budget is not None:
             needs.add("offload")

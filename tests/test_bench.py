@@ -93,3 +93,14 @@ def test_batched_bench_reports_aggregate_throughput(tiny_model):
     # one step reads the weights once and every row's cache
     assert run["bytes_per_token"] == w.bytes_per_token + tiny_model.engine.kv_bytes_per_token() * 3 * (8 + 2)
     assert run["decode_tps"] > 0 and rec["settings"]["batch"] == 3
+
+
+@pytest.mark.parametrize("backend", ["mlx", "torch"])
+def test_cli_bench_of_a_synthetic_preset_on_each_engine(backend, tmp_path):
+    out = tmp_path / "s.json"
+    r = CliRunner().invoke(main, ["bench", "--synthetic", "smollm2-135m", "--backend", backend,
+                                           "--prompt-tokens", "4", "--gen-tokens", "2", "--repeat", "1",
+                                           "--warmup", "0", "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    record = json.loads(out.read_text())
+    assert record["synthetic"] and record["model"]["backend"] == backend and record["offload"] is None
