@@ -1,6 +1,6 @@
 """Check the torch backend's CUDA path on an NVIDIA GPU: correctness first, then speed.
 
-    python benchmarks/gpu_check.py            # about 6 minutes on an H100/H200
+    python benchmarks/gpu_check.py            # meant to stay under 8 minutes on one GPU (not yet run)
     python benchmarks/gpu_check.py --quick    # fewer shapes, 32-token runs
 
 1. Kernels: each CUDA form of a quantized linear (tinygemm int4, the Triton

@@ -93,16 +93,12 @@ def bench(model, prompt_tokens, gen_tokens, repeat, warmup, batch, kv_bits, cont
 
 def _loader(model, synthetic, bits, backend, device, dtype, peak_bandwidth, needs):
     """(load(**offload) -> engine, model name, device facts, layer count); the link is measured when offloading."""
-    import dataclasses
-
     import umakit
     from umakit.backends import engine_class, resolve
-    from umakit.hardware import detect_local, h2d_bandwidth
+    from umakit.hardware import detect_local
 
     engine_name, device = resolve(backend, device, frozenset(needs))
-    dev = detect_local(device, override_gbps=peak_bandwidth)
-    if "offload" in needs:
-        dev = dataclasses.replace(dev, pcie_h2d_gbps=h2d_bandwidth(device)["pinned"])
+    dev = detect_local(device, override_gbps=peak_bandwidth, link="offload" in needs)
     if synthetic:
         from umakit.plan import load_preset
 
@@ -168,7 +164,7 @@ def compare_table(records: list[dict]) -> str:
 
 def sweep_table(record: dict) -> str:
     """The offload sweep, one row per step: measured against the modelled ceiling."""
-    link = record.get("pcie_gbps") or 0.0
+    link = record["machine"].get("pcie_h2d_gbps") or 0.0
     lines = [f"offload sweep ({record['machine']['device']}, link {link:.1f} GB/s measured)",
              "| layers streamed | resident | streamed/token | decode tok/s | GB/s | link GB/s | ceiling tok/s | of ceiling |",
              "|---:|---:|---:|---:|---:|---:|---:|---:|"]

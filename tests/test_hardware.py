@@ -201,13 +201,14 @@ def _fake_torch(monkeypatch, name, total_memory):
 def test_nvidia_name_from_torch_with_measured_pcie(tmp_path, monkeypatch):
     monkeypatch.setenv("UMAKIT_HOME", str(tmp_path))
     _fake_torch(monkeypatch, "NVIDIA GeForce RTX 4090", 24 * GiB)
-    monkeypatch.setattr(hardware, "_probe_pcie_gbps", lambda index=0, *args, **kw: 24.6)
+    monkeypatch.setattr(hardware, "_probe_pcie_gbps", lambda index=0, kind="nvidia", pinned=True: 24.6 if pinned else 11.2)
     dev = detect_local("cuda")
     assert (dev.name, dev.kind, dev.peak_bandwidth_gbps, dev.bandwidth_source) == (
         "NVIDIA GeForce RTX 4090", "nvidia", 1008, "published")
     assert dev.pcie_h2d_gbps == 24.6 and dev.pcie_gen == 4 and dev.memory_bytes == 24 * GiB
     monkeypatch.setattr(hardware, "_probe_pcie_gbps", lambda index=0, *args, **kw: 1.0)
     assert detect_local("cuda:0").pcie_h2d_gbps == 24.6  # cached
+    assert hardware.h2d_bandwidth("cuda") == {"pinned": 24.6, "pageable": 11.2}  # both measured the first time
     with pytest.raises(InvalidArgumentError):
         detect_local("cuda:3")
 

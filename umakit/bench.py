@@ -14,7 +14,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
-from .errors import InvalidArgumentError
+from .errors import DoesNotFitError, InvalidArgumentError
 from .roofline import decode_roofline, offload_ceiling, offload_ceiling_tps
 from .sampling import SamplingParams
 
@@ -90,6 +90,7 @@ class SweepPoint:
     offloaded_fraction: float
     decode_tps: float
     achieved_gbps: float  # every byte a step reads, per second
+    bytes_per_token: float  # weights and KV cache a step reads, wherever they live
     streamed_bytes_per_token: int
     pcie_gbps: float  # achieved over the link
     ceiling_tps: float  # modelled: the plain roofline when nothing streams, else the offload ceiling
@@ -109,7 +110,6 @@ class BenchRecord:
     contexts: list[ContextPoint] = field(default_factory=list)
     offload: dict | None = None  # the layer split, when layers stream from host memory
     offload_sweep: list[SweepPoint] = field(default_factory=list)
-    pcie_gbps: float | None = None  # the measured host-to-device link, when offloading
     synthetic: bool = False
     created: str = ""
     version: int = RECORD_VERSION
@@ -223,7 +223,6 @@ def run_bench(engine, name: str, device, settings: BenchSettings, synthetic: boo
         summary=summary,
         contexts=points,
         offload=offload.to_dict() if offload is not None else None,
-        pcie_gbps=device.pcie_h2d_gbps if offload is not None else None,
         synthetic=synthetic,
         created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     )
@@ -251,8 +250,8 @@ def run_offload_sweep(load_engine: Callable[[int], object], layers: int, name: s
     for i, gpu_layers in enumerate(counts):
         try:
             engine = load_engine(gpu_layers)
-        except (MemoryError, InvalidArgumentError, RuntimeError) as e:  # torch's CUDA out-of-memory is a RuntimeError
-            if "out of memory" not in str(e).lower() and "cannot hold" not in str(e):
+        except (MemoryError, DoesNotFitError, RuntimeError) as e:  # torch's CUDA out-of-memory is a RuntimeError
+            if isinstance(e, RuntimeError) and "out of memory" not in str(e).lower():
                 raise
             if progress:
                 progress(f"{gpu_layers} layers resident: does not fit", i + 1, len(counts))
@@ -269,14 +268,14 @@ def run_offload_sweep(load_engine: Callable[[int], object], layers: int, name: s
         else:
             ceiling, pcie = device.peak_bandwidth_gbps * 1e9 / per_token, 0.0
         points.append(SweepPoint(gpu_layers, layers, (layers - gpu_layers) / layers, tps,
-                                 record.summary["achieved_gbps"].median, streamed, pcie, ceiling, tps / ceiling))
+                                 record.summary["achieved_gbps"].median, per_token, streamed, pcie, ceiling,
+                                 tps / ceiling))
         del engine, record
         if progress:
             progress(f"{gpu_layers} layers resident", i + 1, len(counts))
     if first is None:
         raise InvalidArgumentError("no step of the sweep fits in device memory, not even with every layer streamed")
     first.offload_sweep = points
-    first.pcie_gbps = device.pcie_h2d_gbps
     return first
 
 
@@ -288,12 +287,12 @@ def modelled_sweep(record: dict) -> tuple[list[float], list[float]]:
     both measured from the sweep's first and last steps.
     """
     points = sorted(record["offload_sweep"], key=lambda p: p["offloaded_fraction"])
-    peak, link = record["machine"]["peak_bandwidth_gbps"], record["pcie_gbps"]
+    peak, link = record["machine"]["peak_bandwidth_gbps"], record["machine"]["pcie_h2d_gbps"]
     layers = points[0]["layers"]
 
     def split(p):  # (layers streamed, resident bytes per step, streamed bytes per step)
         k = layers - p["gpu_layers"]
-        return k, p["achieved_gbps"] * 1e9 / p["decode_tps"] - p["streamed_bytes_per_token"], p["streamed_bytes_per_token"]
+        return k, p["bytes_per_token"] - p["streamed_bytes_per_token"], p["streamed_bytes_per_token"]
 
     (k0, r0, _), (k1, r1, s1) = split(points[0]), split(points[-1])
     if k1 == k0:
@@ -310,7 +309,6 @@ def modelled_sweep(record: dict) -> tuple[list[float], list[float]]:
 def plot_sweep(record: dict, path) -> None:
     """Decode tok/s and GB/s against the share of layers streamed, with the modelled curve (PNG)."""
     plt = _pyplot()
-    from .fsutil import atomic_file
 
     points = record["offload_sweep"]
     xs = [100 * p["offloaded_fraction"] for p in points]
@@ -321,19 +319,16 @@ def plot_sweep(record: dict, path) -> None:
     top.set_ylabel("decode tok/s")
     top.set_yscale("log")
     top.set_title(f"{record['model']['name']} on {record['machine']['device']}: layers streamed over the link "
-                  f"({record['pcie_gbps']:.1f} GB/s measured)", fontsize=9)
+                  f"({record['machine']['pcie_h2d_gbps']:.1f} GB/s measured)", fontsize=9)
     bottom.plot(xs, [p["achieved_gbps"] for p in points], "o-", label="all bytes read per step")
     bottom.plot(xs, [p["pcie_gbps"] for p in points], "s-", label="bytes streamed over the link")
-    bottom.axhline(record["pcie_gbps"], color="gray", linestyle=":", label="link bandwidth (probe)")
+    bottom.axhline(record["machine"]["pcie_h2d_gbps"], color="gray", linestyle=":", label="link bandwidth (probe)")
     bottom.set_ylabel("GB/s")
     bottom.set_xlabel("layers streamed from host memory (%)")
     for ax in (top, bottom):
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    with atomic_file(path, "wb") as f:
-        fig.savefig(f, format="png", dpi=120)
-    plt.close(fig)
+    _save_png(fig, path)
 
 
 def _shape_config(config: dict) -> dict:
@@ -345,7 +340,8 @@ def _machine(device) -> dict:
     return {
         "device": device.name, "kind": device.kind, "memory_bytes": device.memory_bytes,
         "peak_bandwidth_gbps": device.peak_bandwidth_gbps, "bandwidth_source": device.bandwidth_source,
-        "working_set_bytes": device.working_set_bytes, "platform": platform.platform(),
+        "working_set_bytes": device.working_set_bytes, "pcie_h2d_gbps": device.pcie_h2d_gbps,
+        "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
     }
 
@@ -386,7 +382,6 @@ def ceiling_curve(record: dict, contexts: list[int]) -> list[float]:
 def plot_records(records: list[dict], path) -> None:
     """Decode tok/s against context length, each machine with its roofline ceiling (PNG)."""
     plt = _pyplot()
-    from .fsutil import atomic_file
 
     fig, ax = plt.subplots(figsize=(8, 5))
     for i, rec in enumerate(records):
@@ -404,10 +399,7 @@ def plot_records(records: list[dict], path) -> None:
     ax.set_ylabel("decode tok/s")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    with atomic_file(path, "wb") as f:
-        fig.savefig(f, format="png", dpi=120)
-    plt.close(fig)
+    _save_png(fig, path)
 
 
 def _pyplot():
@@ -419,3 +411,14 @@ def _pyplot():
     except ImportError as e:
         raise InvalidArgumentError("--plot needs matplotlib: pip install 'umakit[plot]'") from e
     return plt
+
+
+def _save_png(fig, path) -> None:
+    import matplotlib.pyplot as plt
+
+    from .fsutil import atomic_file
+
+    fig.tight_layout()
+    with atomic_file(path, "wb") as f:
+        fig.savefig(f, format="png", dpi=120)
+    plt.close(fig)

@@ -35,3 +35,7 @@ class BackendUnavailableError(UmakitError):
 
 class InvalidArgumentError(UmakitError, ValueError):
     """An argument has a value outside its allowed range."""
+
+
+class DoesNotFitError(InvalidArgumentError):
+    """The model, or the part of it that must stay resident, does not fit the memory it may use."""

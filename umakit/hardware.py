@@ -241,13 +241,15 @@ _DEVICE_KINDS = {"auto": "auto", "cpu": "cpu", "metal": "apple", "apple": "apple
                  "cuda": "nvidia", "nvidia": "nvidia"}
 
 
-def detect_local(device: str = "auto", override_gbps: float | None = None, *, remeasure: bool = False) -> DeviceInfo:
+def detect_local(device: str = "auto", override_gbps: float | None = None, *, remeasure: bool = False,
+                 link: bool = False) -> DeviceInfo:
     """Facts about this machine's ``device`` ("auto", "metal", "cuda", "cuda:N", "cpu").
 
     Peak bandwidth: ``override_gbps`` (source "user"), else the published figure
     for a known chip, else a streaming-read probe run once per machine and
     cached in ``$UMAKIT_HOME/hardware.json`` (source "measured"). On NVIDIA the
-    host-to-device copy bandwidth is measured and cached the same way.
+    host-to-device copy bandwidth is measured and cached the same way; on a
+    CPU too when ``link`` (offload's host copies stand in for PCIe there).
     """
     if override_gbps is not None and not override_gbps > 0:
         raise InvalidArgumentError(f"--peak-bandwidth must be a positive number of GB/s (got {override_gbps})")
@@ -270,8 +272,8 @@ def detect_local(device: str = "auto", override_gbps: float | None = None, *, re
         peak = _cached(facts, "peak_bandwidth_gbps", lambda: probe(facts.index), remeasure)
         source = "measured"
     pcie = None
-    if kind == "nvidia":
-        pcie = h2d_bandwidth(device, remeasure=remeasure)["pinned"]
+    if kind == "nvidia" or (link and kind == "cpu"):
+        pcie = _link(facts, kind, remeasure)["pinned"]
     return DeviceInfo(
         name=facts.name, kind=kind, peak_bandwidth_gbps=peak, bandwidth_source=source,
         memory_bytes=facts.memory_bytes, working_set_bytes=facts.working_set_bytes,
@@ -287,11 +289,16 @@ def h2d_bandwidth(device: str = "cuda", *, remeasure: bool = False) -> dict[str,
     if kind not in ("nvidia", "cpu") or (index and not index.isdigit()):
         raise InvalidArgumentError(f"host-to-device copies are measured for cuda, cuda:N or cpu, not {device!r}")
     facts = (_nvidia_facts if kind == "nvidia" else _cpu_facts)(int(index or 0))
-    return {
-        "pinned": _cached(facts, "pcie_h2d_gbps", lambda: _probe_pcie_gbps(facts.index, kind, pinned=True), remeasure),
-        "pageable": _cached(facts, "pcie_h2d_pageable_gbps",
-                            lambda: _probe_pcie_gbps(facts.index, kind, pinned=False), remeasure),
-    }
+    return _link(facts, kind, remeasure)
+
+
+def _link(facts: _LocalFacts, kind: str, remeasure: bool) -> dict[str, float]:
+    pinned = _cached(facts, "pcie_h2d_gbps", lambda: _probe_pcie_gbps(facts.index, kind, pinned=True), remeasure)
+    if kind == "cpu":  # nothing is pinned without CUDA: one host copy rate
+        return {"pinned": pinned, "pageable": pinned}
+    pageable = _cached(facts, "pcie_h2d_pageable_gbps", lambda: _probe_pcie_gbps(facts.index, kind, pinned=False),
+                       remeasure)
+    return {"pinned": pinned, "pageable": pageable}
 
 
 def _is_apple_silicon() -> bool:

@@ -150,7 +150,8 @@ class Model:
         if self._device_info is None:
             from .hardware import detect_local
 
-            self._device_info = detect_local(self.info.device, override_gbps=self._peak_bandwidth)
+            self._device_info = detect_local(self.info.device, override_gbps=self._peak_bandwidth,
+                                             link=self.info.offload is not None)
         return self._device_info
 
     def _fill_roofline(self, stats, context_tokens: int, kv_bits: int | None = None) -> None:
@@ -170,11 +171,10 @@ class Model:
         stats.bandwidth_source = r.bandwidth_source
         streamed = self.info.weights.streamed_bytes_per_token
         if streamed:
-            from .hardware import h2d_bandwidth
             from .roofline import offload_ceiling
 
-            o = offload_ceiling(r.bytes_per_token - streamed, streamed, dev.peak_bandwidth_gbps,
-                                h2d_bandwidth(self.info.device)["pinned"], stats.decode_tps)
+            o = offload_ceiling(r.bytes_per_token - streamed, streamed, dev.peak_bandwidth_gbps, dev.pcie_h2d_gbps,
+                                stats.decode_tps)
             stats.pcie_bytes_per_token = streamed
             stats.pcie_gbps = o.achieved_pcie_gbps
             stats.pcie_peak_gbps = o.pcie_gbps

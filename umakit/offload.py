@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 from typing import Sequence
 
-from .errors import InvalidArgumentError
+from .errors import DoesNotFitError, InvalidArgumentError
 
 RING_SLOTS = 3  # device buffers for streamed layers: one computing, two in flight
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -119,7 +119,7 @@ def _layers_within(layer_bytes, fixed_bytes, reserved_bytes, budget, ring_slots)
         if need <= budget:
             return keep
     minimum = fixed_bytes + reserved_bytes + min(ring_slots, n) * max(layer_bytes)
-    raise InvalidArgumentError(
+    raise DoesNotFitError(
         f"a VRAM budget of {_human(budget)} cannot hold even the resident minimum of {_human(minimum)} "
         f"(embeddings and head {_human(fixed_bytes)}, KV cache and working memory {_human(reserved_bytes)}, "
         f"{min(ring_slots, n)} streaming buffers of one layer each); raise --vram-budget or use a more quantized model"

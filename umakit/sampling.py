@@ -13,6 +13,7 @@ follow the order below, and one shared test suite checks that they agree:
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass, replace
 
 from .errors import InvalidArgumentError
@@ -56,3 +57,8 @@ class SamplingParams:
     def with_overrides(self, **kwargs) -> "SamplingParams":
         """A copy with the given fields replaced (None values are ignored)."""
         return replace(self, **{k: v for k, v in kwargs.items() if v is not None})
+
+
+def seed_or_random(seed: int | None) -> int:
+    """``seed``, or a fresh random one (63 bits, for any backend's generator) when it is None."""
+    return seed if seed is not None else secrets.randbits(63)

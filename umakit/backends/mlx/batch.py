@@ -12,7 +12,6 @@ seeded single-sequence run.
 
 from __future__ import annotations
 
-import os
 from typing import Iterable, Sequence
 
 import mlx.core as mx
@@ -20,6 +19,7 @@ import mlx.core as mx
 from ...errors import InvalidArgumentError, UnsupportedModelError
 from ..batch_protocol import BatchRow
 from ...hardware import available_ram
+from ...sampling import seed_or_random
 from .engine import PREFILL_STEP
 from .mlx_lm_import import import_mlx_lm
 from .sampling import make_sampler
@@ -39,8 +39,7 @@ class _RowSampler:
         p = row.sampling
         self.plain = p.greedy and p.repetition_penalty == 1.0  # a batched argmax serves it
         self.sampler = make_sampler(p)
-        seed = row.seed if row.seed is not None else int(os.urandom(8).hex(), 16) % 2**63
-        self.key = mx.random.key(seed)
+        self.key = mx.random.key(seed_or_random(row.seed))
         self.window = p.repetition_context
         self.recent = mx.array(list(row.prompt)[-self.window:], dtype=mx.uint32)[None]  # (1, n)
 

@@ -13,7 +13,7 @@ from mlx.utils import tree_flatten
 
 from ...checkpoint import Checkpoint
 from ...errors import BackendUnavailableError, CheckpointError, InvalidArgumentError, UnsupportedModelError
-from ...sampling import SamplingParams
+from ...sampling import SamplingParams, seed_or_random
 from ..base import WeightInfo
 from ...roofline import kv_bytes_per_token
 from .cache import KV_GROUP_SIZE, MLXCache
@@ -173,7 +173,7 @@ class MLXEngine:
         if not prompt:
             raise InvalidArgumentError("the prompt is empty: there is nothing to continue from")
         sampler = make_sampler(sampling)
-        key = mx.random.key(seed if seed is not None else int(np.random.SeedSequence().entropy % 2**63))
+        key = mx.random.key(seed_or_random(seed))
         window = sampling.repetition_context
         recent = mx.array(list(history)[-window:] + list(prompt)[-window:], dtype=mx.uint32)[-window:][None]
 

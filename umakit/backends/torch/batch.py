@@ -15,13 +15,13 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
-import numpy as np
 import torch
 
 from ...errors import InvalidArgumentError
 from ..batch_protocol import BatchRow
 from ...hardware import available_ram
 from .cache import GROW_STEP
+from ...sampling import seed_or_random
 from .sampling import make_sampler
 
 CPU_KV_FRACTION = 0.5  # of the RAM available now: leaves room for activations and the OS
@@ -100,7 +100,7 @@ class _RowSampler:
         self.plain = p.greedy and not self.penalty  # a batched argmax serves it
         self.sampler = make_sampler(p)
         self.generator = torch.Generator(device=device)
-        self.generator.manual_seed(row.seed if row.seed is not None else int(np.random.SeedSequence().entropy % 2**63))
+        self.generator.manual_seed(seed_or_random(row.seed))
         self.window = p.repetition_context
         recent = list(row.prompt)[-self.window:] if self.penalty else []
         self.recent = torch.tensor(recent, dtype=torch.long, device=device)[None]  # (1, n)

@@ -32,10 +32,11 @@ import torch
 from torch import nn
 
 from ...checkpoint import Checkpoint
-from ...errors import BackendUnavailableError, CheckpointError, InvalidArgumentError
+from ...errors import BackendUnavailableError, CheckpointError, DoesNotFitError, InvalidArgumentError
 from ...offload import RING_SLOTS, OffloadPlan, parse_size, plan_layers
+from ...plan import plan_model
 from ...roofline import kv_bytes_per_token
-from ...sampling import SamplingParams
+from ...sampling import SamplingParams, seed_or_random
 from ..base import WeightInfo
 from . import quant
 from .cache import GROW_STEP, StaticKVCache
@@ -131,9 +132,9 @@ class TorchEngine:
         self.offload = None  # an OffloadPlan, in bytes as loaded, when layers stream from host memory
         plan = None
         if gpu_layers is not None or vram_budget is not None:
-            plan = _plan_offload(self.args, shapes, dtype, self._dtype, gpu_layers, vram_budget)
+            plan = _plan_offload(self.args, config, shapes, dtype, gpu_layers, vram_budget)
         elif device == "cuda":
-            _check_fits(self.args, shapes, dtype, self._dtype, torch.cuda.mem_get_info(self._device)[0])
+            _check_fits(self.args, config, shapes, dtype, torch.cuda.mem_get_info(self._device)[0])
         offloaded = plan.offloaded_layers if plan else ()
         with torch.inference_mode():
             self.model = build_model(self.args, config, shapes, source(), self._device, self._dtype, dtype, offloaded)
@@ -196,7 +197,7 @@ class TorchEngine:
             raise InvalidArgumentError("the prompt is empty: there is nothing to continue from")
         sampler = make_sampler(sampling)
         generator = torch.Generator(device=self._device)
-        generator.manual_seed(seed if seed is not None else int(np.random.SeedSequence().entropy % 2**63))
+        generator.manual_seed(seed_or_random(seed))
         window = sampling.repetition_context
         penalty = sampling.repetition_penalty != 1.0
         recent = (list(history)[-window:] + list(prompt))[-window:] if penalty else []
@@ -416,10 +417,9 @@ def build_model(args: ModelArgs, config: dict, shapes: dict, source, device: tor
     fuse_projections(model, quant.concat)
     for i in sorted(streamed):
         block = model.model.layers[i].to(device)
-        quant.convert_model(model, device, weights, where=lambda path, i=i: _layer_of(path) == i,
-                            tensors_only=lambda path: True)
+        quant.convert_model(block, device, weights, tensors_only=lambda path: True)
         block.to(host)
-    quant.convert_model(model, device, weights, where=lambda path: _layer_of(path) not in streamed)
+    quant.convert_model(model, device, weights, tensors_only=lambda path: _layer_of(path) in streamed)
     if tied and isinstance(embed, quant.QuantizedEmbedding) and isinstance(model.lm_head, nn.Linear):
         # The tied head was dequantized: look rows up in it and drop the packed table.
         model.model.embed_tokens = nn.Embedding.from_pretrained(model.lm_head.weight, freeze=True)
@@ -434,28 +434,28 @@ def _layer_of(name: str) -> int | None:
     return int(name.split(".", 3)[2])
 
 
-def _check_fits(args: ModelArgs, shapes: dict, weights: torch.dtype, cache_dtype: torch.dtype, free_bytes: int) -> None:
+def _check_fits(args: ModelArgs, config: dict, shapes: dict, weights: torch.dtype, free_bytes: int) -> None:
     """Refuse, before reading any weight, a model that cannot fit the free VRAM whole, naming the flag that streams it."""
-    try:
-        plan = _plan_offload(args, shapes, weights, cache_dtype, None, free_bytes)
-    except InvalidArgumentError:
-        plan = None  # not even with every layer streamed
-    if plan is not None and not plan.offloaded_layers:
+    whole = _plan_offload(args, config, shapes, weights, args.num_hidden_layers, None)
+    need = whole.resident_bytes + whole.reserved_bytes
+    if need <= free_bytes:
         return
-    need = sum(_plan_offload(args, shapes, weights, cache_dtype, args.num_hidden_layers, None).to_dict()[k]
-               for k in ("resident_bytes", "reserved_bytes"))
-    fix = (f"keep {plan.gpu_layers} of {args.num_hidden_layers} layers on the GPU and stream the rest: "
-           f"--gpu-layers {plan.gpu_layers} (or --vram-budget {free_bytes / 1e9:.0f}GB)" if plan is not None
-           else "use a more quantized model (umakit quantize --bits 4)")
-    raise InvalidArgumentError(f"the model needs about {need / 1e9:.1f} GB of GPU memory but {free_bytes / 1e9:.1f} GB "
-                               f"is free; {fix}")
+    try:
+        split = _plan_offload(args, config, shapes, weights, None, free_bytes)
+        fix = (f"keep {split.gpu_layers} of {args.num_hidden_layers} layers on the GPU and stream the rest: "
+               f"--gpu-layers {split.gpu_layers} (or --vram-budget {free_bytes / 1e9:.0f}GB)")
+    except DoesNotFitError:  # not even with every layer streamed
+        fix = "use a more quantized model (umakit quantize --bits 4)"
+    raise DoesNotFitError(f"the model needs about {need / 1e9:.1f} GB of GPU memory but {free_bytes / 1e9:.1f} GB "
+                          f"is free; {fix}")
 
 
-def _plan_offload(args: ModelArgs, shapes: dict, weights: torch.dtype, cache_dtype: torch.dtype,
-                  gpu_layers: int | None, vram_budget) -> OffloadPlan:
+def _plan_offload(args: ModelArgs, config: dict, shapes: dict, weights: torch.dtype, gpu_layers: int | None,
+                  vram_budget) -> OffloadPlan:
     """Which layers stream, from the checkpoint's tensor sizes in the execution dtype (what CUDA runs).
 
-    The budget also holds the KV cache for `CUDA_CACHE_TOKENS` tokens and a prefill chunk's activations.
+    The budget also holds what `umakit plan` counts besides weights, for `CUDA_CACHE_TOKENS` tokens
+    of context: the KV cache and a prefill chunk's working memory (16-bit, as on a GPU).
     """
     per_layer = [0] * args.num_hidden_layers
     fixed = 0
@@ -470,14 +470,10 @@ def _plan_offload(args: ModelArgs, shapes: dict, weights: torch.dtype, cache_dty
             fixed += nbytes
         else:
             per_layer[layer] += nbytes
-    a = args
-    tokens = min(a.max_position_embeddings, CUDA_CACHE_TOKENS)
-    kv = kv_bytes_per_token(a.num_hidden_layers, a.num_key_value_heads, a.head_dim, dtype_bytes=cache_dtype.itemsize)
-    width = 4 * a.hidden_size + 2 * a.intermediate_size + (a.num_attention_heads + 2 * a.num_key_value_heads) * a.head_dim
-    working = 4 * a.vocab_size + PREFILL_STEP * cache_dtype.itemsize * (width + a.num_attention_heads * tokens)
+    extra = plan_model(config, context=min(args.max_position_embeddings, CUDA_CACHE_TOKENS))
     budget = None if vram_budget is None else parse_size(vram_budget)
-    return plan_layers(per_layer, fixed, gpu_layers=gpu_layers, vram_budget=budget, reserved_bytes=kv * tokens + working,
-                       ring_slots=RING_SLOTS)
+    return plan_layers(per_layer, fixed, gpu_layers=gpu_layers, vram_budget=budget,
+                       reserved_bytes=extra.kv_bytes + extra.working_bytes, ring_slots=RING_SLOTS)
 
 
 def _check(expected: dict, names: dict, shapes: dict) -> None:

@@ -98,10 +98,6 @@ class LayerStreamer:
     def ring_bytes(self) -> int:
         return sum(s.numel() for s in self.slots)
 
-    @property
-    def host_bytes(self) -> int:
-        return sum(self.layer_bytes)
-
     def _view(self, s: int, offset: int, dtype, shape, param: bool):
         nbytes = dtype.itemsize * int(torch.Size(shape).numel())
         t = self.slots[s][offset:offset + nbytes].view(dtype).view(shape)

@@ -278,10 +278,8 @@ def for_execution(m: QuantizedLinear, device: torch.device, dtype: torch.dtype) 
     return dense(m, dtype)
 
 
-def convert_model(model: nn.Module, device: torch.device, dtype: torch.dtype,
-                  where=lambda path: True, tensors_only=lambda path: False) -> None:
-    """Swap every loaded `QuantizedLinear` at a path ``where`` accepts for its execution form
-    (embeddings stay lookups).
+def convert_model(model: nn.Module, device: torch.device, dtype: torch.dtype, tensors_only=lambda path: False) -> None:
+    """Swap every loaded `QuantizedLinear` for its execution form (embeddings stay lookups).
 
     On CPU in float16, every linear layer then holds float16 weights for
     FBGEMM's float32 kernels (see `Fp16Linear`), except where
@@ -289,22 +287,21 @@ def convert_model(model: nn.Module, device: torch.device, dtype: torch.dtype,
     layers (streamed ones, see offload.py) run dequantized in float32 instead.
     """
     fp16 = device.type == "cpu" and dtype == torch.float16 and Fp16Linear.available()
-    modules = [(path, m) for path, m in model.named_modules() if where(path)]
-    for path, module in modules:
+    for path, module in list(model.named_modules()):
         if isinstance(module, Concat) and fp16 and all(isinstance(m, (QuantizedLinear, nn.Linear)) for m in module.parts):
             # mixed bits: dequantize each part, then one matmul again
             parts = [dense(m, torch.float32) if isinstance(m, QuantizedLinear) else m for m in module.parts]
             _replace(model, path, concat(parts))
     for path, module in list(model.named_modules()):
-        if type(module) is QuantizedLinear and where(path):
+        if type(module) is QuantizedLinear:
             plain = tensors_only(path) and fp16
             _replace(model, path, dense(module, torch.float32) if plain else for_execution(module, device, dtype))
     for path, module in list(model.named_modules()):
-        if isinstance(module, Concat) and where(path) and all(isinstance(m, nn.Linear) for m in module.parts):
+        if isinstance(module, Concat) and all(isinstance(m, nn.Linear) for m in module.parts):
             _replace(model, path, concat(list(module.parts)))  # mixed bits, all dequantized: one matmul again
     if fp16:
         for path, module in list(model.named_modules()):
-            if type(module) is nn.Linear and where(path) and not tensors_only(path):
+            if type(module) is nn.Linear and not tensors_only(path):
                 _replace(model, path, Fp16Linear(module))
 
 
