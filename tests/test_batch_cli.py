@@ -10,14 +10,14 @@ import time
 import pytest
 from click.testing import CliRunner
 
-from cli.main import COMMANDS, main
+from umakit.cli.main import COMMANDS, main
 
-REGISTER = "from cli.main import COMMANDS, main; COMMANDS.setdefault('batch', 'cli.batch_cmd:batch_cmd'); main()"
+REGISTER = "from umakit.cli.main import COMMANDS, main; COMMANDS.setdefault('batch', 'cli.batch_cmd:batch_cmd'); main()"
 
 
 @pytest.fixture(autouse=True)
 def _registered(monkeypatch):
-    monkeypatch.setitem(COMMANDS, "batch", "cli.batch_cmd:batch_cmd")
+    monkeypatch.setitem(COMMANDS, "batch", "umakit.cli.batch_cmd:batch_cmd")
 
 
 def run(*args):

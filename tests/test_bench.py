@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from cli.main import main
+from umakit.cli.main import main
 from umakit.bench import BenchSettings, ceiling_curve, load_record, run_bench
 from umakit.errors import InvalidArgumentError
 from umakit.hardware import DeviceInfo

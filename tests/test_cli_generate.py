@@ -7,7 +7,7 @@ import sys
 
 from click.testing import CliRunner
 
-from cli.main import main
+from umakit.cli.main import main
 
 
 def run(*args, input=None):

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from cli.main import main
+from umakit.cli.main import main
 from umakit.bench import load_record
 from umakit.compare import compare, limiting_link
 from umakit.errors import InvalidArgumentError

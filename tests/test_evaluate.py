@@ -140,7 +140,7 @@ def test_quantized_cache_changes_scores_and_bytes(wide_model):
 def test_cli_eval(tiny_dir, tmp_path):
     import json
 
-    from cli.eval_cmd import eval_cmd
+    from umakit.cli.eval_cmd import eval_cmd
 
     text = tmp_path / "t.txt"
     text.write_text("The quick brown fox jumps over the lazy dog. Paris is the capital of France. " * 10)

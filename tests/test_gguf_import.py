@@ -440,9 +440,9 @@ def test_failed_write_leaves_nothing(tmp_path, monkeypatch):
 
 @pytest.fixture
 def cli(monkeypatch):
-    import cli.main as main_module
+    import umakit.cli.main as main_module
 
-    monkeypatch.setitem(main_module.COMMANDS, "import", "cli.import_cmd:import_cmd")
+    monkeypatch.setitem(main_module.COMMANDS, "import", "umakit.cli.import_cmd:import_cmd")
     return lambda *args: CliRunner().invoke(main_module.main, list(map(str, args)))
 
 

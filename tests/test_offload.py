@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-import cli.main
+import umakit.cli.main
 import umakit
 from conftest import requires_default_model
 from tiny import make_tiny_model
@@ -181,13 +181,13 @@ def test_stats_report_the_streamed_bytes_against_the_offload_ceiling(deep_dir, m
 
 def test_cli_offload_flags_and_their_errors(deep_dir):
     runner = CliRunner()
-    ok = runner.invoke(cli.main.main, ["generate", "-m", str(deep_dir), "-p", "a b c", "--raw", "--temp", "0",
+    ok = runner.invoke(umakit.cli.main.main, ["generate", "-m", str(deep_dir), "-p", "a b c", "--raw", "--temp", "0",
                                       "--max-tokens", "6", "--gpu-layers", "2", "--dtype", "float32"])
     assert ok.exit_code == 0, ok.output
     assert "streamed" in ok.output and "offload ceiling" in ok.output
     for args, message in ((["--vram-budget", "2KB"], "resident minimum"), (["--vram-budget", "lots"], "as a size"),
                           (["--backend", "mlx", "--gpu-layers", "1"], "does not support offload")):
-        bad = runner.invoke(cli.main.main, ["generate", "-m", str(deep_dir), "-p", "hi", *args])
+        bad = runner.invoke(umakit.cli.main.main, ["generate", "-m", str(deep_dir), "-p", "hi", *args])
         assert bad.exit_code != 0 and message in bad.output and "Traceback" not in bad.output
 
 
@@ -220,7 +220,7 @@ def test_offload_sweep_writes_json_and_plot(llama_deep, tmp_path):
     from umakit.bench import modelled_sweep
 
     out, png = tmp_path / "sweep.json", tmp_path / "sweep.png"
-    r = CliRunner().invoke(cli.main.main, [
+    r = CliRunner().invoke(umakit.cli.main.main, [
         "bench", str(llama_deep), "--offload-sweep", "--sweep-steps", "3", "--prompt-tokens", "8", "--gen-tokens", "4",
         "--repeat", "1", "--warmup", "0", "--dtype", "float32", "--json", str(out), "--plot", str(png)])
     assert r.exit_code == 0, r.output
@@ -250,7 +250,7 @@ def test_bench_with_offloaded_layers_is_labelled_pcie_by_compare(llama_deep, tmp
     from umakit.compare import limiting_link
 
     out = tmp_path / "b.json"
-    r = CliRunner().invoke(cli.main.main, [
+    r = CliRunner().invoke(umakit.cli.main.main, [
         "bench", str(llama_deep), "--gpu-layers", "2", "--prompt-tokens", "8", "--gen-tokens", "4", "--repeat", "1",
         "--warmup", "0", "--dtype", "float32", "--json", str(out)])
     assert r.exit_code == 0, r.output
@@ -262,9 +262,9 @@ def test_bench_with_offloaded_layers_is_labelled_pcie_by_compare(llama_deep, tmp
 
 def test_offload_sweep_refuses_what_it_cannot_do(llama_deep):
     runner = CliRunner()
-    both = runner.invoke(cli.main.main, ["bench", str(llama_deep), "--offload-sweep", "--gpu-layers", "1"])
+    both = runner.invoke(umakit.cli.main.main, ["bench", str(llama_deep), "--offload-sweep", "--gpu-layers", "1"])
     assert both.exit_code != 0 and "drop --gpu-layers" in both.output
-    mlx = runner.invoke(cli.main.main, ["bench", str(llama_deep), "--offload-sweep", "--backend", "mlx"])
+    mlx = runner.invoke(umakit.cli.main.main, ["bench", str(llama_deep), "--offload-sweep", "--backend", "mlx"])
     assert mlx.exit_code != 0 and "does not support offload" in mlx.output and "Traceback" not in mlx.output
 
 

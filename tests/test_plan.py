@@ -6,7 +6,7 @@ import math
 import pytest
 from click.testing import CliRunner
 
-import cli.main
+import umakit.cli.main
 from umakit import plan as P
 from umakit.errors import ConfigError, InvalidArgumentError, ModelNotFoundError
 from umakit.hardware import GiB, DeviceInfo, lookup_device
@@ -210,8 +210,8 @@ def test_peak_bandwidth_needs_the_local_device(monkeypatch):
 
 @pytest.fixture
 def run(monkeypatch):
-    monkeypatch.setitem(cli.main.COMMANDS, "plan", "cli.plan_cmd:plan")
-    return lambda *args: CliRunner().invoke(cli.main.main, ["plan", *args])
+    monkeypatch.setitem(umakit.cli.main.COMMANDS, "plan", "umakit.cli.plan_cmd:plan")
+    return lambda *args: CliRunner().invoke(umakit.cli.main.main, ["plan", *args])
 
 
 def test_cli_text(run):
@@ -263,9 +263,9 @@ def test_a_vram_budget_caps_the_gpu_and_plans_the_split_the_engine_uses():
     reserve = p.kv_bytes + p.working_bytes
     split = plan_layers([p.layer_bytes] * 32, p.fixed_bytes - reserve, vram_budget=budget, reserved_bytes=reserve)
     assert d.offload.layers_resident == split.gpu_layers and 0 < split.gpu_layers < 32
-    out = CliRunner().invoke(cli.main.main, ["plan", "llama-3-8b", "--bits", "4", "--context", "4096",
+    out = CliRunner().invoke(umakit.cli.main.main, ["plan", "llama-3-8b", "--bits", "4", "--context", "4096",
                                              "--device", "RTX 4090 24GB", "--vram-budget", "3GB"])
     assert out.exit_code == 0, out.output
     assert f"--gpu-layers {split.gpu_layers}" in out.output
-    bad = CliRunner().invoke(cli.main.main, ["plan", "llama-3-8b", "--vram-budget", "3XB"])
+    bad = CliRunner().invoke(umakit.cli.main.main, ["plan", "llama-3-8b", "--vram-budget", "3XB"])
     assert bad.exit_code != 0 and "as a size" in bad.output

@@ -330,7 +330,7 @@ def test_failed_quantize_leaves_nothing(tiny_dir, tmp_path, monkeypatch):
 
 # -- CLI --------------------------------------------------------------------------------------------
 def test_cli_quantize_with_eval(tiny_dir, tmp_path):
-    from cli.quantize_cmd import quantize_cmd
+    from umakit.cli.quantize_cmd import quantize_cmd
 
     text = tmp_path / "text.txt"
     text.write_text("The quick brown fox jumps over the lazy dog. Paris is the capital of France. " * 4)
@@ -345,9 +345,9 @@ def test_cli_quantize_with_eval(tiny_dir, tmp_path):
 
 
 def test_cli_errors_are_one_line(tiny_dir, tmp_path, monkeypatch):
-    from cli import main as cli_main
+    from umakit.cli import main as cli_main
 
-    monkeypatch.setitem(cli_main.COMMANDS, "quantize", "cli.quantize_cmd:quantize_cmd")
+    monkeypatch.setitem(cli_main.COMMANDS, "quantize", "umakit.cli.quantize_cmd:quantize_cmd")
     (tmp_path / "q").mkdir()
     result = CliRunner().invoke(cli_main.main, ["quantize", str(tiny_dir("llama")), "-o", str(tmp_path / "q")])
     assert result.exit_code == 1

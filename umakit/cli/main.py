@@ -14,15 +14,15 @@ import click
 
 # command name -> "module:attribute"
 COMMANDS = {
-    "batch": "cli.batch_cmd:batch_cmd",
-    "bench": "cli.bench_cmd:bench",
-    "compare": "cli.compare_cmd:compare_cmd",
-    "eval": "cli.eval_cmd:eval_cmd",
-    "generate": "cli.generate:generate",
-    "import": "cli.import_cmd:import_cmd",
-    "plan": "cli.plan_cmd:plan",
-    "quantize": "cli.quantize_cmd:quantize_cmd",
-    "run": "cli.run_cmd:run",
+    "batch": "umakit.cli.batch_cmd:batch_cmd",
+    "bench": "umakit.cli.bench_cmd:bench",
+    "compare": "umakit.cli.compare_cmd:compare_cmd",
+    "eval": "umakit.cli.eval_cmd:eval_cmd",
+    "generate": "umakit.cli.generate:generate",
+    "import": "umakit.cli.import_cmd:import_cmd",
+    "plan": "umakit.cli.plan_cmd:plan",
+    "quantize": "umakit.cli.quantize_cmd:quantize_cmd",
+    "run": "umakit.cli.run_cmd:run",
 }
 
 
