@@ -30,7 +30,6 @@ PROMPTS = [
 
 def main() -> None:
     import umakit
-    from umakit.batch import generate_batch
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model", nargs="?", default=None, help="model path (default: the built-in SmolLM2-135M)")
@@ -45,7 +44,7 @@ def main() -> None:
     model = umakit.load(args.model, backend=args.backend, device=args.device, dtype=args.dtype)
     w = model.info.weights
     print(f"{model} · weights {w.total_bytes / 2**20:.0f} MiB · {platform.machine()} {platform.system()}")
-    generate_batch(model, PROMPTS[:2], max_tokens=8, temperature=0, batch_size=2)  # warm-up
+    model.generate_batch(PROMPTS[:2], max_tokens=8, temperature=0, batch_size=2)  # warm-up
     single = max((model.generate(PROMPTS[0], max_tokens=args.max_tokens, temperature=0) for _ in range(args.repeats)),
                  key=lambda r: r.stats.decode_tps)
     print(f"Model.generate, one sequence: {single.stats.decode_tps:.1f} tok/s")
@@ -53,7 +52,7 @@ def main() -> None:
     base = None
     for size in (int(s) for s in args.sizes.split(",")):
         prompts = [PROMPTS[i % len(PROMPTS)] for i in range(size)]
-        runs = [generate_batch(model, prompts, max_tokens=args.max_tokens, temperature=0, batch_size=size)
+        runs = [model.generate_batch(prompts, max_tokens=args.max_tokens, temperature=0, batch_size=size)
                 for _ in range(args.repeats)]
         run = max(runs, key=lambda r: r.stats.decode_tps)
         s = run.stats

@@ -37,6 +37,7 @@ Exits non-zero if a correctness check fails.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -105,7 +106,7 @@ def _num(value, spec: str) -> str:
 
 def check_kernels(report: Report, quick: bool) -> None:
     from umakit.backends.torch import quant
-    from umakit.backends.torch.kernels import cuda_linear
+    from umakit.backends.torch.convert import cuda_linear
 
     shapes = [(4096, 4096), (1000, 576), (14336, 4096), (4096, 14336), (1536, 576)]
     for bits in (4, 8, 2):
@@ -173,15 +174,10 @@ def greedy(engine, prompt, n, eager: bool = False):
     """The first ``n`` greedy tokens; ``eager`` runs decode steps without the CUDA graphs (as offload does)."""
     from umakit.sampling import SamplingParams
 
-    graphs = engine._graphs
-    if eager:
-        engine._graphs = None
-    try:
+    with engine.eager() if eager else contextlib.nullcontext():
         stream = engine.generate_tokens(prompt, engine.make_cache(), SamplingParams(temperature=0))
         out = [next(stream) for _ in range(n)]
         stream.close()
-    finally:
-        engine._graphs = graphs
     return out
 
 
@@ -411,7 +407,7 @@ def measure_offload(report: Report, preset: dict, quick: bool, peak_gbps: float)
     rows = [offload_row(name, "bfloat16", engine, tokens, peak_gbps, link_gbps)]
     del engine
     torch.cuda.empty_cache()
-    engine = TorchEngine.synthetic(config, "cuda", "bfloat16", bits=4, group_size=64, gpu_layers=gpu_layers)
+    engine = TorchEngine.synthetic(config, device="cuda", dtype="bfloat16", bits=4, group_size=64, gpu_layers=gpu_layers)
     rows.append(offload_row(name, "4-bit g64", engine, tokens, peak_gbps, link_gbps))
     del engine
     torch.cuda.empty_cache()
@@ -494,7 +490,7 @@ def main() -> None:
         del default
     preset = json.loads((ROOT / "umakit" / "presets" / "llama-3-8b.json").read_text())
     for bits in (None, 8, 4):
-        engine = TorchEngine.synthetic(preset, "cuda", "bfloat16", bits=bits, group_size=64)
+        engine = TorchEngine.synthetic(preset, device="cuda", dtype="bfloat16", bits=bits, group_size=64)
         measure(report, "Llama-3-8B shape (random)", engine, tokens, repeat, peak)
         del engine
         torch.cuda.empty_cache()

@@ -27,11 +27,12 @@ import time
 from pathlib import Path
 
 import umakit
-from umakit import checkpoint
+from umakit import checkpoint, checkpoint_writer
 from umakit.generation import collect
 from umakit.corpora import load_corpus
 from umakit.evaluate import kv_perplexity, perplexity
-from umakit.quantize import dequantize_model, quantize, quantized_layers, write_checkpoint
+from umakit.quantize.pipeline import quantize
+from umakit.quantize.recipes import dequantize_model, quantized_layers
 
 CORPORA = ("austen", "wiki")
 DEFAULT_CONFIGS = "8:64:default,6:64:default,4:32:default,4:64:default,4:128:default,4:64:mixed,4:64:uniform,3:64:default"
@@ -51,14 +52,13 @@ def float_source(path: Path, work: Path) -> tuple[Path, str]:
     ckpt = checkpoint.open_checkpoint(path)
     if "quantization" not in ckpt.config:
         return path, "float source"
-    from umakit.backends.mlx.engine import MLXEngine
-
-    engine = MLXEngine(ckpt, device="cpu", dtype="float16")
-    dequantize_model(engine.model)
+    engine = umakit.load(path, backend="mlx", device="cpu", dtype="float16").engine
+    dequantize_model(engine.model)  # MLX's own pass, on the MLX engine's model
     config = json.loads((path / "config.json").read_text())
     config.pop("quantization"), config.pop("quantization_config", None)
     config["torch_dtype"] = "float16"
-    dst = write_checkpoint(engine.model, config, work / "float16", files_from=path)
+    dst = work / "float16"
+    checkpoint_writer.write_model_dir(dst, engine.export_weights(), config, copy_from=path)
     return dst, f"float16 source (dequantized from {ckpt.config['quantization']['bits']}-bit import)"
 
 

@@ -6,4 +6,4 @@ set -e
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python}"
 [ -x .venv/bin/python ] && PY=.venv/bin/python
-exec "$PY" -m umakit.corpora fetch "$@"
+exec "$PY" -m umakit.cli.main corpora fetch "$@"  # = `umakit corpora fetch`

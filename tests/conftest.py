@@ -1,4 +1,5 @@
 import importlib.util
+import sys
 
 import pytest
 
@@ -26,11 +27,18 @@ def tiny_model(tiny_dir):
     return umakit.load(tiny_dir("llama"), backend="mlx")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(autouse=True)
 def one_torch_thread():
-    """Tiny models gain nothing from more torch threads, and on a busy machine they cost a lot."""
-    import torch
+    """Tiny models gain nothing from more torch threads, and on a busy machine they cost a lot.
 
+    Every test that uses torch gets one thread; a test that never touches torch does not pay
+    for importing it: torch is set only when already imported, by the test module or by a
+    (module- or session-scoped) fixture, which pytest sets up before this one.
+    """
+    torch = sys.modules.get("torch")
+    if torch is None:
+        yield
+        return
     old = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

@@ -6,7 +6,7 @@ import mlx.core as mx
 import pytest
 
 import umakit
-from umakit.backends.batch_protocol import BatchDecoder, BatchRow
+from umakit.backends.base import BatchDecoder, BatchRow
 from umakit.backends.mlx.batch import MLXBatchDecoder
 from umakit.batch import BatchRequest, generate_batch, plan_batch_size, stream_batch
 from umakit.errors import InvalidArgumentError, UnsupportedModelError
@@ -26,6 +26,7 @@ PROMPTS = [
     "The lazy dog. " * 20,
 ]
 MAX_TOKENS = 24
+GREEDY = SamplingParams(temperature=0)
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +59,7 @@ def test_greedy_batch_equals_sequential_token_for_token(models, family):
     model = models(family)
     expected = sequential(model, PROMPTS, max_tokens=MAX_TOKENS, temperature=0)
     for size in (1, 3, 8):
-        run = generate_batch(model, batched_prompts(PROMPTS), max_tokens=MAX_TOKENS, temperature=0,
+        run = generate_batch(model, batched_prompts(PROMPTS), max_tokens=MAX_TOKENS, sampling=GREEDY,
                              batch_size=size, raw=True)
         assert run.batch_size == size and run.note is None
         for i, (want, got) in enumerate(zip(expected, run)):
@@ -74,7 +75,7 @@ def test_gemma3_rows_outlive_the_sliding_window(models):
     assert model.engine.config["sliding_window"] == 8
     prompts = PROMPTS[:5]
     expected = sequential(model, prompts, max_tokens=40, temperature=0)
-    run = generate_batch(model, batched_prompts(prompts), max_tokens=40, temperature=0, batch_size=2, raw=True)
+    run = generate_batch(model, batched_prompts(prompts), max_tokens=40, sampling=GREEDY, batch_size=2, raw=True)
     assert [r.tokens for r in run] == [r.tokens for r in expected]
 
 
@@ -106,7 +107,7 @@ def test_stop_strings_and_max_tokens_are_per_row(models):
         {"prompt": prompts[1], "stop": [stop]},
         {"prompt": prompts[2], "max_tokens": 11},
     ]
-    run = generate_batch(model, items, max_tokens=MAX_TOKENS, temperature=0, raw=True, batch_size=3)
+    run = generate_batch(model, items, max_tokens=MAX_TOKENS, sampling=GREEDY, raw=True, batch_size=3)
     assert run[0].finish_reason == "length" and len(run[0].tokens) == 3
     assert run[0].tokens == free[0].tokens[:3]
     assert run[1].finish_reason == "stop_string" and stop not in run[1].text
@@ -119,7 +120,7 @@ def test_stop_strings_and_max_tokens_are_per_row(models):
 def test_stream_yields_each_index_once_as_rows_finish(models):
     model = models("llama")
     items = [{"prompt": "The", "max_tokens": 30}, {"prompt": "Paris is", "max_tokens": 2}, {"prompt": "fox", "max_tokens": 9}]
-    stream = stream_batch(model, items, temperature=0, raw=True, batch_size=3)
+    stream = stream_batch(model, items, sampling=GREEDY, raw=True, batch_size=3)
     order = [i for i, _ in stream]
     assert order == [1, 2, 0]
     assert stream.stats.steps < 30 + 2 + 9  # one forward pass per step serves every row
@@ -134,7 +135,7 @@ def test_slots_are_refilled_while_other_rows_run(models, monkeypatch):
     monkeypatch.setattr(MLXBatchDecoder, "step", lambda self: (sizes_at_step.append(self.size), step(self))[1])
     prompts = [PROMPTS[i] for i in (0, 2, 4, 5, 7, 8)]  # none meets EOS early
     items = [{"prompt": p, "max_tokens": n} for p, n in zip(prompts, (20, 3, 5, 20, 4, 6))]
-    run = generate_batch(model, items, temperature=0, raw=True, batch_size=3)
+    run = generate_batch(model, items, sampling=GREEDY, raw=True, batch_size=3)
     assert all(r.finish_reason == "length" for r in run)
     assert max(sizes_at_step) == 3
     assert sizes_at_add[0] == 0 and any(n > 0 for n in sizes_at_add[1:])  # refills join running rows
@@ -145,14 +146,13 @@ def test_prefill_of_new_rows_leaves_running_caches_untouched(models):
     model = models("llama")
     dec = MLXBatchDecoder(model.engine)
     assert isinstance(dec, BatchDecoder)
-    greedy = SamplingParams(temperature=0)
-    dec.add([BatchRow(0, model.encode("Paris is", raw=True), greedy)])
+    dec.add([BatchRow(0, model.encode("Paris is", raw=True), GREEDY)])
     for _ in range(4):
         dec.step()
     layer = dec._cache[0]
     pad, end = layer.left_padding.tolist()[0], layer.size()
     before = mx.array(layer.keys[0, :, pad:end])
-    dec.add([BatchRow(1, model.encode(PROMPTS[1], raw=True), greedy), BatchRow(2, [5], greedy)])
+    dec.add([BatchRow(1, model.encode(PROMPTS[1], raw=True), GREEDY), BatchRow(2, [5], GREEDY)])
     pad = layer.left_padding.tolist()[0]
     assert dec.size == 3 and pad > 0  # the running row was padded on the left, not rewritten
     assert mx.array_equal(layer.keys[0, :, pad:pad + before.shape[1]], before).item()
@@ -162,7 +162,7 @@ def test_memory_plan_lowers_the_batch_size_with_a_note(models, monkeypatch):
     model = models("llama")
     kv = model.info.weights.kv_bytes_per_token
     monkeypatch.setattr(MLXBatchDecoder, "kv_budget_bytes", lambda self: int(2.5 * 256 * kv))
-    run = generate_batch(model, batched_prompts(PROMPTS[:5]), max_tokens=8, temperature=0, raw=True, batch_size=8)
+    run = generate_batch(model, batched_prompts(PROMPTS[:5]), max_tokens=8, sampling=GREEDY, raw=True, batch_size=8)
     assert run.batch_size == 2
     assert run.note.startswith("batch size lowered from 5 to 2: each sequence may hold 256 tokens")
     expected = sequential(model, PROMPTS[:5], max_tokens=8, temperature=0)
@@ -198,16 +198,34 @@ def test_bad_prompts_are_rejected_before_anything_runs(models):
 
 def test_empty_batch_and_unsupported_backends(models, monkeypatch):
     model = models("llama")
-    run = generate_batch(model, [])
+    engine = type(model.engine)
+
+    def no_batch(self):
+        raise UnsupportedModelError("batched decoding is not available on the other backend yet")
+
+    monkeypatch.setattr(engine, "batch_decoder", no_batch)
+    run = generate_batch(model, [])  # nothing to decode: no decoder is asked for
     assert len(run) == 0 and run.stats.generated_tokens == 0
-
-    class OtherEngine:
-        name = "other"
-
-    from umakit.batch import batch_decoder
-
+    # the engine's own refusal reaches the caller before anything runs
     with pytest.raises(UnsupportedModelError, match="batched decoding is not available on the other backend yet"):
-        batch_decoder(OtherEngine())
+        stream_batch(model, ["The"])
+
+
+def test_on_error_skips_bad_prompts_and_keeps_the_callers_indices(models):
+    model = models("llama")
+    items = [{"prompt": "x", "max_token": 3}, "The", {"messages": [{"role": "user"}]}, {"prompt": "fox", "max_tokens": 2}]
+    errors = []
+    stream = stream_batch(model, items, max_tokens=5, sampling=GREEDY, raw=True,
+                          on_error=lambda i, e: errors.append((i, type(e).__name__, str(e))))
+    assert [(i, kind) for i, kind, _ in errors] == [(0, "InvalidArgumentError"), (2, "TokenizerError")]
+    assert errors[0][2].startswith("unknown setting(s) max_token")  # the item's own message, no "prompt 0: "
+    assert len(stream) == 2
+    got = dict(iter(stream))
+    assert sorted(got) == [1, 3]
+    assert got[1].tokens == model.generate("The", raw=True, temperature=0, max_tokens=5).tokens
+    assert got[3].tokens == model.generate("fox", raw=True, temperature=0, max_tokens=2).tokens
+    with pytest.raises(InvalidArgumentError, match=re.escape("prompt 0: unknown setting(s) max_token")):
+        stream_batch(model, items, raw=True)  # without on_error the first bad prompt raises
 
 
 def test_unsupported_cache_layers_are_refused_clearly(models, monkeypatch):

@@ -4,9 +4,8 @@ import pytest
 import torch
 
 import umakit
-from umakit.backends.batch_protocol import BatchDecoder, BatchRow
+from umakit.backends.base import BatchDecoder, BatchRow
 from umakit.backends.torch.batch import TorchBatchDecoder
-from umakit.batch import batch_decoder, generate_batch, stream_batch
 from umakit.sampling import SamplingParams
 
 from test_batch import MAX_TOKENS, PROMPTS, batched_prompts, sequential
@@ -27,10 +26,10 @@ def models(tiny_dir):
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_greedy_batch_equals_sequential_token_for_token(models, family):
     model = models(family)
-    assert isinstance(batch_decoder(model.engine), TorchBatchDecoder)
+    assert isinstance(model.engine.batch_decoder(), TorchBatchDecoder)
     expected = sequential(model, PROMPTS, max_tokens=MAX_TOKENS, temperature=0)
     for size in (1, 3, 8):
-        run = generate_batch(model, batched_prompts(PROMPTS), max_tokens=MAX_TOKENS, temperature=0,
+        run = model.generate_batch(batched_prompts(PROMPTS), max_tokens=MAX_TOKENS, temperature=0,
                              batch_size=size, raw=True)
         assert run.batch_size == size and run.note is None
         for i, (want, got) in enumerate(zip(expected, run)):
@@ -53,7 +52,7 @@ def test_seeded_sampling_per_row_matches_sequential(models):
     prompts = [PROMPTS[i] for i in (0, 1, 2, 6, 9)]
     expected = [model.generate(p, raw=True, max_tokens=16, **s) for p, s in zip(prompts, settings)]
     items = [{"prompt": p, **s} for p, s in zip(prompts, settings)]
-    run = generate_batch(model, items, max_tokens=16, raw=True, batch_size=3)
+    run = model.generate_batch(items, max_tokens=16, raw=True, batch_size=3)
     assert [r.tokens for r in run] == [r.tokens for r in expected]
     assert expected[0].tokens != expected[1].tokens  # the seeds really differ
 
@@ -69,7 +68,7 @@ def test_stop_strings_and_max_tokens_are_per_row(models):
         {"prompt": prompts[1], "stop": [stop]},
         {"prompt": prompts[2], "max_tokens": 11},
     ]
-    run = generate_batch(model, items, max_tokens=MAX_TOKENS, temperature=0, raw=True, batch_size=3)
+    run = model.generate_batch(items, max_tokens=MAX_TOKENS, temperature=0, raw=True, batch_size=3)
     assert run[0].finish_reason == "length" and run[0].tokens == free[0].tokens[:3]
     assert run[1].finish_reason == "stop_string" and stop not in run[1].text
     want = model.generate(prompts[1], raw=True, max_tokens=MAX_TOKENS, temperature=0, stop=[stop])
@@ -81,7 +80,7 @@ def test_stream_refills_slots_and_yields_rows_as_they_finish(models):
     model = models("llama")
     items = [{"prompt": "The", "max_tokens": 30}, {"prompt": "Paris is", "max_tokens": 2},
              {"prompt": "fox", "max_tokens": 9}, {"prompt": PROMPTS[1], "max_tokens": 5}]
-    stream = stream_batch(model, items, temperature=0, raw=True, batch_size=3)
+    stream = model.stream_batch(items, temperature=0, raw=True, batch_size=3)
     results = dict(stream)
     assert sorted(results) == [0, 1, 2, 3]
     expected = [model.generate(it["prompt"], raw=True, temperature=0, max_tokens=it["max_tokens"]) for it in items]

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+import umakit
 from umakit.cli.main import main
 from umakit.bench import BenchSettings, ceiling_curve, load_record, run_bench
 from umakit.errors import InvalidArgumentError
@@ -14,10 +15,21 @@ from umakit.hardware import DeviceInfo
 DEVICE = DeviceInfo("Test chip", "cpu", 100.0, "user", 8 << 30)
 
 
+class OnTestChip(umakit.Model):
+    """The tiny model with fixed device facts: no probe, and a machine name of its own."""
+
+    device_info = DEVICE
+
+
 @pytest.fixture(scope="module")
-def record(tiny_model):
+def on_test_chip(tiny_model):
+    return OnTestChip(tiny_model.engine, tiny_model.tokenizer, tiny_model.info)
+
+
+@pytest.fixture(scope="module")
+def record(on_test_chip):
     settings = BenchSettings(prompt_tokens=16, gen_tokens=6, repeat=3, warmup=1, contexts=(8, 64))
-    return run_bench(tiny_model.engine, "tiny", DEVICE, settings).to_dict()
+    return run_bench(on_test_chip, settings).to_dict()
 
 
 def test_record_holds_runs_summary_and_roofline(record, tiny_model):
@@ -35,6 +47,7 @@ def test_record_holds_runs_summary_and_roofline(record, tiny_model):
     # the KV term grows with context, so the ceiling falls
     assert record["contexts"][0]["ceiling_tps"] > record["contexts"][1]["ceiling_tps"]
     assert record["machine"]["bandwidth_source"] == "user" and record["model"]["backend"] == "mlx"
+    assert record["model"]["name"] == tiny_model.info.name and not record["synthetic"] and record["offload"] is None
     assert {"python", "mlx"} <= set(record["versions"])
 
 
@@ -65,34 +78,46 @@ def test_bad_record_is_a_clear_error(tmp_path):
         load_record(bad)
 
 
-def test_synthetic_model_has_the_real_shapes(tiny_dir, tiny_model):
+def test_synthetic_model_has_the_real_shapes(tiny_model):
     from mlx.utils import tree_flatten
 
-    from umakit.backends.mlx import MLXEngine
+    from umakit.model import load_synthetic
 
-    engine = MLXEngine.synthetic(tiny_model.config if hasattr(tiny_model, "config") else tiny_model.engine.config)
+    synthetic = load_synthetic(tiny_model.engine.config, backend="mlx")
     real = {k: v.shape for k, v in tree_flatten(tiny_model.engine.model.parameters())}
-    fake = dict(tree_flatten(engine.model.parameters()))
+    fake = dict(tree_flatten(synthetic.engine.model.parameters()))
     assert {k: v.shape for k, v in fake.items()} == real
     assert all(np.abs(np.array(fake[k])).sum() > 0 for k in fake)  # never all zeros
+    assert synthetic.info.path is None and synthetic.tokenizer is None
 
 
 def test_synthetic_preset_matches_the_real_default_model_size():
-    from umakit.backends.mlx import MLXEngine
-    from umakit.plan import load_preset
+    from umakit.model import load_synthetic
 
-    engine = MLXEngine.synthetic(load_preset("smollm2-135m"), bits=8)
-    assert engine.weight_info().params == 134_515_008  # SmolLM2-135M's parameter count
+    model = load_synthetic("smollm2-135m", backend="mlx", bits=8)
+    assert model.info.weights.params == 134_515_008  # SmolLM2-135M's parameter count
+    assert model.info.name == "smollm2-135m"
 
 
-def test_batched_bench_reports_aggregate_throughput(tiny_model):
+def test_batched_bench_reports_aggregate_throughput(on_test_chip):
     settings = BenchSettings(prompt_tokens=8, gen_tokens=5, repeat=1, warmup=0, batch=3)
-    rec = run_bench(tiny_model.engine, "tiny", DEVICE, settings).to_dict()
+    rec = run_bench(on_test_chip, settings).to_dict()
     run = rec["runs"][0]
-    w = tiny_model.info.weights
+    w = on_test_chip.info.weights
     # one step reads the weights once and every row's cache
-    assert run["bytes_per_token"] == w.bytes_per_token + tiny_model.engine.kv_bytes_per_token() * 3 * (8 + 2)
+    assert run["bytes_per_token"] == w.bytes_per_token + on_test_chip.engine.kv_bytes_per_token() * 3 * (8 + 2)
+    # the weights are read once per step: GB/s counts steps (aggregate tok/s / rows), not tokens
+    assert run["achieved_gbps"] == pytest.approx(run["bytes_per_token"] * run["decode_tps"] / 3 / 1e9)
     assert run["decode_tps"] > 0 and rec["settings"]["batch"] == 3
+
+
+def test_settings_name_the_engine_features_they_need():
+    from umakit.backends.base import BATCH, KV_BITS
+
+    assert BenchSettings().needs == frozenset()
+    assert BenchSettings(kv_bits=8).needs == {KV_BITS} and BenchSettings(batch=2).needs == {BATCH}
+    with pytest.raises(InvalidArgumentError, match="--batch with --kv-bits"):
+        BenchSettings(kv_bits=8, batch=2)
 
 
 @pytest.mark.parametrize("backend", ["mlx", "torch"])

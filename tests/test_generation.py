@@ -100,10 +100,34 @@ def test_chat_template_is_applied(tiny_model):
 
 
 def test_unknown_option_is_an_error(tiny_model):
-    from umakit.errors import InvalidArgumentError
-
-    with pytest.raises(InvalidArgumentError, match="unknown generation option.*temprature"):
+    # The options are declared parameters: a misspelt one is refused by name.
+    with pytest.raises(TypeError, match="temprature"):
         tiny_model.generate("x", temprature=0.1)
+
+
+def test_stats_are_composed_and_their_json_is_flat():
+    from umakit.generation import STATS_KEYS, GenerationStats
+    from umakit.roofline import OffloadStats, RooflineStats
+
+    s = GenerationStats(prompt_tokens=3, generated_tokens=5, decode_tps=50.0)
+    flat = s.to_dict()
+    assert tuple(flat) == STATS_KEYS and len(STATS_KEYS) == 20
+    assert {k: flat[k] for k in ("bytes_per_token", "mbu", "pcie_gbps", "overlap_efficiency")} == dict.fromkeys(
+        ("bytes_per_token", "mbu", "pcie_gbps", "overlap_efficiency"), 0.0)
+    assert (flat["device_name"], flat["bandwidth_source"]) == ("", "")
+    r = RooflineStats(2e9, 100.0, 50.0, 80.0, 0.8, "dev", "measured")
+    o = OffloadStats(ceiling_tps=60.0, pcie_gbps=25.0, achieved_pcie_gbps=12.5, efficiency=0.75, streamed_bytes=5e8)
+    s.fill(r, o)
+    assert s.roofline is r and s.offload is o
+    flat = s.to_dict()
+    assert (flat["bytes_per_token"], flat["ceiling_tps"], flat["achieved_gbps"], flat["peak_gbps"], flat["mbu"]) == (
+        2e9, 50.0, 80.0, 100.0, 0.8)
+    assert (flat["device_name"], flat["bandwidth_source"]) == ("dev", "measured")
+    assert (flat["pcie_bytes_per_token"], flat["pcie_gbps"], flat["pcie_peak_gbps"], flat["offload_ceiling_tps"],
+            flat["overlap_efficiency"]) == (5e8, 12.5, 25.0, 60.0, 0.75)
+    assert (flat["prompt_tokens"], flat["generated_tokens"], flat["decode_tps"]) == (3, 5, 50.0)
+    s.fill(r)  # every layer resident: the offload figures go back to zero
+    assert s.pcie_bytes_per_token == 0.0 and s.offload is None
 
 
 def test_memory_warning_names_the_fix():

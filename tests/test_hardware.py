@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from umakit import hardware
+from umakit.hardware import local, probes
 from umakit.errors import BackendUnavailableError, InvalidArgumentError
 from umakit.hardware import GiB, default_working_set, detect_local, find_chip, lookup_device
 
@@ -92,13 +93,13 @@ def test_default_working_set():
 def test_cpu_probe_measures_once_then_reads_the_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("UMAKIT_HOME", str(tmp_path))
     calls = []
-    real_probe = hardware._probe_cpu_gbps
+    real_probe = probes.cpu_gbps
 
     def counting_probe(index=0):
         calls.append(index)
         return real_probe(size_bytes=32 << 20, repeats=2)
 
-    monkeypatch.setattr(hardware, "_probe_cpu_gbps", counting_probe)
+    monkeypatch.setattr(probes, "cpu_gbps", counting_probe)
     first = detect_local("cpu")
     assert first.kind == "cpu" and first.bandwidth_source == "measured" and first.peak_bandwidth_gbps > 0
     assert first.memory_bytes > 0 and first.working_set_bytes is None
@@ -112,7 +113,7 @@ def test_cpu_probe_measures_once_then_reads_the_cache(tmp_path, monkeypatch):
     assert second.peak_bandwidth_gbps == pytest.approx(first.peak_bandwidth_gbps, abs=0.01)
     assert second.bandwidth_source == "measured"
 
-    monkeypatch.setattr(hardware, "_probe_cpu_gbps", lambda index=0: 12.5)
+    monkeypatch.setattr(probes, "cpu_gbps", lambda index=0: 12.5)
     assert detect_local("cpu", remeasure=True).peak_bandwidth_gbps == 12.5
     assert detect_local("cpu").peak_bandwidth_gbps == 12.5
 
@@ -120,9 +121,9 @@ def test_cpu_probe_measures_once_then_reads_the_cache(tmp_path, monkeypatch):
 def test_corrupt_cache_is_measured_again(tmp_path, monkeypatch):
     monkeypatch.setenv("UMAKIT_HOME", str(tmp_path))
     (tmp_path / "hardware.json").write_text("{not json")
-    monkeypatch.setattr(hardware, "_probe_cpu_gbps", lambda index=0: 7.0)
+    monkeypatch.setattr(probes, "cpu_gbps", lambda index=0: 7.0)
     assert detect_local("cpu").peak_bandwidth_gbps == 7.0
-    assert json.loads((tmp_path / "hardware.json").read_text())["version"] == hardware.CACHE_VERSION
+    assert json.loads((tmp_path / "hardware.json").read_text())["version"] == local.CACHE_VERSION
 
 
 def test_override_is_user_sourced_and_skips_the_probe(tmp_path, monkeypatch):
@@ -131,10 +132,16 @@ def test_override_is_user_sourced_and_skips_the_probe(tmp_path, monkeypatch):
     def no_probe(index=0):
         raise AssertionError("the probe must not run with an override")
 
-    monkeypatch.setattr(hardware, "_probe_cpu_gbps", no_probe)
+    monkeypatch.setattr(probes, "cpu_gbps", no_probe)
     dev = detect_local("cpu", override_gbps=123.0)
     assert (dev.peak_bandwidth_gbps, dev.bandwidth_source) == (123.0, "user")
     assert not (tmp_path / "hardware.json").exists()
+
+
+def test_cpu_kv_budget_is_a_fraction_of_the_ram_available_now(monkeypatch):
+    assert 0 < hardware.cpu_kv_budget() <= hardware.available_ram()
+    monkeypatch.setattr(local, "available_ram", lambda: 10 * GiB)
+    assert hardware.cpu_kv_budget() == int(10 * GiB * hardware.CPU_KV_FRACTION) == 5 * GiB
 
 
 @pytest.mark.parametrize("kwargs", [dict(override_gbps=0), dict(override_gbps=-5), dict(device="tpu"),
@@ -155,9 +162,9 @@ def _fake_mac(monkeypatch, brand, memory, ioreg="", profiler="", working_set=Non
     def run(cmd):
         return next((v for k, v in outputs.items() if k in cmd), "")
 
-    monkeypatch.setattr(hardware, "_is_apple_silicon", lambda: True)
-    monkeypatch.setattr(hardware, "_run", run)
-    monkeypatch.setattr(hardware, "_metal_working_set", lambda: working_set)
+    monkeypatch.setattr(local, "_is_apple_silicon", lambda: True)
+    monkeypatch.setattr(local, "_run", run)
+    monkeypatch.setattr(local, "_metal_working_set", lambda: working_set)
 
 
 def test_apple_chip_from_sysctl_and_ioreg(monkeypatch):
@@ -178,15 +185,15 @@ def test_apple_core_count_from_system_profiler_and_metal_working_set(monkeypatch
 def test_unknown_apple_chip_is_measured_and_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("UMAKIT_HOME", str(tmp_path))
     _fake_mac(monkeypatch, "Apple M9 Hyper", 64 * GiB)
-    monkeypatch.setattr(hardware, "_probe_apple_gbps", lambda index=0: 777.0)
+    monkeypatch.setattr(probes, "apple_gbps", lambda index=0: 777.0)
     dev = detect_local("metal")
     assert (dev.peak_bandwidth_gbps, dev.bandwidth_source) == (777.0, "measured")
-    monkeypatch.setattr(hardware, "_probe_apple_gbps", lambda index=0: 1.0)
+    monkeypatch.setattr(probes, "apple_gbps", lambda index=0: 1.0)
     assert detect_local("metal").peak_bandwidth_gbps == 777.0
 
 
 def test_metal_refused_off_apple_silicon(monkeypatch):
-    monkeypatch.setattr(hardware, "_is_apple_silicon", lambda: False)
+    monkeypatch.setattr(local, "_is_apple_silicon", lambda: False)
     with pytest.raises(BackendUnavailableError):
         detect_local("metal")
 
@@ -201,12 +208,12 @@ def _fake_torch(monkeypatch, name, total_memory):
 def test_nvidia_name_from_torch_with_measured_pcie(tmp_path, monkeypatch):
     monkeypatch.setenv("UMAKIT_HOME", str(tmp_path))
     _fake_torch(monkeypatch, "NVIDIA GeForce RTX 4090", 24 * GiB)
-    monkeypatch.setattr(hardware, "_probe_pcie_gbps", lambda index=0, kind="nvidia", pinned=True: 24.6 if pinned else 11.2)
+    monkeypatch.setattr(probes, "h2d_gbps", lambda index=0, kind="nvidia", pinned=True: 24.6 if pinned else 11.2)
     dev = detect_local("cuda")
     assert (dev.name, dev.kind, dev.peak_bandwidth_gbps, dev.bandwidth_source) == (
         "NVIDIA GeForce RTX 4090", "nvidia", 1008, "published")
     assert dev.pcie_h2d_gbps == 24.6 and dev.pcie_gen == 4 and dev.memory_bytes == 24 * GiB
-    monkeypatch.setattr(hardware, "_probe_pcie_gbps", lambda index=0, *args, **kw: 1.0)
+    monkeypatch.setattr(probes, "h2d_gbps", lambda index=0, *args, **kw: 1.0)
     assert detect_local("cuda:0").pcie_h2d_gbps == 24.6  # cached
     assert hardware.h2d_bandwidth("cuda") == {"pinned": 24.6, "pageable": 11.2}  # both measured the first time
     with pytest.raises(InvalidArgumentError):
@@ -216,8 +223,8 @@ def test_nvidia_name_from_torch_with_measured_pcie(tmp_path, monkeypatch):
 def test_unknown_nvidia_gpu_is_measured(tmp_path, monkeypatch):
     monkeypatch.setenv("UMAKIT_HOME", str(tmp_path))
     _fake_torch(monkeypatch, "NVIDIA Imaginary 9000", 12 * GiB)
-    monkeypatch.setattr(hardware, "_probe_pcie_gbps", lambda index=0, *args, **kw: 11.0)
-    monkeypatch.setattr(hardware, "_probe_cuda_gbps", lambda index=0: 432.1)
+    monkeypatch.setattr(probes, "h2d_gbps", lambda index=0, *args, **kw: 11.0)
+    monkeypatch.setattr(probes, "cuda_gbps", lambda index=0: 432.1)
     dev = detect_local("cuda")
     assert (dev.peak_bandwidth_gbps, dev.bandwidth_source, dev.pcie_gen) == (432.1, "measured", None)
 

@@ -11,6 +11,7 @@ import umakit
 from conftest import requires_default_model
 from tiny import make_tiny_model
 from umakit import hardware
+from umakit.hardware import probes as hw_probes
 from umakit.errors import InvalidArgumentError
 from umakit.offload import RING_SLOTS, parse_size, plan_layers
 
@@ -164,7 +165,7 @@ def test_budget_on_the_engine_and_its_errors(deep_dir):
 def test_stats_report_the_streamed_bytes_against_the_offload_ceiling(deep_dir, monkeypatch, tmp_path):
     monkeypatch.setenv("UMAKIT_HOME", str(tmp_path))  # a machine that has not been measured yet
     probes = []
-    monkeypatch.setattr(hardware, "_probe_pcie_gbps", lambda index=0, kind="cpu", pinned=True: probes.append(kind) or 8.0)
+    monkeypatch.setattr(hw_probes, "h2d_gbps", lambda index=0, kind="cpu", pinned=True: probes.append(kind) or 8.0)
     assert hardware.h2d_bandwidth("cpu") == {"pinned": 8.0, "pageable": 8.0}  # nothing is pinned without CUDA
     assert hardware.h2d_bandwidth("cpu") == {"pinned": 8.0, "pageable": 8.0} and probes == ["cpu"]  # cached
     m = umakit.load(deep_dir, backend="torch", device="cpu", dtype="float32", gpu_layers=1, peak_bandwidth=20.0)
@@ -269,7 +270,8 @@ def test_offload_sweep_refuses_what_it_cannot_do(llama_deep):
 
 
 def test_a_model_too_big_for_free_vram_is_refused_with_the_flag_that_streams_it(deep_dir):
-    from umakit.backends.torch.engine import ModelArgs, _check_fits, _plan_offload
+    from umakit.backends.torch.loader import check_fits, plan_offload
+    from umakit.backends.torch.model import ModelArgs
     from umakit.checkpoint import open_checkpoint
 
     import torch
@@ -277,14 +279,14 @@ def test_a_model_too_big_for_free_vram_is_refused_with_the_flag_that_streams_it(
     ckpt = open_checkpoint(deep_dir)
     args = ModelArgs.from_config(ckpt.config)
     shapes = {k: t.shape for k, t in ckpt.tensors.items()}
-    whole = _plan_offload(args, ckpt.config, shapes, torch.float32, LAYERS, None)
+    whole = plan_offload(args, ckpt.config, shapes, torch.float32, LAYERS, None)
     need = whole.resident_bytes + whole.reserved_bytes
-    _check_fits(args, ckpt.config, shapes, torch.float32, need)  # fits exactly: no error
+    check_fits(args, ckpt.config, shapes, torch.float32, need)  # fits exactly: no error
     layer = (whole.resident_bytes - whole.fixed_bytes) // LAYERS
     for free in (need - 1, need - layer - 1):  # the ring's slots cost layers too: 1 and then 0 stay resident
-        split = _plan_offload(args, ckpt.config, shapes, torch.float32, None, free)
+        split = plan_offload(args, ckpt.config, shapes, torch.float32, None, free)
         assert split.gpu_layers < LAYERS
         with pytest.raises(InvalidArgumentError, match=f"--gpu-layers {split.gpu_layers} "):
-            _check_fits(args, ckpt.config, shapes, torch.float32, free)
+            check_fits(args, ckpt.config, shapes, torch.float32, free)
     with pytest.raises(InvalidArgumentError, match="more quantized model"):
-        _check_fits(args, ckpt.config, shapes, torch.float32, whole.reserved_bytes)
+        check_fits(args, ckpt.config, shapes, torch.float32, whole.reserved_bytes)

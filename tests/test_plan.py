@@ -10,7 +10,7 @@ import umakit.cli.main
 from umakit import plan as P
 from umakit.errors import ConfigError, InvalidArgumentError, ModelNotFoundError
 from umakit.hardware import GiB, DeviceInfo, lookup_device
-from umakit.offload import RING_SLOTS
+from umakit.offload import RING_SLOTS, reserved_bytes
 from umakit.roofline import offload_ceiling_tps
 
 PRESETS = ["gemma-3-27b", "llama-2-13b", "llama-2-70b", "llama-2-7b", "llama-3-70b", "llama-3-8b",
@@ -191,6 +191,15 @@ def test_offload_uses_measured_pcie_and_reports_impossible_splits():
     huge = plan("llama-3-8b", context=131072, batch=8, devices=[gpu]).devices[0].offload
     assert huge.layers_resident == 0 and huge.ceiling_tps is None
 
+
+@pytest.mark.parametrize("preset", ["llama-3-8b", "gemma-3-27b"])
+def test_the_offload_reserve_is_what_plan_counts_besides_weights(preset):
+    # the torch engine reserves reserved_bytes() in its VRAM budget; plan must predict the same
+    for context in (100, 4096):
+        p = plan(preset, bits=4, context=context)
+        assert reserved_bytes(P.load_preset(preset), context) == p.kv_bytes + p.working_bytes > 0
+    with pytest.raises(InvalidArgumentError):
+        reserved_bytes(P.load_preset(preset), 0)
 
 def test_plan_to_dict_is_json():
     p = plan("mixtral-8x7b", bits=4, devices=[lookup_device("H100 80GB")])

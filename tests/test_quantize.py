@@ -302,7 +302,9 @@ def test_checkpoint_errors_are_one_line(q4, tiny_dir, tmp_path):
 
 
 def test_large_checkpoints_are_sharded_with_an_index(q4, tiny_dir, tmp_path, monkeypatch):
-    monkeypatch.setattr(q, "MAX_SHARD_BYTES", 40_000)
+    from umakit import checkpoint_writer
+
+    monkeypatch.setattr(checkpoint_writer, "MAX_SHARD_BYTES", 40_000)
     r = q.quantize(tiny_dir("llama"), tmp_path / "sharded")
     shards = sorted(p.name for p in r.dst.glob("*.safetensors"))
     assert len(shards) > 2 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"

@@ -2,13 +2,9 @@
 
 import pytest
 
+from umakit.affine import bits_per_weight
 from umakit.errors import InvalidArgumentError
-from umakit.roofline import (
-    decode_roofline,
-    kv_bytes_per_token,
-    offload_ceiling_tps,
-    quantized_bits_per_weight,
-)
+from umakit.roofline import decode_roofline, kv_bytes_per_token, offload_ceiling_tps
 
 GiB = 1 << 30
 LLAMA2_7B = dict(num_layers=32, num_kv_heads=32, head_dim=128)
@@ -35,13 +31,15 @@ def test_quantized_kv_adds_scale_and_bias_per_group(bits, per_head):
 
 
 def test_quantized_bits_per_weight():
-    assert quantized_bits_per_weight(4, 64) == 4.5
-    assert quantized_bits_per_weight(8, 64) == 8.5
-    assert quantized_bits_per_weight(4, 32) == 5.0
-    assert quantized_bits_per_weight(4, 128, scale_bytes=4) == 4.5
+    assert bits_per_weight(4, 64) == 4.5
+    assert bits_per_weight(8, 64) == 8.5
+    assert bits_per_weight(4, 32) == 5.0
+    assert bits_per_weight(4, 128, scale_bytes=4) == 4.5
+    with pytest.raises(InvalidArgumentError):
+        bits_per_weight(4, 0)
 
 
-@pytest.mark.parametrize("kwargs", [dict(kv_bits=7), dict(kv_bits=0), dict(num_layers=0),
+@pytest.mark.parametrize("kwargs", [dict(kv_bits=7), dict(kv_bits=2), dict(kv_bits=0), dict(num_layers=0),
                                     dict(group_size=0, kv_bits=4)])
 def test_kv_rejects_bad_arguments(kwargs):
     with pytest.raises(InvalidArgumentError):

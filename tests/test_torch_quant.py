@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import umakit
-from umakit.backends.torch import quant
+from umakit.backends.torch import convert, quant
 
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 301, 12, 64, 128, 77, 31, 200, 11]
 
@@ -63,7 +63,7 @@ def test_execution_forms_equal_dequantize_then_matmul(bits, rows, cols, group_si
     reference = m.dequantized(torch.float32)
     model = torch.nn.Module()
     model.layer = m
-    quant.convert_model(model, torch.device("cpu"), dtype)
+    convert.convert_model(model, torch.device("cpu"), dtype)
     run = model.layer
     if dtype == torch.bfloat16 and rows % 16 == 0:
         assert isinstance(run, quant.Int4PackLinear)

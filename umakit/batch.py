@@ -2,9 +2,10 @@
 
 Continuous batching: up to ``batch_size`` prompts run at once; when one
 finishes (EOS, a stop string or its max_tokens) its slot goes to the next
-waiting prompt. The backend's `BatchDecoder` holds the caches and samples;
-this module owns the queue, per-row detokenizing and stops, the memory plan
-and the statistics.
+waiting prompt. The engine's `BatchDecoder` holds the caches and samples;
+each row's text, stops, clocks and finish reason are a
+`umakit.generation.DecodeRow`, exactly as in the single-sequence loop; this
+module owns the queue, the memory plan and the run's statistics.
 
     results = generate_batch(model, ["Hi", [{"role": "user", "content": "Yo"}],
                                      {"prompt": "Count", "max_tokens": 20, "temperature": 0}])
@@ -15,20 +16,12 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
-from .backends.batch_protocol import BatchDecoder, BatchRow
-from .errors import InvalidArgumentError, UnsupportedModelError
-from .generation import (
-    FINISH_LENGTH,
-    FINISH_STOP,
-    FINISH_STOP_STRING,
-    GenerationResult,
-    GenerationStats,
-    StopStringFilter,
-)
+from .backends.base import BatchRow
+from .errors import InvalidArgumentError, UmakitError
+from .generation import DecodeRow, GenerationResult
 from .sampling import DEFAULT_MAX_TOKENS, SamplingParams
-from .tokenizer import StreamingDetokenizer, Tokenizer
 
 DEFAULT_BATCH_SIZE = 8
 KV_BLOCK = 256  # batch caches grow in blocks of this many positions
@@ -78,19 +71,6 @@ class BatchStats:
     def to_dict(self) -> dict:
         return {**asdict(self), "decode_tps": self.decode_tps, "tokens_per_s": self.tokens_per_s,
                 "achieved_gbps": self.achieved_gbps}
-
-
-def batch_decoder(engine) -> BatchDecoder:
-    """The engine's batched decoder; a clear error where a backend has none."""
-    if engine.name == "mlx":
-        from .backends.mlx.batch import MLXBatchDecoder
-
-        return MLXBatchDecoder(engine)
-    if engine.name == "torch":
-        from .backends.torch.batch import TorchBatchDecoder
-
-        return TorchBatchDecoder(engine)
-    raise UnsupportedModelError(f"batched decoding is not available on the {engine.name} backend yet")
 
 
 def _check_type(name: str, value, types: tuple, what: str):
@@ -186,65 +166,23 @@ def plan_batch_size(requests: Sequence[BatchRequest], requested: int, kv_bytes_p
     return fits, f"batch size lowered from {size} to {fits}: {need} and {have}"
 
 
-class _Row:
-    """One running prompt: its text so far, stops and clock (as `stream_generate` does it)."""
-
-    def __init__(self, request: BatchRequest, tokenizer: Tokenizer, now: float):
-        self.request = request
-        self.eos = tokenizer.eos_ids
-        self.detok = StreamingDetokenizer(tokenizer)
-        self.stops = StopStringFilter(request.stop)
-        self.parts: list[str] = []
-        self.tokens: list[int] = []
-        self.drawn = 0
-        self.finish: str | None = None
-        self.t_start = now
-        self.t_first = self.t_last = now
-
-    def feed(self, token: int, now: float) -> bool:
-        """Take one sampled token; True once the row is finished."""
-        self.drawn += 1
-        if self.drawn == 1:
-            self.t_first = now
-        self.t_last = now
-        if token in self.eos:
-            self.finish = FINISH_STOP
-            return True
-        self.tokens.append(token)
-        text, hit = self.stops.feed(self.detok.add(token))
-        self.parts.append(text)
-        if hit:
-            self.finish = FINISH_STOP_STRING
-        elif self.drawn >= self.request.max_tokens:
-            self.finish = FINISH_LENGTH
-        return self.finish is not None
-
-    def result(self, peak_memory: int) -> GenerationResult:
-        if self.finish != FINISH_STOP_STRING:
-            tail, hit = self.stops.feed(self.detok.flush())
-            self.parts.append(tail if hit else tail + self.stops.flush())
-            self.finish = FINISH_STOP_STRING if hit else self.finish
-        n_prompt = len(self.request.prompt)
-        s = GenerationStats(prompt_tokens=n_prompt, generated_tokens=len(self.tokens), peak_memory_bytes=peak_memory)
-        s.ttft_s = self.t_first - self.t_start
-        s.prefill_tps = n_prompt / s.ttft_s if s.ttft_s > 0 else 0.0
-        s.decode_s = self.t_last - self.t_first
-        steps = s.generated_tokens if self.finish == FINISH_STOP else max(s.generated_tokens - 1, 0)
-        s.decode_tps = steps / s.decode_s if s.decode_s > 0 and steps else 0.0
-        return GenerationResult("".join(self.parts), self.tokens, self.finish, s)
-
-
 class BatchStream:
     """Iterate to run the batch: ``(index, GenerationResult)`` pairs in the order they finish.
 
-    ``batch_size`` and ``note`` (set when the memory plan lowered the batch
-    size) are known before iterating; ``stats`` fills in as it runs.
+    ``index`` is the caller's index of the prompt (``indices[i]`` for
+    ``requests[i]``; by default its position). ``batch_size`` and ``note``
+    (set when the memory plan lowered the batch size) are known before
+    iterating; ``stats`` fills in as it runs.
     """
 
-    def __init__(self, model, requests: Sequence[BatchRequest], batch_size: int = DEFAULT_BATCH_SIZE):
+    def __init__(self, model, requests: Sequence[BatchRequest], batch_size: int = DEFAULT_BATCH_SIZE,
+                 indices: Sequence[int] | None = None):
         self._model = model
         self.requests = list(requests)
-        self._decoder = batch_decoder(model.engine) if self.requests else None
+        self.indices = list(range(len(self.requests))) if indices is None else list(indices)
+        if len(self.indices) != len(self.requests):
+            raise InvalidArgumentError(f"{len(self.indices)} indices for {len(self.requests)} requests")
+        self._decoder = model.engine.batch_decoder() if self.requests else None
         budget = self._decoder.kv_budget_bytes() if self._decoder else 0
         w = model.info.weights
         self.batch_size, self.note = plan_batch_size(self.requests, batch_size, w.kv_bytes_per_token, budget)
@@ -261,36 +199,46 @@ class BatchStream:
         self._started = True
         return self._run()
 
+    def _admit(self, rows: dict[int, DecodeRow], waiting: deque) -> None:
+        """Fill the free slots from the queue; each row's clock starts before its prefill."""
+        t = time.perf_counter()
+        new = [waiting.popleft() for _ in range(min(self.batch_size - len(rows), len(waiting)))]
+        r, tokenizer = self.requests, self._model.tokenizer
+        rows.update((i, DecodeRow(tokenizer, r[i].max_tokens, r[i].stop, prompt_tokens=len(r[i].prompt), t_start=t))
+                    for i in new)
+        self._decoder.add([BatchRow(i, r[i].prompt, r[i].sampling, r[i].seed) for i in new])
+        self.stats.prefill_s += time.perf_counter() - t
+
     def _run(self) -> Iterator[tuple[int, GenerationResult]]:
-        engine, tokenizer, stats = self._model.engine, self._model.tokenizer, self.stats
-        w = self._model.info.weights
+        engine, stats, w = self._model.engine, self.stats, self._model.info.weights
         waiting = deque(range(len(self.requests)))
-        rows: dict[int, _Row] = {}
+        rows: dict[int, DecodeRow] = {}
         engine.reset_peak_memory()
         t0 = time.perf_counter()
         try:
             while waiting or rows:
                 if waiting and len(rows) < self.batch_size:
-                    t = time.perf_counter()
-                    new = [waiting.popleft() for _ in range(min(self.batch_size - len(rows), len(waiting)))]
-                    rows.update((i, _Row(self.requests[i], tokenizer, t)) for i in new)
-                    r = self.requests
-                    self._decoder.add([BatchRow(i, r[i].prompt, r[i].sampling, r[i].seed) for i in new])
-                    stats.prefill_s += time.perf_counter() - t
+                    self._admit(rows, waiting)
                 t = time.perf_counter()
                 out = self._decoder.step()
                 now = time.perf_counter()
                 stats.decode_s += now - t
                 stats.steps += 1
                 stats.bytes_read += w.bytes_per_token + self._decoder.size * self._decoder.context_tokens() * w.kv_bytes_per_token
-                finished = [i for i, token in out if rows[i].feed(token, now)]
+                finished = []
+                for i, token in out:
+                    rows[i].feed(token, now)
+                    if rows[i].finished:
+                        finished.append(i)
                 if finished:
                     self._decoder.remove(finished)
                 for i in finished:
-                    result = rows.pop(i).result(engine.peak_memory())
+                    row = rows.pop(i)
+                    row.close()
+                    result = row.result(engine.peak_memory())
                     stats.generated_tokens += result.stats.generated_tokens
                     stats.elapsed_s = time.perf_counter() - t0
-                    yield i, result
+                    yield self.indices[i], result
         finally:
             if rows:  # stopped early (an error, or the caller closed the stream)
                 self._decoder.remove(list(rows))
@@ -327,36 +275,54 @@ def stream_batch(
     system: str | None = None,
     raw: bool = False,
     sampling: SamplingParams | None = None,
-    **sampling_overrides,
+    on_error: Callable[[int, UmakitError], None] | None = None,
 ) -> BatchStream:
     """Prepare a batched run of ``prompts``; iterate it for ``(index, result)`` as each finishes.
 
     Each prompt is a string, a message list, a dict (``prompt`` or ``messages``
     plus any of max_tokens, stop, seed, system and the sampling fields) or a
-    `BatchRequest`. Every prompt is encoded and checked before anything runs.
+    `BatchRequest`; the arguments here are the defaults a dict's own settings
+    override, with ``sampling`` (default `SamplingParams()`) fully resolved.
+    Every prompt is encoded and checked before anything runs: the first bad
+    one raises, unless ``on_error(index, error)`` is given, which hears each
+    bad prompt while the others still run (indices stay the caller's).
     A ``seed`` makes each row reproduce ``model.generate(..., seed=seed)``.
     """
-    unknown = set(sampling_overrides) - set(SAMPLING_FIELDS)
-    if unknown:
-        raise InvalidArgumentError(f"unknown generation option(s): {', '.join(sorted(unknown))}")
-    params = (sampling or SamplingParams()).with_overrides(**sampling_overrides)
-    requests = []
+    requests, indices = [], []
     for i, item in enumerate(prompts):
         try:
             requests.append(make_request(model, item, max_tokens=max_tokens, stop=stop, seed=seed,
-                                         system=system, raw=raw, sampling=params))
-        except InvalidArgumentError as e:
-            raise InvalidArgumentError(f"prompt {i}: {e}") from e
-    return BatchStream(model, requests, batch_size)
+                                         system=system, raw=raw, sampling=sampling))
+        except UmakitError as e:
+            if on_error is not None:
+                on_error(i, e)
+                continue
+            if isinstance(e, InvalidArgumentError):
+                raise InvalidArgumentError(f"prompt {i}: {e}") from e
+            raise
+        indices.append(i)
+    return BatchStream(model, requests, batch_size, indices)
 
 
-def generate_batch(model, prompts: Sequence, **kwargs) -> BatchRun:
+def generate_batch(
+    model,
+    prompts: Sequence,
+    *,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    max_tokens: int = DEFAULT_MAX_TOKENS,
+    stop: Sequence[str] | str = (),
+    seed: int | None = None,
+    system: str | None = None,
+    raw: bool = False,
+    sampling: SamplingParams | None = None,
+) -> BatchRun:
     """Generate a reply to every prompt; one `GenerationResult` per prompt, in order.
 
-    Takes the keyword arguments of `stream_batch`. ``note`` on the result is
-    set when the batch size had to be lowered to fit the KV cache in memory.
+    Parameters as `stream_batch` (a bad prompt raises). ``note`` on the result
+    is set when the batch size had to be lowered to fit the KV cache in memory.
     """
-    stream = stream_batch(model, prompts, **kwargs)
+    stream = stream_batch(model, prompts, batch_size=batch_size, max_tokens=max_tokens, stop=stop, seed=seed,
+                          system=system, raw=raw, sampling=sampling)
     results: list[GenerationResult | None] = [None] * len(stream)
     for i, result in stream:
         results[i] = result

@@ -10,7 +10,7 @@ the shared prefix shorter: the fallback is correct, only slower.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
@@ -53,12 +53,28 @@ class TurnInfo:
 
 @dataclass
 class ChatSettings:
-    system: str | None = None
-    max_tokens: int = DEFAULT_MAX_TOKENS
+    """How a session generates; saved with its transcripts."""
+
+    system: str | None = None  # the system prompt, kept when old turns are dropped
+    max_tokens: int = DEFAULT_MAX_TOKENS  # per reply
     max_context: int | None = None  # None: the model's own context length
-    kv_bits: int | None = None
-    seed: int | None = None
+    kv_bits: int | None = None  # 4 or 8: a quantized KV cache; None: the compute dtype
+    seed: int | None = None  # makes every reply's sampling reproducible
     sampling: SamplingParams = field(default_factory=SamplingParams)
+
+    def to_dict(self) -> dict:
+        """The JSON form of a transcript's ``settings``."""
+        return asdict(self)  # sampling as a nested dict
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ChatSettings":
+        """Settings from `to_dict`'s form; missing keys keep their defaults, unknown ones are an error."""
+        data = dict(data)
+        sampling = SamplingParams(**data.pop("sampling", {}))
+        unknown = set(data) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown setting(s) {', '.join(sorted(unknown))}")
+        return cls(**data, sampling=sampling)
 
 
 class ChatSession:
@@ -183,7 +199,7 @@ class ChatSession:
         data = {
             "version": TRANSCRIPT_VERSION,
             "model": self.model.info.name,
-            "settings": {**asdict(self.settings), "sampling": asdict(self.settings.sampling)},
+            "settings": self.settings.to_dict(),
             "messages": self.messages,
             "totals": asdict(self.totals),
         }
@@ -195,9 +211,7 @@ class ChatSession:
         try:
             data = json.loads(Path(path).read_text(encoding="utf-8"))
             messages = data["messages"]
-            settings = dict(data.get("settings", {}))
-            sampling = SamplingParams(**settings.pop("sampling", {}))
-            settings = ChatSettings(**settings, sampling=sampling)
+            settings = ChatSettings.from_dict(data.get("settings", {}))
             if not all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in messages):
                 raise ValueError("each message needs role and content")
         except FileNotFoundError as e:

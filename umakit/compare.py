@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .affine import DEFAULT_GROUP_SIZE, FLOAT_BITS
 from .errors import InvalidArgumentError
 from .hardware import lookup_device
-from .plan import REFERENCE_DEVICES, plan_model
+from .plan import DEFAULT_KV_BITS, REFERENCE_DEVICES, WEIGHT_BITS, plan_model
 
 
 @dataclass
@@ -39,7 +40,8 @@ def _bits(config: dict) -> tuple[int, int | None, int]:
     """(bits, embedding bits or None, group size) of a config's quantization block."""
     q = config.get("quantization") or {}
     embed = q.get("model.embed_tokens", {})
-    return q.get("bits", 16), embed.get("bits") if isinstance(embed, dict) else None, q.get("group_size", 64)
+    return (q.get("bits", FLOAT_BITS), embed.get("bits") if isinstance(embed, dict) else None,
+            q.get("group_size", DEFAULT_GROUP_SIZE))
 
 
 def compare(records: list[dict], references: tuple[str, ...] = REFERENCE_DEVICES) -> list[Column]:
@@ -65,11 +67,11 @@ def compare(records: list[dict], references: tuple[str, ...] = REFERENCE_DEVICES
     if not config:
         return columns
     bits, embed_bits, group_size = _bits(config)
-    bits = bits if bits in (4, 8, 16) else 16
-    embed_bits = embed_bits if embed_bits in (4, 8, 16) else None
+    bits = bits if bits in WEIGHT_BITS else FLOAT_BITS  # plan knows these widths; others are planned as float
+    embed_bits = embed_bits if embed_bits in WEIGHT_BITS else None
     settings = records[0]["settings"]
     plan = plan_model(config, name=records[0]["model"]["name"], bits=bits, embed_bits=embed_bits, group_size=group_size,
-                      kv_bits=settings.get("kv_bits") or 16,
+                      kv_bits=settings.get("kv_bits") or DEFAULT_KV_BITS,
                       context=settings["prompt_tokens"] + settings["gen_tokens"] // 2,
                       devices=[lookup_device(n) for n in references])
     for d in plan.devices:

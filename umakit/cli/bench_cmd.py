@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
-import json
 import sys
 
 import click
 
-from umakit.bench import DEFAULT_GEN_TOKENS, DEFAULT_PROMPT_TOKENS, DEFAULT_REPEAT
+from umakit.bench import (
+    DEFAULT_BATCH,
+    DEFAULT_GEN_TOKENS,
+    DEFAULT_PROMPT_TOKENS,
+    DEFAULT_REPEAT,
+    DEFAULT_SWEEP_STEPS,
+    DEFAULT_WARMUP,
+)
 
 from .format import size
-from .options import model_options, offload_options
+from .options import echo_warnings, load_model, model_options, offload_options
 
 
 def _contexts(ctx, param, value):
@@ -25,8 +31,8 @@ def _contexts(ctx, param, value):
 @click.option("--prompt-tokens", type=click.IntRange(min=1), default=DEFAULT_PROMPT_TOKENS, show_default=True)
 @click.option("--gen-tokens", type=click.IntRange(min=2), default=DEFAULT_GEN_TOKENS, show_default=True)
 @click.option("--repeat", type=click.IntRange(min=1), default=DEFAULT_REPEAT, show_default=True)
-@click.option("--warmup", type=click.IntRange(min=0), default=1, show_default=True)
-@click.option("--batch", type=click.IntRange(min=1), default=1, show_default=True,
+@click.option("--warmup", type=click.IntRange(min=0), default=DEFAULT_WARMUP, show_default=True)
+@click.option("--batch", type=click.IntRange(min=1), default=DEFAULT_BATCH, show_default=True,
               help="Sequences decoded together; decode tok/s is then the aggregate.")
 @click.option("--kv-bits", type=click.Choice(["4", "8"]), default=None)
 @click.option("--contexts", callback=_contexts, default=None, help="Context lengths for the decode-vs-context sweep, e.g. 256,1024,4096.")
@@ -39,7 +45,7 @@ def _contexts(ctx, param, value):
               help="PNG: decode tok/s vs context with roofline ceilings (with --offload-sweep: vs layers streamed).")
 @click.option("--offload-sweep", is_flag=True,
               help="Measure with 0%..100% of the layers streamed from host memory (torch backend), against the model.")
-@click.option("--sweep-steps", type=click.IntRange(min=2), default=5, show_default=True,
+@click.option("--sweep-steps", type=click.IntRange(min=2), default=DEFAULT_SWEEP_STEPS, show_default=True,
               help="Steps of the offload sweep (5: 0, 25, 50, 75, 100% of the layers streamed).")
 @model_options
 @offload_options
@@ -54,34 +60,28 @@ def bench(model, prompt_tokens, gen_tokens, repeat, warmup, batch, kv_bits, cont
     else:
         if offload_sweep and (gpu_layers is not None or vram_budget is not None):
             raise click.UsageError("--offload-sweep chooses the resident layers itself: drop --gpu-layers/--vram-budget")
-        offload = {k: v for k, v in (("gpu_layers", gpu_layers), ("vram_budget", vram_budget)) if v is not None}
-        needs = ({"kv_bits"} if kv_bits else set()) | ({"batch"} if batch > 1 else set())
-        if offload_sweep or gpu_layers is not None or vram_budget is not None:
-            needs.add("offload")
-        load, name, dev, layers = _loader(model, synthetic, bits, backend, device, dtype, peak_bandwidth, needs)
+        if bits and not synthetic:
+            raise click.UsageError("--bits applies to --synthetic models; quantize a checkpoint with umakit quantize")
         settings = lib.BenchSettings(prompt_tokens, gen_tokens, repeat, warmup,
                                      int(kv_bits) if kv_bits else None, contexts, batch=batch)
+        load, layers_of = _loader(model, synthetic, bits, backend, device, dtype, peak_bandwidth, settings.needs)
         if offload_sweep:
+            layers = layers_of()
             steps = len(lib.sweep_gpu_layers(layers, sweep_steps))
             with click.progressbar(length=steps, label="offload sweep", file=sys.stderr) as bar:
-                record = lib.run_offload_sweep(lambda n: load(gpu_layers=n), layers, name, dev, settings, sweep_steps,
-                                               synthetic=bool(synthetic), progress=lambda what, done, total: bar.update(1))
+                record = lib.run_offload_sweep(lambda n: load(gpu_layers=n), layers, settings, sweep_steps,
+                                               progress=lambda what, done, total: bar.update(1))
         else:
-            engine = load(**offload)
-            with click.progressbar(length=settings.warmup + repeat + len(contexts), label="benchmarking",
-                                   file=sys.stderr) as bar:
-                record = lib.run_bench(engine, name, dev, settings, synthetic=bool(synthetic),
-                                       progress=lambda what, done, total: bar.update(1))
-        records = [json.loads(json.dumps(record.to_dict()))]
+            m = load(gpu_layers=gpu_layers, vram_budget=vram_budget)
+            with click.progressbar(length=settings.steps, label="benchmarking", file=sys.stderr) as bar:
+                record = lib.run_bench(m, settings, progress=lambda what, done, total: bar.update(1))
+        records = [record.to_json()]
         click.echo(compare_table(records))
         if records[0].get("offload_sweep"):
             click.echo()
             click.echo(sweep_table(records[0]))
         if json_out:
-            from umakit.fsutil import atomic_file
-
-            with atomic_file(json_out, "w") as f:
-                json.dump(records[0], f, indent=2)
+            lib.write_record(records[0], json_out)
             click.echo(f"wrote {json_out}", err=True)
     if plot:
         if records[0].get("offload_sweep"):
@@ -92,36 +92,30 @@ def bench(model, prompt_tokens, gen_tokens, repeat, warmup, batch, kv_bits, cont
 
 
 def _loader(model, synthetic, bits, backend, device, dtype, peak_bandwidth, needs):
-    """(load(**offload) -> engine, model name, device facts, layer count); the link is measured when offloading."""
+    """(load(gpu_layers=, vram_budget=) -> umakit.Model, layers() -> the model's layer count)."""
     import umakit
-    from umakit.backends import engine_class, resolve
-    from umakit.hardware import detect_local
+    from umakit.bench import layer_count
 
-    engine_name, device = resolve(backend, device, frozenset(needs))
-    dev = detect_local(device, override_gbps=peak_bandwidth, link="offload" in needs)
     if synthetic:
         from umakit.plan import load_preset
 
-        config = load_preset(synthetic)
-        cls = engine_class(engine_name)
-        return (lambda **offload: cls.synthetic(config, device=device, dtype=dtype, bits=int(bits) if bits else None,
-                                                **offload)), synthetic, dev, _layer_count(config)
-    if bits:
-        raise click.UsageError("--bits applies to --synthetic models; quantize a checkpoint with umakit quantize")
-    from umakit.model import display_name
+        def load(**offload):
+            m = umakit.load_synthetic(synthetic, backend=backend, device=device, dtype=dtype,
+                                      bits=int(bits) if bits else None, peak_bandwidth=peak_bandwidth, needs=needs,
+                                      **offload)
+            echo_warnings(m.info.warnings)
+            return m
+
+        return load, lambda: layer_count(load_preset(synthetic))
     from umakit.plan import load_config
 
-    path = umakit.resolve_model(model)
+    path = umakit.resolve_model(model)  # once: a sweep loads it again per step
 
     def load(**offload):
-        return umakit.load(path, backend=engine_name, device=device, dtype=dtype, peak_bandwidth=peak_bandwidth,
-                           needs=needs, **offload).engine
+        return load_model(path, backend=backend, device=device, dtype=dtype, peak_bandwidth=peak_bandwidth,
+                          needs=needs, **offload)
 
-    return load, display_name(path), dev, _layer_count(load_config(path))
-
-
-def _layer_count(config: dict) -> int:
-    return int(config.get("text_config", config).get("num_hidden_layers") or 0)
+    return load, lambda: layer_count(load_config(path))
 
 
 ROWS = [

@@ -7,17 +7,20 @@ from pathlib import Path
 
 import click
 
-from umakit.corpora import CORPORA, DEFAULT_TOKENS
+from umakit.affine import KV_BITS
+from umakit.corpora import CORPORA, DEFAULT_TOKENS, FETCH_COMMAND
 from umakit.evaluate import DEFAULT_CHUNK, DEFAULT_WINDOW
 
-from .options import model_options
+from .options import kv_needs, load_model, model_options
+
+FLOAT_CACHE = "float"  # --kv-bits: one cache in the compute dtype, unquantized
 
 
 @click.command("eval")
 @click.argument("model", required=False)
 @click.option("--text", "text_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Text file to score.")
-@click.option("--corpus", type=click.Choice(list(CORPORA)), help="A cached corpus (python -m umakit.corpora fetch).")
+@click.option("--corpus", type=click.Choice(list(CORPORA)), help=f"A cached corpus ({FETCH_COMMAND}).")
 @click.option("--window", type=click.IntRange(min=2), default=DEFAULT_WINDOW, show_default=True,
               help="Tokens per forward pass.")
 @click.option("--stride", type=click.IntRange(min=1), default=None,
@@ -25,14 +28,14 @@ from .options import model_options
                    "keeps window-stride tokens of context.")
 @click.option("--max-tokens", type=click.IntRange(min=2), default=None,
               help=f"Score only the first N tokens (default with --corpus: {DEFAULT_TOKENS}).")
-@click.option("--kv-bits", type=click.Choice(["float", "8", "4"]), default=None,
+@click.option("--kv-bits", type=click.Choice([FLOAT_CACHE, *(str(b) for b in sorted(KV_BITS, reverse=True))]),
+              default=None,
               help="Feed the whole text through one KV cache (float or quantized) instead of windows.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @model_options
 def eval_cmd(model, text_file, corpus, window, stride, max_tokens, kv_bits, as_json, backend, device, dtype,
              peak_bandwidth):
     """Perplexity of MODEL (default: the built-in model) on --text FILE or --corpus NAME."""
-    import umakit
     from umakit.corpora import load_corpus
     from umakit.evaluate import kv_perplexity, perplexity
 
@@ -42,12 +45,13 @@ def eval_cmd(model, text_file, corpus, window, stride, max_tokens, kv_bits, as_j
         max_tokens = DEFAULT_TOKENS
     # a token is rarely 8 characters: read no more of a corpus than the tokens need
     text = text_file.read_text(encoding="utf-8") if text_file else load_corpus(corpus, max_chars=8 * max_tokens)
-    m = umakit.load(model, backend=backend, device=device, dtype=dtype, peak_bandwidth=peak_bandwidth)
+    bits = None if kv_bits in (None, FLOAT_CACHE) else int(kv_bits)
+    m = load_model(model, backend=backend, device=device, dtype=dtype, peak_bandwidth=peak_bandwidth,
+                   needs=kv_needs(bits))
     if kv_bits is None:
         r = perplexity(m, text, window=window, stride=stride, max_tokens=max_tokens)
         how = f"windows of {r.window}, stride {r.stride}"
     else:
-        bits = None if kv_bits == "float" else int(kv_bits)
         r = kv_perplexity(m, text, kv_bits=bits, chunk=DEFAULT_CHUNK, max_tokens=max_tokens)
         how = f"one {kv_bits}{'-bit' if bits else ''} KV cache, {r.cache_bytes_per_token:,.0f} cache bytes/token"
     source = str(text_file) if text_file else corpus

@@ -8,7 +8,16 @@ import sys
 import click
 
 from .format import stats_line
-from .options import SAMPLING_KEYS, model_options, offload_options, quantize_option, sampling_options
+from .options import (
+    SAMPLING_KEYS,
+    kv_bits_option,
+    kv_needs,
+    load_model,
+    model_options,
+    offload_options,
+    quantize_option,
+    sampling_options,
+)
 
 
 @click.command()
@@ -17,7 +26,7 @@ from .options import SAMPLING_KEYS, model_options, offload_options, quantize_opt
 @click.option("--system", "-s", default=None, help="System prompt.")
 @click.option("--raw", is_flag=True, help="Send the prompt as plain text, without the chat template.")
 @click.option("--stop", multiple=True, help="Stop string (repeatable); it is not printed.")
-@click.option("--kv-bits", type=click.Choice(["4", "8"]), default=None, help="Quantize the KV cache.")
+@kv_bits_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, tokens, finish reason, stats).")
 @sampling_options
 @model_options
@@ -26,18 +35,14 @@ from .options import SAMPLING_KEYS, model_options, offload_options, quantize_opt
 def generate(model, prompt, system, raw, stop, kv_bits, as_json, max_tokens, seed, backend, device, dtype,
              peak_bandwidth, gpu_layers, vram_budget, quantize, **sampling):
     """Generate a reply to one prompt."""
-    import umakit
     from umakit.generation import collect
 
     if prompt == "-":
         prompt = sys.stdin.read()
-    m = umakit.load(model, backend=backend, device=device, dtype=dtype, peak_bandwidth=peak_bandwidth,
-                    quantize=int(quantize) if quantize else None, needs={"kv_bits"} if kv_bits else set(),
-                    gpu_layers=gpu_layers, vram_budget=vram_budget)
-    for warning in m.info.warnings:
-        click.echo(click.style(f"Warning: {warning}", fg="yellow"), err=True)
-    chunks = m.stream(prompt, system=system, raw=raw, max_tokens=max_tokens, stop=stop, seed=seed,
-                      kv_bits=int(kv_bits) if kv_bits else None, **{k: sampling[k] for k in SAMPLING_KEYS})
+    m = load_model(model, backend=backend, device=device, dtype=dtype, peak_bandwidth=peak_bandwidth,
+                   quantize=quantize, needs=kv_needs(kv_bits), gpu_layers=gpu_layers, vram_budget=vram_budget)
+    chunks = m.stream(prompt, system=system, raw=raw, max_tokens=max_tokens, stop=stop, seed=seed, kv_bits=kv_bits,
+                      **{k: sampling[k] for k in SAMPLING_KEYS})
     with m.engine.wired():
         if as_json:
             result = collect(chunks)

@@ -17,6 +17,7 @@ COMMANDS = {
     "batch": "umakit.cli.batch_cmd:batch_cmd",
     "bench": "umakit.cli.bench_cmd:bench",
     "compare": "umakit.cli.compare_cmd:compare_cmd",
+    "corpora": "umakit.cli.corpora_cmd:corpora_cmd",
     "eval": "umakit.cli.eval_cmd:eval_cmd",
     "generate": "umakit.cli.generate:generate",
     "import": "umakit.cli.import_cmd:import_cmd",

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import sys
+
 import click
 
+from umakit.affine import DEFAULT_BITS, DEFAULT_GROUP_SIZE, HIGH_BITS, KV_BITS
 from umakit.sampling import (
     DEFAULT_MAX_TOKENS,
     DEFAULT_MIN_P,
@@ -13,10 +16,30 @@ from umakit.sampling import (
     DEFAULT_TOP_P,
 )
 
+from .format import size
+
+
+QUANTIZE_BITS = (DEFAULT_BITS, HIGH_BITS)  # the widths --quantize offers: on load, only the common two
+
+
+def _int_or_none(ctx, param, value):
+    return None if value is None else int(value)
+
 
 quantize_option = click.option(
-    "--quantize", type=click.Choice(["4", "8"]), default=None,
-    help="Quantize a float checkpoint in memory on load (mlx backend; default recipe, group 64).")
+    "--quantize", type=click.Choice([str(b) for b in QUANTIZE_BITS]), default=None, callback=_int_or_none,
+    help=f"Quantize a float checkpoint in memory on load (mlx backend; default recipe, group {DEFAULT_GROUP_SIZE}).")
+
+kv_bits_option = click.option(
+    "--kv-bits", type=click.Choice([str(b) for b in KV_BITS]), default=None, callback=_int_or_none,
+    help="Quantize the KV cache.")
+
+
+def kv_needs(kv_bits: int | None) -> frozenset[str]:
+    """The engine features a quantized KV cache needs, so that --backend auto picks an engine that has them."""
+    from umakit.backends.base import KV_BITS as KV_CACHE  # the feature's name, not the widths
+
+    return frozenset({KV_CACHE}) if kv_bits is not None else frozenset()
 
 
 def offload_options(f):
@@ -56,3 +79,30 @@ def sampling_options(f):
 
 
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def echo_warnings(warnings) -> None:
+    """Each library warning as one yellow 'Warning:' line on stderr."""
+    for warning in warnings:
+        click.echo(click.style(f"Warning: {warning}", fg="yellow"), err=True)
+
+
+def load_model(model, *, show_progress: bool = False, **load_kwargs):
+    """`umakit.load` with the CLI's handling of its warnings: every command loads through here.
+
+    ``show_progress`` draws a bar of the bytes read on stderr (for a terminal);
+    the warnings follow the bar, never interleave with it.
+    """
+    import umakit
+
+    if not show_progress:
+        m = umakit.load(model, **load_kwargs)
+    else:
+        path = umakit.resolve_model(model)
+        total = umakit.checkpoint_size(path)
+        with click.progressbar(length=total, label=f"Loading {path.name} ({size(total)} on disk)", file=sys.stderr,
+                               show_pos=False) as bar:
+            m = umakit.load(path, progress=lambda done, _: bar.update(done - bar.pos), **load_kwargs)
+            bar.update(total - bar.pos)  # the file headers are not tensor bytes
+    echo_warnings(m.info.warnings)
+    return m

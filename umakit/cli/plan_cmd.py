@@ -7,6 +7,7 @@ import json
 import click
 
 from umakit import plan as P
+from umakit.affine import DEFAULT_GROUP_SIZE, FLOAT_BITS
 from umakit.offload import parse_size
 
 
@@ -14,12 +15,15 @@ from umakit.offload import parse_size
 @click.argument("model", required=False)
 @click.option("--preset", help=f"A built-in config shape (default {P.DEFAULT_PRESET}); a wrong name lists them.")
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), help="A Hugging Face config.json.")
-@click.option("--bits", type=int, default=P.DEFAULT_BITS, show_default=True, help="Weight bits: 16, 8 or 4.")
+# Bits are checked by the library (plan_model), whose one-line errors list the accepted values.
+@click.option("--bits", type=int, default=P.DEFAULT_PLAN_BITS, show_default=True,
+              help=f"Weight bits: {P.choices_text(P.WEIGHT_BITS)}.")
 @click.option("--embed-bits", type=int, help="Bits of the embedding and output head (default: --bits).")
-@click.option("--group-size", type=int, default=P.DEFAULT_GROUP_SIZE, show_default=True)
-@click.option("--kv-bits", type=int, default=16, show_default=True, help="KV cache bits: 16, 8 or 4.")
+@click.option("--group-size", type=int, default=DEFAULT_GROUP_SIZE, show_default=True)
+@click.option("--kv-bits", type=int, default=P.DEFAULT_KV_BITS, show_default=True,
+              help=f"KV cache bits: {P.choices_text(P.KV_CACHE_BITS)}.")
 @click.option("--context", type=int, default=P.DEFAULT_CONTEXT, show_default=True, help="Tokens of context.")
-@click.option("--batch", type=int, default=1, show_default=True)
+@click.option("--batch", type=int, default=P.DEFAULT_BATCH, show_default=True)
 @click.option("--device", "devices", multiple=True,
               help="Repeatable: 'local' or a name like 'M4 Max 128GB' "
                    f"(default: local, {', '.join(P.REFERENCE_DEVICES)}).")
@@ -38,7 +42,7 @@ def plan(model, preset, config_path, bits, embed_bits, group_size, kv_bits, cont
     if as_json:
         click.echo(json.dumps(P.plan_to_dict(p), indent=2))
         return
-    group = f", group {p.group_size}" if min(p.bits, p.embed_bits) < 16 else ""
+    group = f", group {p.group_size}" if min(p.bits, p.embed_bits) < FLOAT_BITS else ""
     click.echo(f"{p.model} ({p.model_type}): {_count(p.params)} parameters; {p.bits}-bit weights, embedding/head "
                f"{p.embed_bits}-bit{group}; {p.kv_bits}-bit KV cache; context {p.context}; batch {p.batch}\n")
     rows = [["weights", "params", "bits/weight", "size", "read/step"]]

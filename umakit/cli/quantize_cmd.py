@@ -7,7 +7,8 @@ from pathlib import Path
 
 import click
 
-from umakit.quantize import BITS, DEFAULT_BITS, DEFAULT_GROUP_SIZE, DEFAULT_RECIPE, GROUP_SIZES, RECIPES
+from umakit.affine import BITS, DEFAULT_BITS, DEFAULT_GROUP_SIZE, GROUP_SIZES
+from umakit.quantize.recipes import DEFAULT_RECIPE, RECIPES
 
 from .format import size
 
@@ -26,7 +27,7 @@ from .format import size
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def quantize_cmd(src, dst, bits, group_size, recipe, force, eval_file, as_json):
     """Quantize the float checkpoint SRC (directory or Hub id) into OUTPUT, mlx-lm's layout."""
-    from umakit.quantize import quantize
+    from umakit.quantize.pipeline import quantize
 
     text = eval_file.read_text(encoding="utf-8") if eval_file else None
     r = quantize(src, dst, bits=int(bits), group_size=int(group_size), recipe=recipe, force=force, eval_text=text)

@@ -8,7 +8,16 @@ import click
 
 from .chat_ui import Repl
 from .format import size
-from .options import SAMPLING_KEYS, model_options, offload_options, quantize_option, sampling_options
+from .options import (
+    SAMPLING_KEYS,
+    kv_bits_option,
+    kv_needs,
+    load_model,
+    model_options,
+    offload_options,
+    quantize_option,
+    sampling_options,
+)
 
 
 @click.command("run")
@@ -16,7 +25,7 @@ from .options import SAMPLING_KEYS, model_options, offload_options, quantize_opt
 @click.option("--system", "-s", default=None, help="System prompt.")
 @click.option("--max-context", type=click.IntRange(min=16), default=None,
               help="Context limit in tokens (default: the model's); oldest turns are dropped beyond it.")
-@click.option("--kv-bits", type=click.Choice(["4", "8"]), default=None, help="Quantize the KV cache.")
+@kv_bits_option
 @click.option("--stats/--no-stats", default=None, help="Stats footer after each reply (default: on in a terminal).")
 @sampling_options
 @model_options
@@ -29,22 +38,10 @@ def run(model, system, max_context, kv_bits, stats, max_tokens, seed, backend, d
     from umakit.chat import ChatSession, ChatSettings
 
     tty = sys.stdin.isatty() and sys.stdout.isatty()
-    path = umakit.resolve_model(model)
-    options = dict(backend=backend, device=device, dtype=dtype, peak_bandwidth=peak_bandwidth,
-                   quantize=int(quantize) if quantize else None, needs={"kv_bits"} if kv_bits else set(),
-                   gpu_layers=gpu_layers, vram_budget=vram_budget)
-    if tty:
-        total = umakit.checkpoint_size(path)
-        with click.progressbar(length=total, label=f"Loading {path.name} ({size(total)} on disk)", file=sys.stderr,
-                               show_pos=False) as bar:
-            m = umakit.load(path, progress=lambda done, _: bar.update(done - bar.pos), **options)
-            bar.update(total - bar.pos)  # the file headers are not tensor bytes
-    else:
-        m = umakit.load(path, **options)
-    for warning in m.info.warnings:
-        click.echo(click.style(f"Warning: {warning}", fg="yellow"), err=True)
-    settings = ChatSettings(system=system, max_tokens=max_tokens, max_context=max_context,
-                            kv_bits=int(kv_bits) if kv_bits else None, seed=seed,
+    m = load_model(model, show_progress=tty, backend=backend, device=device, dtype=dtype,
+                   peak_bandwidth=peak_bandwidth, quantize=quantize, needs=kv_needs(kv_bits), gpu_layers=gpu_layers,
+                   vram_budget=vram_budget)
+    settings = ChatSettings(system=system, max_tokens=max_tokens, max_context=max_context, kv_bits=kv_bits, seed=seed,
                             sampling=umakit.SamplingParams(**{k: sampling[k] for k in SAMPLING_KEYS}))
     session = ChatSession(m, settings)
     repl = Repl(session, color=tty, show_stats=tty if stats is None else stats)
@@ -55,8 +52,8 @@ def run(model, system, max_context, kv_bits, stats, max_tokens, seed, backend, d
         i, w = m.info, m.info.weights
         offload = ""
         if i.offload:
-            offload = (f"{i.offload['gpu_layers']}/{i.offload['layers']} layers on {i.device}, "
-                       f"{size(i.offload['streamed_bytes_per_token'])} streamed per token · ")
+            offload = (f"{i.offload.gpu_layers}/{i.offload.layers} layers on {i.device}, "
+                       f"{size(i.offload.streamed_bytes)} streamed per token · ")
         click.echo(click.style(
             f"{i.name} · {i.backend}/{i.device} {i.dtype} · {w.quantization} · context {session.settings.max_context} · "
             f"weights {size(w.total_bytes)} · {offload}loaded in {i.load_s:.1f} s · /help for commands", dim=True),

@@ -1,9 +1,10 @@
 """Turn a GGUF file into a Hugging Face-style directory in MLX's quantized layout.
 
 `plan_import` reads and checks everything (architecture, tensor names and
-types, tokenizer) before a byte is written; `write_import` converts tensor by
-tensor into a directory; `import_gguf` wraps both in an atomic directory so a
-failed import leaves nothing behind.
+types, tokenizer) before a byte is written; the conversion then runs tensor by
+tensor, and `umakit.checkpoint_writer` writes the result: `write_import` into
+a given directory, `import_gguf` atomically, so a failed import leaves
+nothing behind.
 """
 
 from __future__ import annotations
@@ -11,21 +12,21 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
 
+from ..affine import quantization_block
+from ..checkpoint_writer import WEIGHTS_FILE, fill_model_dir, write_model_dir
+from ..fsutil import check_destination
 from ..errors import UnsupportedModelError
-from ..fsutil import atomic_dir
 from . import quants
 from .arch import ArchSpec, map_names, qk_row_order, spec_for
 from .reader import GGUFFile, open_gguf, sha256_file
 from .tokenizer import TokenizerFiles, build_tokenizer, dumps
 
-WEIGHTS_FILE = "model.safetensors"
 # Bump when the output layout changes: cached imports of an older format are then redone.
 IMPORT_FORMAT = 1
 
@@ -132,11 +133,20 @@ def _requantize(t, order: np.ndarray | None) -> tuple[tuple, int, float]:
     return (w, scales, biases), bits, float(err)
 
 
-def write_import(plan: ImportPlan, dest: Path) -> ImportReport:
-    """Convert ``plan.gf`` into the existing, empty directory ``dest``."""
+@dataclass
+class _Converted:
+    """A GGUF's tensors in MLX's layout and the files beside them, ready to write."""
+
+    arrays: dict  # HF tensor name -> mx array
+    config_text: str
+    files: dict[str, str]  # tokenizer and generation files by name
+    exact: int
+    lossy: list[LossyTensor]
+
+
+def _convert(plan: ImportPlan) -> _Converted:
     import mlx.core as mx
 
-    start = time.perf_counter()
     gf, spec, config = plan.gf, plan.spec, plan.config
     arrays: dict[str, mx.array] = {}
     quantized: dict[str, tuple[int, int]] = {}  # module path -> (group_size, bits)
@@ -160,28 +170,31 @@ def write_import(plan: ImportPlan, dest: Path) -> ImportReport:
         for suffix, arr in zip(("weight", "scales", "biases"), packed):
             arrays[f"{module}.{suffix}"] = mx.array(arr) if isinstance(arr, np.ndarray) else arr
         quantized[module] = (quants.GROUP_SIZE, bits)
-
-    mx.save_safetensors(str(dest / WEIGHTS_FILE), arrays, metadata={"format": "mlx"})
-    del arrays
-
-    full_config = _full_config(plan, quantized, lossy)
     files = {
-        "config.json": full_config,
-        "tokenizer_config.json": plan.tokenizer.tokenizer_config,
-        "generation_config.json": plan.tokenizer.generation_config,
+        "tokenizer_config.json": dumps(plan.tokenizer.tokenizer_config),
+        "generation_config.json": dumps(plan.tokenizer.generation_config),
+        "tokenizer.json": plan.tokenizer.tokenizer_json,
     }
-    for fname, obj in files.items():
-        (dest / fname).write_text(dumps(obj), encoding="utf-8")
-    (dest / "tokenizer.json").write_text(plan.tokenizer.tokenizer_json, encoding="utf-8")
-    written = sum(p.stat().st_size for p in dest.iterdir() if p.is_file())
+    return _Converted(arrays, dumps(_full_config(plan, quantized, lossy)), files, exact, lossy)
+
+
+def _report(plan: ImportPlan, converted: _Converted, out_dir: Path, written: int, start: float) -> ImportReport:
     return ImportReport(
-        out_dir=dest,
-        exact_tensors=exact,
-        lossy_tensors=lossy,
+        out_dir=out_dir,
+        exact_tensors=converted.exact,
+        lossy_tensors=converted.lossy,
         bytes_written=written,
         seconds=time.perf_counter() - start,
         warnings=list(plan.tokenizer.warnings),
     )
+
+
+def write_import(plan: ImportPlan, dest: Path) -> ImportReport:
+    """Convert ``plan.gf`` into the existing, empty directory ``dest``."""
+    start = time.perf_counter()
+    c = _convert(plan)
+    written = fill_model_dir(dest, c.arrays, c.config_text, files=c.files, sharded=False)
+    return _report(plan, c, dest, written, start)
 
 
 def _full_config(plan: ImportPlan, quantized: dict, lossy: list[LossyTensor]) -> dict:
@@ -195,11 +208,7 @@ def _full_config(plan: ImportPlan, quantized: dict, lossy: list[LossyTensor]) ->
         "torch_dtype": "bfloat16" if has_bf16 or spec.model_type.startswith("gemma") else "float16",
     }
     if quantized:
-        (group_size, bits), _ = Counter(quantized.values()).most_common(1)[0]
-        q = {"group_size": group_size, "bits": bits, "mode": "affine"}
-        for module, (g, b) in sorted(quantized.items()):
-            if (g, b) != (group_size, bits):
-                q[module] = {"group_size": g, "bits": b}
+        q = quantization_block(quantized, layer_mode=False)  # imports have always written entries without "mode"
         config["quantization"] = q
         config["quantization_config"] = dict(q)
     config["umakit"] = {
@@ -224,13 +233,12 @@ def import_gguf(path: str | os.PathLike, out_dir: str | os.PathLike, force: bool
     An existing ``out_dir`` is replaced only with ``force``, and only once the
     new one is complete; a failed import leaves nothing behind.
     """
-    start = time.perf_counter()
+    start = time.perf_counter()  # parsing and checking included
     plan = plan_import(open_gguf(path))
-    with atomic_dir(out_dir, force=force) as tmp:
-        report = write_import(plan, Path(tmp))
-    report.out_dir = Path(out_dir)
-    report.seconds = time.perf_counter() - start  # parsing and checking included
-    return report
+    check_destination(out_dir, force)
+    c = _convert(plan)
+    written = write_model_dir(out_dir, c.arrays, c.config_text, files=c.files, sharded=False, force=force)
+    return _report(plan, c, Path(out_dir), written, start)
 
 
 def is_complete(model_dir: Path) -> bool:

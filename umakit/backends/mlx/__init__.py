@@ -1,5 +1,18 @@
-"""MLX backend: Metal on Apple Silicon, CPU elsewhere."""
+"""MLX backend: Metal on Apple Silicon, CPU elsewhere.
 
-from .engine import MLXEngine
+Importing this package imports no mlx: the registry reads `SPEC` here and
+imports `engine` only when the engine is chosen.
+"""
 
-__all__ = ["MLXEngine"]
+from ..base import BATCH, EXPORT, KV_BITS, QUANTIZE, EngineSpec
+
+SPEC = EngineSpec(name="mlx", module="umakit.backends.mlx.engine", cls="MLXEngine", dependency="mlx",
+                  extra="umakit", devices=("metal", "cpu"), features=frozenset({KV_BITS, BATCH, QUANTIZE, EXPORT}))
+
+
+def __getattr__(name):
+    if name == "MLXEngine":
+        from .engine import MLXEngine
+
+        return MLXEngine
+    raise AttributeError(name)

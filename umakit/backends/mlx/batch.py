@@ -17,10 +17,9 @@ from typing import Iterable, Sequence
 import mlx.core as mx
 
 from ...errors import InvalidArgumentError, UnsupportedModelError
-from ..batch_protocol import BatchRow
-from ...hardware import available_ram
+from ..base import PREFILL_CHUNK, BatchRow
+from ...hardware import cpu_kv_budget
 from ...sampling import seed_or_random
-from .engine import PREFILL_STEP
 from .mlx_lm_import import import_mlx_lm
 from .sampling import make_sampler
 
@@ -28,7 +27,6 @@ _cache = import_mlx_lm("models.cache")
 BatchKVCache, BatchRotatingKVCache = _cache.BatchKVCache, _cache.BatchRotatingKVCache
 KVCache, RotatingKVCache, make_prompt_cache = _cache.KVCache, _cache.RotatingKVCache, _cache.make_prompt_cache
 
-CPU_KV_FRACTION = 0.5  # of the RAM available now: leaves room for activations and the OS
 PAD_WASTE = 1.5  # prefill rows together while padded tokens stay under this factor of real ones
 
 
@@ -77,7 +75,7 @@ def _prefill_groups(rows: Sequence[BatchRow]) -> list[list[BatchRow]]:
 
 
 class MLXBatchDecoder:
-    """`umakit.backends.batch_protocol.BatchDecoder` for `MLXEngine`."""
+    """`umakit.backends.base.BatchDecoder` for `MLXEngine`."""
 
     def __init__(self, engine):
         self._engine = engine
@@ -115,7 +113,7 @@ class MLXBatchDecoder:
         cache = [_batch_layer(c, pads, self._model_type) for c in make_prompt_cache(self._model)]
         if length:
             tokens = mx.array([[0] * p + h for p, h in zip(pads, heads)], dtype=mx.uint32)  # (b, L) left-padded
-            chunk = max(PREFILL_STEP // len(group), 16)  # bounds attention memory per chunk
+            chunk = max(PREFILL_CHUNK // len(group), 16)  # bounds attention memory per chunk
             for start in range(0, length, chunk):
                 self._model(tokens[:, start:start + chunk], cache=cache)
                 mx.eval([c.state for c in cache])
@@ -178,7 +176,7 @@ class MLXBatchDecoder:
         if self._engine.device == "metal":
             working_set = int(mx.metal.device_info()["max_recommended_working_set_size"])
             return working_set - self._engine.weight_info().total_bytes
-        return int(available_ram() * CPU_KV_FRACTION)  # the weights are already resident
+        return cpu_kv_budget()  # the weights are already resident
 
     def context_tokens(self) -> int:
         return max((c.size() for c in self._cache), default=0) if self._cache else 0

@@ -4,17 +4,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ...affine import KV_BITS, KV_GROUP_SIZE
 from ...errors import InvalidArgumentError
 from .mlx_lm_import import import_mlx_lm
 
 _cache = import_mlx_lm("models.cache")
 KVCache, QuantizedKVCache, make_prompt_cache = _cache.KVCache, _cache.QuantizedKVCache, _cache.make_prompt_cache
 
-KV_GROUP_SIZE = 64
-
 
 @dataclass
 class MLXCache:
+    """`umakit.backends.base.KVCache` on MLX."""
+
     layers: list  # one mlx-lm cache per layer, passed to the model as is
     kv_bits: int | None = None
 
@@ -22,8 +23,8 @@ class MLXCache:
     def for_model(cls, model, kv_bits: int | None = None) -> "MLXCache":
         layers = make_prompt_cache(model)
         if kv_bits is not None:
-            if kv_bits not in (4, 8):
-                raise InvalidArgumentError(f"kv_bits must be 4 or 8, got {kv_bits}")
+            if kv_bits not in KV_BITS:
+                raise InvalidArgumentError(f"kv_bits must be {' or '.join(map(str, KV_BITS))}, got {kv_bits}")
             head_dim = model.layers[0].self_attn.head_dim if hasattr(model, "layers") else None
             if head_dim is not None and head_dim % KV_GROUP_SIZE:
                 raise InvalidArgumentError(

@@ -11,16 +11,20 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
+from ... import affine
 from ...checkpoint import Checkpoint
 from ...errors import BackendUnavailableError, CheckpointError, InvalidArgumentError, UnsupportedModelError
-from ...sampling import SamplingParams, seed_or_random
-from ..base import WeightInfo
+from ...quantize.recipes import parse_spec, quantize_model
 from ...roofline import kv_bytes_per_token
-from .cache import KV_GROUP_SIZE, MLXCache
+from ...sampling import SamplingParams, seed_or_random
+from .. import common
+from ..base import PREFILL_CHUNK, WeightInfo, refuse_options
+from . import SPEC
+from .batch import MLXBatchDecoder
+from .cache import MLXCache
 from .mlx_lm_import import import_mlx_lm
 from .sampling import make_sampler
 
-PREFILL_STEP = 512  # tokens per prefill chunk: bounds attention memory on long prompts
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
 
@@ -40,59 +44,62 @@ def _architecture(config: dict):
     return arch.Model, arch.ModelArgs
 
 
-def _category(name: str) -> str:
-    if "embed" in name or "wte" in name:
-        return "embedding"
-    if name.startswith("lm_head") or ".lm_head" in name or name.startswith("output."):
-        return "head"
-    if "norm" in name or name.endswith("ln_f.weight"):
-        return "norms"
-    if "attn" in name or "attention" in name:
-        return "attention"
-    if "mlp" in name or "feed_forward" in name or "experts" in name:
-        return "mlp"
-    return "other"
-
-
 class MLXEngine:
-    name = "mlx"
+    """`umakit.backends.base.Engine` on MLX: mlx-lm's model classes, umakit's loading and decode loop."""
 
-    def __init__(self, ckpt: Checkpoint | None, device: str = "cpu", dtype: str = "auto",
-                 quantize: int | dict | None = None, progress=None):
+    spec = SPEC
+    name = SPEC.name
+    features = SPEC.features
+    offload = None  # MLX keeps every weight in (unified) memory
+
+    def __init__(self, device: str):
+        if device not in SPEC.devices:
+            raise InvalidArgumentError(f"the mlx backend runs on {' or '.join(SPEC.devices)}, not {device!r}")
         if device == "metal" and not mx.metal.is_available():
             raise BackendUnavailableError("Metal is not available on this machine; use --device cpu")
         self.device = device
         self._mx_device = mx.gpu if device == "metal" else mx.cpu
-        if ckpt is not None:
-            self.config = ckpt.config
-            with mx.stream(self._mx_device):
-                self._load(ckpt, dtype, progress)
-                if quantize is not None:
-                    self._quantize_in_memory(quantize)
+        self.load_notes: tuple[str, ...] = ()
+        self.quantization: dict | None = None
+
+    @classmethod
+    def from_checkpoint(cls, ckpt: Checkpoint, *, device: str, dtype: str = "auto", progress=None,
+                        quantize: int | dict | None = None, gpu_layers: int | None = None,
+                        vram_budget: int | str | None = None) -> "MLXEngine":
+        refuse_options(SPEC, gpu_layers=gpu_layers, vram_budget=vram_budget)
+        self = cls(device)
+        self.config = ckpt.config
+        with mx.stream(self._mx_device):
+            self._load(ckpt, dtype, progress)
+            if quantize is not None:
+                self._quantize_in_memory(quantize)
+        return self
 
     def _quantize_in_memory(self, spec: int | dict) -> None:
-        from ...quantize import apply_on_load
-
         if self.quantization:
             raise InvalidArgumentError(
-                f"the checkpoint is already quantized ({_describe_quantization(self.quantization)}); "
+                f"the checkpoint is already quantized ({affine.describe(self.quantization)}); "
                 "quantize on load needs a float checkpoint"
             )
-        self.quantization = apply_on_load(self.model, spec)
+        bits, group_size, recipe = parse_spec(spec)
+        self.quantization, notes = quantize_model(self.model, bits, group_size, recipe)
+        mx.eval(self.model.parameters())  # the float weights are released as each layer is evaluated
+        self.load_notes = (*self.load_notes, *notes)
         self.config = {**self.config, "quantization": self.quantization}
 
     @classmethod
-    def synthetic(cls, config: dict, device: str = "cpu", dtype: str = "auto",
-                  bits: int | None = None, group_size: int = 64) -> "MLXEngine":
+    def synthetic(cls, config: dict, *, device: str, dtype: str = "auto", bits: int | None = None,
+                  group_size: int = affine.DEFAULT_GROUP_SIZE, gpu_layers: int | None = None,
+                  vram_budget: int | str | None = None) -> "MLXEngine":
         """Random weights in a real architecture's exact shapes (for benchmarks)."""
-        self = cls(None, device)
+        refuse_options(SPEC, gpu_layers=gpu_layers, vram_budget=vram_budget)
+        self = cls(device)
         self.config = dict(config)
         with mx.stream(self._mx_device):
             model_cls, args_cls = _architecture(self.config)
             model = model_cls(args_cls.from_dict(self.config))  # mlx's initialisers: random, never all zeros
             target = self._compute_dtype(dtype, {}) if dtype != "auto" or device == "cpu" else mx.float16
             model.set_dtype(target)
-            self.quantization = None
             if bits is not None:
                 nn.quantize(model, group_size=group_size, bits=bits)
                 self.quantization = self.config["quantization"] = {"group_size": group_size, "bits": bits}
@@ -118,7 +125,8 @@ class MLXEngine:
             _hook_up_quantization(model, weights, self.quantization)
         target = self._compute_dtype(dtype, weights)
         weights = {k: v.astype(target) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
-        _check_weights(model, weights)
+        common.check_weights({k: v.shape for k, v in tree_flatten(model.parameters())},
+                             {k: v.shape for k, v in weights.items()})
         model.load_weights(list(weights.items()), strict=False)
         del weights  # drop the lazy source arrays so each converts and frees in turn
         done, total = 0, ckpt.nbytes
@@ -158,8 +166,8 @@ class MLXEngine:
     def prefill(self, tokens: Sequence[int], cache: MLXCache) -> None:
         """Run ``tokens`` into ``cache`` without computing any logits."""
         with mx.stream(self._mx_device):
-            for i in range(0, len(tokens), PREFILL_STEP):
-                self.model(mx.array(list(tokens[i:i + PREFILL_STEP]), dtype=mx.uint32)[None], cache=cache.layers)
+            for i in range(0, len(tokens), PREFILL_CHUNK):
+                self.model(mx.array(list(tokens[i:i + PREFILL_CHUNK]), dtype=mx.uint32)[None], cache=cache.layers)
                 mx.eval([c.state for c in cache.layers])  # only the cache: the unused logits are never computed
 
     def generate_tokens(
@@ -187,10 +195,10 @@ class MLXEngine:
 
         with mx.stream(self._mx_device):
             tokens = mx.array(list(prompt), dtype=mx.uint32)
-            while tokens.size > PREFILL_STEP:  # chunked prefill of all but the tail
-                self.model(tokens[:PREFILL_STEP][None], cache=cache.layers)
+            while tokens.size > PREFILL_CHUNK:  # chunked prefill of all but the tail
+                self.model(tokens[:PREFILL_CHUNK][None], cache=cache.layers)
                 mx.eval([c.state for c in cache.layers])
-                tokens = tokens[PREFILL_STEP:]
+                tokens = tokens[PREFILL_CHUNK:]
             y = step(tokens)
             mx.async_eval(y)
             while True:
@@ -201,35 +209,21 @@ class MLXEngine:
                 yield y.item()
                 y = next_y
 
+    def batch_decoder(self) -> MLXBatchDecoder:
+        return MLXBatchDecoder(self)
+
     def weight_info(self) -> WeightInfo:
         params = dict(tree_flatten(self.model.parameters()))
         by_cat: dict[str, int] = {}
-        n_params = 0
         for name, a in params.items():
-            by_cat[_category(name)] = by_cat.get(_category(name), 0) + a.nbytes
-            if not name.endswith((".scales", ".biases")):
-                # packed along the input dimension: (out, in * bits / 32) words
-                n_params += a.size * 32 // self._bits_of(name) if a.dtype == mx.uint32 else a.size
-        total = sum(by_cat.values())
-        embed = by_cat.get("embedding", 0)
-        vocab = self.config.get("vocab_size") or 1
-        tied = "head" not in by_cat
-        # A decode step reads one embedding row, but a tied head reads the whole table.
-        per_token = total if tied else total - embed + embed // vocab
-        return WeightInfo(
-            total_bytes=total,
-            by_category=by_cat,
-            params=n_params,
-            bytes_per_token=per_token,
-            kv_bytes_per_token=self.kv_bytes_per_token(),
-            quantization=_describe_quantization(self.quantization),
-        )
+            by_cat[common.category(name)] = by_cat.get(common.category(name), 0) + a.nbytes
+        return common.weight_info(by_cat, common.logical_params({k: a.shape for k, a in params.items()},
+                                                                self.quantization),
+                                  self.config.get("vocab_size") or 1, self.kv_bytes_per_token(), self.quantization)
 
-    def _bits_of(self, name: str) -> int:
-        q = self.quantization or {}
-        module = name.rsplit(".", 1)[0]
-        override = q.get(module)
-        return override["bits"] if isinstance(override, dict) else q.get("bits", 32)
+    def export_weights(self) -> dict[str, mx.array]:
+        """The parameters by checkpoint name, quantized layers as packed weight, scales and biases."""
+        return dict(tree_flatten(self.model.parameters()))
 
     def kv_bytes_per_token(self, kv_bits: int | None = None) -> int:
         """Cache bytes per token over all layers, K and V (quantized: with group overhead)."""
@@ -238,7 +232,7 @@ class MLXEngine:
         return kv_bytes_per_token(
             c.get("num_hidden_layers", 0), c.get("num_key_value_heads") or heads,
             c.get("head_dim") or c.get("hidden_size", 0) // heads,
-            kv_bits=kv_bits, dtype_bytes=DTYPES[self.dtype].size, group_size=KV_GROUP_SIZE,
+            kv_bits=kv_bits, dtype_bytes=DTYPES[self.dtype].size, group_size=affine.KV_GROUP_SIZE,
         )
 
     @contextlib.contextmanager
@@ -277,29 +271,3 @@ def _hook_up_quantization(model: nn.Module, weights: dict, q: dict) -> None:
         nn.quantize(model, group_size=q["group_size"], bits=q["bits"], class_predicate=predicate)
     except (KeyError, ValueError) as e:
         raise CheckpointError(f"config.json has an invalid quantization block {q}: {e}") from e
-
-
-def _check_weights(model: nn.Module, weights: dict) -> None:
-    """Name the first missing, unexpected or mis-shaped tensor before loading."""
-    expected = dict(tree_flatten(model.parameters()))
-    missing = [k for k in expected if k not in weights]
-    if missing:
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise CheckpointError(f"checkpoint is missing tensor {missing[0]}{more}")
-    unexpected = [k for k in weights if k not in expected]
-    if unexpected:
-        more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
-        raise CheckpointError(f"checkpoint has unexpected tensor {unexpected[0]}{more} for this model_type")
-    for k, v in weights.items():
-        if v.shape != expected[k].shape:
-            raise CheckpointError(
-                f"tensor {k} has shape {list(v.shape)} but the config implies {list(expected[k].shape)}"
-            )
-
-
-def _describe_quantization(q: dict | None) -> str:
-    if not q:
-        return "none"
-    overrides = {v["bits"] for k, v in q.items() if isinstance(v, dict) and "bits" in v}
-    extra = f", some layers {'/'.join(map(str, sorted(overrides)))}-bit" if overrides - {q["bits"]} else ""
-    return f"{q['bits']}-bit g{q['group_size']}{extra}"

@@ -18,13 +18,12 @@ from typing import Iterable, Sequence
 import torch
 
 from ...errors import InvalidArgumentError
-from ..batch_protocol import BatchRow
-from ...hardware import available_ram
+from ..base import BatchRow
+from ...hardware import cpu_kv_budget
 from .cache import GROW_STEP
 from ...sampling import seed_or_random
 from .sampling import make_sampler
 
-CPU_KV_FRACTION = 0.5  # of the RAM available now: leaves room for activations and the OS
 
 
 class BatchKVCache:
@@ -114,15 +113,15 @@ class _RowSampler:
 
 
 class TorchBatchDecoder:
-    """`umakit.backends.batch_protocol.BatchDecoder` for `TorchEngine`."""
+    """`umakit.backends.base.BatchDecoder` for `TorchEngine`."""
 
     def __init__(self, engine):
         self._engine = engine
         self._model = engine.model
-        self._device = engine._device
+        self._device = engine.torch_device
         a = engine.args
         self._cache = BatchKVCache(a.num_hidden_layers, a.num_key_value_heads, a.head_dim,
-                                   a.max_position_embeddings, engine._dtype, self._device)
+                                   a.max_position_embeddings, engine.cache_dtype, self._device)
         self._ids: list[int] = []  # row i lives in cache slot i
         self._rows: list[_RowSampler] = []
         self._lengths: list[int] = []  # positions each row has in the cache
@@ -187,7 +186,7 @@ class TorchBatchDecoder:
         if self._engine.device == "cuda":
             free, _ = torch.cuda.mem_get_info()
             return int(free * 0.9)  # the weights are already resident
-        return int(available_ram() * CPU_KV_FRACTION)
+        return cpu_kv_budget()
 
     def context_tokens(self) -> int:
         return max(self._lengths, default=0)

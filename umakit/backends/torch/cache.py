@@ -28,6 +28,10 @@ class LayerKV(Protocol):
 
 
 class StaticKVCache:
+    """`umakit.backends.base.KVCache` on torch: K and V of every layer in one buffer each, grown in steps."""
+
+    kv_bits = None  # this engine's cache holds the activation dtype
+
     def __init__(self, layers: int, kv_heads: int, head_dim: int, max_tokens: int,
                  dtype: torch.dtype, device: torch.device, capacity: int = GROW_STEP):
         self.shape = (layers, 1, kv_heads, 0, head_dim)  # (L, B, nkv, S, hd)

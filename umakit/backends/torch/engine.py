@@ -14,7 +14,8 @@ CUDA ("auto": the checkpoint's half type)  tinygemm int4 in bfloat16, otherwise 
 
 With ``gpu_layers``/``vram_budget`` the layers past the resident ones live in
 host memory and stream through a ring of device buffers on every forward
-pass (offload.py here; the split: umakit/offload.py). Streamed layers need
+pass (offload.py here; the split: umakit/offload.py). Loading lives in
+loader.py, synthetic models in synthetic.py, execution forms in convert.py. Streamed layers need
 execution forms made of plain tensors, so on CPU they run in float32, and
 the decode step runs eagerly (no CUDA graph).
 """
@@ -29,132 +30,111 @@ from typing import Iterator, Sequence
 
 import numpy as np
 import torch
-from torch import nn
 
 from ...checkpoint import Checkpoint
-from ...errors import BackendUnavailableError, CheckpointError, DoesNotFitError, InvalidArgumentError
-from ...offload import RING_SLOTS, OffloadPlan, parse_size, plan_layers
-from ...plan import plan_model
+from ...errors import BackendUnavailableError, InvalidArgumentError
+from ...offload import RING_SLOTS
 from ...roofline import kv_bytes_per_token
 from ...sampling import SamplingParams, seed_or_random
-from ..base import WeightInfo
-from . import quant
+from .. import common
+from ..base import PREFILL_CHUNK, WeightInfo, refuse_options
+from . import SPEC, quant
+from .batch import TorchBatchDecoder
 from .cache import GROW_STEP, StaticKVCache
-from .model import ModelArgs, RMSNorm, Transformer, fuse_projections, rope_inv_freq
+from .convert import describe_execution
+from .kernels import GraphDecoder
+from .loader import (CUDA_CACHE_TOKENS, SAFETENSORS_FLOATS, build_model, check_fits, compute_dtype, layer_of,
+                     named_tensors, plan_offload, stream_checkpoint)
+from .model import ModelArgs
 from .offload import LayerStreamer
 from .sampling import make_sampler
-
-PREFILL_STEP = 512  # tokens per prefill chunk: bounds attention memory on long prompts
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-SAFETENSORS_FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-CUDA_CACHE_TOKENS = 4096  # initial KV capacity on CUDA, so captured decode graphs rarely go stale
+from .synthetic import random_tensors, synthetic_shapes
 
 
 class TorchEngine:
-    name = "torch"
+    """`umakit.backends.base.Engine` on PyTorch: umakit's compact model on CUDA or CPU."""
 
-    def __init__(self, ckpt: Checkpoint, device: str = "cpu", dtype: str = "auto", progress=None,
-                 gpu_layers: int | None = None, vram_budget: int | str | None = None):
+    spec = SPEC
+    name = SPEC.name
+    features = SPEC.features
+    load_notes: tuple[str, ...] = ()
+
+    @classmethod
+    def from_checkpoint(cls, ckpt: Checkpoint, *, device: str, dtype: str = "auto", progress=None,
+                        quantize: int | dict | None = None, gpu_layers: int | None = None,
+                        vram_budget: int | str | None = None) -> "TorchEngine":
         """``gpu_layers`` (keep the first N layers resident) or ``vram_budget`` (bytes, or "24GB") stream the
         other layers from host memory on every forward pass (see umakit/offload.py)."""
+        refuse_options(SPEC, quantize=quantize)
         shapes = {k: t.shape for k, t in ckpt.tensors.items()}
         floats = [SAFETENSORS_FLOATS[t.dtype] for t in ckpt.tensors.values() if t.dtype in SAFETENSORS_FLOATS]
         staging = "cpu" if gpu_layers is not None or vram_budget is not None else device
-        self._setup(ckpt.config, shapes, lambda: _stream(ckpt, staging, progress), device,
-                    _compute_dtype(dtype, floats, device), gpu_layers, vram_budget)
+        return cls(ckpt.config, shapes, lambda: stream_checkpoint(ckpt, staging, progress), device,
+                   compute_dtype(dtype, floats, device), gpu_layers, vram_budget)
+
+    @classmethod
+    def synthetic(cls, config: dict, *, device: str, dtype: str = "auto", bits: int | None = None,
+                  group_size: int = 64, gpu_layers: int | None = None,
+                  vram_budget: int | str | None = None) -> "TorchEngine":
+        """Random weights in a real architecture's exact shapes (for benchmarks)."""
+        config, shapes = synthetic_shapes(config, bits, group_size)
+        target = compute_dtype(dtype, [torch.bfloat16], device)
+        offload = gpu_layers is not None or vram_budget is not None
+        staging = torch.device("cpu" if offload else device)  # streamed layers never visit the device whole
+        return cls(config, shapes, lambda: random_tensors(shapes, target, staging), device, target, gpu_layers,
+                   vram_budget)
 
     @classmethod
     def from_tensors(cls, config: dict, shapes: dict, source, device: str = "cpu", dtype: str = "auto",
-                     gpu_layers: int | None = None, vram_budget: int | str | None = None):
-        """An engine over tensors made in memory, named as in a checkpoint (synthetic benchmark models).
+                     gpu_layers: int | None = None, vram_budget: int | str | None = None) -> "TorchEngine":
+        """An engine over tensors made in memory, named as in a checkpoint (benchmarks/gpu_check.py).
 
         ``shapes`` maps every tensor name to its shape; ``source()`` yields (name, tensor) pairs.
         """
-        self = cls.__new__(cls)
-        self._setup(config, shapes, source, device, _compute_dtype(dtype, [torch.bfloat16], device),
-                    gpu_layers, vram_budget)
-        return self
+        return cls(config, shapes, source, device, compute_dtype(dtype, [torch.bfloat16], device), gpu_layers,
+                   vram_budget)
 
-    @classmethod
-    def synthetic(cls, config: dict, device: str = "cpu", dtype: str = "auto",
-                  bits: int | None = None, group_size: int = 64, gpu_layers: int | None = None,
-                  vram_budget: int | str | None = None) -> "TorchEngine":
-        """Random weights in a real architecture's exact shapes (for benchmarks)."""
-        config = dict(config)
-        args = ModelArgs.from_config(config)
-        with torch.device("meta"):
-            model = Transformer(args)
-        shapes: dict[str, tuple] = {}
-        for path, m in model.named_modules():
-            if isinstance(m, RMSNorm):
-                shapes[f"{path}.weight"] = tuple(m.weight.shape)
-            if not isinstance(m, (nn.Linear, nn.Embedding)) or (path == "lm_head" and args.tie_word_embeddings):
-                continue
-            rows, cols = m.weight.shape
-            if bits and cols % group_size == 0:
-                shapes[f"{path}.weight"] = (rows, cols * bits // 32)
-                shapes[f"{path}.scales"] = shapes[f"{path}.biases"] = (rows, cols // group_size)
-            else:
-                shapes[f"{path}.weight"] = (rows, cols)
-            if getattr(m, "bias", None) is not None:
-                shapes[f"{path}.bias"] = (rows,)
-        if bits:
-            config["quantization"] = {"group_size": group_size, "bits": bits}
-        target = _compute_dtype(dtype, [torch.bfloat16], device)
-
-        offload = gpu_layers is not None or vram_budget is not None
-        staging = torch.device("cpu" if offload else device)  # streamed layers never visit the device whole
-
-        def source():
-            for name, shape in shapes.items():
-                packed = name.endswith(".weight") and f"{name.removesuffix('.weight')}.scales" in shapes
-                yield name, _random_tensor(name, shape, packed, target, staging)
-
-        return cls.from_tensors(config, shapes, source, device, str(target).removeprefix("torch."),
-                                gpu_layers, vram_budget)
-
-    def _setup(self, config: dict, shapes: dict, source, device: str, dtype: torch.dtype,
-               gpu_layers: int | None = None, vram_budget=None) -> None:
-        if device not in ("cpu", "cuda"):
-            raise InvalidArgumentError(f"the torch backend runs on cuda or cpu, not {device!r}")
+    def __init__(self, config: dict, shapes: dict, source, device: str, dtype: torch.dtype,
+                 gpu_layers: int | None = None, vram_budget=None):
+        """An engine over ``source()``'s (name, tensor) pairs, named and shaped as ``shapes`` says."""
+        if device not in SPEC.devices:
+            raise InvalidArgumentError(f"the torch backend runs on {' or '.join(SPEC.devices)}, not {device!r}")
         if device == "cuda" and not torch.cuda.is_available():
             raise BackendUnavailableError("PyTorch sees no CUDA device here; use --device cpu or a CUDA build of torch")
         self.device = device
-        self._device = torch.device(device)
+        self.torch_device = torch.device(device)
         self.config = config
         self.args = ModelArgs.from_config(config)
         self.dtype = str(dtype).removeprefix("torch.")
         # On CPU, float16 means float16 weights with float32 activations, cache
         # and accumulation (quant.Fp16Linear): x86 CPUs have no fast half math.
         half_weights = device == "cpu" and dtype == torch.float16 and quant.Fp16Linear.available()
-        self._dtype = torch.float32 if half_weights else dtype  # activations and KV cache
+        self.cache_dtype = torch.float32 if half_weights else dtype  # activations and KV cache
         self.quantization = config.get("quantization")
         self.offload = None  # an OffloadPlan, in bytes as loaded, when layers stream from host memory
         plan = None
         if gpu_layers is not None or vram_budget is not None:
-            plan = _plan_offload(self.args, config, shapes, dtype, gpu_layers, vram_budget)
+            plan = plan_offload(self.args, config, shapes, dtype, gpu_layers, vram_budget)
         elif device == "cuda":
-            _check_fits(self.args, config, shapes, dtype, torch.cuda.mem_get_info(self._device)[0])
+            check_fits(self.args, config, shapes, dtype, torch.cuda.mem_get_info(self.torch_device)[0])
         offloaded = plan.offloaded_layers if plan else ()
         with torch.inference_mode():
-            self.model = build_model(self.args, config, shapes, source(), self._device, self._dtype, dtype, offloaded)
+            self.model = build_model(self.args, config, shapes, source(), self.torch_device, self.cache_dtype,
+                                     dtype, offloaded)
             if offloaded:
-                self.model.streamer = LayerStreamer(self.model.model.layers, offloaded, self._device, RING_SLOTS,
-                                                    _category)
-        self._params = _logical_params(config, shapes)
+                self.model.streamer = LayerStreamer(self.model.model.layers, offloaded, self.torch_device,
+                                                    RING_SLOTS, common.category)
+        self._params = common.logical_params(shapes, self.quantization)
         if plan is not None:
             streamer = self.model.streamer
             streamed = streamer.streamed_bytes if streamer else 0
             resident = list(self._resident_tensor_bytes())
             self.offload = dataclasses.replace(
-                plan, fixed_bytes=sum(n for name, n in resident if _layer_of(name) is None),
+                plan, fixed_bytes=sum(n for name, n in resident if layer_of(name) is None),
                 resident_bytes=sum(n for _, n in resident), streamed_bytes=streamed,
                 ring_bytes=streamer.ring_bytes if streamer else 0)
-        self._graphs = None
-        if device == "cuda" and not offloaded:  # streamed layers change weights under a graph: run eagerly
-            from .kernels import GraphDecoder
-
-            self._graphs = GraphDecoder(self.model)
+        # Streamed layers change weights under a graph: run those eagerly.
+        self._graphs = GraphDecoder(self.model) if device == "cuda" and not offloaded else None
 
     # -- engine interface -----------------------------------------------------
     def make_cache(self, kv_bits: int | None = None) -> StaticKVCache:
@@ -163,26 +143,26 @@ class TorchEngine:
         a = self.args
         start = CUDA_CACHE_TOKENS if self.device == "cuda" else GROW_STEP
         return StaticKVCache(a.num_hidden_layers, a.num_key_value_heads, a.head_dim, a.max_position_embeddings,
-                             self._dtype, self._device, capacity=start)
+                             self.cache_dtype, self.torch_device, capacity=start)
 
     def _forward(self, tokens: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
         """Logits (1, T, V) of ``tokens`` (T,) appended to ``cache``."""
-        positions = torch.arange(cache.offset, cache.offset + tokens.shape[0], device=self._device)
+        positions = torch.arange(cache.offset, cache.offset + tokens.shape[0], device=self.torch_device)
         return self.model(tokens[None], positions, cache)
 
     def logits(self, tokens: Sequence[int], cache: StaticKVCache | None = None) -> np.ndarray:
         cache = cache if cache is not None else self.make_cache()
         with torch.inference_mode():
-            out = self._forward(torch.tensor(list(tokens), device=self._device), cache)
+            out = self._forward(torch.tensor(list(tokens), device=self.torch_device), cache)
             return out[0].float().cpu().numpy()
 
     def prefill(self, tokens: Sequence[int], cache: StaticKVCache) -> None:
         """Run ``tokens`` into ``cache``; the head is skipped."""
-        ids = torch.tensor(list(tokens), dtype=torch.long, device=self._device)
+        ids = torch.tensor(list(tokens), dtype=torch.long, device=self.torch_device)
         with torch.inference_mode():
-            for i in range(0, len(ids), PREFILL_STEP):
-                chunk = ids[i:i + PREFILL_STEP]
-                positions = torch.arange(cache.offset, cache.offset + len(chunk), device=self._device)
+            for i in range(0, len(ids), PREFILL_CHUNK):
+                chunk = ids[i:i + PREFILL_CHUNK]
+                positions = torch.arange(cache.offset, cache.offset + len(chunk), device=self.torch_device)
                 self.model(chunk[None], positions, cache, head=False)
 
     def generate_tokens(
@@ -196,15 +176,15 @@ class TorchEngine:
         if not prompt:
             raise InvalidArgumentError("the prompt is empty: there is nothing to continue from")
         sampler = make_sampler(sampling)
-        generator = torch.Generator(device=self._device)
+        generator = torch.Generator(device=self.torch_device)
         generator.manual_seed(seed_or_random(seed))
         window = sampling.repetition_context
         penalty = sampling.repetition_penalty != 1.0
         recent = (list(history)[-window:] + list(prompt))[-window:] if penalty else []
-        recent = torch.tensor(recent, dtype=torch.long, device=self._device)[None]  # (1, n)
+        recent = torch.tensor(recent, dtype=torch.long, device=self.torch_device)[None]  # (1, n)
         with torch.inference_mode():
             self.prefill(prompt[:-1], cache)
-            logits = self._forward(torch.tensor(prompt[-1:], device=self._device), cache)[:, -1]  # (1, V)
+            logits = self._forward(torch.tensor(prompt[-1:], device=self.torch_device), cache)[:, -1]  # (1, V)
         if self.device == "cuda":
             host = torch.empty(1, dtype=torch.long, pin_memory=True)
         while True:
@@ -236,8 +216,8 @@ class TorchEngine:
         """(name, bytes) of every weight held on the device for good (streamed layers excluded)."""
         seen: set[int] = set()
         streamer = self.model.streamer
-        for name, t in _named_tensors(self.model):
-            if streamer is not None and _layer_of(name) in streamer.position:
+        for name, t in named_tensors(self.model):
+            if streamer is not None and layer_of(name) in streamer.position:
                 continue  # views into the streaming ring
             if t.data_ptr() in seen:
                 continue  # a tied head shares the embedding's storage
@@ -247,38 +227,43 @@ class TorchEngine:
             if isinstance(m, quant.Fp16Linear):  # FBGEMM's packed weights are not tensors
                 yield name, m.packed_nbytes
 
+    def batch_decoder(self) -> TorchBatchDecoder:
+        return TorchBatchDecoder(self)
+
     def weight_info(self) -> WeightInfo:
         by_cat: dict[str, int] = {}
         for name, n in self._resident_tensor_bytes():
-            by_cat[_category(name)] = by_cat.get(_category(name), 0) + n
+            by_cat[common.category(name)] = by_cat.get(common.category(name), 0) + n
         streamer = self.model.streamer
         if streamer is not None:  # the host copies of the streamed layers
             for cat, n in streamer.bytes_by_category.items():
                 by_cat[cat] = by_cat.get(cat, 0) + n
-        total = sum(by_cat.values())
-        embed = by_cat.get("embedding", 0)
-        tied = "head" not in by_cat
-        # A decode step reads one embedding row, but a tied head reads the whole table.
-        per_token = total if tied else total - embed + embed // self.args.vocab_size
-        return WeightInfo(
-            total_bytes=total,
-            by_category=by_cat,
-            params=self._params,
-            bytes_per_token=per_token,
-            kv_bytes_per_token=self.kv_bytes_per_token(),
-            quantization=_describe_quantization(self.quantization, self.model),
-            streamed_bytes_per_token=streamer.streamed_bytes if streamer is not None else 0,
-        )
+        return common.weight_info(by_cat, self._params, self.args.vocab_size, self.kv_bytes_per_token(),
+                                  self.quantization, describe_execution(self.model),
+                                  streamer.streamed_bytes if streamer is not None else 0)
+
+    def export_weights(self):
+        raise InvalidArgumentError("the torch backend holds weights in execution form and cannot export them; "
+                                   "use --backend mlx")
 
     def kv_bytes_per_token(self, kv_bits: int | None = None) -> int:
         """Cache bytes per token over all layers, K and V (this backend's cache is never quantized)."""
         a = self.args
         return kv_bytes_per_token(a.num_hidden_layers, a.num_key_value_heads, a.head_dim,
-                                  kv_bits=kv_bits, dtype_bytes=self._dtype.itemsize)
+                                  kv_bits=kv_bits, dtype_bytes=self.cache_dtype.itemsize)
 
     def wired(self):
         """Nothing to wire: CUDA memory is the device's own, and CPU pages are the OS's to keep."""
         return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def eager(self):
+        """Run decode steps without CUDA graphs (as offloading does), e.g. to compare the two bit for bit."""
+        graphs, self._graphs = self._graphs, None
+        try:
+            yield
+        finally:
+            self._graphs = graphs
 
     def reset_peak_memory(self) -> None:
         if self.device == "cuda":
@@ -299,258 +284,3 @@ class TorchEngine:
         return peak if sys.platform == "darwin" else peak * 1024
 
 
-# -- loading ---------------------------------------------------------------------
-def _compute_dtype(dtype: str, floats: list, device: str) -> torch.dtype:
-    """The requested dtype; "auto" is float16 weights with float32 math on an x86 CPU, and the checkpoint's
-    half precision on CUDA."""
-    if dtype != "auto":
-        if dtype not in DTYPES:
-            raise InvalidArgumentError(f"unknown dtype {dtype!r}; choose auto, {', '.join(DTYPES)}")
-        return DTYPES[dtype]
-    if device == "cpu":
-        # Half the bytes of float32 and the same float32 arithmetic (see the table above).
-        return torch.float16 if quant.Fp16Linear.available() else torch.float32
-    halves = [f for f in floats if f != torch.float32]
-    return max(set(halves), key=halves.count) if halves else torch.bfloat16
-
-
-def _quant_spec(path: str, q: dict, tensors) -> dict | None:
-    """mlx-lm's rule: a per-module dict overrides; otherwise quantized iff ``{path}.scales`` exists."""
-    if isinstance(q.get(path), dict):
-        return {k: q[path].get(k, q.get(k)) for k in ("bits", "group_size")}
-    if q.get(path) is False or f"{path}.scales" not in tensors:
-        return None
-    return {"bits": q.get("bits"), "group_size": q.get("group_size")}
-
-
-def _swap_quantized(model: Transformer, q: dict, tensors, dtype: torch.dtype) -> None:
-    for path, module in list(model.named_modules()):
-        if not isinstance(module, (nn.Linear, nn.Embedding)):
-            continue
-        spec = _quant_spec(path, q, tensors)
-        if spec is None:
-            continue
-        if spec["bits"] not in quant.BITS or spec["group_size"] not in quant.GROUP_SIZES:
-            raise CheckpointError(f"{path}: {spec['bits']}-bit groups of {spec['group_size']} are not supported")
-        try:
-            if isinstance(module, nn.Embedding):
-                new = quant.QuantizedEmbedding(module.num_embeddings, module.embedding_dim, **spec, dtype=dtype,
-                                               device="meta")
-            else:
-                new = quant.QuantizedLinear(module.in_features, module.out_features, module.bias is not None,
-                                            **spec, device="meta")
-        except ValueError as e:
-            raise CheckpointError(f"{path}: {e}") from e
-        parent, _, attr = path.rpartition(".")
-        setattr(model.get_submodule(parent), attr, new)
-
-
-def _sanitize(name: str) -> str | None:
-    """The model's name for a checkpoint tensor (None: not a weight of this model)."""
-    if "rotary_emb.inv_freq" in name:
-        return None
-    return name
-
-
-def _expected(model: Transformer) -> dict[str, torch.Tensor]:
-    out = dict(model.named_parameters())
-    out.update({k: v for k, v in model.named_buffers() if k != "inv_freq" and v is not None})
-    return out
-
-
-def _stream(ckpt: Checkpoint, device: str, progress=None):
-    """Each tensor of the checkpoint in turn, read straight to ``device``.
-
-    ``progress(bytes_done, bytes_total)`` hears about every tensor read.
-    """
-    from safetensors import safe_open
-
-    done, total = 0, ckpt.nbytes
-    for file in ckpt.files:
-        with safe_open(str(file), framework="pt", device=device) as f:
-            for key in f.keys():
-                yield key, f.get_tensor(key)
-                done += ckpt.tensors[key].nbytes
-                if progress:
-                    progress(done, total)
-
-
-def build_model(args: ModelArgs, config: dict, shapes: dict, source, device: torch.device,
-                dtype: torch.dtype, weights: torch.dtype | None = None, offloaded: Sequence[int] = ()) -> Transformer:
-    """Build the model on the meta device, then fill it from ``source`` one tensor at a time.
-
-    ``dtype`` is that of activations and float tensors, ``weights`` that of the
-    linear layers' execution form (default: ``dtype``). The ``offloaded`` layers
-    are read into host memory and converted one at a time on the device (so
-    it never holds two of them), in a form made of plain tensors that can be
-    streamed; the engine then hands them to a `LayerStreamer`.
-    """
-    weights = weights or dtype
-    with torch.device("meta"):
-        model = Transformer(args)
-    _swap_quantized(model, config.get("quantization") or {}, shapes, dtype)
-    names = {n: k for k in shapes if (n := _sanitize(k)) is not None}
-    expected = _expected(model)
-    tied = args.tie_word_embeddings or not any(n.startswith("lm_head.") for n in names)
-    if tied:
-        expected = {k: v for k, v in expected.items() if not k.startswith("lm_head.")}
-    _check(expected, names, shapes)
-
-    streamed = frozenset(offloaded)
-    host = torch.device("cpu")
-    for key, t in source:
-        name = _sanitize(key)
-        if name is None:
-            continue
-        target = host if _layer_of(name) in streamed else device
-        if t.is_floating_point() and not name.endswith((".scales", ".biases")):
-            t = t.to(device=target, dtype=dtype)
-        _assign(model, name, t.to(target))
-
-    embed = model.model.embed_tokens
-    if tied:
-        if isinstance(embed, quant.QuantizedEmbedding):
-            model.lm_head = embed.as_linear()
-        else:
-            model.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False, device="meta")
-            model.lm_head.weight = embed.weight
-    fuse_projections(model, quant.concat)
-    for i in sorted(streamed):
-        block = model.model.layers[i].to(device)
-        quant.convert_model(block, device, weights, tensors_only=lambda path: True)
-        block.to(host)
-    quant.convert_model(model, device, weights, tensors_only=lambda path: _layer_of(path) in streamed)
-    if tied and isinstance(embed, quant.QuantizedEmbedding) and isinstance(model.lm_head, nn.Linear):
-        # The tied head was dequantized: look rows up in it and drop the packed table.
-        model.model.embed_tokens = nn.Embedding.from_pretrained(model.lm_head.weight, freeze=True)
-    model.inv_freq = rope_inv_freq(args).to(device)
-    return model.eval()
-
-
-def _layer_of(name: str) -> int | None:
-    """The block index of a tensor or module path ("model.layers.3.mlp..." -> 3), None outside the blocks."""
-    if not name.startswith("model.layers."):
-        return None
-    return int(name.split(".", 3)[2])
-
-
-def _check_fits(args: ModelArgs, config: dict, shapes: dict, weights: torch.dtype, free_bytes: int) -> None:
-    """Refuse, before reading any weight, a model that cannot fit the free VRAM whole, naming the flag that streams it."""
-    whole = _plan_offload(args, config, shapes, weights, args.num_hidden_layers, None)
-    need = whole.resident_bytes + whole.reserved_bytes
-    if need <= free_bytes:
-        return
-    try:
-        split = _plan_offload(args, config, shapes, weights, None, free_bytes)
-        fix = (f"keep {split.gpu_layers} of {args.num_hidden_layers} layers on the GPU and stream the rest: "
-               f"--gpu-layers {split.gpu_layers} (or --vram-budget {free_bytes / 1e9:.0f}GB)")
-    except DoesNotFitError:  # not even with every layer streamed
-        fix = "use a more quantized model (umakit quantize --bits 4)"
-    raise DoesNotFitError(f"the model needs about {need / 1e9:.1f} GB of GPU memory but {free_bytes / 1e9:.1f} GB "
-                          f"is free; {fix}")
-
-
-def _plan_offload(args: ModelArgs, config: dict, shapes: dict, weights: torch.dtype, gpu_layers: int | None,
-                  vram_budget) -> OffloadPlan:
-    """Which layers stream, from the checkpoint's tensor sizes in the execution dtype (what CUDA runs).
-
-    The budget also holds what `umakit plan` counts besides weights, for `CUDA_CACHE_TOKENS` tokens
-    of context: the KV cache and a prefill chunk's working memory (16-bit, as on a GPU).
-    """
-    per_layer = [0] * args.num_hidden_layers
-    fixed = 0
-    for name, shape in shapes.items():
-        if (name := _sanitize(name)) is None:
-            continue
-        count = int(np.prod(shape))
-        packed = name.endswith(".weight") and f"{name.removesuffix('.weight')}.scales" in shapes
-        nbytes = count * (4 if packed else 2 if name.endswith((".scales", ".biases")) else weights.itemsize)
-        layer = _layer_of(name)
-        if layer is None:
-            fixed += nbytes
-        else:
-            per_layer[layer] += nbytes
-    extra = plan_model(config, context=min(args.max_position_embeddings, CUDA_CACHE_TOKENS))
-    budget = None if vram_budget is None else parse_size(vram_budget)
-    return plan_layers(per_layer, fixed, gpu_layers=gpu_layers, vram_budget=budget,
-                       reserved_bytes=extra.kv_bytes + extra.working_bytes, ring_slots=RING_SLOTS)
-
-
-def _check(expected: dict, names: dict, shapes: dict) -> None:
-    """Name the first missing, unexpected or mis-shaped tensor before any data is read."""
-    missing = [k for k in expected if k not in names]
-    if missing:
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise CheckpointError(f"checkpoint is missing tensor {missing[0]}{more}")
-    unexpected = [k for k in names if k not in expected]
-    if unexpected:
-        more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
-        raise CheckpointError(f"checkpoint has unexpected tensor {unexpected[0]}{more} for this model_type")
-    for name, key in names.items():
-        shape = tuple(expected[name].shape)
-        if tuple(shapes[key]) != shape:
-            raise CheckpointError(f"tensor {key} has shape {list(shapes[key])} but the config implies {list(shape)}")
-
-
-def _assign(model: nn.Module, name: str, t: torch.Tensor) -> None:
-    path, _, attr = name.rpartition(".")
-    module = model.get_submodule(path)
-    if attr in module._parameters:
-        module._parameters[attr] = nn.Parameter(t, requires_grad=False)
-    else:
-        module._buffers[attr] = t
-
-
-def _logical_params(config: dict, shapes: dict) -> int:
-    """Weights the model has (a packed word holds 32/bits of them; scales and biases are not counted)."""
-    q = config.get("quantization") or {}
-    n = 0
-    for name, shape in shapes.items():
-        if name.endswith((".scales", ".biases")) or "rotary_emb" in name:
-            continue
-        count = int(np.prod(shape))
-        module = name.rsplit(".", 1)[0]
-        if name.endswith(".weight") and f"{module}.scales" in shapes:
-            count = count * 32 // (_quant_spec(module, q, shapes) or {"bits": 32})["bits"]
-        n += count
-    return n
-
-
-def _random_tensor(name: str, shape: tuple, packed: bool, dtype: torch.dtype, device: torch.device):
-    """A synthetic weight: random codes and small scales when ``packed``, unit norms, small floats."""
-    if packed:
-        return torch.randint(-2**31, 2**31 - 1, shape, dtype=torch.int32, device=device).view(torch.uint32)
-    if name.endswith("norm.weight"):
-        return torch.ones(shape, dtype=dtype, device=device)
-    if name.endswith(".scales"):
-        return torch.full(shape, 0.002, dtype=dtype, device=device)
-    if name.endswith(".biases"):
-        return torch.full(shape, -0.001, dtype=dtype, device=device)
-    return torch.randn(shape, dtype=dtype, device=device) * 0.02
-
-
-def _named_tensors(model: nn.Module):
-    yield from model.named_parameters(remove_duplicate=False)
-    yield from ((k, v) for k, v in model.named_buffers(remove_duplicate=False) if k != "inv_freq")
-
-
-def _category(name: str) -> str:
-    if "embed" in name:
-        return "embedding"
-    if name.startswith("lm_head"):
-        return "head"
-    if "norm" in name:
-        return "norms"
-    if "self_attn" in name:
-        return "attention"
-    if "mlp" in name:
-        return "mlp"
-    return "other"
-
-
-def _describe_quantization(q: dict | None, model: Transformer) -> str:
-    if not q:
-        return "none"
-    overrides = {v["bits"] for k, v in q.items() if isinstance(v, dict) and "bits" in v}
-    extra = f", some layers {'/'.join(map(str, sorted(overrides)))}-bit" if overrides - {q["bits"]} else ""
-    return f"{q['bits']}-bit g{q['group_size']}{extra} ({quant.describe_execution(model)})"

@@ -13,30 +13,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .quant import Int4PackLinear, QuantizedLinear, dense
+from .quant import QuantizedLinear, dequantize
 
 SPAN_MIN = 256  # smallest attention span of a captured decode step; spans double from here
 MAX_GRAPHS = 8  # captured graphs kept per engine (spans of the caches in use)
 
 
-# -- quantized linear layers on CUDA -----------------------------------------------
-def cuda_linear(m: QuantizedLinear, dtype: torch.dtype) -> nn.Module:
-    """The fastest CUDA form of ``m`` within float tolerance of dequantize-then-matmul in ``dtype``.
-
-    4-bit in bfloat16: torch's tinygemm int4 kernels, after an exact repack.
-    Otherwise (8 or 2 bits, float16 or float32 compute, odd shapes): the Triton
-    kernel below for decode, dequantize + cuBLAS for prefill.
-    """
-    device = m.weight.device
-    if dtype == torch.bfloat16 and m.bits == 4 and Int4PackLinear.supports(m, device):
-        return Int4PackLinear(m, device)
-    if _triton() is not None and m.bits in (2, 4, 8):
-        return TritonAffineLinear(m, dtype)
-    return dense(m, dtype)
-
-
+# -- the fused dequantize-matvec ----------------------------------------------------
 @functools.cache
-def _triton():
+def triton_kernel():
+    """The jitted, autotuned kernel, or None where Triton is not installed."""
     try:
         import triton  # noqa: F401
 
@@ -100,11 +86,9 @@ class TritonAffineLinear(nn.Module):
             y = torch.empty(1, self.out_features, dtype=x.dtype, device=x.device)
             N, K = self.out_features, self.in_features
             grid = lambda meta: (triton_cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
-            _triton()[grid](x, self.weight, self.scales, self.biases, y, N, K, self.weight.shape[1],
+            triton_kernel()[grid](x, self.weight, self.scales, self.biases, y, N, K, self.weight.shape[1],
                             self.scales.shape[1], BITS=self.bits, GROUP=self.group_size)
         else:
-            from .quant import dequantize
-
             w = dequantize(self.weight, self.scales, self.biases, self.bits, self.group_size, x.dtype)
             y = F.linear(x, w)
         if self.bias is not None:

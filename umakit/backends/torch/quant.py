@@ -6,9 +6,9 @@ stream along the input dimension (element j of a row at bits [j*bits, (j+1)*bits
 
 Two layers of code: the pure functions `unpack`, `pack`, `dequantize`,
 `quantize`; then the modules. `QuantizedLinear`/`QuantizedEmbedding` hold the
-checkpoint's tensors; `for_execution` turns a loaded `QuantizedLinear` into
-what runs fastest on the device without leaving float tolerance of
-dequantize-then-matmul in the compute dtype.
+checkpoint's tensors; the execution forms (`Int4PackLinear`, `Fp16Linear`, `dense`) are what a loaded `QuantizedLinear` into
+what runs fastest on the device (convert.py chooses which) without leaving
+float tolerance of dequantize-then-matmul in the compute dtype.
 """
 
 from __future__ import annotations
@@ -20,8 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-BITS = (2, 3, 4, 5, 6, 8)
-GROUP_SIZES = (32, 64, 128)
+from ...affine import BITS
 
 
 # -- pure functions -------------------------------------------------------------
@@ -263,59 +262,3 @@ def _pack_fp16(source: nn.Module):
             weight = source.weight.float()
         bias = None if source.bias is None else source.bias.float()
         return torch.ops.quantized.linear_prepack_fp16(weight, bias)
-
-
-def for_execution(m: QuantizedLinear, device: torch.device, dtype: torch.dtype) -> nn.Module:
-    """The fastest form of ``m`` that stays within float tolerance of dequantize-then-matmul in ``dtype``."""
-    if device.type == "cuda":
-        from .kernels import cuda_linear
-
-        return cuda_linear(m, dtype)
-    if dtype == torch.bfloat16 and Int4PackLinear.supports(m, device):
-        return Int4PackLinear(m, device)
-    if dtype == torch.float16 and Fp16Linear.available():
-        return Fp16Linear(m)
-    return dense(m, dtype)
-
-
-def convert_model(model: nn.Module, device: torch.device, dtype: torch.dtype, tensors_only=lambda path: False) -> None:
-    """Swap every loaded `QuantizedLinear` for its execution form (embeddings stay lookups).
-
-    On CPU in float16, every linear layer then holds float16 weights for
-    FBGEMM's float32 kernels (see `Fp16Linear`), except where
-    ``tensors_only(path)``: FBGEMM's packed weights are not tensors, so such
-    layers (streamed ones, see offload.py) run dequantized in float32 instead.
-    """
-    fp16 = device.type == "cpu" and dtype == torch.float16 and Fp16Linear.available()
-    for path, module in list(model.named_modules()):
-        if isinstance(module, Concat) and fp16 and all(isinstance(m, (QuantizedLinear, nn.Linear)) for m in module.parts):
-            # mixed bits: dequantize each part, then one matmul again
-            parts = [dense(m, torch.float32) if isinstance(m, QuantizedLinear) else m for m in module.parts]
-            _replace(model, path, concat(parts))
-    for path, module in list(model.named_modules()):
-        if type(module) is QuantizedLinear:
-            plain = tensors_only(path) and fp16
-            _replace(model, path, dense(module, torch.float32) if plain else for_execution(module, device, dtype))
-    for path, module in list(model.named_modules()):
-        if isinstance(module, Concat) and all(isinstance(m, nn.Linear) for m in module.parts):
-            _replace(model, path, concat(list(module.parts)))  # mixed bits, all dequantized: one matmul again
-    if fp16:
-        for path, module in list(model.named_modules()):
-            if type(module) is nn.Linear and not tensors_only(path):
-                _replace(model, path, Fp16Linear(module))
-
-
-def _replace(model: nn.Module, path: str, new: nn.Module) -> None:
-    parent, _, attr = path.rpartition(".")
-    setattr(model.get_submodule(parent), attr, new)
-
-
-def describe_execution(model: nn.Module) -> str:
-    kinds = {type(m).__name__ for m in model.modules()}
-    if "Fp16Linear" in kinds:
-        return "runs as float16 weights, float32 math"
-    if "Int4PackLinear" in kinds:
-        return "runs on int4 kernels, bfloat16"
-    if "TritonAffineLinear" in kinds:
-        return "runs on fused dequantize-matmul kernels"
-    return "runs dequantized"

@@ -1,0 +1,84 @@
+"""Which execution form each quantized layer runs as, on each device and dtype.
+
+The checkpoint-layout modules (quant.py) are swapped, once at load, for the
+fastest form that stays within float tolerance of dequantize-then-matmul in
+the compute dtype: torch's int4 kernels, FBGEMM's float16 kernels on x86 CPUs,
+the Triton matvec on CUDA (kernels.py), or plain dequantized weights.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .kernels import TritonAffineLinear, triton_kernel
+from .quant import Concat, Fp16Linear, Int4PackLinear, QuantizedLinear, concat, dense
+
+
+def cuda_linear(m: QuantizedLinear, dtype: torch.dtype) -> nn.Module:
+    """The fastest CUDA form of ``m`` within float tolerance of dequantize-then-matmul in ``dtype``.
+
+    4-bit in bfloat16: torch's tinygemm int4 kernels, after an exact repack.
+    Otherwise (8 or 2 bits, float16 or float32 compute, odd shapes): the Triton
+    kernel (kernels.py) for decode, dequantize + cuBLAS for prefill.
+    """
+    device = m.weight.device
+    if dtype == torch.bfloat16 and m.bits == 4 and Int4PackLinear.supports(m, device):
+        return Int4PackLinear(m, device)
+    if triton_kernel() is not None and m.bits in (2, 4, 8):
+        return TritonAffineLinear(m, dtype)
+    return dense(m, dtype)
+
+
+def for_execution(m: QuantizedLinear, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """The fastest form of ``m`` that stays within float tolerance of dequantize-then-matmul in ``dtype``."""
+    if device.type == "cuda":
+        return cuda_linear(m, dtype)
+    if dtype == torch.bfloat16 and Int4PackLinear.supports(m, device):
+        return Int4PackLinear(m, device)
+    if dtype == torch.float16 and Fp16Linear.available():
+        return Fp16Linear(m)
+    return dense(m, dtype)
+
+
+def convert_model(model: nn.Module, device: torch.device, dtype: torch.dtype, tensors_only=lambda path: False) -> None:
+    """Swap every loaded `QuantizedLinear` for its execution form (embeddings stay lookups).
+
+    On CPU in float16, every linear layer then holds float16 weights for
+    FBGEMM's float32 kernels (see `Fp16Linear`), except where
+    ``tensors_only(path)``: FBGEMM's packed weights are not tensors, so such
+    layers (streamed ones, see offload.py) run dequantized in float32 instead.
+    """
+    fp16 = device.type == "cpu" and dtype == torch.float16 and Fp16Linear.available()
+    for path, module in list(model.named_modules()):
+        if isinstance(module, Concat) and fp16 and all(isinstance(m, (QuantizedLinear, nn.Linear)) for m in module.parts):
+            # mixed bits: dequantize each part, then one matmul again
+            parts = [dense(m, torch.float32) if isinstance(m, QuantizedLinear) else m for m in module.parts]
+            _replace(model, path, concat(parts))
+    for path, module in list(model.named_modules()):
+        if type(module) is QuantizedLinear:
+            plain = tensors_only(path) and fp16
+            _replace(model, path, dense(module, torch.float32) if plain else for_execution(module, device, dtype))
+    for path, module in list(model.named_modules()):
+        if isinstance(module, Concat) and all(isinstance(m, nn.Linear) for m in module.parts):
+            _replace(model, path, concat(list(module.parts)))  # mixed bits, all dequantized: one matmul again
+    if fp16:
+        for path, module in list(model.named_modules()):
+            if type(module) is nn.Linear and not tensors_only(path):
+                _replace(model, path, Fp16Linear(module))
+
+
+def _replace(model: nn.Module, path: str, new: nn.Module) -> None:
+    parent, _, attr = path.rpartition(".")
+    setattr(model.get_submodule(parent), attr, new)
+
+
+def describe_execution(model: nn.Module) -> str:
+    kinds = {type(m).__name__ for m in model.modules()}
+    if "Fp16Linear" in kinds:
+        return "runs as float16 weights, float32 math"
+    if "Int4PackLinear" in kinds:
+        return "runs on int4 kernels, bfloat16"
+    if "TritonAffineLinear" in kinds:
+        return "runs on fused dequantize-matmul kernels"
+    return "runs dequantized"
