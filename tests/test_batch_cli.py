@@ -127,6 +127,7 @@ def test_the_note_is_printed_when_the_batch_size_is_lowered(tiny_dir, tiny_model
     assert len(read_jsonl(tmp_path / "out.jsonl")) == 3
 
 
+@pytest.mark.slow
 def test_a_killed_run_resumes_with_each_id_exactly_once(tiny_dir, tmp_path):
     n = 40
     inp = write_jsonl(tmp_path / "in.jsonl", [{"id": f"q{i}", "prompt": f"The fox {i}"} for i in range(n)])

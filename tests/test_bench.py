@@ -57,6 +57,7 @@ def test_ceiling_curve(record):
 
 
 def test_cli_run_compare_and_plot(tiny_dir, tmp_path, record):
+    pytest.importorskip("matplotlib")
     out = tmp_path / "r.json"
     r = CliRunner().invoke(main, ["bench", str(tiny_dir("llama")), "--prompt-tokens", "8", "--gen-tokens", "4",
                                   "--repeat", "2", "--warmup", "0", "--json", str(out), "--peak-bandwidth", "50"])

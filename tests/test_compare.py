@@ -52,6 +52,7 @@ def test_cli_table_labels_and_units():
 
 
 def test_cli_single_record_says_the_rest_is_predicted(tmp_path):
+    pytest.importorskip("matplotlib")
     png = tmp_path / "c.png"
     r = CliRunner().invoke(main, ["compare", str(MAC), "--plot", str(png)])
     assert r.exit_code == 0, r.output

@@ -7,7 +7,7 @@ import umakit
 from conftest import requires_default_model
 from umakit.sampling import SamplingParams
 
-pytestmark = [pytest.mark.slow, requires_default_model, pytest.mark.usefixtures("one_torch_thread")]
+pytestmark = [pytest.mark.slow, requires_default_model]
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Three prime numbers are"]
 TOKENS = 16  # MLX-CPU prefill is slow; raw prompts keep this file to seconds

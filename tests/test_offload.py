@@ -15,7 +15,6 @@ from umakit.hardware import probes as hw_probes
 from umakit.errors import InvalidArgumentError
 from umakit.offload import RING_SLOTS, parse_size, plan_layers
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
 LAYERS = 5  # more layers than ring slots, and not a multiple of them: the ring wraps mid-pass
 TOKENS = [1, 17, 33, 2, 99, 5, 64, 7, 8, 120, 3]
 
@@ -192,6 +191,7 @@ def test_cli_offload_flags_and_their_errors(deep_dir):
         assert bad.exit_code != 0 and message in bad.output and "Traceback" not in bad.output
 
 
+@pytest.mark.slow
 @requires_default_model
 def test_default_model_with_most_layers_streamed_matches_resident():
     prompt = "What is the capital of France?"
@@ -218,6 +218,7 @@ def llama_deep(tmp_path_factory):
 
 
 def test_offload_sweep_writes_json_and_plot(llama_deep, tmp_path):
+    pytest.importorskip("matplotlib")
     from umakit.bench import modelled_sweep
 
     out, png = tmp_path / "sweep.json", tmp_path / "sweep.png"

@@ -13,9 +13,6 @@ PROMPT = [5, 17, 42, 99, 3, 250, 7, 301, 12, 64, 128, 77, 31, 200, 11]
 GREEDY = SamplingParams(temperature=0)
 
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
 def reference(path):
     from transformers import AutoModelForCausalLM
 

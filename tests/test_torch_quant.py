@@ -15,9 +15,6 @@ from umakit.backends.torch import convert, quant
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 301, 12, 64, 128, 77, 31, 200, 11]
 
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
 def mlx_quantized(rows, cols, bits, group_size, seed=0):
     w = mx.random.normal((rows, cols), key=mx.random.key(seed)) * 0.05
     q, s, b = mx.quantize(w, group_size=group_size, bits=bits)

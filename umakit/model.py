@@ -6,20 +6,21 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
-
-import numpy as np
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 from . import backends, checkpoint, roofline
 from .affine import DEFAULT_GROUP_SIZE
 from .backends.base import OFFLOAD, QUANTIZE, Engine, KVCache, WeightInfo
-from .errors import InvalidArgumentError
+from .errors import InvalidArgumentError, UmakitError
 from .batch import DEFAULT_BATCH_SIZE, BatchRun, BatchStream, generate_batch, stream_batch
 from .generation import Chunk, GenerationResult, collect, stream_generate
 from .hardware import DeviceInfo, detect_local
 from .offload import OffloadPlan
 from .sampling import DEFAULT_MAX_TOKENS, SamplingParams, sampling_params
 from .tokenizer import Message, Tokenizer
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 @dataclass
@@ -211,13 +212,20 @@ class Model:
         min_p: float | None = None,
         repetition_penalty: float | None = None,
         repetition_context: int | None = None,
+        on_error: Callable[[int, UmakitError], None] | None = None,
     ) -> BatchStream:
         """A `umakit.batch.BatchStream`: iterate it for ``(index, result)`` as each prompt finishes
-        (parameters as `generate_batch`)."""
+        (parameters as `generate_batch`).
+
+        With ``on_error(index, error)`` a prompt that cannot be encoded or does
+        not fit is reported there and skipped, and the others still run;
+        without it the first such prompt raises before anything runs.
+        """
         return stream_batch(self, prompts, batch_size=batch_size, max_tokens=max_tokens, stop=stop, seed=seed,
                             system=system, raw=raw, sampling=sampling_params(
                                 sampling, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                                repetition_penalty=repetition_penalty, repetition_context=repetition_context))
+                                repetition_penalty=repetition_penalty, repetition_context=repetition_context),
+                            on_error=on_error)
 
     def make_cache(self, kv_bits: int | None = None) -> KVCache:
         """An empty KV cache for this model (``kv_bits`` 4 or 8: quantized, where the engine offers it)."""

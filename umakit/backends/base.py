@@ -12,13 +12,15 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Iterable, Iterator, Mapping, Protocol, Sequence, runtime_checkable
-
-import numpy as np
+from typing import (TYPE_CHECKING, Any, Callable, ClassVar, Iterable, Iterator, Mapping, Protocol, Sequence,
+                    runtime_checkable)
 
 from ..offload import OffloadPlan
 from ..sampling import SamplingParams
 from ..shapes import PREFILL_CHUNK  # tokens per prefill chunk, every engine and plan: bounds attention memory
+
+if TYPE_CHECKING:
+    import numpy as np
 
 __all__ = ["PREFILL_CHUNK", "KV_BITS", "BATCH", "QUANTIZE", "OFFLOAD", "EXPORT", "FEATURES", "EngineSpec", "KVCache",
            "WeightInfo", "BatchRow", "BatchDecoder", "Engine", "refuse_options"]

@@ -4,8 +4,9 @@ A run prefills a prompt of random token ids, then decodes a fixed number of
 tokens greedily, ignoring end-of-sequence so every run does the same work.
 Clocks are read after the token is on the host (the engine's token iterator
 synchronises). Every run takes a `umakit.Model` and uses only the declared
-engine protocol; its roofline and offload figures all come from
-`Model.measure_decode`, the one place that arithmetic lives.
+engine protocol; its roofline and offload figures come from
+`umakit.roofline.measure_decode` (through `Model.measure_decode`), the one
+place that arithmetic lives.
 """
 
 from __future__ import annotations
@@ -17,13 +18,22 @@ from typing import TYPE_CHECKING, Callable
 
 from ..backends.base import BATCH, KV_BITS, BatchRow
 from ..errors import DoesNotFitError, InvalidArgumentError
-from ..hardware import DeviceInfo
 from ..roofline import measure_decode
 from ..sampling import SamplingParams
-from .records import BenchRecord, ContextPoint, Run, SweepPoint, machine_dict, model_dict, summarize, timestamp
-from .records import versions_dict
+from .records import (
+    BenchRecord,
+    ContextPoint,
+    Run,
+    SweepPoint,
+    machine_dict,
+    model_dict,
+    summarize,
+    timestamp,
+    versions_dict,
+)
 
 if TYPE_CHECKING:
+    from ..hardware import DeviceInfo
     from ..model import Model
 
 GREEDY = SamplingParams(temperature=0)
@@ -115,21 +125,14 @@ def _timed_batch_run(model: Model, prompts: list[list[int]], gen_tokens: int) ->
     t2 = time.perf_counter()
     decoder.remove(list(counts))
     tps = (sum(counts.values()) - first) / (t2 - t1)
-    r, o = _measure_rows(model, len(prompts), len(prompts[0]) + gen_tokens // 2, None, tps)
+    rows = len(prompts)
+    # One step reads the weights once and every row's cache: measured per step, tps / rows steps/s.
+    r, o = model.measure_decode(tps / rows, len(prompts[0]) + gen_tokens // 2, engine.kv_bytes_per_token() * rows)
     run = Run(t1 - t0, sum(map(len, prompts)) / (t1 - t0), tps, r.achieved_gbps, r.mbu, r.bytes_per_token,
               engine.peak_memory())
     if o is not None:
         run.pcie_gbps, run.offload_efficiency = o.achieved_pcie_gbps, o.efficiency
     return run
-
-
-def _measure_rows(model: Model, rows: int, context: int, kv_bits: int | None, tps: float):
-    """`Model.measure_decode` of ``rows`` decoded together at aggregate ``tps``.
-
-    One step reads the weights once and every row's cache, so it is measured
-    per step: ``tps / rows`` steps/s, ``rows`` caches' bytes per cached position.
-    """
-    return model.measure_decode(tps / rows, context, model.engine.kv_bytes_per_token(kv_bits) * rows)
 
 
 def run_bench(model: Model, settings: BenchSettings | None = None, progress: Progress | None = None) -> BenchRecord:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from umakit.backends.base import BATCH
 from umakit.batch import DEFAULT_BATCH_SIZE
 
 from .options import SAMPLING_KEYS, load_model, model_options, offload_options, sampling_options
@@ -87,7 +88,7 @@ def batch_cmd(model, input_path, output_path, batch_size, system, raw, stop, max
     m = stream = None
     if todo:
         m = load_model(model, backend=backend, device=device, dtype=dtype, peak_bandwidth=peak_bandwidth,
-                       needs={"batch"}, gpu_layers=gpu_layers, vram_budget=vram_budget)
+                       needs={BATCH}, gpu_layers=gpu_layers, vram_budget=vram_budget)
 
     def skip(i, error):  # i indexes todo
         errors.append(batch_io.LineError(todo[i].line, str(error), todo[i].id))

@@ -16,7 +16,7 @@ from umakit.bench import (
 )
 
 from .format import size
-from .options import echo_warnings, load_model, model_options, offload_options
+from .options import QUANTIZE_BITS, echo_warnings, kv_bits_option, load_model, model_options, offload_options
 
 
 def _contexts(ctx, param, value):
@@ -34,10 +34,11 @@ def _contexts(ctx, param, value):
 @click.option("--warmup", type=click.IntRange(min=0), default=DEFAULT_WARMUP, show_default=True)
 @click.option("--batch", type=click.IntRange(min=1), default=DEFAULT_BATCH, show_default=True,
               help="Sequences decoded together; decode tok/s is then the aggregate.")
-@click.option("--kv-bits", type=click.Choice(["4", "8"]), default=None)
+@kv_bits_option
 @click.option("--contexts", callback=_contexts, default=None, help="Context lengths for the decode-vs-context sweep, e.g. 256,1024,4096.")
 @click.option("--synthetic", metavar="PRESET", default=None, help="Random weights in a preset's exact shapes (see umakit plan).")
-@click.option("--bits", type=click.Choice(["4", "8"]), default=None, help="With --synthetic: quantize to these bits.")
+@click.option("--bits", type=click.Choice([str(b) for b in QUANTIZE_BITS]), default=None,
+              help="With --synthetic: quantize to these bits.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, help="Write the record here.")
 @click.option("--compare", "compare", multiple=True, type=click.Path(exists=True, dir_okay=False),
               help="Bench JSON files to show side by side (repeatable; no run).")
@@ -63,7 +64,7 @@ def bench(model, prompt_tokens, gen_tokens, repeat, warmup, batch, kv_bits, cont
         if bits and not synthetic:
             raise click.UsageError("--bits applies to --synthetic models; quantize a checkpoint with umakit quantize")
         settings = lib.BenchSettings(prompt_tokens, gen_tokens, repeat, warmup,
-                                     int(kv_bits) if kv_bits else None, contexts, batch=batch)
+                                     kv_bits, contexts, batch=batch)
         load, layers_of = _loader(model, synthetic, bits, backend, device, dtype, peak_bandwidth, settings.needs)
         if offload_sweep:
             layers = layers_of()

@@ -226,8 +226,8 @@ def _cached(facts: _LocalFacts, field: str, measure, remeasure: bool) -> float:
     entry = entries.get(key) if isinstance(entries.get(key), dict) else {}
     if not remeasure and isinstance(entry.get(field), (int, float)) and entry[field] > 0:
         return float(entry[field])
-    value = float(measure())
-    entries[key] = {**entry, field: round(value, 2), f"{field}_measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    value = round(float(measure()), 2)  # what the cache keeps, so the first run reports what later runs read
+    entries[key] = {**entry, field: value, f"{field}_measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
     with atomic_file(path) as f:
         json.dump({"version": CACHE_VERSION, "entries": entries}, f, indent=2, sort_keys=True)
     return value
