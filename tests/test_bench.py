@@ -113,10 +113,10 @@ def test_batched_bench_reports_aggregate_throughput(on_test_chip):
 
 
 def test_settings_name_the_engine_features_they_need():
-    from umakit.backends.base import BATCH, KV_BITS
+    from umakit.backends.base import BATCH, QUANTIZED_KV
 
     assert BenchSettings().needs == frozenset()
-    assert BenchSettings(kv_bits=8).needs == {KV_BITS} and BenchSettings(batch=2).needs == {BATCH}
+    assert BenchSettings(kv_bits=8).needs == {QUANTIZED_KV} and BenchSettings(batch=2).needs == {BATCH}
     with pytest.raises(InvalidArgumentError, match="--batch with --kv-bits"):
         BenchSettings(kv_bits=8, batch=2)
 

@@ -169,7 +169,7 @@ def _params(c: dict) -> int:
 
 
 def test_kv_bits_feature_is_declared_honestly(engine, tmp_path):
-    if base.KV_BITS in engine.features:
+    if base.QUANTIZED_KV in engine.features:
         # A quantized cache needs heads of a multiple of 64 (the KV group size).
         wide = make_tiny_model("llama", tmp_path, hidden_size=128, num_attention_heads=2, num_key_value_heads=1)
         other = type(engine).from_checkpoint(checkpoint.open_checkpoint(wide), device=engine.device, dtype="float32")

@@ -22,16 +22,16 @@ from ..shapes import PREFILL_CHUNK  # tokens per prefill chunk, every engine and
 if TYPE_CHECKING:
     import numpy as np
 
-__all__ = ["PREFILL_CHUNK", "KV_BITS", "BATCH", "QUANTIZE", "OFFLOAD", "EXPORT", "FEATURES", "EngineSpec", "KVCache",
+__all__ = ["PREFILL_CHUNK", "QUANTIZED_KV", "BATCH", "QUANTIZE", "OFFLOAD", "EXPORT", "FEATURES", "EngineSpec", "KVCache",
            "WeightInfo", "BatchRow", "BatchDecoder", "Engine", "refuse_options"]
 
 # Optional features an engine declares (its spec's ``features``):
-KV_BITS = "kv_bits"  # a quantized KV cache (make_cache(kv_bits=4|8))
+QUANTIZED_KV = "kv_bits"  # a quantized KV cache (make_cache(kv_bits=4|8))
 BATCH = "batch"  # batched decoding (batch_decoder())
 QUANTIZE = "quantize"  # quantize a float checkpoint on load (from_checkpoint(quantize=...))
 OFFLOAD = "offload"  # stream layers from host memory (from_checkpoint(gpu_layers=..., vram_budget=...))
 EXPORT = "export"  # hand its loaded weights back in checkpoint layout (export_weights())
-FEATURES = (KV_BITS, BATCH, QUANTIZE, OFFLOAD, EXPORT)
+FEATURES = (QUANTIZED_KV, BATCH, QUANTIZE, OFFLOAD, EXPORT)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Callable
 
-from ..backends.base import BATCH, KV_BITS, BatchRow
+from ..backends.base import BATCH, QUANTIZED_KV, BatchRow
 from ..errors import DoesNotFitError, InvalidArgumentError
 from ..roofline import measure_decode
 from ..sampling import SamplingParams
@@ -70,7 +70,7 @@ class BenchSettings:
     @property
     def needs(self) -> frozenset[str]:
         """The engine features these settings use (for `umakit.load`'s ``needs``)."""
-        return frozenset(({KV_BITS} if self.kv_bits is not None else set()) | ({BATCH} if self.batch > 1 else set()))
+        return frozenset(({QUANTIZED_KV} if self.kv_bits is not None else set()) | ({BATCH} if self.batch > 1 else set()))
 
     @property
     def steps(self) -> int:

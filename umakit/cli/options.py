@@ -37,9 +37,9 @@ kv_bits_option = click.option(
 
 def kv_needs(kv_bits: int | None) -> frozenset[str]:
     """The engine features a quantized KV cache needs, so that --backend auto picks an engine that has them."""
-    from umakit.backends.base import KV_BITS as KV_CACHE  # the feature's name, not the widths
+    from umakit.backends.base import QUANTIZED_KV
 
-    return frozenset({KV_CACHE}) if kv_bits is not None else frozenset()
+    return frozenset({QUANTIZED_KV}) if kv_bits is not None else frozenset()
 
 
 def offload_options(f):

@@ -4,10 +4,10 @@ Importing this package imports no mlx: the registry reads `SPEC` here and
 imports `engine` only when the engine is chosen.
 """
 
-from ..base import BATCH, EXPORT, KV_BITS, QUANTIZE, EngineSpec
+from ..base import BATCH, EXPORT, QUANTIZE, QUANTIZED_KV, EngineSpec
 
 SPEC = EngineSpec(name="mlx", module="umakit.backends.mlx.engine", cls="MLXEngine", dependency="mlx",
-                  extra="umakit", devices=("metal", "cpu"), features=frozenset({KV_BITS, BATCH, QUANTIZE, EXPORT}))
+                  extra="umakit", devices=("metal", "cpu"), features=frozenset({QUANTIZED_KV, BATCH, QUANTIZE, EXPORT}))
 
 
 def __getattr__(name):
