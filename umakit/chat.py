@@ -80,9 +80,11 @@ class ChatSettings:
 class ChatSession:
     """A conversation: messages, the cache that holds them, and running totals."""
 
-    def __init__(self, model, settings: ChatSettings | None = None):
+    def __init__(self, model, settings: ChatSettings | None = None, speculator=None):
+        """``speculator`` (from `Model.speculator`) decodes every reply speculatively."""
         self.model = model
         self.settings = settings or ChatSettings()
+        self.speculator = speculator
         limit = model.info.context_length or 0
         if self.settings.max_context is None:
             self.settings.max_context = limit or 4096
@@ -161,7 +163,7 @@ class ChatSession:
         s = self.settings
         max_tokens = max(min(s.max_tokens, s.max_context - len(ids)), 1)
         stream = self.model.stream_tokens(new, self.cache, max_tokens=max_tokens, seed=s.seed,
-                                          history=ids[:reused], sampling=s.sampling)
+                                          history=ids[:reused], sampling=s.sampling, speculator=self.speculator)
         reply, generated, stats, cut = [], [], None, False
         try:
             for chunk in stream:

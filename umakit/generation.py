@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 from .backends.base import Engine, KVCache
 from .roofline import OffloadStats, RooflineStats
 from .sampling import SamplingParams
 from .tokenizer import StreamingDetokenizer, Tokenizer
+
+if TYPE_CHECKING:
+    from .speculative import SpeculativeStats
 
 FINISH_STOP = "stop"  # an end-of-sequence token
 FINISH_LENGTH = "length"  # max_tokens reached
@@ -56,6 +59,7 @@ class GenerationStats:
     peak_memory_bytes: int = 0
     roofline: RooflineStats | None = None  # what one decode step reads, against the device's peak bandwidth
     offload: OffloadStats | None = None  # layers streamed from host memory each step
+    speculative: SpeculativeStats | None = None  # how speculation went, when the run speculated
 
     def fill(self, roofline: RooflineStats, offload: OffloadStats | None = None) -> None:
         """Attach the run's roofline and, when layers stream, its offload figures."""
@@ -121,9 +125,18 @@ class GenerationStats:
         """Decode tok/s / offload ceiling: how well copies hide behind compute."""
         return _figure(self.offload.efficiency) if self.offload else 0.0
 
+    @property
+    def over_roofline(self) -> float:
+        """Decode tok/s as a multiple of the one-token roofline ceiling (above 1 only by speculating)."""
+        return self.decode_tps / self.ceiling_tps if self.ceiling_tps else 0.0
+
     def to_dict(self) -> dict:
-        """The flat JSON form: counts, clocks, then every roofline and offload figure."""
-        return {name: getattr(self, name) for name in STATS_KEYS}
+        """The flat JSON form: counts, clocks, then every roofline and offload figure
+        (and, for a speculative run, its figures under "speculative")."""
+        out = {name: getattr(self, name) for name in STATS_KEYS}
+        if self.speculative is not None:
+            out["speculative"] = {**self.speculative.to_dict(), "over_one_token_roofline": self.over_roofline}
+        return out
 
 
 @dataclass
@@ -274,15 +287,19 @@ def stream_generate(
     seed: int | None = None,
     history: Sequence[int] = (),
     measure=None,
+    speculator=None,
 ) -> Iterator[Chunk]:
     """Generate after ``prompt`` (appended to what ``cache`` holds), yielding text chunks.
 
     ``measure(decode_tps, context_tokens)`` returns the run's (RooflineStats,
-    OffloadStats or None), see `umakit.roofline.measure_decode`.
+    OffloadStats or None), see `umakit.roofline.measure_decode`. With a
+    ``speculator`` (`umakit.speculative.SpeculativeDecoder`) its tokens replace
+    the engine's, and its stats join the run's.
     """
     engine.reset_peak_memory()
     row = DecodeRow(tokenizer, max_tokens, stop, prompt_tokens=len(prompt), cached_tokens=cache.offset)
-    tokens = engine.generate_tokens(prompt, cache, sampling, seed=seed, history=history)
+    source = speculator if speculator is not None else engine
+    tokens = source.generate_tokens(prompt, cache, sampling, seed=seed, history=history)
     try:
         while not row.finished:
             token = next(tokens)
@@ -297,6 +314,9 @@ def stream_generate(
     stats = row.stats(engine.peak_memory())
     if measure is not None and stats.decode_tps:
         stats.fill(*measure(stats.decode_tps, stats.cached_tokens + len(prompt) + stats.generated_tokens // 2))
+    if speculator is not None:
+        stats.speculative = speculator.stats
+        speculator.stats.target_bytes_per_step = stats.bytes_per_token
     yield Chunk("", None, finish_reason=row.finish, stats=stats)
 
 

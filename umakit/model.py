@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
-from . import backends, checkpoint, roofline
+from . import backends, checkpoint, roofline, speculative
 from .affine import DEFAULT_GROUP_SIZE
 from .backends.base import OFFLOAD, QUANTIZE, Engine, KVCache, WeightInfo
 from .errors import InvalidArgumentError, UmakitError
@@ -17,6 +17,7 @@ from .generation import Chunk, GenerationResult, collect, stream_generate
 from .hardware import DeviceInfo, detect_local
 from .offload import OffloadPlan
 from .sampling import DEFAULT_MAX_TOKENS, SamplingParams, sampling_params
+from .speculative import SpeculativeDecoder
 from .tokenizer import Message, Tokenizer
 
 if TYPE_CHECKING:
@@ -91,6 +92,10 @@ class Model:
         min_p: float | None = None,
         repetition_penalty: float | None = None,
         repetition_context: int | None = None,
+        draft: Model | str | os.PathLike | None = None,
+        draft_tokens: int | None = None,
+        prompt_lookup: bool = False,
+        ngram: int | None = None,
     ) -> Iterator[Chunk]:
         """Yield text chunks as they are generated; the last chunk has the finish reason and stats.
 
@@ -100,12 +105,20 @@ class Model:
         reproducible; ``kv_bits`` (4 or 8) quantizes the KV cache. The sampling
         settings default to ``sampling`` (default `SamplingParams()`), and each
         named one given here overrides it; ``temperature=0`` is greedy.
+
+        Speculative decoding (lossless: greedy text is unchanged, sampled text
+        keeps its distribution): ``draft`` (a smaller `Model` with the same
+        tokenizer, or its path) or ``prompt_lookup=True`` (candidates copied
+        from the text so far, n-grams of ``ngram`` tokens) propose up to
+        ``draft_tokens`` tokens that one target step verifies.
         """
         ids = self.encode(prompt, messages, system, raw)
         return self.stream_tokens(
             ids, self.make_cache(kv_bits), max_tokens=max_tokens, stop=stop, seed=seed,
             sampling=sampling_params(sampling, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                                      repetition_penalty=repetition_penalty, repetition_context=repetition_context),
+            speculator=self.speculator(draft=draft, draft_tokens=draft_tokens, prompt_lookup=prompt_lookup,
+                                       ngram=ngram),
         )
 
     def generate(
@@ -126,12 +139,17 @@ class Model:
         min_p: float | None = None,
         repetition_penalty: float | None = None,
         repetition_context: int | None = None,
+        draft: Model | str | os.PathLike | None = None,
+        draft_tokens: int | None = None,
+        prompt_lookup: bool = False,
+        ngram: int | None = None,
     ) -> GenerationResult:
         """Generate a whole reply: text, token ids, finish reason and stats (parameters as `stream`)."""
         return collect(self.stream(
             prompt, messages=messages, system=system, raw=raw, max_tokens=max_tokens, stop=stop, seed=seed,
             kv_bits=kv_bits, sampling=sampling, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-            repetition_penalty=repetition_penalty, repetition_context=repetition_context,
+            repetition_penalty=repetition_penalty, repetition_context=repetition_context, draft=draft,
+            draft_tokens=draft_tokens, prompt_lookup=prompt_lookup, ngram=ngram,
         ))
 
     def stream_tokens(
@@ -144,10 +162,12 @@ class Model:
         seed: int | None = None,
         history: Sequence[int] = (),
         sampling: SamplingParams | None = None,
+        speculator: SpeculativeDecoder | None = None,
     ) -> Iterator[Chunk]:
         """The token-level entry point: continue ``cache`` with ``prompt`` ids.
 
-        ``history`` is the text already in ``cache``, for the repetition penalty.
+        ``history`` is the text already in ``cache``, for the repetition penalty;
+        ``speculator`` (from `Model.speculator`) decodes speculatively.
         """
         if max_tokens < 1:
             raise InvalidArgumentError(f"max_tokens must be at least 1, got {max_tokens}")
@@ -164,7 +184,19 @@ class Model:
         return stream_generate(
             self.engine, self.tokenizer, prompt, cache, params, max_tokens, stop=stops, seed=seed,
             history=history, measure=lambda tps, context: self.measure_decode(tps, context, kv),
+            speculator=speculator,
         )
+
+    def speculator(self, *, draft: Model | str | os.PathLike | None = None, draft_tokens: int | None = None,
+                   prompt_lookup: bool = False, ngram: int | None = None) -> SpeculativeDecoder | None:
+        """A speculative decoder for this model (None when neither ``draft`` nor ``prompt_lookup`` is given).
+
+        A ``draft`` given as a path is loaded on this model's engine and device.
+        """
+        if isinstance(draft, (str, os.PathLike)):
+            draft = load(draft, backend=self.info.backend, device=self.info.device)
+        return speculative.speculator(self, draft=draft, prompt_lookup=prompt_lookup, draft_tokens=draft_tokens,
+                                      ngram=ngram)
 
     def generate_batch(
         self,

@@ -71,6 +71,10 @@ class Tokenizer:
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
 
     # -- ids and text -------------------------------------------------------
+    def vocab(self) -> dict[str, int]:
+        """Token text -> id, added tokens included (to tell whether two tokenizers agree)."""
+        return self._tok.get_vocab(with_added_tokens=True)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; a BOS is added once when the model wants one."""
         ids = self._tok.encode(text, add_special_tokens=False).ids

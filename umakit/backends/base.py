@@ -63,6 +63,10 @@ class KVCache(Protocol):
     def kv_bits(self) -> int | None:
         """Bits of a quantized cache; None when it holds the compute dtype."""
 
+    @property
+    def trimmable(self) -> bool:
+        """Whether `trim` can always rewind it (False: e.g. sliding-window layers that overwrite old positions)."""
+
     def trim(self, n: int) -> int:
         """Forget the last ``n`` tokens; returns how many were dropped."""
 

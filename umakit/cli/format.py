@@ -12,12 +12,20 @@ def size(n: float) -> str:
 
 
 def decode_line(stats) -> str:
-    """'decode 41.2 tok/s · 372 GB/s · 47% of 800 GB/s (M2 Ultra)'."""
+    """'decode 41.2 tok/s · 372 GB/s · 47% of 800 GB/s (M2 Ultra)'; a speculative run adds how far
+    past the one-token roofline it went, and counts the bytes it really read."""
     line = f"decode {stats.decode_tps:.1f} tok/s"
+    spec = stats.speculative
     if stats.peak_gbps:
         src = "" if stats.bandwidth_source == "published" else f", {stats.bandwidth_source}"
-        line += (f" · {stats.achieved_gbps:.1f} GB/s · {100 * stats.mbu:.0f}% of "
+        read = spec.bytes_per_token * stats.decode_tps / 1e9 if spec is not None else stats.achieved_gbps
+        line += (f" · {read:.1f} GB/s · {100 * read / stats.peak_gbps:.0f}% of "
                  f"{stats.peak_gbps:.0f} GB/s ({stats.device_name}{src})")
+    if spec is not None and spec.target_steps:
+        over = (f"{stats.over_roofline:.2f}x the one-token roofline ({stats.ceiling_tps:.0f} tok/s) · "
+                if stats.ceiling_tps else "")
+        line += (f" · {over}{spec.method.replace('_', ' ')}: {100 * spec.acceptance_rate:.0f}% of {spec.proposed} "
+                 f"proposed accepted, {spec.tokens_per_step:.2f} tok per target step")
     if stats.pcie_bytes_per_token:
         line += (f" · streamed {size(stats.pcie_bytes_per_token)}/token at {stats.pcie_gbps:.1f} GB/s"
                  f" (link {stats.pcie_peak_gbps:.0f} GB/s) · {100 * stats.overlap_efficiency:.0f}% of the"

@@ -13,10 +13,12 @@ from .options import (
     kv_bits_option,
     kv_needs,
     load_model,
+    load_draft,
     model_options,
     offload_options,
     quantize_option,
     sampling_options,
+    speculative_options,
 )
 
 
@@ -32,8 +34,9 @@ from .options import (
 @model_options
 @offload_options
 @quantize_option
+@speculative_options
 def generate(model, prompt, system, raw, stop, kv_bits, as_json, max_tokens, seed, backend, device, dtype,
-             peak_bandwidth, gpu_layers, vram_budget, quantize, **sampling):
+             peak_bandwidth, gpu_layers, vram_budget, quantize, draft, draft_tokens, prompt_lookup, ngram, **sampling):
     """Generate a reply to one prompt."""
     from umakit.generation import collect
 
@@ -42,6 +45,7 @@ def generate(model, prompt, system, raw, stop, kv_bits, as_json, max_tokens, see
     m = load_model(model, backend=backend, device=device, dtype=dtype, peak_bandwidth=peak_bandwidth,
                    quantize=quantize, needs=kv_needs(kv_bits), gpu_layers=gpu_layers, vram_budget=vram_budget)
     chunks = m.stream(prompt, system=system, raw=raw, max_tokens=max_tokens, stop=stop, seed=seed, kv_bits=kv_bits,
+                      draft=load_draft(m, draft), draft_tokens=draft_tokens, prompt_lookup=prompt_lookup, ngram=ngram,
                       **{k: sampling[k] for k in SAMPLING_KEYS})
     with m.engine.wired():
         if as_json:

@@ -106,3 +106,24 @@ def load_model(model, *, show_progress: bool = False, **load_kwargs):
             bar.update(total - bar.pos)  # the file headers are not tensor bytes
     echo_warnings(m.info.warnings)
     return m
+
+
+def speculative_options(f):
+    """--draft, --draft-tokens, --prompt-lookup, --ngram: speculative decoding (lossless)."""
+    from umakit.speculative import DEFAULT_DRAFT_TOKENS, DEFAULT_LOOKUP_TOKENS, DEFAULT_NGRAM, MAX_DRAFT_TOKENS, MAX_NGRAM
+
+    f = click.option("--ngram", type=click.IntRange(1, MAX_NGRAM), default=None,
+                     help=f"With --prompt-lookup: the n-gram to match (default {DEFAULT_NGRAM}).")(f)
+    f = click.option("--prompt-lookup", is_flag=True,
+                     help="Speculate with candidates copied from the prompt and the text so far (no second model).")(f)
+    f = click.option("--draft-tokens", type=click.IntRange(1, MAX_DRAFT_TOKENS), default=None, metavar="K",
+                     help=f"Most tokens proposed per step (default {DEFAULT_DRAFT_TOKENS} with --draft, "
+                          f"{DEFAULT_LOOKUP_TOKENS} with --prompt-lookup).")(f)
+    f = click.option("--draft", metavar="MODEL", default=None,
+                     help="Speculate with this smaller model (same tokenizer); greedy text is unchanged.")(f)
+    return f
+
+
+def load_draft(m, draft):
+    """The --draft model, loaded on the target's engine and device (None without --draft)."""
+    return None if draft is None else load_model(draft, backend=m.info.backend, device=m.info.device)

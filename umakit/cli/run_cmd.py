@@ -12,11 +12,13 @@ from .options import (
     SAMPLING_KEYS,
     kv_bits_option,
     kv_needs,
+    load_draft,
     load_model,
     model_options,
     offload_options,
     quantize_option,
     sampling_options,
+    speculative_options,
 )
 
 
@@ -31,8 +33,9 @@ from .options import (
 @model_options
 @offload_options
 @quantize_option
+@speculative_options
 def run(model, system, max_context, kv_bits, stats, max_tokens, seed, backend, device, dtype, peak_bandwidth,
-        gpu_layers, vram_budget, quantize, **sampling):
+        gpu_layers, vram_budget, quantize, draft, draft_tokens, prompt_lookup, ngram, **sampling):
     """Chat with MODEL (default: the built-in SmolLM2-135M-Instruct)."""
     import umakit
     from umakit.chat import ChatSession, ChatSettings
@@ -43,7 +46,9 @@ def run(model, system, max_context, kv_bits, stats, max_tokens, seed, backend, d
                    vram_budget=vram_budget)
     settings = ChatSettings(system=system, max_tokens=max_tokens, max_context=max_context, kv_bits=kv_bits, seed=seed,
                             sampling=umakit.SamplingParams(**{k: sampling[k] for k in SAMPLING_KEYS}))
-    session = ChatSession(m, settings)
+    speculator = m.speculator(draft=load_draft(m, draft), draft_tokens=draft_tokens, prompt_lookup=prompt_lookup,
+                              ngram=ngram)
+    session = ChatSession(m, settings, speculator=speculator)
     repl = Repl(session, color=tty, show_stats=tty if stats is None else stats)
     with m.engine.wired():
         if not sys.stdin.isatty():

@@ -42,6 +42,11 @@ class MLXCache:
         return min((c.offset for c in self.layers), default=0)
 
     @property
+    def trimmable(self) -> bool:
+        # A rotating (sliding-window) layer overwrites old positions once full: it cannot always be rewound.
+        return all(type(c) in (KVCache, QuantizedKVCache) for c in self.layers)
+
+    @property
     def nbytes(self) -> int:
         return sum(c.nbytes for c in self.layers)
 

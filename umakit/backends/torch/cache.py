@@ -31,6 +31,7 @@ class StaticKVCache:
     """`umakit.backends.base.KVCache` on torch: K and V of every layer in one buffer each, grown in steps."""
 
     kv_bits = None  # this engine's cache holds the activation dtype
+    trimmable = True  # positions are never overwritten: trimming only moves the offset back
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, max_tokens: int,
                  dtype: torch.dtype, device: torch.device, capacity: int = GROW_STEP):
