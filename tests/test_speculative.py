@@ -264,3 +264,22 @@ def test_cli_prompt_lookup_prints_the_same_text_and_its_figures(tiny_dir):
     assert "speculative" not in plain["stats"]
     bad = CliRunner().invoke(main, [*args, "--draft-tokens", "0", "--prompt-lookup"])
     assert bad.exit_code == 2 and "Traceback" not in bad.output
+
+
+def test_bench_speculative_reports_plain_and_speculative_in_one_record(tiny_dir, tmp_path):
+    from umakit.bench import load_record
+    from umakit.cli.main import main
+
+    out = tmp_path / "spec.json"
+    r = CliRunner().invoke(main, ["bench", str(tiny_dir("llama")), "--speculative", "--gen-tokens", "12", "--repeat",
+                                  "2", "--warmup", "0", "--json", str(out), "--peak-bandwidth", "50"])
+    assert r.exit_code == 0, r.output
+    assert "speculative decoding (prompt lookup" in r.output and "| speculative |" in r.output
+    record = load_record(out)
+    s = record["speculative"]
+    assert len(record["runs"]) == len(s["runs"]) == 2 and s["same_tokens"] is True
+    assert s["speedup"] == pytest.approx(s["summary"]["decode_tps"]["median"] /
+                                         record["summary"]["decode_tps"]["median"])
+    assert s["target_steps"] >= 1 and 0 <= s["acceptance_rate"] <= 1
+    bad = CliRunner().invoke(main, ["bench", "--synthetic", "smollm2-135m", "--speculative"])
+    assert bad.exit_code == 2 and "tokenizer" in bad.output

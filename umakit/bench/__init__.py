@@ -3,7 +3,8 @@
 - `measure`: settings, the timed single and batched runs, the context sweep and
   the offload sweep (`run_bench`, `run_offload_sweep`);
 - `records`: the record dataclasses, reading and writing their JSON;
-- `plots`: PNGs of records and the modelled curves they draw.
+- `plots`: PNGs of records and the modelled curves they draw;
+- `speculative`: plain against speculative decoding of one copy-heavy prompt.
 """
 
 from .measure import (
@@ -33,6 +34,7 @@ from .records import (
     load_record,
     write_record,
 )
+from .speculative import run_speculative_bench
 
 __all__ = [
     "CONTEXT_PROBE_TOKENS",
@@ -59,6 +61,7 @@ __all__ = [
     "random_prompt",
     "run_bench",
     "run_offload_sweep",
+    "run_speculative_bench",
     "sweep_gpu_layers",
     "write_record",
 ]

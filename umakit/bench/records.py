@@ -90,6 +90,7 @@ class BenchRecord:
     synthetic: bool = False
     created: str = ""
     version: int = RECORD_VERSION
+    speculative: dict | None = None  # `umakit bench --speculative`: the speculative runs against these plain ones
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -16,7 +16,16 @@ from umakit.bench import (
 )
 
 from .format import size
-from .options import QUANTIZE_BITS, echo_warnings, kv_bits_option, load_model, model_options, offload_options
+from .options import (
+    QUANTIZE_BITS,
+    echo_warnings,
+    kv_bits_option,
+    load_draft,
+    load_model,
+    model_options,
+    offload_options,
+    speculative_options,
+)
 
 
 def _contexts(ctx, param, value):
@@ -48,10 +57,14 @@ def _contexts(ctx, param, value):
               help="Measure with 0%..100% of the layers streamed from host memory (torch backend), against the model.")
 @click.option("--sweep-steps", type=click.IntRange(min=2), default=DEFAULT_SWEEP_STEPS, show_default=True,
               help="Steps of the offload sweep (5: 0, 25, 50, 75, 100% of the layers streamed).")
+@click.option("--speculative", is_flag=True,
+              help="Plain against speculative decoding of a copy-heavy prompt, in one run (prompt lookup unless --draft).")
+@speculative_options
 @model_options
 @offload_options
 def bench(model, prompt_tokens, gen_tokens, repeat, warmup, batch, kv_bits, contexts, synthetic, bits, json_out, compare,
-          plot, offload_sweep, sweep_steps, backend, device, dtype, peak_bandwidth, gpu_layers, vram_budget):
+          plot, offload_sweep, sweep_steps, speculative, draft, draft_tokens, prompt_lookup, ngram, backend, device,
+          dtype, peak_bandwidth, gpu_layers, vram_budget):
     """Measure TTFT, prefill and decode speed, achieved GB/s and % of peak bandwidth."""
     from umakit import bench as lib
 
@@ -66,7 +79,16 @@ def bench(model, prompt_tokens, gen_tokens, repeat, warmup, batch, kv_bits, cont
         settings = lib.BenchSettings(prompt_tokens, gen_tokens, repeat, warmup,
                                      kv_bits, contexts, batch=batch)
         load, layers_of = _loader(model, synthetic, bits, backend, device, dtype, peak_bandwidth, settings.needs)
-        if offload_sweep:
+        speculative = speculative or prompt_lookup or draft is not None
+        if speculative and (offload_sweep or synthetic):
+            raise click.UsageError("--speculative measures a model with a tokenizer: drop --offload-sweep/--synthetic")
+        if speculative:
+            m = load(gpu_layers=gpu_layers, vram_budget=vram_budget)
+            decoder = m.speculator(draft=load_draft(m, draft), prompt_lookup=draft is None, draft_tokens=draft_tokens,
+                                   ngram=ngram)
+            with click.progressbar(length=settings.warmup + repeat, label="benchmarking", file=sys.stderr) as bar:
+                record = lib.run_speculative_bench(m, decoder, settings, progress=lambda what, done, total: bar.update(1))
+        elif offload_sweep:
             layers = layers_of()
             steps = len(lib.sweep_gpu_layers(layers, sweep_steps))
             with click.progressbar(length=steps, label="offload sweep", file=sys.stderr) as bar:
@@ -81,6 +103,9 @@ def bench(model, prompt_tokens, gen_tokens, repeat, warmup, batch, kv_bits, cont
         if records[0].get("offload_sweep"):
             click.echo()
             click.echo(sweep_table(records[0]))
+        if records[0].get("speculative"):
+            click.echo()
+            click.echo(speculative_table(records[0]))
         if json_out:
             lib.write_record(records[0], json_out)
             click.echo(f"wrote {json_out}", err=True)
@@ -155,6 +180,20 @@ def compare_table(records: list[dict]) -> str:
     cols = [max(len(row[1][i]) for row in rows) for i in range(len(records))]
     return "\n".join(f"{label:<{width}}  " + "  ".join(f"{v:<{cols[i]}}" for i, v in enumerate(vals)).rstrip()
                      for label, vals in rows)
+
+
+def speculative_table(record: dict) -> str:
+    """Plain against speculative decode speed of one record, with the acceptance figures."""
+    s, plain = record["speculative"], record["summary"]["decode_tps"]["median"]
+    lines = [f"speculative decoding ({s['method'].replace('_', ' ')}, up to {s['max_draft_tokens']} tokens a step), "
+             f"copy-heavy prompt of {record['settings']['prompt_tokens']} tokens",
+             "| | decode tok/s | vs plain | x one-token roofline | accepted | tok per target step | same tokens |",
+             "|---|---:|---:|---:|---:|---:|---|",
+             f"| plain | {plain:.2f} | 1.00x | {record['summary']['mbu']['median']:.2f} | | 1.00 | |",
+             f"| speculative | {s['summary']['decode_tps']['median']:.2f} | {s['speedup']:.2f}x | "
+             f"{s['over_one_token_roofline']:.2f} | {s['acceptance_rate']:.0%} | {s['tokens_per_step']:.2f} | "
+             f"{'yes' if s['same_tokens'] else 'NO'} |"]
+    return "\n".join(lines)
 
 
 def sweep_table(record: dict) -> str:
