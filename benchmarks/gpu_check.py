@@ -4,7 +4,8 @@
     python benchmarks/gpu_check.py --quick    # fewer shapes, 32-token runs
 
 1. Kernels: each CUDA form of a quantized linear (tinygemm int4, the Triton
-   matvec, dequantize + cuBLAS) against dequantize-then-matmul in float32.
+   matvec, dequantize + cuBLAS) against dequantize-then-matmul in float32,
+   and the Triton matvec compiled at every config its autotuner may pick.
 2. Engine: CUDA against CPU float32 on a small random model (float and 4-bit),
    the CUDA-graph decode step against the eager step, and the default model
    when its package is installed.
@@ -32,6 +33,26 @@
 
 Ends with markdown tables (also written to benchmarks/out/gpu_check.md).
 Exits non-zero if a correctness check fails.
+
+On CPU, in CI, the logic of each CUDA branch is tested without a GPU:
+tests/test_triton_cpu.py runs the Triton matvec under Triton's interpreter,
+tests/test_cuda_logic.py runs the graph decode steps with a fake capture, the
+tinygemm repack with the CUDA ops' input layout decoded onto the CPU ops, and
+the offload ring's stream and event schedule against simulated streams.
+
+Checked only on a GPU (here):
+- the Triton kernel compiled to PTX and its autotuner (config timing, the
+  launch grid from the chosen BLOCK_N), and the output rounding of a real GPU
+  (the interpreter rounds half types differently);
+- torch's CUDA int4 ops themselves (`_convert_weight_to_int4pack` tiling and
+  `_weight_int4pack_mm`), given the repacked codes;
+- CUDA-graph capture and replay: warm-up on a side stream, the shared memory
+  pool, and that a replay reads the static token and position tensors;
+- the CUDA decode loop that queues step n+1 before handing out token n (the
+  pinned host copy of each token) and the batched decoder on CUDA;
+- pinned host buffers, non_blocking copies on the copy stream and real event
+  semantics, so that the offload ring overlaps copies with compute;
+- every speed figure: MBU, PCIe GB/s, the offload ceiling and accelerate.
 """
 
 from __future__ import annotations
@@ -131,6 +152,27 @@ def check_kernels(report: Report, quick: bool) -> None:
                 limit = 2**-7 if dtype == torch.bfloat16 else 2**-9
                 report.check(f"kernel {bits}-bit g{group} {str(dtype)[6:]}", worst <= limit,
                              f"{'/'.join(sorted(kinds))}: max error {worst:.1e} of max |y| (limit {limit:.1e})")
+    check_tuning_configs(report, quick)
+
+
+def check_tuning_configs(report: Report, quick: bool) -> None:
+    """The Triton matvec at each config the autotuner may pick, on a shape with N and K tails."""
+    from umakit.backends.torch import kernels, quant
+
+    if kernels.triton_kernel() is None:
+        report.check("triton matvec configs", False, "triton is not installed: pip install triton")
+        return
+    rows, cols, group = 1000, 576, 64  # 1000 rows: no multiple of 16 or 32; 576: of neither BLOCK_K 256 nor 512
+    for bits in (4,) if quick else (4, 8, 2):
+        packed, s, b = quant.quantize(torch.randn(rows, cols, device="cuda") * 0.02, bits, group)
+        s, b = s.half().contiguous(), b.half().contiguous()
+        x = torch.randn(cols, device="cuda").half()
+        want = quant.dequantize(packed, s, b, bits, group) @ x.float()
+        worst = max(((kernels.affine_matvec(x, packed.view(torch.int32), s, b, bits, group, bn, bk).float() - want)
+                     .abs().max() / want.abs().max()).item() for bn, bk, _ in kernels.TUNING_CONFIGS)
+        limit = 2**-9
+        report.check(f"triton matvec {bits}-bit g{group} float16, all {len(kernels.TUNING_CONFIGS)} configs",
+                     worst <= limit, f"max error {worst:.1e} of max |y| (limit {limit:.1e})")
 
 
 def small_tensors(bits: int | None, seed: int = 0):

@@ -1,8 +1,12 @@
 """CUDA fast paths: a fused dequantize-matvec (Triton) and the decode step as a CUDA graph.
 
 Nothing here touches CUDA or imports Triton at import time, so the module
-imports on any machine; `GraphDecoder(capture=False)` runs the same static
-decode step eagerly, which is how its logic is tested without a GPU.
+imports on any machine. Both paths have a form that runs on CPU, which is how
+their logic is tested without a GPU: `affine_matvec` with a fixed block
+config launches the raw jitted kernel, which Triton's interpreter runs on CPU
+tensors (``TRITON_INTERPRET=1`` in the environment before triton is first
+imported: triton jits its own library then); `GraphDecoder(capture=False)`
+runs the same static decode step eagerly.
 """
 
 from __future__ import annotations
@@ -13,38 +17,40 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...errors import BackendUnavailableError
 from .quant import QuantizedLinear, dequantize
 
 SPAN_MIN = 256  # smallest attention span of a captured decode step; spans double from here
 MAX_GRAPHS = 8  # captured graphs kept per engine (spans of the caches in use)
+# (BLOCK_N, BLOCK_K, num_warps) the autotuner chooses from on CUDA
+TUNING_CONFIGS = ((4, 256, 4), (8, 256, 4), (16, 128, 4), (8, 512, 8), (16, 256, 8), (32, 128, 8))
+FIXED_BLOCKS = (16, 128)  # (BLOCK_N, BLOCK_K) off CUDA, where only the interpreter runs the kernel
 
 
 # -- the fused dequantize-matvec ----------------------------------------------------
-@functools.cache
 def triton_kernel():
     """The jitted, autotuned kernel, or None where Triton is not installed."""
+    kernels = _kernels()
+    return None if kernels is None else kernels[1]
+
+
+@functools.cache
+def _kernels():
+    """(raw jitted kernel, autotuned wrapper of it), or None without Triton."""
     try:
         import triton  # noqa: F401
-
-        return _build_kernel()
     except ImportError:
         return None
+    return _build_kernels()
 
 
-def _build_kernel():
+def _build_kernels():
     import triton
     import triton.language as tl
 
-    @triton.autotune(
-        configs=[
-            triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w)
-            for bn, bk, w in [(4, 256, 4), (8, 256, 4), (16, 128, 4), (8, 512, 8), (16, 256, 8), (32, 128, 8)]
-        ],
-        key=["N", "K", "BITS", "GROUP"],
-    )
     @triton.jit
-    def affine_matvec(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, K, WORDS, GROUPS,
-                      BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def matvec(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, K, WORDS, GROUPS,
+               BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         # y[n] = sum_k x[k] * (s[n, k // GROUP] * q[n, k] + b[n, k // GROUP]), accumulated in float32.
         PER_WORD: tl.constexpr = 32 // BITS
         pid = tl.program_id(0)
@@ -64,7 +70,34 @@ def _build_kernel():
             acc += tl.sum((q.to(tl.float32) * s + b) * x[None, :], axis=1)
         tl.store(y_ptr + rows, acc.to(y_ptr.dtype.element_ty), mask=row_ok)
 
-    return affine_matvec
+    tuned = triton.autotune(
+        configs=[triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w) for bn, bk, w in TUNING_CONFIGS],
+        key=["N", "K", "BITS", "GROUP"],
+    )(matvec)
+    return matvec, tuned
+
+
+def affine_matvec(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, bits: int,
+                  group: int, block_n: int | None = None, block_k: int | None = None) -> torch.Tensor:
+    """y (N,) = dequantize(w, scales, biases) @ x for one input row ``x`` (K,), in one fused kernel.
+
+    ``w`` is the packed weight (N, K*bits/32) viewed as int32, ``scales`` and
+    ``biases`` (N, K/group), all contiguous. With ``block_n`` and ``block_k``
+    the raw kernel runs with that config (also under Triton's interpreter, on
+    CPU tensors); without them the autotuned kernel picks one (CUDA only).
+    """
+    kernels = _kernels()
+    if kernels is None:
+        raise BackendUnavailableError("the fused dequantize-matvec needs Triton: pip install triton")
+    raw, tuned = kernels
+    (N, words), (K,) = w.shape, x.shape
+    y = torch.empty(N, dtype=x.dtype, device=x.device)
+    args = (x, w, scales, biases, y, N, K, words, scales.shape[1])
+    if block_n is None:
+        tuned[lambda meta: (triton_cdiv(N, meta["BLOCK_N"]),)](*args, BITS=bits, GROUP=group)
+    else:
+        raw[(triton_cdiv(N, block_n),)](*args, BITS=bits, GROUP=group, BLOCK_N=block_n, BLOCK_K=block_k)
+    return y
 
 
 class TritonAffineLinear(nn.Module):
@@ -81,13 +114,11 @@ class TritonAffineLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape[:-1]
-        x = x.reshape(-1, self.in_features).contiguous()
+        x = x.reshape(-1, self.in_features).contiguous()  # (M, K)
         if x.shape[0] == 1:
-            y = torch.empty(1, self.out_features, dtype=x.dtype, device=x.device)
-            N, K = self.out_features, self.in_features
-            grid = lambda meta: (triton_cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
-            triton_kernel()[grid](x, self.weight, self.scales, self.biases, y, N, K, self.weight.shape[1],
-                            self.scales.shape[1], BITS=self.bits, GROUP=self.group_size)
+            # the autotuner times configs on the GPU; elsewhere the kernel runs interpreted, at a fixed config
+            blocks = (None, None) if x.is_cuda else FIXED_BLOCKS
+            y = affine_matvec(x[0], self.weight, self.scales, self.biases, self.bits, self.group_size, *blocks)[None]
         else:
             w = dequantize(self.weight, self.scales, self.biases, self.bits, self.group_size, x.dtype)
             y = F.linear(x, w)
