@@ -11,6 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 import umakit
+from conftest import requires_default_model
 from tiny import make_tiny_model
 from umakit.errors import InvalidArgumentError
 from umakit.sampling import SamplingParams
@@ -283,3 +284,16 @@ def test_bench_speculative_reports_plain_and_speculative_in_one_record(tiny_dir,
     assert s["target_steps"] >= 1 and 0 <= s["acceptance_rate"] <= 1
     bad = CliRunner().invoke(main, ["bench", "--synthetic", "smollm2-135m", "--speculative"])
     assert bad.exit_code == 2 and "tokenizer" in bad.output
+
+
+@requires_default_model
+@pytest.mark.slow
+def test_default_model_speculates_losslessly():
+    model = umakit.load(backend="torch", dtype="float32")
+    prompt = ("Copy this sentence exactly: It is a truth universally acknowledged, that a single man in "
+              "possession of a good fortune, must be in want of a wife.")
+    plain = model.generate(prompt, max_tokens=40, temperature=0)
+    for how in (dict(prompt_lookup=True), dict(draft=model, draft_tokens=3)):
+        spec = model.generate(prompt, max_tokens=40, temperature=0, **how)
+        _same(spec, plain)
+        assert spec.stats.speculative.accepted > 0
