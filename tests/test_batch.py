@@ -237,3 +237,65 @@ def test_unsupported_cache_layers_are_refused_clearly(models, monkeypatch):
     monkeypatch.setattr(mlx_batch, "make_prompt_cache", lambda m: [QuantizedKVCache() for _ in m.layers])
     with pytest.raises(UnsupportedModelError, match="batched decoding does not support QuantizedKVCache cache layers"):
         stream_batch(model, ["The"])
+
+
+def decode_rows(decoder, rows, count):
+    """Add ``rows`` to ``decoder`` and step until each has returned ``count`` tokens; {row id: tokens}."""
+    decoder.add(rows)
+    got = {r.id: [] for r in rows}
+    while any(len(t) < count for t in got.values()):
+        for row, token in decoder.step():
+            if row in got:  # rows already running are not ours
+                got[row].append(token)
+    return {i: t[:count] for i, t in got.items()}
+
+
+def rows_with_caches_match_rows_without(engine, prompts, count=12):
+    """Rows of mixed sampling, added in one call with and without prefilled caches, return the same tokens."""
+    settings = [GREEDY, SamplingParams(temperature=0.9), SamplingParams(temperature=0, repetition_penalty=1.3),
+                SamplingParams(temperature=1.0, top_k=20)]
+
+    def rows(cached):
+        out = []
+        for i, prompt in enumerate(prompts):
+            cache = None
+            if cached and i % 3:  # some rows bring a cache, the others are prefilled by the decoder
+                cache = engine.make_cache()
+                engine.prefill(prompt[:len(prompt) * 2 // 3], cache)
+            out.append(BatchRow(i, prompt, settings[i % len(settings)], seed=i, cache=cache, logprobs=i % 2 or None))
+        return out
+
+    plain, cached = engine.batch_decoder(), engine.batch_decoder()
+    assert decode_rows(cached, rows(True), count) == decode_rows(plain, rows(False), count)
+
+
+def test_rows_with_prefilled_caches_match_rows_without(models):
+    model = models("llama")
+    prompts = [model.encode(p, raw=True) for p in PROMPTS if isinstance(p, str)]
+    rows_with_caches_match_rows_without(model.engine, prompts)
+
+
+def test_gemma3_caches_past_the_sliding_window_round_trip(models):
+    # The tiny gemma3 window is 8 tokens: the given prefix and the exported rows are longer than it.
+    model = models("gemma3")
+    engine = model.engine
+    prompts = [model.encode(p, raw=True) for p in (PROMPTS[1], PROMPTS[7], PROMPTS[2])]
+    rows_with_caches_match_rows_without(engine, prompts, count=20)
+
+    dec = MLXBatchDecoder(engine)
+    out = decode_rows(dec, [BatchRow(i, p, GREEDY) for i, p in enumerate(prompts)], 15)
+    probe = [40, 41, 42]
+    for i, p in enumerate(prompts):
+        cache = dec.export(i)
+        held = (list(p) + out[i])[:cache.offset]
+        assert cache.offset >= len(p) + 14 > 8
+        fresh = engine.make_cache()
+        engine.prefill(held, fresh)
+        mx.eval([c.state for c in fresh.layers])
+        want = engine.logits(probe, fresh)
+        assert abs(engine.logits(probe, cache) - want).max() < 1e-4 * max(abs(want).max(), 1.0)
+    # A stored cache serves a prompt that continues what it holds, past the window.
+    cache = dec.export(1)
+    longer = (list(prompts[1]) + out[1])[:cache.offset] + [30, 31, 32]
+    want = decode_rows(MLXBatchDecoder(engine), [BatchRow(0, longer, GREEDY)], 10)
+    assert decode_rows(dec, [BatchRow(9, longer, GREEDY, cache=cache)], 10)[9] == want[0]

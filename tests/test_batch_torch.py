@@ -103,3 +103,12 @@ def test_adding_rows_leaves_running_caches_untouched(models):
     assert torch.equal(dec._cache.k[:, 0, :, :n], before)
     dec.remove([0])
     assert dec.size == 2 and [rid for rid, _ in dec.step()] == [1, 2]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_rows_with_prefilled_caches_match_rows_without(models, family):
+    from test_batch import rows_with_caches_match_rows_without
+
+    model = models(family)
+    prompts = [model.encode(p, raw=True) for p in PROMPTS if isinstance(p, str)]
+    rows_with_caches_match_rows_without(model.engine, prompts)

@@ -224,3 +224,173 @@ def test_peak_memory_and_wiring(engine):
     assert engine.peak_memory() > 0
     with engine.wired():
         assert engine.logits(PROMPT[:2]).shape[0] == 2
+
+
+# -- the batch decoder's prompt-cache, export and log-probability protocol ---------------------------------------
+
+
+def _batch(engine):
+    if base.BATCH not in engine.features:
+        pytest.skip(f"{engine.name} has no batch decoder")
+    return engine.batch_decoder()
+
+
+def _decode(decoder, want: dict[int, int]) -> dict[int, list[int]]:
+    """Step ``decoder`` until each row id in ``want`` has returned that many tokens."""
+    got: dict[int, list[int]] = {i: [] for i in want}
+    for _ in range(4 * max(want.values()) + 4):
+        for row, token in decoder.step():
+            if row in got:
+                got[row].append(token)
+        if all(len(got[i]) >= n for i, n in want.items()):
+            return {i: got[i][:n] for i, n in want.items()}
+    raise AssertionError(f"rows returned too few tokens: {got}")
+
+
+def _prefilled(engine, tokens):
+    cache = engine.make_cache()
+    engine.prefill(tokens, cache)
+    return cache
+
+
+def _close(a: np.ndarray, b: np.ndarray) -> None:
+    np.testing.assert_allclose(a, b, atol=1e-4 * max(np.abs(b).max(), 1.0), rtol=0)
+
+
+@pytest.mark.parametrize("held", [0, 4, len(PROMPT) - 1])
+def test_batch_row_with_a_prefilled_cache_decodes_as_without(engine, held):
+    plain = _batch(engine)
+    plain.add([base.BatchRow(0, PROMPT, GREEDY)])
+    want = _decode(plain, {0: 8})[0]
+
+    alone = engine.batch_decoder()
+    alone.add([base.BatchRow(0, PROMPT, GREEDY, cache=_prefilled(engine, PROMPT[:held]))])
+    assert _decode(alone, {0: 8})[0] == want
+
+    # Joining rows that are already running (and padded to another length) changes nothing.
+    busy = engine.batch_decoder()
+    busy.add([base.BatchRow(1, [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 12, 13], GREEDY), base.BatchRow(2, [3], GREEDY)])
+    _decode(busy, {1: 3, 2: 3})
+    busy.add([base.BatchRow(0, PROMPT, GREEDY, cache=_prefilled(engine, PROMPT[:held]))])
+    assert _decode(busy, {0: 8})[0] == want
+
+
+def test_batch_row_cache_is_checked(engine):
+    _batch(engine)
+    with pytest.raises(InvalidArgumentError):
+        base.BatchRow(0, PROMPT[:3], GREEDY, cache=_prefilled(engine, PROMPT[:3]))  # nothing left to feed
+    with pytest.raises(InvalidArgumentError):
+        base.BatchRow(0, PROMPT, GREEDY, logprobs=base.MAX_LOGPROBS + 1)
+
+
+@pytest.mark.parametrize("steps", [0, 1, 5])
+def test_export_holds_the_rows_positions(engine, steps):
+    decoder = _batch(engine)
+    prompts = {0: PROMPT, 1: PROMPT[:4]}  # different lengths: one row is padded in a batch cache
+    decoder.add([base.BatchRow(i, p, GREEDY) for i, p in prompts.items()])
+    returned = {i: [] for i in prompts}
+    for _ in range(steps):
+        for row, token in decoder.step():
+            returned[row].append(token)
+    probe = [21, 22, 23]
+    exported = {}
+    for i, p in prompts.items():
+        cache = decoder.export(i)
+        assert isinstance(cache, base.KVCache) and cache.kv_bits is None
+        n = len(returned[i])
+        assert cache.offset in (len(p) + n - 1, len(p) + n)
+        exported[i] = (cache, (list(p) + returned[i])[:cache.offset])
+    for _ in range(3):  # the copies do not follow the batch
+        decoder.step()
+    decoder.remove([0])
+    with pytest.raises(InvalidArgumentError):
+        decoder.export(0)
+    for cache, held in exported.values():
+        _close(engine.logits(probe, cache), engine.logits(probe, _prefilled(engine, held)))
+
+
+def test_an_exported_cache_trimmed_serves_a_longer_prompt(engine):
+    decoder = _batch(engine)
+    decoder.add([base.BatchRow(0, PROMPT, GREEDY), base.BatchRow(1, [4, 4, 2], GREEDY)])
+    out = _decode(decoder, {0: 6})[0]
+    cache = decoder.export(0)
+    decoder.remove([0, 1])
+    text = list(PROMPT) + out
+    keep = len(PROMPT) + 2
+    assert cache.trimmable and cache.trim(cache.offset - keep) >= 0 and cache.offset == keep
+    longer = text[:keep] + [30, 31, 32, 33]
+
+    plain = engine.batch_decoder()
+    plain.add([base.BatchRow(0, longer, GREEDY)])
+    want = _decode(plain, {0: 6})[0]
+    again = engine.batch_decoder()
+    again.add([base.BatchRow(5, [7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7], GREEDY)])
+    again.step()
+    again.add([base.BatchRow(0, longer, GREEDY, cache=cache)])
+    assert _decode(again, {0: 6})[0] == want
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    m = x.max(axis=-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
+
+
+def _penalised(logits: np.ndarray, recent, penalty: float) -> np.ndarray:
+    out = logits.copy()
+    for t in set(recent):
+        out[t] = out[t] / penalty if out[t] > 0 else out[t] * penalty
+    return out
+
+
+# A penalty below 1 favours the recent tokens: the penalised distribution is far from the raw one.
+_PENALISED = base.BatchRow(3, [5, 5, 17, 5, 17], SamplingParams(temperature=0, repetition_penalty=0.1,
+                                                                repetition_context=8), logprobs=3)
+_LOGPROB_ROWS = {
+    "mixed": [
+        base.BatchRow(0, PROMPT, GREEDY, logprobs=5),
+        base.BatchRow(1, PROMPT[:4], SamplingParams(temperature=1.0, top_k=3), seed=7, logprobs=0),
+        base.BatchRow(2, [9, 8, 7, 6, 5], GREEDY),  # asks for none
+        _PENALISED,
+    ],
+    "greedy": [base.BatchRow(0, PROMPT, GREEDY, logprobs=2), base.BatchRow(2, [9, 8, 7, 6, 5], GREEDY)],
+    "penalised": [_PENALISED],  # no row served by the batched argmax
+}
+
+
+@pytest.mark.parametrize("case", list(_LOGPROB_ROWS))
+def test_logprobs_are_the_models_distribution(engine, case):
+    decoder = _batch(engine)
+    rows = _LOGPROB_ROWS[case]
+    decoder.add(rows)
+    tokens = {r.id: [] for r in rows}
+    figures = {r.id: [] for r in rows}
+    for _ in range(7):
+        out = decoder.step()
+        probs = decoder.logprobs()
+        assert set(probs) == {row for row, _ in out if row != 2}
+        for row, token in out:
+            tokens[row].append(token)
+            if row in probs:
+                figures[row].append(probs[row])
+    for r in rows:
+        if r.logprobs is None:
+            continue
+        assert len(figures[r.id]) == len(tokens[r.id]) >= 4
+        text = list(r.prompt) + tokens[r.id]
+        logits = engine.logits(text[:-1])[len(r.prompt) - 1:]  # (generated, V): row j drew token j
+        for j, (token, (chosen, top)) in enumerate(zip(tokens[r.id], figures[r.id])):
+            at = len(r.prompt) + j
+            dist = logits[j]
+            if r.sampling.repetition_penalty != 1.0:
+                dist = _penalised(dist, text[:at][-r.sampling.repetition_context:], r.sampling.repetition_penalty)
+            lp = _log_softmax(dist)
+            assert abs(chosen - lp[token]) < 1e-4
+            assert len(top) == r.logprobs
+            values = [v for _, v in top]
+            assert values == sorted(values, reverse=True)
+            if top:
+                assert top[0][0] == int(np.argmax(lp))
+                assert top[0][0] == token  # greedy on the reported distribution
+                for t, v in top:
+                    assert abs(v - lp[t]) < 1e-4

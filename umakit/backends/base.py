@@ -22,8 +22,8 @@ from ..shapes import PREFILL_CHUNK  # tokens per prefill chunk, every engine and
 if TYPE_CHECKING:
     import numpy as np
 
-__all__ = ["PREFILL_CHUNK", "QUANTIZED_KV", "BATCH", "QUANTIZE", "OFFLOAD", "EXPORT", "FEATURES", "EngineSpec", "KVCache",
-           "WeightInfo", "BatchRow", "BatchDecoder", "Engine", "refuse_options"]
+__all__ = ["PREFILL_CHUNK", "MAX_LOGPROBS", "QUANTIZED_KV", "BATCH", "QUANTIZE", "OFFLOAD", "EXPORT", "FEATURES",
+           "EngineSpec", "KVCache", "WeightInfo", "BatchRow", "BatchDecoder", "Engine", "refuse_options"]
 
 # Optional features an engine declares (its spec's ``features``):
 QUANTIZED_KV = "kv_bits"  # a quantized KV cache (make_cache(kv_bits=4|8))
@@ -32,6 +32,8 @@ QUANTIZE = "quantize"  # quantize a float checkpoint on load (from_checkpoint(qu
 OFFLOAD = "offload"  # stream layers from host memory (from_checkpoint(gpu_layers=..., vram_budget=...))
 EXPORT = "export"  # hand its loaded weights back in checkpoint layout (export_weights())
 FEATURES = (QUANTIZED_KV, BATCH, QUANTIZE, OFFLOAD, EXPORT)
+
+MAX_LOGPROBS = 20  # most alternatives a batch row may ask for (OpenAI's top_logprobs limit)
 
 
 @dataclass(frozen=True)
@@ -90,12 +92,38 @@ class WeightInfo:
 
 @dataclass(frozen=True)
 class BatchRow:
-    """One sequence to decode: a caller-chosen id, its prompt ids and its sampling."""
+    """One sequence to decode: a caller-chosen id, its prompt ids and its sampling.
+
+    ``cache``: a single-sequence cache from the same engine's ``make_cache()``
+    (no ``kv_bits``) that already holds the first ``cache.offset`` tokens of
+    ``prompt``, 0 <= offset < len(prompt): a stored cache of an earlier request
+    sharing a prefix, or one the caller prefilled chunk by chunk. The decoder
+    takes it over (the caller must not use it again) and prefills only the rest.
+
+    ``logprobs``: None asks for none; 0 for the chosen token's log-probability;
+    n (<= `MAX_LOGPROBS`) also for the n most likely tokens (`BatchDecoder.logprobs`).
+    """
 
     id: int
     prompt: Sequence[int]
     sampling: SamplingParams
     seed: int | None = None
+    cache: KVCache | None = None
+    logprobs: int | None = None
+
+    def __post_init__(self):
+        from ..errors import InvalidArgumentError
+
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise InvalidArgumentError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
+        if self.cache is not None:
+            if self.cache.kv_bits is not None:
+                raise InvalidArgumentError("a batch row's cache cannot be quantized; leave kv_bits unset")
+            if not 0 <= self.cache.offset < len(self.prompt):
+                raise InvalidArgumentError(
+                    f"a batch row's cache holds {self.cache.offset} tokens; it must hold fewer than its prompt's "
+                    f"{len(self.prompt)}"
+                )
 
 
 @runtime_checkable
@@ -112,7 +140,7 @@ class BatchDecoder(Protocol):
         """Rows currently held."""
 
     def add(self, rows: Sequence[BatchRow]) -> None:
-        """Prefill ``rows`` without disturbing the rows already running.
+        """Prefill ``rows`` (after what each row's ``cache`` holds) without disturbing the rows already running.
 
         Their first sampled tokens come out of later `step` calls.
         """
@@ -124,6 +152,27 @@ class BatchDecoder(Protocol):
         computes step n+1 while the caller handles step n): rows added since
         the previous call may have no token yet, and a row removed after this
         call may already have been advanced once more, which is discarded.
+        """
+
+    def logprobs(self) -> dict[int, tuple[float, list[tuple[int, float]]]]:
+        """Log-probabilities of the tokens the last `step` returned, for the rows that asked.
+
+        ``{row id: (logprob of the token, [(token, logprob)] of the n most likely, descending)}``.
+        They are the log-softmax of the logits after the repetition penalty and
+        before temperature, top-k, top-p and min-p: the model's distribution, as
+        OpenAI reports it, whatever sampling then drew from it.
+        """
+
+    def export(self, row_id: int) -> KVCache:
+        """A new single-sequence cache, as ``make_cache()`` makes, holding the row's positions now.
+
+        They are the first ``cache.offset`` positions of the row's prompt followed
+        by the tokens `step` has returned for it: ``len(prompt) + returned - 1``
+        or ``len(prompt) + returned`` of them, depending on whether the decoder
+        has fed its latest token yet. The copy shares nothing with the decoder;
+        the caller may trim it (where ``cache.trimmable``: a sliding window past
+        its size is not) and pass it back as a `BatchRow.cache`. Works on a row
+        until it is removed.
         """
 
     def remove(self, ids: Iterable[int]) -> None:

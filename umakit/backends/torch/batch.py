@@ -5,7 +5,9 @@ contiguous in slots 0..B-1. Each row has its own length, so a decode step
 gives every row its own RoPE position and key mask (`Transformer.decode_rows`)
 and writes its new key and value at its own index. A new row is prefilled
 alone through the engine's single-sequence path and its cache then copied
-into a free slot, so a prefill never writes into a running row's cache. Each
+into a free slot, so a prefill never writes into a running row's cache (a
+row that brings its own cache is prefilled past it the same way, and `export`
+copies a row's slot back out into a single cache). Each
 row samples with its own settings and its own `torch.Generator`, seeded and
 drawn from as `TorchEngine.generate_tokens` does, so a seeded row reproduces
 a seeded single-sequence run.
@@ -13,6 +15,7 @@ a seeded single-sequence run.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Iterable, Sequence
 
 import torch
@@ -20,10 +23,9 @@ import torch
 from ...errors import InvalidArgumentError
 from ..base import BatchRow
 from ...hardware import cpu_kv_budget
-from .cache import GROW_STEP
+from .cache import GROW_STEP, StaticKVCache
 from ...sampling import seed_or_random
-from .sampling import make_sampler
-
+from .sampling import apply_repetition_penalty, make_sampler
 
 
 class BatchKVCache:
@@ -74,6 +76,13 @@ class BatchKVCache:
         self.k[:, slot, :, :n] = single.k[:, 0, :, :n]
         self.v[:, slot, :, :n] = single.v[:, 0, :, :n]
 
+    def get(self, slot: int, n: int, single: StaticKVCache) -> None:
+        """Copy row ``slot``'s first ``n`` positions into an empty single-sequence cache."""
+        single.reserve(n)
+        single.k[:, 0, :, :n] = self.k[:, slot, :, :n]
+        single.v[:, 0, :, :n] = self.v[:, slot, :, :n]
+        single.advance(n)
+
     def keep(self, slots: list[int], span: int) -> None:
         """Move rows ``slots`` to the front, in that order (their first ``span`` positions)."""
         index = torch.tensor(slots, device=self.device)
@@ -97,19 +106,41 @@ class _RowSampler:
         p = row.sampling
         self.penalty = p.repetition_penalty != 1.0
         self.plain = p.greedy and not self.penalty  # a batched argmax serves it
-        self.sampler = make_sampler(p)
+        self.logprobs = row.logprobs
+        self.factor = p.repetition_penalty
+        # The penalty is applied here, not in the sampler, so that the log-probabilities see it.
+        self.draw = make_sampler(replace(p, repetition_penalty=1.0))
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed_or_random(row.seed))
         self.window = p.repetition_context
         recent = list(row.prompt)[-self.window:] if self.penalty else []
         self.recent = torch.tensor(recent, dtype=torch.long, device=device)[None]  # (1, n)
 
-    def sample(self, logits: torch.Tensor) -> torch.Tensor:
-        """logits (1, V) -> token (1,), advancing the generator and the recent window."""
-        token = self.sampler(logits, self.recent, self.generator)
+    def sample(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits (1, V) -> (token (1,), the penalised logits it was drawn from (1, V)).
+
+        Advances the generator and the recent window.
+        """
+        logits = apply_repetition_penalty(logits, self.recent, self.factor)
+        token = self.draw(logits, self.recent, self.generator)
         if self.penalty:
             self.recent = torch.cat([self.recent, token[:, None]], dim=1)[:, -self.window:]
-        return token
+        return token, logits
+
+
+def _figures(token: torch.Tensor, logits: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """token (1,) and the logits (1, V) it was drawn from -> its log-probability (1,) and the n most likely.
+
+    The n come as ids and log-probabilities (1, n), sorted by log-probability, descending.
+    """
+    lp = logits.float().log_softmax(dim=-1)  # (1, V)
+    top = lp.topk(min(n, lp.shape[-1]), dim=-1)  # sorted
+    return lp.gather(-1, token[:, None])[:, 0], top.indices, top.values
+
+
+def _read(figures: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> tuple[float, list[tuple[int, float]]]:
+    chosen, ids, values = figures
+    return chosen.item(), list(zip(ids[0].tolist(), values[0].tolist()))
 
 
 class TorchBatchDecoder:
@@ -126,6 +157,7 @@ class TorchBatchDecoder:
         self._rows: list[_RowSampler] = []
         self._lengths: list[int] = []  # positions each row has in the cache
         self._next: list[int] = []  # the token each row feeds to the next step
+        self._logprobs: dict[int, tuple[float, list[tuple[int, float]]]] = {}  # those of the last step's tokens
 
     @property
     def size(self) -> int:
@@ -135,12 +167,15 @@ class TorchBatchDecoder:
         for row in rows:
             if not row.prompt:
                 raise InvalidArgumentError("a prompt is empty: there is nothing to continue from")
+            if row.cache is not None and not isinstance(row.cache, StaticKVCache):  # BatchRow checked the rest
+                raise InvalidArgumentError("a batch row's cache must come from this engine's make_cache()")
         used = max(self._lengths, default=0)
         longest = max([used] + [len(r.prompt) for r in rows])
         self._cache.reserve(len(self._ids) + len(rows), longest, used)  # one reallocation at most
         for row in rows:
-            single = self._engine.make_cache()
-            self._engine.prefill(row.prompt[:-1], single)  # all but the last token, as generate_tokens does
+            single = row.cache if row.cache is not None else self._engine.make_cache()
+            # All but the last token, as generate_tokens does; a given cache holds a prefix already.
+            self._engine.prefill(row.prompt[single.offset:-1], single)
             with torch.inference_mode():
                 self._cache.put(len(self._ids), single)
             self._ids.append(row.id)
@@ -149,6 +184,7 @@ class TorchBatchDecoder:
             self._next.append(row.prompt[-1])
 
     def step(self) -> list[tuple[int, int]]:
+        self._logprobs = {}
         if not self._ids:
             return []
         span = max(self._lengths) + 1
@@ -157,17 +193,40 @@ class TorchBatchDecoder:
             tokens = torch.tensor(self._next, dtype=torch.long, device=self._device)[:, None]  # (B, 1)
             positions = torch.tensor(self._lengths, dtype=torch.long, device=self._device)  # (B,)
             logits = self._model.decode_rows(tokens, positions, self._cache, span)  # (B, V)
-            picked = self._sample(logits).tolist()
+            picked, figures = self._sample(logits)
+            picked = picked.tolist()  # the one wait for the device; the figures are ready after it
+            self._logprobs = {rid: _read(f) for rid, f in figures.items()}
         self._lengths = [n + 1 for n in self._lengths]
         self._next = picked
         return list(zip(self._ids, picked))
 
-    def _sample(self, logits: torch.Tensor) -> torch.Tensor:
-        if all(r.plain for r in self._rows):
-            return logits.argmax(dim=-1)
-        greedy = logits.argmax(dim=-1)
-        picked = [greedy[i:i + 1] if r.plain else r.sample(logits[i:i + 1]) for i, r in enumerate(self._rows)]
-        return torch.cat(picked)
+    def _sample(self, logits: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """logits (B, V) -> tokens (B,) and the log-probabilities of the rows that asked."""
+        greedy = logits.argmax(dim=-1)  # serves every plain row at once
+        own = {i: r.sample(logits[i:i + 1]) for i, r in enumerate(self._rows) if not r.plain}  # (token, drawn from)
+        if own:
+            tokens = torch.cat([own[i][0] if i in own else greedy[i:i + 1] for i in range(len(self._rows))])
+        else:
+            tokens = greedy
+        figures = {
+            self._ids[i]: _figures(*(own[i] if i in own else (greedy[i:i + 1], logits[i:i + 1])), r.logprobs)
+            for i, r in enumerate(self._rows) if r.logprobs is not None
+        }
+        return tokens, figures
+
+    def logprobs(self) -> dict[int, tuple[float, list[tuple[int, float]]]]:
+        return dict(self._logprobs)
+
+    def export(self, row_id: int) -> StaticKVCache:
+        # This decoder has not fed the latest token it returned: the copy holds prompt +
+        # returned tokens but the last (all but the prompt's last before the row's first step).
+        if row_id not in self._ids:
+            raise InvalidArgumentError(f"no row {row_id} in the batch")
+        i = self._ids.index(row_id)
+        single = self._engine.make_cache()
+        with torch.inference_mode():
+            self._cache.get(i, self._lengths[i], single)
+        return single
 
     def remove(self, ids: Iterable[int]) -> None:
         drop = set(ids)

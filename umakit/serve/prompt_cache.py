@@ -1,0 +1,75 @@
+"""KV caches kept across requests, bounded in bytes: a client that sends its conversation again with one
+more message prefills only the new tokens.
+
+Each entry is a finished request's cache with the token ids it holds. A new
+request takes the entry sharing the longest prefix with its prompt: the cache
+is trimmed to that prefix (leaving at least the prompt's last token to run)
+and handed over whole, so an entry serves one request; the finished request
+puts its own, longer cache back. Least recently stored entries go first when
+the bytes run out.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Sequence
+
+MIN_SHARED_TOKENS = 4  # shorter shared prefixes are not worth a cache's memory traffic
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class PromptCache:
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[int, tuple[tuple[int, ...], object]] = OrderedDict()  # key -> (tokens, cache)
+        self._next_key = 0
+        self.bytes = 0
+        self.lookups = 0
+        self.hits = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def hit_ratio(self) -> float:
+        return self.hits / self.lookups if self.lookups else 0.0
+
+    def take(self, prompt: Sequence[int]):
+        """(a cache holding a prefix of ``prompt``, its length), or (None, 0); the entry leaves the store."""
+        self.lookups += 1
+        best, shared = None, 0
+        for key, (tokens, _) in self._entries.items():
+            n = common_prefix(tokens, prompt)
+            if n > shared:
+                best, shared = key, n
+        keep = min(shared, len(prompt) - 1)
+        if best is None or keep < MIN_SHARED_TOKENS:
+            return None, 0
+        _, cache = self._entries.pop(best)
+        self.bytes -= cache.nbytes
+        cache.trim(cache.offset - keep)
+        self.hits += 1
+        return cache, keep
+
+    def put(self, tokens: Sequence[int], cache) -> None:
+        """Keep ``cache`` (holding ``tokens[:cache.offset]``), dropping the oldest entries to stay in budget."""
+        size = cache.nbytes
+        if not cache.trimmable or size > self.max_bytes or cache.offset < MIN_SHARED_TOKENS:
+            return
+        while self._entries and self.bytes + size > self.max_bytes:
+            _, (_, old) = self._entries.popitem(last=False)
+            self.bytes -= old.nbytes
+        self._entries[self._next_key] = (tuple(tokens[:cache.offset]), cache)
+        self._next_key += 1
+        self.bytes += size
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self.bytes = 0

@@ -1,0 +1,344 @@
+"""The one owner of the engine: continuous batching across requests, supervised.
+
+A worker thread runs the engine's batched decoder (`Engine.batch_decoder`,
+the declared protocol) one step at a time. Every active request is one row of
+that step, whatever its sampling settings or seed; new requests join between
+steps. A prompt is prefilled into a cache of its own, one chunk per loop, so
+the running rows stall by one chunk at most; then it joins the batch with
+that cache (`BatchRow.cache`). A finished row's cache goes into the prompt
+cache, where the next turn of the same conversation finds it. A request
+whose client went away is dropped at the next step. Requests are validated
+before they get here; the HTTP layer talks to the worker only through
+`submit` and each request's event queue.
+
+If the worker fails, every request in flight gets an `ErrorEvent` with the
+reason, `healthy` is False, and the worker starts again with a fresh decoder.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from ..backends.base import BatchRow
+from ..errors import UmakitError
+from ..generation import FINISH_STOP, DecodeRow
+from .prompt_cache import PromptCache
+from .types import ErrorEvent, FinalEvent, GenerationRequest, SchedulerSettings, TokenEvent, Usage
+
+log = logging.getLogger("umakit.serve")
+IDLE_WAIT_S = 0.05  # how long an idle worker sleeps between looks at the queue
+RESTART_PAUSE_S = 0.5  # after a failure, before the worker starts again
+RATE_WINDOW_S = 5.0  # tokens/s and GB/s in /metrics are over this many recent seconds
+
+
+class QueueFull(UmakitError):
+    """Too many requests waiting; try again after ``retry_after_s``."""
+
+    def __init__(self, message: str, retry_after_s: float):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class Handle:
+    """A submitted request as its HTTP handler sees it: a queue of events, and a way to give up."""
+
+    def __init__(self, id: str, loop: asyncio.AbstractEventLoop, wake):
+        self.id = id
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self._loop = loop
+        self._wake = wake
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        """The client went away: the worker drops the request at its next step."""
+        self.cancelled = True
+        self._wake()
+
+    def put(self, event) -> None:
+        """From the worker thread: hand ``event`` to the request's event loop."""
+        try:
+            self._loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            self.cancelled = True
+
+
+@dataclass
+class _Job:
+    """One request inside the worker."""
+
+    handle: Handle
+    request: GenerationRequest
+    submitted: float
+    row: DecodeRow | None = None
+    cache: object = None  # its own cache while prefilling; None once it is a row of the batch
+    prefilled: int = 0  # prompt tokens in ``cache``
+    cached_tokens: int = 0  # of those, found in the prompt cache
+    generated: list[int] = field(default_factory=list)  # every token returned, end-of-sequence included
+    start: tuple[float, float, int, int] = (0.0, 0.0, 0, 0)  # (time, bytes read, steps, rows summed) when it joined
+
+    @property
+    def deadline(self) -> float | None:
+        t = self.request.timeout_s
+        return None if t is None else self.submitted + t
+
+
+class Scheduler:
+    def __init__(self, model, settings: SchedulerSettings | None = None):
+        self.model = model
+        self.settings = settings or SchedulerSettings()
+        self._lock = threading.Condition()
+        self._waiting: deque[_Job] = deque()
+        self._jobs: dict[int, _Job] = {}  # admitted: prefilling or decoding, by row id
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._healthy = False
+        self.prompt_cache = PromptCache(self.settings.prompt_cache_bytes)
+        w = model.info.weights
+        self._weight_bytes = w.bytes_per_token
+        self._kv_bytes = model.engine.kv_bytes_per_token()
+        self._peak_gbps = model.device_info.peak_bandwidth_gbps
+        self._counters = dict.fromkeys(
+            ("requests_total", "requests_failed_total", "requests_cancelled_total", "requests_rejected_total",
+             "generated_tokens_total", "prompt_tokens_total", "cached_tokens_total", "worker_restarts_total",
+             "decode_steps_total"), 0)
+        self._max_rows = 0
+        self._kv_budget = 0
+        self._bytes_read = 0.0
+        self._decode_s = 0.0
+        self._rows_summed = 0
+        self._recent: deque[tuple[float, int, float]] = deque()  # (time, tokens, bytes) per step
+
+    # -- the HTTP side -------------------------------------------------------------
+    def start(self) -> None:
+        self._stopping = False
+        self._thread = threading.Thread(target=self._supervise, name="umakit-scheduler", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 60
+        while not self._healthy and self._thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopping = True
+            self._lock.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    @property
+    def healthy(self) -> bool:
+        return self._healthy and self._thread is not None and self._thread.is_alive()
+
+    def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> Handle:
+        with self._lock:
+            if len(self._waiting) >= self.settings.max_queue:
+                self._counters["requests_rejected_total"] += 1
+                raise QueueFull(f"{len(self._waiting)} requests are waiting already; try again shortly",
+                                retry_after_s=1.0)
+            handle = Handle(request.id or f"req-{next(self._ids)}", loop, self._notify)
+            self._waiting.append(_Job(handle, request, time.perf_counter()))
+            self._counters["requests_total"] += 1
+            self._lock.notify_all()
+        return handle
+
+    def _notify(self) -> None:
+        with self._lock:
+            self._lock.notify_all()
+
+    def metrics(self) -> dict[str, float]:
+        with self._lock:
+            now = time.perf_counter()
+            while self._recent and now - self._recent[0][0] > RATE_WINDOW_S:
+                self._recent.popleft()
+            window = max(now - self._recent[0][0], 1e-9) if self._recent else 0.0
+            tokens = sum(t for _, t, _ in self._recent)
+            read = sum(b for _, _, b in self._recent)
+            decoding = sum(1 for j in self._jobs.values() if j.cache is None)
+            return {
+                **{k: float(v) for k, v in self._counters.items()},
+                "queue_depth": float(len(self._waiting)),
+                "active_rows": float(decoding),
+                "prefilling_requests": float(len(self._jobs) - decoding),
+                "max_active_rows": float(self._max_rows),
+                "tokens_per_second": tokens / window if window else 0.0,
+                "achieved_gbps": read / window / 1e9 if window else 0.0,
+                "peak_gbps": self._peak_gbps,
+                "prompt_cache_hit_ratio": self.prompt_cache.hit_ratio,
+                "prompt_cache_bytes": float(self.prompt_cache.bytes),
+                "prompt_cache_entries": float(len(self.prompt_cache)),
+                "healthy": float(self.healthy),
+            }
+
+    # -- the worker ------------------------------------------------------------------
+    def _supervise(self) -> None:
+        while not self._stopping:
+            try:
+                self._run()
+            except Exception as e:  # the worker must never die silently: fail what is in flight, start again
+                reason = f"the generation worker failed ({type(e).__name__}: {e})"
+                log.exception(reason)
+                self._healthy = False
+                self._counters["worker_restarts_total"] += 1
+                with self._lock:
+                    failed = list(self._jobs.values())
+                    self._jobs.clear()
+                self.prompt_cache.clear()  # caches of a failed engine state are not to be trusted
+                for job in failed:
+                    self._counters["requests_failed_total"] += 1
+                    job.handle.put(ErrorEvent(reason, 500))
+                time.sleep(RESTART_PAUSE_S)
+
+    def _run(self) -> None:
+        decoder = self.model.engine.batch_decoder()
+        self._kv_budget = decoder.kv_budget_bytes()
+        self._healthy = True
+        while not self._stopping:
+            self._drop_gone(decoder)
+            self._admit()
+            did = self._prefill_one(decoder)
+            if decoder.size:
+                self._step(decoder)
+            elif not did:
+                with self._lock:
+                    if not self._waiting and not self._stopping and not self._jobs:
+                        self._lock.wait(IDLE_WAIT_S)
+
+    def _drop_gone(self, decoder) -> None:
+        """Drop requests whose client went away or whose time ran out."""
+        now = time.perf_counter()
+        with self._lock:
+            gone = [(i, j) for i, j in self._jobs.items()
+                    if j.handle.cancelled or (j.deadline is not None and now > j.deadline)]
+            waiting = [j for j in self._waiting if j.handle.cancelled or (j.deadline is not None and now > j.deadline)]
+            for j in waiting:
+                self._waiting.remove(j)
+            for i, _ in gone:
+                del self._jobs[i]
+        in_batch = [i for i, j in gone if j.cache is None]
+        if in_batch:
+            decoder.remove(in_batch)
+        for _, j in gone + [(None, j) for j in waiting]:
+            if j.handle.cancelled:
+                self._counters["requests_cancelled_total"] += 1
+            else:
+                self._counters["requests_failed_total"] += 1
+                j.handle.put(ErrorEvent(f"the request took longer than {j.request.timeout_s:g} s", 504, "timeout"))
+
+    def _admit(self) -> None:
+        """Move waiting requests in while rows and KV memory are free, each with the longest cached prefix."""
+        while True:
+            with self._lock:
+                if not self._waiting or len(self._jobs) >= self.settings.max_concurrency:
+                    return
+                job = self._waiting[0]
+                if not self._fits(job):
+                    if self._jobs:
+                        return  # wait for a row to finish
+                    self._waiting.popleft()
+                    self._counters["requests_failed_total"] += 1
+                    job.handle.put(ErrorEvent(
+                        f"the request needs {self._row_tokens(job)} tokens of KV cache "
+                        f"({self._row_tokens(job) * self._kv_bytes / 2**20:.0f} MiB), more than the "
+                        f"{self._kv_budget / 2**20:.0f} MiB this machine can give it", 400, "kv_cache_exceeded"))
+                    continue
+                self._waiting.popleft()
+            prompt = job.request.prompt
+            cache, n = self.prompt_cache.take(prompt)
+            job.cache = cache if cache is not None else self.model.engine.make_cache()
+            job.prefilled = job.cached_tokens = n
+            job.row = DecodeRow(self.model.tokenizer, job.request.max_tokens, job.request.stop,
+                                prompt_tokens=len(prompt) - n, cached_tokens=n, t_start=job.submitted)
+            with self._lock:
+                self._jobs[next(self._ids)] = job
+
+    @staticmethod
+    def _row_tokens(job: _Job) -> int:
+        return len(job.request.prompt) + job.request.max_tokens
+
+    def _fits(self, job: _Job) -> bool:
+        """Whether one more row fits the KV budget: a batch cache pads every row to the longest one."""
+        longest = max([self._row_tokens(j) for j in self._jobs.values()] + [self._row_tokens(job)])
+        need = (len(self._jobs) + 1) * longest * self._kv_bytes
+        if need + self.prompt_cache.bytes > self._kv_budget:
+            self.prompt_cache.clear()  # stored caches give way to running requests
+        return need <= self._kv_budget
+
+    def _prefill_one(self, decoder) -> bool:
+        """One chunk of the oldest prefilling prompt; a prompt done prefilling joins the batch."""
+        with self._lock:
+            pending = [(i, j) for i, j in self._jobs.items() if j.cache is not None]
+        if not pending:
+            return False
+        row_id, job = min(pending, key=lambda p: p[1].submitted)
+        prompt = job.request.prompt
+        end = min(job.prefilled + self.settings.prefill_chunk, len(prompt) - 1)
+        if end > job.prefilled:
+            self.model.engine.prefill(prompt[job.prefilled:end], job.cache)
+            job.prefilled = end
+        if job.prefilled >= len(prompt) - 1:
+            r = job.request
+            decoder.add([BatchRow(row_id, prompt, r.sampling, r.seed, cache=job.cache, logprobs=r.logprobs)])
+            job.cache = None
+            job.start = (time.perf_counter(), self._bytes_read, self._counters["decode_steps_total"],
+                         self._rows_summed)
+        return True
+
+    def _step(self, decoder) -> None:
+        t0 = time.perf_counter()
+        out = decoder.step()
+        probs = decoder.logprobs() if any(j.request.logprobs is not None for j in self._jobs.values()) else {}
+        now = time.perf_counter()
+        rows = decoder.size
+        read = self._weight_bytes + rows * decoder.context_tokens() * self._kv_bytes
+        with self._lock:
+            self._counters["decode_steps_total"] += 1
+            self._counters["generated_tokens_total"] += len(out)
+            self._bytes_read += read
+            self._decode_s += now - t0
+            self._rows_summed += rows
+            self._max_rows = max(self._max_rows, rows)
+            self._recent.append((now, len(out), read))
+        finished = []
+        for row_id, token in out:
+            job = self._jobs.get(row_id)
+            if job is None:
+                continue
+            job.generated.append(token)
+            text = job.row.feed(token, now)
+            if job.row.finish != FINISH_STOP:
+                lp = probs.get(row_id)
+                job.handle.put(TokenEvent(text, token, *(lp if lp is not None else (None, None))))
+            if job.row.finished:
+                finished.append(row_id)
+        for row_id in finished:
+            self._finish(decoder, row_id, now)
+
+    def _finish(self, decoder, row_id: int, now: float) -> None:
+        job = self._jobs[row_id]
+        cache = decoder.export(row_id)
+        decoder.remove([row_id])
+        with self._lock:
+            del self._jobs[row_id]
+        self.prompt_cache.put(list(job.request.prompt) + job.generated, cache)
+        tail = job.row.close()
+        s = job.row.stats()
+        t, b, steps, rows = job.start
+        span = now - t
+        achieved = (self._bytes_read - b) / span / 1e9 if span > 0 else 0.0
+        n_steps = self._counters["decode_steps_total"] - steps
+        usage = Usage(
+            prompt_tokens=len(job.request.prompt), completion_tokens=s.generated_tokens,
+            cached_tokens=job.cached_tokens, ttft_s=s.ttft_s, decode_tps=s.decode_tps, achieved_gbps=achieved,
+            peak_gbps=self._peak_gbps, mbu=achieved / self._peak_gbps if self._peak_gbps else 0.0,
+            batch_rows=(self._rows_summed - rows) / n_steps if n_steps else 0.0,
+        )
+        self._counters["prompt_tokens_total"] += len(job.request.prompt)
+        self._counters["cached_tokens_total"] += job.cached_tokens
+        finish = "stop" if job.row.finish in ("stop", "stop_string") else "length"
+        job.handle.put(FinalEvent(finish, usage, tail))

@@ -1,0 +1,77 @@
+"""What the HTTP layer and the scheduler exchange: requests in, events out.
+
+The HTTP layer (app.py, protocol.py) turns an OpenAI request into a
+`GenerationRequest` and hands it to the `Scheduler` (scheduler.py), which owns
+the engine; the scheduler answers with `Event`s on the request's queue. Neither
+side sees the other's internals.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..sampling import SamplingParams
+
+
+@dataclass
+class GenerationRequest:
+    """One completion to produce: prompt ids and settings, already validated."""
+
+    prompt: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    logprobs: int | None = None  # None: none; 0: the chosen token's; n: also the n most likely
+    timeout_s: float | None = None  # the request fails with a timeout after this long in all
+    id: str = ""  # for the log line
+
+
+@dataclass
+class TokenEvent:
+    """Text made safe to emit by one token (``text`` may be empty while a stop string could still form)."""
+
+    text: str
+    token: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    ttft_s: float = 0.0
+    decode_tps: float = 0.0  # this request's own tokens per second after the first
+    achieved_gbps: float = 0.0  # bytes the engine read per second while this request decoded (all rows)
+    peak_gbps: float = 0.0
+    mbu: float = 0.0  # achieved / peak
+    batch_rows: float = 0.0  # mean rows decoded together during this request
+
+
+@dataclass
+class FinalEvent:
+    finish_reason: str  # "stop" | "length"
+    usage: Usage
+    text: str = ""  # any text held back until the end (emitted after the last TokenEvent)
+
+
+@dataclass
+class ErrorEvent:
+    message: str
+    status: int = 500  # 500: the worker failed; 504: the request timed out
+    code: str | None = None
+
+
+Event = TokenEvent | FinalEvent | ErrorEvent
+
+
+@dataclass
+class SchedulerSettings:
+    max_concurrency: int = 16  # rows decoded together at most
+    max_queue: int = 64  # requests waiting beyond those; more get a 429
+    prompt_cache_bytes: int = 512 << 20  # KV caches kept for reuse across requests
+    prefill_chunk: int = 512  # tokens of one prompt prefilled between two decode steps
+    request_timeout_s: float = 600.0
+    extra: dict = field(default_factory=dict)
