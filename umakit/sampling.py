@@ -60,8 +60,9 @@ class SamplingParams:
 
 
 def seed_or_random(seed: int | None) -> int:
-    """``seed``, or a fresh random one (63 bits, for any backend's generator) when it is None."""
-    return seed if seed is not None else secrets.randbits(63)
+    """``seed`` as a non-negative 64-bit integer (every backend's generator takes those, some refuse
+    negative ones), or a fresh random one (63 bits) when it is None."""
+    return seed % 2**64 if seed is not None else secrets.randbits(63)
 
 
 def sampling_params(base: SamplingParams | None = None, **overrides) -> SamplingParams:

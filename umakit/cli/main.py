@@ -24,6 +24,7 @@ COMMANDS = {
     "plan": "umakit.cli.plan_cmd:plan",
     "quantize": "umakit.cli.quantize_cmd:quantize_cmd",
     "run": "umakit.cli.run_cmd:run",
+    "serve": "umakit.cli.serve_cmd:serve_cmd",
 }
 
 

@@ -34,6 +34,7 @@ from .types import ErrorEvent, FinalEvent, GenerationRequest, SchedulerSettings,
 log = logging.getLogger("umakit.serve")
 IDLE_WAIT_S = 0.05  # how long an idle worker sleeps between looks at the queue
 RESTART_PAUSE_S = 0.5  # after a failure, before the worker starts again
+GIVE_UP_AFTER = 3  # failures in a row after which waiting requests are failed too
 RATE_WINDOW_S = 5.0  # tokens/s and GB/s in /metrics are over this many recent seconds
 
 
@@ -110,6 +111,8 @@ class Scheduler:
              "decode_steps_total"), 0)
         self._max_rows = 0
         self._kv_budget = 0
+        self._service_s = 1.0  # running mean of a request's time from submission to its end
+        self._failures = 0  # worker failures in a row, without a request served in between
         self._bytes_read = 0.0
         self._decode_s = 0.0
         self._rows_summed = 0
@@ -140,12 +143,18 @@ class Scheduler:
             if len(self._waiting) >= self.settings.max_queue:
                 self._counters["requests_rejected_total"] += 1
                 raise QueueFull(f"{len(self._waiting)} requests are waiting already; try again shortly",
-                                retry_after_s=1.0)
+                                retry_after_s=self._retry_after())
+            if request.timeout_s is None:
+                request.timeout_s = self.settings.request_timeout_s
             handle = Handle(request.id or f"req-{next(self._ids)}", loop, self._notify)
             self._waiting.append(_Job(handle, request, time.perf_counter()))
             self._counters["requests_total"] += 1
             self._lock.notify_all()
         return handle
+
+    def _retry_after(self) -> float:
+        """Seconds until a queue slot is likely free: the queue's share of the rows, at the recent request time."""
+        return max(1.0, round(self._service_s * len(self._waiting) / self.settings.max_concurrency, 1))
 
     def _notify(self) -> None:
         with self._lock:
@@ -185,9 +194,13 @@ class Scheduler:
                 log.exception(reason)
                 self._healthy = False
                 self._counters["worker_restarts_total"] += 1
+                self._failures += 1
                 with self._lock:
                     failed = list(self._jobs.values())
                     self._jobs.clear()
+                    if self._failures >= GIVE_UP_AFTER:  # it keeps failing: do not leave the queue hanging
+                        failed += list(self._waiting)
+                        self._waiting.clear()
                 self.prompt_cache.clear()  # caches of a failed engine state are not to be trusted
                 for job in failed:
                     self._counters["requests_failed_total"] += 1
@@ -342,3 +355,5 @@ class Scheduler:
         self._counters["cached_tokens_total"] += job.cached_tokens
         finish = "stop" if job.row.finish in ("stop", "stop_string") else "length"
         job.handle.put(FinalEvent(finish, usage, tail))
+        self._service_s = 0.8 * self._service_s + 0.2 * (now - job.submitted)
+        self._failures = 0

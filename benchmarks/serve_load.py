@@ -1,0 +1,190 @@
+"""Serving throughput and latency against peer servers, on the default model, in one run.
+
+    python benchmarks/serve_load.py [--levels 1,2,4,8,16] [--max-tokens 48] [--llama-python PATH]
+
+Starts each server in turn on 127.0.0.1 (umakit serve; mlx-lm's server on the
+same imported weights; llama-cpp-python's server on the same GGUF when a
+Python with `llama_cpp.server` is given, else skipped with a note), then at each
+concurrency level runs that many clients, each sending two streaming chat
+requests (greedy, at most --max-tokens tokens) one after the other. Reports
+aggregate completion tok/s (streamed chunks over the level's wall time),
+p50/p95 time to first token and inter-token latency. One server runs at a
+time: this is a 2-core machine. Prints a markdown table and writes it to
+benchmarks/out/serve_load.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+import umakit
+from umakit.default_model import packaged_gguf
+
+OUT = Path(__file__).parent / "out" / "serve_load.md"
+QUESTIONS = [
+    "What is the capital of France?", "Name three primary colours.", "Why is the sky blue?",
+    "Give me a synonym for happy.", "What is 12 times 12?", "Write a haiku about rain.",
+    "Who wrote Pride and Prejudice?", "What does a CPU do?", "How many legs does a spider have?",
+    "Suggest a name for a cat.", "What is photosynthesis?", "Translate 'good morning' to French.",
+    "What is the boiling point of water?", "Describe a rainbow in one sentence.", "What is an atom?",
+    "List two uses of copper.",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{url} did not answer in {timeout:.0f} s")
+
+
+def served_model(base: str) -> str:
+    """The id /v1/models lists; mlx-lm's server lists Hub caches there and answers "default_model" to any."""
+    try:
+        return httpx.get(f"{base}/v1/models", timeout=30).json()["data"][0]["id"]
+    except (ValueError, KeyError, IndexError, httpx.HTTPError):
+        return "default_model"
+
+
+def one_request(base: str, model: str, question: str, max_tokens: int) -> tuple[float, list[float], int]:
+    """(time to first token, inter-token gaps, chunks) of one streaming chat request."""
+    body = {"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True}
+    t0 = time.perf_counter()
+    times = []
+    with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            choices = chunk.get("choices") or []
+            if choices and (choices[0].get("delta") or {}).get("content"):
+                times.append(time.perf_counter())
+    if not times:
+        return time.perf_counter() - t0, [], 0
+    return times[0] - t0, [b - a for a, b in zip(times, times[1:])], len(times)
+
+
+def level(base: str, model: str, clients: int, max_tokens: int) -> dict:
+    ttfts, gaps, chunks = [], [], []
+    lock = threading.Lock()
+
+    def client(k: int) -> None:
+        for j in range(2):
+            q = QUESTIONS[(2 * k + j) % len(QUESTIONS)]
+            t, g, n = one_request(base, model, q, max_tokens)
+            with lock:
+                ttfts.append(t)
+                gaps.extend(g)
+                chunks.append(n)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    q = lambda xs, p: statistics.quantiles(xs, n=20)[int(p * 20) - 1] if len(xs) >= 2 else (xs[0] if xs else 0.0)  # noqa: E731
+    return {"clients": clients, "requests": len(chunks), "tokens": sum(chunks), "tps": sum(chunks) / wall,
+            "ttft_p50": statistics.median(ttfts), "ttft_p95": q(ttfts, 0.95),
+            "itl_p50": statistics.median(gaps) if gaps else 0.0, "itl_p95": q(gaps, 0.95)}
+
+
+def run_server(name: str, cmd: list[str], health: str, levels, max_tokens: int) -> list:
+    port = free_port()
+    cmd = [c.replace("{port}", str(port)) for c in cmd]
+    base = f"http://127.0.0.1:{port}"
+    print(f"starting {name}: {' '.join(cmd)}", file=sys.stderr)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_ready(base + health, proc)
+        model_id = served_model(base)
+        one_request(base, model_id, "Hello", 8)  # warm up
+        rows = []
+        for c in levels:
+            row = {"server": name, **level(base, model_id, c, max_tokens)}
+            print(f"  {name} x{c}: {row['tps']:.1f} tok/s", file=sys.stderr)
+            rows.append(row)
+        return rows
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--levels", default="1,2,4,8,16")
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--llama-python", default=os.environ.get("LLAMA_PYTHON"),
+                    help="A Python with llama-cpp-python[server] installed (a separate venv).")
+    ap.add_argument("--skip-mlx", action="store_true")
+    args = ap.parse_args()
+    levels = [int(x) for x in args.levels.split(",")]
+    path = str(umakit.resolve_model(None))  # the imported default model, as mlx-lm reads it too
+    notes, rows = [], []
+    rows += run_server("umakit serve (torch-CPU)", [sys.executable, "-m", "umakit.cli.main", "serve", path, "--port",
+                                                    "{port}", "--max-concurrency", "16"],
+                       "/health", levels, args.max_tokens)
+    if not args.skip_mlx:
+        rows += run_server("mlx_lm.server (MLX-CPU)", [sys.executable, "-m", "mlx_lm", "server", "--model", path,
+                                                       "--port", "{port}", "--decode-concurrency", "16"],
+                           "/health", levels, args.max_tokens)
+    gguf = packaged_gguf()
+    if args.llama_python:
+        rows += run_server("llama-cpp-python server", [args.llama_python, "-m", "llama_cpp.server", "--model",
+                                                       str(gguf), "--port", "{port}", "--n_ctx", "4096"],
+                           "/v1/models", levels, args.max_tokens)
+    else:
+        notes.append("llama-cpp-python's server was not run: no --llama-python given (it needs its own venv; see "
+                     "benchmarks/cpu_engines.py for the build flags that work on these VMs).")
+    lines = [f"Serving load on the default model, {time.strftime('%Y-%m-%d')}, 127.0.0.1, streaming chat requests "
+             f"(greedy, at most {args.max_tokens} tokens), each client sending 2 in a row.", "",
+             "| server | clients | requests | tokens | aggregate tok/s | TTFT p50 (s) | TTFT p95 (s) | ITL p50 (ms) |"
+             " ITL p95 (ms) |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['server']} | {r['clients']} | {r['requests']} | {r['tokens']} | {r['tps']:.1f} | "
+                     f"{r['ttft_p50']:.2f} | {r['ttft_p95']:.2f} | {1000 * r['itl_p50']:.0f} | "
+                     f"{1000 * r['itl_p95']:.0f} |")
+    ours = {r["clients"]: r["tps"] for r in rows if r["server"].startswith("umakit")}
+    if 1 in ours and 8 in ours:
+        lines.append("")
+        lines.append(f"- umakit at 8 clients: {ours[8] / ours[1]:.2f}x its aggregate tok/s at 1 client")
+    for n in notes:
+        lines.append(f"- {n}")
+    table = "\n".join(lines)
+    print(table)
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.write_text(table + "\n", encoding="utf-8")
+
+
+if __name__ == "__main__":
+    main()

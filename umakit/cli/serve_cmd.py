@@ -1,0 +1,136 @@
+"""`umakit serve`: the model behind an OpenAI-compatible HTTP API, on uvicorn."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import logging
+import socket
+import sys
+
+import click
+
+from umakit.backends.base import BATCH
+from umakit.serve import DEFAULT_HOST, DEFAULT_MAX_BODY_BYTES, DEFAULT_PORT
+from umakit.serve.types import SchedulerSettings
+
+from .format import size
+from .options import load_model, model_options, offload_options
+
+API_KEY_ENV = "UMAKIT_API_KEY"
+
+
+def _size(ctx, param, value):
+    from umakit.offload import parse_size
+
+    try:
+        return parse_size(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from e
+
+
+@click.command("serve")
+@click.argument("model", required=False)
+@click.option("--host", default=DEFAULT_HOST, show_default=True, help="Address to bind (any other than loopback: set a key).")
+@click.option("--port", type=click.IntRange(0, 65535), default=DEFAULT_PORT, show_default=True, help="0 picks a free one.")
+@click.option("--api-key", envvar=API_KEY_ENV, default=None, metavar="KEY",
+              help=f"Require 'Authorization: Bearer KEY' on every route but /health (default: ${API_KEY_ENV}).")
+@click.option("--max-concurrency", type=click.IntRange(min=1), default=SchedulerSettings.max_concurrency,
+              show_default=True, help="Requests decoded together at most.")
+@click.option("--max-queue", type=click.IntRange(min=1), default=SchedulerSettings.max_queue, show_default=True,
+              help="Requests waiting beyond those; more get 429 with Retry-After.")
+@click.option("--prompt-cache-bytes", metavar="SIZE", callback=_size, default=str(SchedulerSettings.prompt_cache_bytes),
+              help=f"KV caches kept across requests, so a conversation prefills only its new tokens "
+                   f"(default {size(SchedulerSettings.prompt_cache_bytes)}).")
+@click.option("--max-body-bytes", metavar="SIZE", callback=_size, default=str(DEFAULT_MAX_BODY_BYTES),
+              help=f"Largest request body; larger ones get 413 (default {size(DEFAULT_MAX_BODY_BYTES)}).")
+@click.option("--request-timeout", type=click.FloatRange(min=0, min_open=True), metavar="S",
+              default=SchedulerSettings.request_timeout_s, show_default=True,
+              help="A request still running after S seconds, queueing included, fails with 504.")
+@model_options
+@offload_options
+def serve_cmd(model, host, port, api_key, max_concurrency, max_queue, prompt_cache_bytes, max_body_bytes,
+              request_timeout, backend, device, dtype, peak_bandwidth, gpu_layers, vram_budget):
+    """Serve a model over an OpenAI-compatible HTTP API (chat and completions, streamed or not)."""
+    import uvicorn
+
+    from umakit.serve.app import make_app
+    from umakit.serve.scheduler import Scheduler
+
+    sock = _bind(host, port)  # before the model loads: a port in use fails in a second, not after the load
+    m = load_model(model, show_progress=sys.stderr.isatty(), backend=backend, device=device, dtype=dtype,
+                   peak_bandwidth=peak_bandwidth, needs={BATCH}, gpu_layers=gpu_layers, vram_budget=vram_budget)
+    settings = SchedulerSettings(max_concurrency=max_concurrency, max_queue=max_queue,
+                                 prompt_cache_bytes=prompt_cache_bytes, request_timeout_s=request_timeout)
+    scheduler = Scheduler(m, settings)
+    app = make_app(m, scheduler, api_key=api_key, max_body_bytes=max_body_bytes, request_timeout_s=request_timeout)
+    _log_to_stderr()
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off"))
+    try:
+        with m.engine.wired():
+            scheduler.start()
+            if not scheduler.healthy:
+                raise click.ClickException("the generation worker did not start; see the log above")
+            _banner(m, sock.getsockname()[1], host, api_key)
+            server.run(sockets=[sock])
+    finally:
+        scheduler.stop()
+        sock.close()
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as e:
+        raise click.ClickException(f"cannot listen on {host}:{port} ({e.strerror or e}); pick another --host or --port")
+    return sock
+
+
+def _log_to_stderr() -> None:
+    """umakit's line per request on stderr (uvicorn's own access log stays off)."""
+    logger = logging.getLogger("umakit.serve")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", datefmt="%H:%M:%S"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _banner(m, port: int, host: str, api_key: str | None) -> None:
+    """Where it listens, and a curl and a Python example to paste (stderr)."""
+    shown = f"[{host}]" if ":" in host else host
+    base = f"http://{shown}:{port}/v1"
+    body = json.dumps({"model": m.info.name, "messages": [{"role": "user", "content": "Hello!"}]})
+    auth = f' \\\n      -H "Authorization: Bearer ${API_KEY_ENV}"' if api_key else ""
+    key = f'os.environ["{API_KEY_ENV}"]' if api_key else '"none"'
+    lines = [
+        f"Serving {m.info.name} ({m.info.backend}/{m.info.device}, {m.info.dtype}) at {base} · Ctrl-C stops",
+        "",
+        f"    curl {base}/chat/completions -H 'Content-Type: application/json'{auth} \\",
+        f"      -d '{body}'",
+        "",
+        ("    import os; " if api_key else "    ") + "from openai import OpenAI",
+        f'    client = OpenAI(base_url="{base}", api_key={key})',
+        f'    reply = client.chat.completions.create(model="{m.info.name}", '
+        'messages=[{"role": "user", "content": "Hello!"}])',
+        "    print(reply.choices[0].message.content)",
+        "",
+    ]
+    if api_key:
+        lines.insert(1, f"(the examples read the key from ${API_KEY_ENV})")
+    if not api_key and not _is_loopback(host):
+        lines.insert(0, click.style(f"Warning: listening on {host} without an API key: anyone who can reach this "
+                                    f"machine can use the model (set --api-key or ${API_KEY_ENV})", fg="yellow"))
+    click.echo("\n".join(lines), err=True)

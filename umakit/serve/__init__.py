@@ -1,0 +1,37 @@
+"""`umakit serve`: an OpenAI-compatible HTTP server over one loaded model.
+
+- types.py: what the HTTP layer and the scheduler exchange (requests in, events out);
+- scheduler.py: the one owner of the engine, continuous batching across requests, supervised;
+- prompt_cache.py: KV caches kept across requests, bounded in bytes;
+- protocol.py: OpenAI's request and response shapes, validation, and every error body;
+- app.py: the Starlette routes (`make_app`), streaming, auth, /health and /metrics.
+
+    from umakit.serve import Scheduler, SchedulerSettings, make_app
+    scheduler = Scheduler(model, SchedulerSettings(max_concurrency=8)); scheduler.start()
+    app = make_app(model, scheduler)   # any ASGI server runs it; `umakit serve` uses uvicorn
+
+The names are imported on first use, so importing the package costs nothing.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .app import make_app
+    from .scheduler import QueueFull, Scheduler
+    from .types import SchedulerSettings
+
+DEFAULT_HOST = "127.0.0.1"  # loopback: binding anything else without an API key draws a warning
+DEFAULT_PORT = 8080
+DEFAULT_MAX_BODY_BYTES = 8 << 20  # a long conversation is well under 1 MiB of JSON
+
+_LAZY = {"make_app": ".app", "Scheduler": ".scheduler", "QueueFull": ".scheduler", "SchedulerSettings": ".types"}
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_LAZY[name], __name__), name)
