@@ -6,7 +6,8 @@ Starts each server in turn on 127.0.0.1 (umakit serve; mlx-lm's server on the
 same imported weights; llama-cpp-python's server on the same GGUF when a
 Python with `llama_cpp.server` is given, else skipped with a note), then at each
 concurrency level runs that many clients, each sending two streaming chat
-requests (greedy, at most --max-tokens tokens) one after the other. Reports
+requests (greedy, at most --max-tokens tokens) one after the other; a request
+that fails is counted as failed, never retried. Reports
 aggregate completion tok/s (streamed chunks over the level's wall time),
 p50/p95 time to first token and inter-token latency. One server runs at a
 time: this is a 2-core machine. Prints a markdown table and writes it to
@@ -91,13 +92,18 @@ def one_request(base: str, model: str, question: str, max_tokens: int) -> tuple[
 
 
 def level(base: str, model: str, clients: int, max_tokens: int) -> dict:
-    ttfts, gaps, chunks = [], [], []
+    ttfts, gaps, chunks, failed = [], [], [], []
     lock = threading.Lock()
 
     def client(k: int) -> None:
         for j in range(2):
             q = QUESTIONS[(2 * k + j) % len(QUESTIONS)]
-            t, g, n = one_request(base, model, q, max_tokens)
+            try:
+                t, g, n = one_request(base, model, q, max_tokens)
+            except httpx.HTTPError as e:  # counted, never hidden: a server that drops requests says so in the table
+                with lock:
+                    failed.append(type(e).__name__)
+                continue
             with lock:
                 ttfts.append(t)
                 gaps.extend(g)
@@ -111,7 +117,11 @@ def level(base: str, model: str, clients: int, max_tokens: int) -> dict:
         t.join()
     wall = time.perf_counter() - t0
     q = lambda xs, p: statistics.quantiles(xs, n=20)[int(p * 20) - 1] if len(xs) >= 2 else (xs[0] if xs else 0.0)  # noqa: E731
-    return {"clients": clients, "requests": len(chunks), "tokens": sum(chunks), "tps": sum(chunks) / wall,
+    if not ttfts:
+        return {"clients": clients, "requests": 0, "failed": len(failed), "tokens": 0, "tps": 0.0, "ttft_p50": 0.0,
+                "ttft_p95": 0.0, "itl_p50": 0.0, "itl_p95": 0.0}
+    return {"clients": clients, "requests": len(chunks), "failed": len(failed), "tokens": sum(chunks),
+            "tps": sum(chunks) / wall,
             "ttft_p50": statistics.median(ttfts), "ttft_p95": q(ttfts, 0.95),
             "itl_p50": statistics.median(gaps) if gaps else 0.0, "itl_p95": q(gaps, 0.95)}
 
@@ -161,17 +171,21 @@ def main() -> None:
     gguf = packaged_gguf()
     if args.llama_python:
         rows += run_server("llama-cpp-python server", [args.llama_python, "-m", "llama_cpp.server", "--model",
-                                                       str(gguf), "--port", "{port}", "--n_ctx", "4096"],
+                                                       str(gguf), "--port", "{port}", "--n_ctx", "4096",
+                                                       # queue concurrent requests: by default a new one aborts the
+                                                       # stream in progress
+                                                       "--interrupt_requests", "False"],
                            "/v1/models", levels, args.max_tokens)
     else:
         notes.append("llama-cpp-python's server was not run: no --llama-python given (it needs its own venv; see "
                      "benchmarks/cpu_engines.py for the build flags that work on these VMs).")
     lines = [f"Serving load on the default model, {time.strftime('%Y-%m-%d')}, 127.0.0.1, streaming chat requests "
              f"(greedy, at most {args.max_tokens} tokens), each client sending 2 in a row.", "",
-             "| server | clients | requests | tokens | aggregate tok/s | TTFT p50 (s) | TTFT p95 (s) | ITL p50 (ms) |"
-             " ITL p95 (ms) |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| server | clients | requests | failed | tokens | aggregate tok/s | TTFT p50 (s) | TTFT p95 (s) |"
+             " ITL p50 (ms) | ITL p95 (ms) |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r['server']} | {r['clients']} | {r['requests']} | {r['tokens']} | {r['tps']:.1f} | "
+        lines.append(f"| {r['server']} | {r['clients']} | {r['requests']} | {r['failed']} | {r['tokens']} | "
+                     f"{r['tps']:.1f} | "
                      f"{r['ttft_p50']:.2f} | {r['ttft_p95']:.2f} | {1000 * r['itl_p50']:.0f} | "
                      f"{1000 * r['itl_p95']:.0f} |")
     ours = {r["clients"]: r["tps"] for r in rows if r["server"].startswith("umakit")}
