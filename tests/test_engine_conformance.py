@@ -394,3 +394,34 @@ def test_logprobs_are_the_models_distribution(engine, case):
                 assert top[0][0] == token  # greedy on the reported distribution
                 for t, v in top:
                     assert abs(v - lp[t]) < 1e-4
+
+
+def test_the_first_token_runs_the_output_head_on_one_position_only(engine, monkeypatch):
+    """A long prompt fills the cache in chunks without logits; only the last position meets the head."""
+
+    class Recorder:
+        def __init__(self, model):
+            self.model, self.lengths = model, []
+
+        def __call__(self, tokens, *args, **kwargs):
+            self.lengths.append(int(tokens.shape[-1]))
+            return self.model(tokens, *args, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(self.model, name)
+
+    import sys
+
+    chunk = 128  # the tiny model's context is 512: smaller chunks, so that a prompt spans several
+    monkeypatch.setattr(sys.modules[type(engine).__module__], "PREFILL_CHUNK", chunk)
+    real = engine.model
+    recorder = engine.model = Recorder(real)
+    try:
+        prompt = [(7 * i) % 500 + 3 for i in range(300)]
+        tokens = engine.generate_tokens(prompt, engine.make_cache(), GREEDY)
+        next(tokens)
+        tokens.close()
+    finally:
+        engine.model = real
+    # 299 prompt tokens in chunks of 128, 128 and 43 (no logits kept), then the last one alone through the head.
+    assert recorder.lengths[:4] == [chunk, chunk, 299 - 2 * chunk, 1]

@@ -193,13 +193,12 @@ class MLXEngine:
             recent = mx.concatenate([recent, token[None].astype(mx.uint32)], axis=1)[:, -window:]
             return token
 
+        # All but the last token fill the cache without the output head; only the last
+        # position's logits are computed (a 150k-token head over a 512-token chunk would
+        # cost more than the whole prefill).
+        self.prefill(list(prompt[:-1]), cache)
         with mx.stream(self._mx_device):
-            tokens = mx.array(list(prompt), dtype=mx.uint32)
-            while tokens.size > PREFILL_CHUNK:  # chunked prefill of all but the tail
-                self.model(tokens[:PREFILL_CHUNK][None], cache=cache.layers)
-                mx.eval([c.state for c in cache.layers])
-                tokens = tokens[PREFILL_CHUNK:]
-            y = step(tokens)
+            y = step(mx.array([int(prompt[-1])], dtype=mx.uint32))
             mx.async_eval(y)
             while True:
                 # Queue step n+1 before handing out token n, so the host's work
