@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -26,6 +27,30 @@ from .mlx_lm_import import import_mlx_lm
 from .sampling import make_sampler
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+CLEAR_EVERY = 256  # decode steps between returns of freed buffers to the system (as mlx-lm does)
+
+
+def release_buffers() -> None:
+    """Give freed buffers back: on Metal they otherwise stay cached (and wired), crowding out the weights."""
+    mx.clear_cache()
+
+
+def auto_dtype(config: dict, weights: dict) -> mx.Dtype:
+    """The compute dtype "auto" takes on a GPU: the checkpoint's declared half type, else the half type
+    holding most bytes of its matrices (norms and scales kept in float32 by an import do not outvote them)."""
+    declared = config.get("torch_dtype") or config.get("dtype")
+    if declared in ("float16", "bfloat16"):
+        return DTYPES[declared]
+    sizes: dict = {}
+    for v in weights.values():
+        if mx.issubdtype(v.dtype, mx.floating) and v.dtype != mx.float64 and v.ndim >= 2:
+            sizes[v.dtype] = sizes.get(v.dtype, 0) + v.nbytes
+    return max(sizes, key=sizes.get) if sizes else mx.float16
+
+
+def _cast(v: mx.array, target: mx.Dtype) -> mx.array:
+    # The GPU has no float64: such a tensor is cast on the CPU stream.
+    return v.astype(target, stream=mx.cpu) if v.dtype == mx.float64 else v.astype(target)
 
 
 def _architecture(config: dict):
@@ -84,6 +109,7 @@ class MLXEngine:
         bits, group_size, recipe = parse_spec(spec)
         self.quantization, notes = quantize_model(self.model, bits, group_size, recipe)
         mx.eval(self.model.parameters())  # the float weights are released as each layer is evaluated
+        release_buffers()
         self.load_notes = (*self.load_notes, *notes)
         self.config = {**self.config, "quantization": self.quantization}
 
@@ -123,8 +149,8 @@ class MLXEngine:
         self.quantization = ckpt.config.get("quantization")
         if self.quantization:
             _hook_up_quantization(model, weights, self.quantization)
-        target = self._compute_dtype(dtype, weights)
-        weights = {k: v.astype(target) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
+        target = self._compute_dtype(dtype, weights, ckpt.config)
+        weights = {k: _cast(v, target) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
         common.check_weights({k: v.shape for k, v in tree_flatten(model.parameters())},
                              {k: v.shape for k, v in weights.items()})
         model.load_weights(list(weights.items()), strict=False)
@@ -138,8 +164,9 @@ class MLXEngine:
         model.eval()
         self.model = model
         self.dtype = next(k for k, v in DTYPES.items() if v == target)
+        release_buffers()  # the lazily converted source arrays
 
-    def _compute_dtype(self, dtype: str, weights: dict) -> mx.Dtype:
+    def _compute_dtype(self, dtype: str, weights: dict, config: dict | None = None) -> mx.Dtype:
         if dtype != "auto":
             if dtype not in DTYPES:
                 raise InvalidArgumentError(f"unknown dtype {dtype!r}; choose auto, {', '.join(DTYPES)}")
@@ -148,8 +175,7 @@ class MLXEngine:
             # MLX-CPU emulates half precision and its quantized matmul accumulates
             # in the activation dtype: float32 is both faster and correct there.
             return mx.float32
-        floats = [v.dtype for v in weights.values() if mx.issubdtype(v.dtype, mx.floating)]
-        return max(set(floats), key=floats.count) if floats else mx.float16
+        return auto_dtype(config or {}, weights)
 
     # -- engine interface -----------------------------------------------------
     def make_cache(self, kv_bits: int | None = None) -> MLXCache:
@@ -169,6 +195,7 @@ class MLXEngine:
             for i in range(0, len(tokens), PREFILL_CHUNK):
                 self.model(mx.array(list(tokens[i:i + PREFILL_CHUNK]), dtype=mx.uint32)[None], cache=cache.layers)
                 mx.eval([c.state for c in cache.layers])  # only the cache: the unused logits are never computed
+                release_buffers()
 
     def generate_tokens(
         self,
@@ -185,12 +212,19 @@ class MLXEngine:
         window = sampling.repetition_context
         recent = mx.array(list(history)[-window:] + list(prompt)[-window:], dtype=mx.uint32)[-window:][None]
 
+        penalty = sampling.repetition_penalty != 1.0
+
         def step(tokens: mx.array) -> mx.array:
+            # Greedy draws need no key, and without a penalty no window: neither is
+            # rebuilt then, so no lazy graph grows step after step.
             nonlocal key, recent
             logits = self.model(tokens[None], cache=cache.layers)[:, -1, :]  # (1, V)
-            key, sub = mx.random.split(key)
+            sub = key
+            if not sampling.greedy:
+                key, sub = mx.random.split(key)
             token = sampler(logits, recent, sub)  # (1,)
-            recent = mx.concatenate([recent, token[None].astype(mx.uint32)], axis=1)[:, -window:]
+            if penalty:
+                recent = mx.concatenate([recent, token[None].astype(mx.uint32)], axis=1)[:, -window:]
             return token
 
         # All but the last token fill the cache without the output head; only the last
@@ -200,13 +234,15 @@ class MLXEngine:
         with mx.stream(self._mx_device):
             y = step(mx.array([int(prompt[-1])], dtype=mx.uint32))
             mx.async_eval(y)
-            while True:
+            for n in itertools.count(1):
                 # Queue step n+1 before handing out token n, so the host's work
                 # of building the next graph overlaps the device computing it.
                 next_y = step(y)
                 mx.async_eval(next_y)
                 yield y.item()
                 y = next_y
+                if n % CLEAR_EVERY == 0:
+                    release_buffers()
 
     def batch_decoder(self) -> MLXBatchDecoder:
         return MLXBatchDecoder(self)
