@@ -284,6 +284,8 @@ def test_bench_speculative_reports_plain_and_speculative_in_one_record(tiny_dir,
     assert s["target_steps"] >= 1 and 0 <= s["acceptance_rate"] <= 1
     bad = CliRunner().invoke(main, ["bench", "--synthetic", "smollm2-135m", "--speculative"])
     assert bad.exit_code == 2 and "tokenizer" in bad.output
+    bad = CliRunner().invoke(main, ["bench", "/nonexistent", "--speculative", "--batch", "2"])
+    assert bad.exit_code == 1 and "one sequence" in bad.output  # refused before the (missing) model is looked up
 
 
 @requires_default_model

@@ -34,7 +34,7 @@ from .records import (
     load_record,
     write_record,
 )
-from .speculative import run_speculative_bench
+from .speculative import check_speculative_settings, run_speculative_bench
 
 __all__ = [
     "CONTEXT_PROBE_TOKENS",
@@ -53,6 +53,7 @@ __all__ = [
     "Summary",
     "SweepPoint",
     "ceiling_curve",
+    "check_speculative_settings",
     "layer_count",
     "load_record",
     "modelled_sweep",

@@ -33,6 +33,12 @@ def copy_prompt(model) -> list[int]:
     return model.encode(COPY_REQUEST + PASSAGE)
 
 
+def check_speculative_settings(settings: BenchSettings) -> None:
+    """Refuse the settings a speculative bench cannot honour (call before loading anything)."""
+    if settings.batch > 1 or settings.kv_bits is not None or settings.contexts:
+        raise InvalidArgumentError("--speculative measures one sequence: drop --batch, --kv-bits and --contexts")
+
+
 def _timed(model, source, ids: list[int], gen_tokens: int) -> tuple[Run, list[int]]:
     engine = model.engine
     engine.reset_peak_memory()
@@ -53,8 +59,7 @@ def run_speculative_bench(model, decoder, settings: BenchSettings | None = None,
                           progress: Progress | None = None) -> BenchRecord:
     """Plain runs (the record's ``runs``) against ``decoder``'s runs (its ``speculative`` block), alternating."""
     settings = settings or BenchSettings()
-    if settings.batch > 1 or settings.kv_bits is not None or settings.contexts:
-        raise InvalidArgumentError("--speculative measures one sequence: drop --batch, --kv-bits and --contexts")
+    check_speculative_settings(settings)
     ids = copy_prompt(model)
     steps = settings.warmup + settings.repeat
     for i in range(settings.warmup):

@@ -83,6 +83,8 @@ def bench(model, prompt_tokens, gen_tokens, repeat, warmup, batch, kv_bits, cont
         if speculative and (offload_sweep or synthetic):
             raise click.UsageError("--speculative measures a model with a tokenizer: drop --offload-sweep/--synthetic")
         if speculative:
+            lib.check_speculative_settings(settings)  # before the model loads
+        if speculative:
             m = load(gpu_layers=gpu_layers, vram_budget=vram_budget)
             decoder = m.speculator(draft=load_draft(m, draft), prompt_lookup=draft is None, draft_tokens=draft_tokens,
                                    ngram=ngram)
