@@ -78,12 +78,12 @@ def bench(model, prompt_tokens, gen_tokens, repeat, warmup, batch, kv_bits, cont
             raise click.UsageError("--bits applies to --synthetic models; quantize a checkpoint with umakit quantize")
         settings = lib.BenchSettings(prompt_tokens, gen_tokens, repeat, warmup,
                                      kv_bits, contexts, batch=batch)
-        load, layers_of = _loader(model, synthetic, bits, backend, device, dtype, peak_bandwidth, settings.needs)
         speculative = speculative or prompt_lookup or draft is not None
         if speculative and (offload_sweep or synthetic):
             raise click.UsageError("--speculative measures a model with a tokenizer: drop --offload-sweep/--synthetic")
         if speculative:
-            lib.check_speculative_settings(settings)  # before the model loads
+            lib.check_speculative_settings(settings)  # before the model is looked up
+        load, layers_of = _loader(model, synthetic, bits, backend, device, dtype, peak_bandwidth, settings.needs)
         if speculative:
             m = load(gpu_layers=gpu_layers, vram_budget=vram_budget)
             decoder = m.speculator(draft=load_draft(m, draft), prompt_lookup=draft is None, draft_tokens=draft_tokens,
