@@ -191,7 +191,8 @@ class Model:
                    prompt_lookup: bool = False, ngram: int | None = None) -> SpeculativeDecoder | None:
         """A speculative decoder for this model (None when neither ``draft`` nor ``prompt_lookup`` is given).
 
-        A ``draft`` given as a path is loaded on this model's engine and device.
+        A ``draft`` given as a path is loaded on this model's engine and device, on every
+        call: to generate repeatedly, load it once with `umakit.load` and pass the `Model`.
         """
         if isinstance(draft, (str, os.PathLike)):
             draft = load(draft, backend=self.info.backend, device=self.info.device)
@@ -280,8 +281,8 @@ class Model:
         """(RooflineStats, OffloadStats or None) of decoding at ``context_tokens`` at ``tokens_per_s``."""
         w = self.info.weights
         kv = self.engine.kv_bytes_per_token() if kv_bytes_per_token is None else kv_bytes_per_token
-        return roofline.measure_decode(w.bytes_per_token, w.streamed_bytes_per_token, kv, context_tokens, tokens_per_s,
-                              self.device_info)
+        return roofline.measure_decode(w.bytes_per_token, w.streamed_bytes_per_token, kv, context_tokens,
+                                       tokens_per_s, self.device_info)
 
 
 def load(

@@ -334,11 +334,12 @@ class Scheduler:
 
     def _finish(self, decoder, row_id: int, now: float) -> None:
         job = self._jobs[row_id]
-        cache = decoder.export(row_id)
+        cache = decoder.export(row_id) if self.prompt_cache.max_bytes else None  # no copy when nothing is kept
         decoder.remove([row_id])
         with self._lock:
             del self._jobs[row_id]
-        self.prompt_cache.put(list(job.request.prompt) + job.generated, cache)
+        if cache is not None:
+            self.prompt_cache.put(list(job.request.prompt) + job.generated, cache)
         tail = job.row.close()
         s = job.row.stats()
         t, b, steps, rows = job.start

@@ -47,10 +47,8 @@ def speculator(target, *, draft=None, prompt_lookup: bool = False, draft_tokens:
         proposer = DraftModel(draft.engine, vocab)
     else:
         proposer = PromptLookup(_in_range("ngram", DEFAULT_NGRAM if ngram is None else ngram, 1, MAX_NGRAM))
-    decoder = SpeculativeDecoder(target.engine, proposer, k, target.info.context_length)
-    if draft is not None:
-        decoder.stats.draft_bytes_per_step = draft.info.weights.bytes_per_token
-    return decoder
+    return SpeculativeDecoder(target.engine, proposer, k, target.info.context_length,
+                              draft.info.weights.bytes_per_token if draft is not None else 0.0)
 
 
 def check_draft(target, draft) -> None:

@@ -80,12 +80,18 @@ class SpeculativeStats:
 class SpeculativeDecoder:
     """`generate_tokens` with speculation, for one target engine and one proposer."""
 
-    def __init__(self, engine, proposer, max_draft_tokens: int, context_length: int = 0):
+    def __init__(self, engine, proposer, max_draft_tokens: int, context_length: int = 0,
+                 draft_bytes_per_step: float = 0.0):
         self.engine = engine
         self.proposer = proposer
         self.max_draft_tokens = max_draft_tokens
         self.context_length = context_length
-        self.stats = SpeculativeStats(proposer.method, max_draft_tokens)
+        self.draft_bytes_per_step = draft_bytes_per_step  # weights one draft step reads (0 for prompt lookup)
+        self.stats = self._new_stats()  # of the latest `generate_tokens`
+
+    def _new_stats(self) -> SpeculativeStats:
+        return SpeculativeStats(self.proposer.method, self.max_draft_tokens,
+                                draft_bytes_per_step=self.draft_bytes_per_step)
 
     def generate_tokens(self, prompt: Sequence[int], cache, sampling: SamplingParams, seed: int | None = None,
                         history: Sequence[int] = ()) -> Iterator[int]:
@@ -95,8 +101,7 @@ class SpeculativeDecoder:
         if not cache.trimmable:
             raise InvalidArgumentError("speculative decoding needs a KV cache that can be rewound; this model's "
                                        "sliding-window layers cannot be: drop --draft/--prompt-lookup")
-        self.stats = stats = SpeculativeStats(self.proposer.method, self.max_draft_tokens,
-                                              draft_bytes_per_step=self.stats.draft_bytes_per_step)
+        self.stats = stats = self._new_stats()
         engine, proposer = self.engine, self.proposer
         rng = np.random.default_rng(seed_or_random(seed))
         window = sampling.repetition_context
@@ -115,12 +120,13 @@ class SpeculativeDecoder:
             out: list[int] = []
             token = None
             for i, d in enumerate(proposed):
-                recent = (seen + out)[-window:]
+                recent = (seen[-window:] + out)[-window:]
                 if sampling.greedy:
-                    if greedy_token(rows[i], recent, sampling) == d:
+                    best = greedy_token(rows[i], recent, sampling)
+                    if best == d:
                         out.append(d)
                         continue
-                    token = greedy_token(rows[i], recent, sampling)
+                    token = best
                     break
                 p = probabilities(rows[i], recent, sampling)
                 q_d = 1.0 if dists is None else dists[i][d]
@@ -132,7 +138,7 @@ class SpeculativeDecoder:
                 break
             accepted = len(out)
             if token is None:  # every proposal kept: the last row gives a bonus token
-                recent = (seen + out)[-window:]
+                recent = (seen[-window:] + out)[-window:]
                 row = rows[accepted]
                 token = greedy_token(row, recent, sampling) if sampling.greedy else \
                     draw(probabilities(row, recent, sampling), rng)

@@ -26,8 +26,7 @@ class PromptLookup:
     lookup costs a dictionary probe per n-gram size.
     """
 
-    method = "prompt_lookup"
-    has_distribution = False  # proposals are certain: q is one-hot at each proposed token
+    method = "prompt_lookup"  # proposals are certain: q is one-hot at each proposed token
 
     def __init__(self, ngram: int):
         self.sizes = list(range(ngram, 1, -1)) or [1]
@@ -64,10 +63,6 @@ class PromptLookup:
     def steps(self) -> int:
         return 0  # no model runs
 
-    @property
-    def bytes_per_step(self) -> int:
-        return 0
-
 
 class DraftModel:
     """Candidates from a smaller model with the same tokenizer, decoded ahead one token at a time.
@@ -80,7 +75,6 @@ class DraftModel:
     """
 
     method = "draft"
-    has_distribution = True
 
     def __init__(self, engine, vocab_size: int):
         self.engine = engine
@@ -106,7 +100,7 @@ class DraftModel:
         for _ in range(k):
             logits = self.engine.logits([feed], self.cache)[-1]
             self.forward_steps += 1
-            recent = (self.recent + tokens)[-window:]
+            recent = (self.recent[-window:] + tokens)[-window:]
             if sampling.greedy:
                 token, q = greedy_token(logits, recent, sampling), None
             else:
@@ -141,7 +135,3 @@ class DraftModel:
     @property
     def steps(self) -> int:
         return self.forward_steps
-
-    @property
-    def bytes_per_step(self) -> int:
-        return self.engine.weight_info().bytes_per_token

@@ -41,6 +41,7 @@ class _RowSampler:
     def __init__(self, row: BatchRow):
         p = row.sampling
         self.plain = p.greedy and p.repetition_penalty == 1.0  # a batched argmax serves it
+        self.greedy = p.greedy
         self.logprobs = row.logprobs
         self.penalty = p.repetition_penalty
         # The penalty is applied here, not in the sampler, so that the log-probabilities see it.
@@ -54,10 +55,13 @@ class _RowSampler:
 
         Advances the key and the recent window.
         """
-        self.key, sub = mx.random.split(self.key)
+        sub = self.key
+        if not self.greedy:  # as in generate_tokens: a greedy draw needs no key, no penalty no window
+            self.key, sub = mx.random.split(self.key)
         logits = apply_repetition_penalty(logits, self.recent, self.penalty)
         token = self.draw(logits, self.recent, sub).astype(mx.uint32)
-        self.recent = mx.concatenate([self.recent, token[None]], axis=1)[:, -self.window:]
+        if self.penalty != 1.0:
+            self.recent = mx.concatenate([self.recent, token[None]], axis=1)[:, -self.window:]
         return token, logits
 
 
