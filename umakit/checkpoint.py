@@ -248,3 +248,12 @@ def generation_eos_ids(path: Path, config: dict) -> set[int]:
         elif isinstance(value, list):
             ids.update(v for v in value if isinstance(v, int))
     return ids
+
+
+def display_name(path: Path) -> str:
+    """A checkpoint's name: the repo id of a Hub snapshot (.../models--org--name/snapshots/<hash>), else the folder's."""
+    path = Path(path)
+    for parent in path.parents:
+        if parent.name.startswith("models--"):
+            return parent.name[len("models--"):].replace("--", "/")
+    return path.name

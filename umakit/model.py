@@ -321,7 +321,7 @@ def load(
     engine = backends.engine_class(engine_name).from_checkpoint(
         ckpt, device=device, dtype=dtype, progress=progress, quantize=quantize, gpu_layers=gpu_layers,
         vram_budget=vram_budget)
-    info = _load_info(engine, display_name(ckpt.path), path, time.perf_counter() - t0,
+    info = _load_info(engine, checkpoint.display_name(ckpt.path), path, time.perf_counter() - t0,
                       sum(f.stat().st_size for f in ckpt.files))
     return Model(engine, tokenizer, info, peak_bandwidth=peak_bandwidth)
 
@@ -395,12 +395,3 @@ def memory_warnings(weight_bytes: int, device: str) -> list[str]:
         return []
     return [f"the weights ({gib:.1f} GiB) are {weight_bytes / limit:.0%} of {where} ({limit / 2**30:.1f} GiB); "
             f"generation may swap or fail: {fix}"]
-
-
-def display_name(path: Path) -> str:
-    """A checkpoint's name: the repo id of a Hub snapshot (.../models--org--name/snapshots/<hash>), else the folder's."""
-    path = Path(path)
-    for parent in path.parents:
-        if parent.name.startswith("models--"):
-            return parent.name[len("models--"):].replace("--", "/")
-    return path.name

@@ -114,7 +114,6 @@ class Scheduler:
         self._service_s = 1.0  # running mean of a request's time from submission to its end
         self._failures = 0  # worker failures in a row, without a request served in between
         self._bytes_read = 0.0
-        self._decode_s = 0.0
         self._rows_summed = 0
         self._recent: deque[tuple[float, int, float]] = deque()  # (time, tokens, bytes) per step
 
@@ -303,7 +302,6 @@ class Scheduler:
         return True
 
     def _step(self, decoder) -> None:
-        t0 = time.perf_counter()
         out = decoder.step()
         probs = decoder.logprobs() if any(j.request.logprobs is not None for j in self._jobs.values()) else {}
         now = time.perf_counter()
@@ -313,7 +311,6 @@ class Scheduler:
             self._counters["decode_steps_total"] += 1
             self._counters["generated_tokens_total"] += len(out)
             self._bytes_read += read
-            self._decode_s += now - t0
             self._rows_summed += rows
             self._max_rows = max(self._max_rows, rows)
             self._recent.append((now, len(out), read))
