@@ -2,8 +2,9 @@
 
 import pytest
 
+import umakit
 from umakit import backends
-from umakit.errors import BackendUnavailableError, InvalidArgumentError
+from umakit.errors import BackendUnavailableError, InvalidArgumentError, UnsupportedModelError
 
 
 def test_shorthands_and_explicit_choices(monkeypatch):
@@ -45,3 +46,73 @@ def test_auto_respects_needed_features(monkeypatch):
     assert backends.resolve("auto", needs=frozenset({"batch"})) == ("torch", "cpu")
     with pytest.raises(InvalidArgumentError, match="torch backend does not support kv_bits yet; use --backend mlx"):
         backends.resolve("torch", needs=frozenset({"kv_bits"}))
+
+
+def _cpu_only(monkeypatch, installed=lambda m: True):
+    monkeypatch.setattr(backends, "is_apple_silicon", lambda: False)
+    monkeypatch.setattr(backends, "_cuda_available", lambda: False)
+    monkeypatch.setattr(backends, "_installed", installed)
+
+
+def test_engines_declare_their_architectures_without_importing_them():
+    import sys
+
+    torch_spec, mlx_spec = backends.ENGINES["torch"], backends.ENGINES["mlx"]
+    for arch in ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "mixtral", "qwen3_moe"):
+        assert torch_spec.runs(arch)
+    assert not torch_spec.runs("phi3") and torch_spec.runs(None)
+    if backends._installed("mlx_lm"):
+        assert mlx_spec.runs("phi3") and mlx_spec.runs("mistral")  # mistral through mlx-lm's remapping (llama)
+        assert not mlx_spec.runs("no_such_architecture")
+
+
+def test_auto_passes_over_an_engine_that_cannot_run_the_architecture_and_says_why(monkeypatch):
+    _cpu_only(monkeypatch)
+    import dataclasses
+
+    mlx = dataclasses.replace(backends.ENGINES["mlx"], finds_architecture=lambda t: t in ("phi3", "llama"))
+    monkeypatch.setitem(backends.ENGINES, "mlx", mlx)
+    assert backends.choose("auto", model_type="llama") == ("torch", "cpu", None)
+    assert backends.choose("auto", model_type="phi3") == ("mlx", "cpu", "running on mlx (cpu): torch does not run phi3")
+    with pytest.raises(UnsupportedModelError, match=r"model_type 'mamba' is not supported by any engine: torch runs "
+                       r"llama, .*qwen3_moe; mlx runs any architecture mlx-lm has a model file for"):
+        backends.choose("auto", model_type="mamba")
+    assert backends.choose("torch", model_type="mamba") == ("torch", "cpu", None)  # the engine's error lists its own
+    with pytest.raises(UnsupportedModelError, match="the torch backend does not run model_type 'phi3'; "
+                                                    "use --backend mlx"):
+        backends.choose("torch", model_type="phi3")
+
+
+def test_auto_honours_features_on_cuda_too(monkeypatch):
+    """`eval --kv-bits 8` on a CUDA machine: the torch engine has no quantized cache, so MLX on the CPU runs it."""
+    _cpu_only(monkeypatch)
+    monkeypatch.setattr(backends, "_cuda_available", lambda: True)
+    assert backends.choose("auto") == ("torch", "cuda", None)
+    assert backends.choose("auto", needs=frozenset({"kv_bits"})) == (
+        "mlx", "cpu", "running on mlx (cpu): torch does not support kv_bits")
+    with pytest.raises(InvalidArgumentError, match="no backend supports kv_bits on cuda"):
+        backends.choose("auto", "cuda", needs=frozenset({"kv_bits"}))
+
+
+def test_load_notes_the_choice_in_the_warnings(tiny_dir, tmp_path, monkeypatch):
+    import json
+    import shutil
+
+    _cpu_only(monkeypatch)
+    path = tmp_path / "renamed"
+    shutil.copytree(tiny_dir("llama"), path)
+    config = json.loads((path / "config.json").read_text())
+    # A type torch does not run, served by mlx-lm with llama's code.
+    (path / "config.json").write_text(json.dumps({**config, "model_type": "iquestcoder"}))
+    m = umakit.load(path, dtype="float32")
+    assert m.info.backend == "mlx" and m.info.warnings[0] == "running on mlx (cpu): torch does not run iquestcoder"
+    assert umakit.load(tiny_dir("gemma3"), dtype="float32").info.backend == "torch"
+
+
+def test_finding_mlx_lm_architectures_imports_neither_mlx_nor_mlx_lm():
+    import subprocess
+    import sys
+
+    code = ("import sys; from umakit.backends import ENGINES; ENGINES['mlx'].runs('gemma3_text'); "
+            "assert not {'mlx', 'mlx_lm', 'torch'} & set(sys.modules), sorted(sys.modules)")
+    subprocess.run([sys.executable, "-c", code], check=True)

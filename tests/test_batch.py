@@ -35,7 +35,9 @@ def models(tiny_dir):
 
     def get(family):
         if family not in loaded:
-            loaded[family] = umakit.load(tiny_dir(family), backend="mlx")
+            # Batched rows equal single runs token for token on MLX's CPU kernels; Metal may pick
+            # other kernels per batch size, so the device is pinned (the tests run on a Mac too).
+            loaded[family] = umakit.load(tiny_dir(family), backend="mlx", device="cpu")
         return loaded[family]
 
     return get
@@ -299,3 +301,23 @@ def test_gemma3_caches_past_the_sliding_window_round_trip(models):
     longer = (list(prompts[1]) + out[1])[:cache.offset] + [30, 31, 32]
     want = decode_rows(MLXBatchDecoder(engine), [BatchRow(0, longer, GREEDY)], 10)
     assert decode_rows(dec, [BatchRow(9, longer, GREEDY, cache=cache)], 10)[9] == want[0]
+
+
+def test_every_way_in_checks_a_value_alike(models):
+    """The API, a batch item and a CLI flag refuse the same bad value with the same message."""
+    from click.testing import CliRunner
+
+    from umakit.cli.main import main
+
+    model = models("llama")
+    for field, value, message in (("temperature", float("nan"), "temperature must be a finite number, got nan"),
+                                  ("seed", 2**64, "seed must be in [-9223372036854775808, 9223372036854775807]")):
+        with pytest.raises(InvalidArgumentError) as api:
+            model.generate("The fox", raw=True, max_tokens=2, **{field: value})
+        assert message in str(api.value)
+        with pytest.raises(InvalidArgumentError) as item:
+            stream_batch(model, [{"prompt": "The fox", field: value}], raw=True)
+        assert message in str(item.value)
+        flag = {"temperature": "--temp", "seed": "--seed"}[field]
+        r = CliRunner().invoke(main, ["generate", "-p", "x", flag, str(value)])
+        assert r.exit_code == 2 and message in r.output

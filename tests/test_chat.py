@@ -38,7 +38,7 @@ def with_template(model, name):
 
 
 def session(model, **kw):
-    return ChatSession(model, ChatSettings(max_tokens=6, sampling=GREEDY, **kw))
+    return ChatSession(model, ChatSettings(**{"max_tokens": 6, "sampling": GREEDY, **kw}))
 
 
 def turn(s, text):
@@ -149,3 +149,209 @@ def test_load_bad_transcript(tiny_model, tmp_path):
         s.load(bad)
     with pytest.raises(InvalidArgumentError, match="no such transcript"):
         s.load(tmp_path / "missing.json")
+
+
+# -- stopping a turn at any moment (Ctrl-C), on both engines ----------------------------------------------
+
+LONG = "The quick brown fox jumps over the lazy dog. " * 20  # ~200 tokens: a dozen prefill chunks
+
+
+@pytest.fixture(scope="module", params=["mlx", "torch"])
+def engine_model(request, tiny_dir, tiny_model):
+    if request.param == "mlx":
+        return tiny_model
+    import umakit
+
+    return umakit.load(tiny_dir("llama"), backend="torch")
+
+
+class Polls:
+    """A ``should_stop`` that turns true on its ``n``-th call (counting every call)."""
+
+    def __init__(self, n):
+        self.n, self.calls = n, 0
+
+    def __call__(self):
+        self.calls += 1
+        return self.calls >= self.n
+
+
+def assert_consistent(s):
+    """The cache holds exactly ``cached_ids`` (the next turn's reply, compared with a fresh run, checks
+    that they are the right tokens)."""
+    assert s.cache.offset == len(s.cached_ids)
+
+
+@pytest.mark.parametrize("polls", [1, 4])  # 1: right after Enter, before any chunk; 4: in the middle of the prefill
+def test_stop_during_prefill_takes_the_message_back(engine_model, polls):
+    s = session(engine_model)
+    turn(s, "The quick brown")
+    before, cached = copy.deepcopy(s.messages), len(s.cached_ids)
+    infos, stop = [], Polls(polls)
+    assert list(s.send(LONG, on_ready=infos.append, should_stop=stop)) == []  # no reply began
+    assert infos[0].cancelled and s.messages == before
+    assert_consistent(s)
+    if polls > 1:  # the chunks prefilled before the stop stay in the cache, for the next turn
+        assert cached < len(s.cached_ids) < cached + infos[0].new_tokens
+    # the next turn sees the earlier history and replies exactly as a from-scratch run does
+    reply, _ = turn(s, "fox jumps")
+    assert s.messages[0]["content"] == "The quick brown" and len(s.messages) == 4
+    assert reply == fresh_reply(engine_model, s.messages[:-1])
+
+
+def test_stop_during_reply_keeps_it_cut(engine_model):
+    s = session(engine_model, max_tokens=20)
+    stop, n = Polls(10**9), 0
+    for _ in s.send(LONG, should_stop=stop):
+        n += 1
+        if n == 3:
+            stop.n = stop.calls + 1  # Ctrl-C after the third piece of the reply
+    assert n == 3 and s.messages[-1]["content"].endswith(CUT_MARK)
+    assert_consistent(s)
+    reply, info = turn(s, "again")
+    assert info.reused_tokens > len(LONG.split())  # the long message stayed in the cache
+    assert reply == fresh_reply(engine_model, s.messages[:-1])
+
+
+def test_long_turn_stats_count_the_whole_prefill(engine_model):
+    s = session(engine_model)
+    turn(s, "The quick brown")
+    infos, stats = [], []
+    for c in s.send(LONG, on_ready=infos.append):
+        if c.stats is not None:
+            stats.append(c.stats)
+    st, info = stats[0], infos[0]
+    assert (st.prompt_tokens, st.cached_tokens) == (info.new_tokens, info.reused_tokens)
+    assert st.ttft_s > 0 and st.prefill_tps == pytest.approx(st.prompt_tokens / st.ttft_s)
+
+
+def test_error_in_prefill_takes_the_message_back(engine_model, monkeypatch):
+    s = session(engine_model)
+    turn(s, "The quick brown")
+    before = copy.deepcopy(s.messages)
+    real, calls = engine_model.engine.prefill, []
+
+    def failing(tokens, cache):
+        calls.append(len(tokens))
+        if len(calls) == 3:
+            raise RuntimeError("device lost")
+        real(tokens, cache)
+
+    monkeypatch.setattr(engine_model.engine, "prefill", failing)
+    with pytest.raises(RuntimeError, match="device lost"):
+        list(s.send(LONG))
+    monkeypatch.undo()
+    assert s.messages == before
+    assert_consistent(s)
+    reply, _ = turn(s, "fox jumps")
+    assert reply == fresh_reply(engine_model, s.messages[:-1])
+
+
+def test_stopped_load_keeps_the_conversation(engine_model, tmp_path):
+    from umakit.chat import Stopped
+
+    src = session(engine_model)
+    turn(src, LONG)
+    src.save(tmp_path / "t.json")
+    s = session(engine_model)
+    turn(s, "The quick brown")
+    before = copy.deepcopy(s.messages)
+    with pytest.raises(Stopped):
+        s.load(tmp_path / "t.json", should_stop=Polls(3))
+    assert s.messages == before
+    assert_consistent(s)
+    reply, _ = turn(s, "fox jumps")
+    assert reply == fresh_reply(engine_model, s.messages[:-1])
+
+
+class ClockEngine:
+    """Records prefill chunk sizes; each chunk 'takes' ``seconds`` on a fake clock."""
+
+    def __init__(self, seconds, clock):
+        self.seconds, self.clock, self.chunks = seconds, clock, []
+
+    def prefill(self, tokens, cache):
+        self.chunks.append(len(tokens))
+        self.clock[0] += self.seconds
+
+
+@pytest.mark.parametrize("seconds, expected", [
+    (0.001, [16, 32, 64, 128, 256, 512, 512, 46]),  # a fast device soon prefills at full size
+    (0.2, [16] * 97 + [14]),  # a slow one keeps chunks small, so Ctrl-C never waits long
+])
+def test_prefill_chunks_grow_only_on_fast_devices(monkeypatch, seconds, expected):
+    from umakit import chat
+
+    clock = [0.0]
+    monkeypatch.setattr(chat.time, "perf_counter", lambda: clock[0])
+    engine = ClockEngine(seconds, clock)
+    assert chat.prefill_interruptibly(engine, list(range(1566)), None) == 1566
+    assert engine.chunks == expected
+    engine.chunks = []
+    stopped = chat.prefill_interruptibly(engine, list(range(1566)), None, should_stop=Polls(3))
+    assert stopped == sum(expected[:2])  # two chunks, then the third poll stops it
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"max_tokens": 0}, "max_tokens must be at least 1"),
+    ({"max_tokens": "5"}, "max_tokens must be an integer"),
+    ({"seed": 2**70}, "seed must be in"),
+    ({"kv_bits": 3}, "kv_bits must be 4, 8 or null"),
+    ({"max_context": 4}, "max_context must be >= 16"),
+    ({"sampling": {"temperature": float("nan")}}, "temperature must be a finite number"),
+    ({"sampling": {"top_p": 3}}, "top_p must be in"),
+    ({"sampling": {"temprature": 1}}, "unknown setting.*temprature"),
+    ({"sampling": [1]}, "settings must be an object"),
+    ({"system": 5}, "system must be a string"),
+])
+def test_bad_transcript_settings_are_refused(tiny_model, tmp_path, settings, message):
+    s = session(tiny_model)
+    turn(s, "The quick brown")
+    before = copy.deepcopy(s.messages)
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps({"messages": [], "settings": settings}))
+    with pytest.raises(InvalidArgumentError, match="not a umakit transcript: " + message):
+        s.load(path)
+    assert s.messages == before
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"\x00\x01\xff junk", "not UTF-8 text"),
+    (b"[1, 2]", "not an object with messages"),
+    (b"{", "not a umakit transcript"),
+    (b'{"messages": 5}', "messages must be a list"),
+    (b'{"messages": [{"role": "user", "content": 5}]}', "string content"),
+    (b'{"messages": [{"role": "wizard", "content": "hi"}]}', "a role of system, user, assistant"),
+    (b'{"messages": [], "settings": {"max_context": 100000000}}', "exceeds the model"),
+])
+def test_bad_transcript_files_are_refused(tiny_model, tmp_path, content, message):
+    s = session(tiny_model)
+    path = tmp_path / "bad.json"
+    path.write_bytes(content)
+    with pytest.raises(InvalidArgumentError, match=message):
+        s.load(path)
+    with pytest.raises(InvalidArgumentError, match="is a directory"):
+        s.load(tmp_path)
+
+
+def test_save_to_a_directory_or_unwritable_place(tiny_model, tmp_path):
+    from umakit.errors import UmakitError
+
+    s = session(tiny_model)
+    turn(s, "The quick brown")
+    with pytest.raises(InvalidArgumentError, match="is a directory"):
+        s.save(tmp_path)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(UmakitError, match="cannot write"):
+        s.save(tmp_path / "file" / "t.json")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]  # nothing partial left
+
+
+def test_rescue_saves_under_umakit_home(tiny_model, tmp_path, monkeypatch):
+    monkeypatch.setenv("UMAKIT_HOME", str(tmp_path / "home"))
+    s = session(tiny_model)
+    turn(s, "The quick brown")
+    path = s.rescue()
+    assert path.parent == tmp_path / "home" / "sessions"
+    t = session(tiny_model)
+    assert t.load(path) > 0 and t.messages == s.messages

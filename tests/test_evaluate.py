@@ -173,8 +173,82 @@ def test_cli_eval_kv_bits_with_auto_picks_an_engine_that_has_a_quantized_cache(w
     result = CliRunner().invoke(eval_cmd, [str(wide_model.info.path), "--text", str(text), "--kv-bits", "8",
                                            "--max-tokens", "64", "--json"])  # --backend auto, the default
     assert result.exit_code == 0, result.output
-    out = json.loads(result.output)
+    out = json.loads(result.stdout)  # stderr may carry the banner naming the engine auto picked
     expected = kv_perplexity(wide_model, text.read_text(), kv_bits=8, max_tokens=64)
     assert out["kv_bits"] == "8" and out["tokens"] == expected.tokens == 63
     assert out["nll"] == pytest.approx(expected.nll, rel=1e-6)
     assert out["cache_bytes_per_token"] == pytest.approx(expected.cache_bytes_per_token)
+
+
+@pytest.fixture(scope="module")
+def bos_model(tiny_dir, tmp_path_factory):
+    """The tiny llama with a tokenizer that adds a BOS, as Gemma's and Llama's do."""
+    import json
+    import shutil
+
+    path = tmp_path_factory.mktemp("bos") / "m"
+    shutil.copytree(tiny_dir("llama"), path)
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(json.dumps({**config, "add_bos_token": True}))
+    return umakit.load(path, backend="mlx")
+
+
+def _windowed_nll(model, ids, window, stride, prefix):
+    """Mean NLL of ``ids`` scored window by window, each window fed as prefix + its tokens."""
+    total, count, scored = 0.0, 0, set()
+    for begin in range(0, len(ids), stride):
+        chunk = ids[begin:begin + window - len(prefix)]
+        logp = log_softmax(np.asarray(model.engine.logits(prefix + chunk)))  # (len(prefix) + len(chunk), V)
+        for j, t in enumerate(chunk):
+            pos = begin + j
+            if pos in scored or (not prefix and j == 0):
+                continue
+            total -= logp[len(prefix) + j - 1, t]
+            count += 1
+            scored.add(pos)
+        if begin + len(chunk) >= len(ids):
+            break
+    return total / count, count
+
+
+@pytest.mark.parametrize("window, stride", [(32, 31), (32, 16)])
+def test_bos_starts_every_window_when_the_tokenizer_adds_one(bos_model, window, stride):
+    text = "The quick brown fox jumps over the lazy dog. Paris is the capital of France. " * 6
+    tok = bos_model.tokenizer
+    bos = tok.bos_id
+    content = tok.encode(text, add_special_tokens=False)
+    assert tok.encode(text)[0] == bos and content[0] != bos
+    r = perplexity(bos_model, text, window=window, stride=stride)
+    nll, count = _windowed_nll(bos_model, content, window, stride, [bos])
+    assert r.bos_per_window and r.tokens == count == len(content)  # the BOS lets each window score its first token
+    assert r.nll == pytest.approx(nll, rel=1e-5)
+    # token ids with their BOS give the same score
+    assert perplexity(bos_model, tok.encode(text), window=window, stride=stride).nll == pytest.approx(r.nll, rel=1e-6)
+    # turned off: the BOS only where encoding put it, before the first window
+    off = perplexity(bos_model, text, window=window, stride=stride, bos_per_window=False)
+    old_nll, old_count = _windowed_nll(bos_model, tok.encode(text), window, stride, [])
+    assert not off.bos_per_window and off.tokens == old_count and off.nll == pytest.approx(old_nll, rel=1e-5)
+    assert abs(off.nll - r.nll) > 1e-4  # a random model barely cares, but the scores differ
+
+
+def test_no_bos_per_window_without_a_bos_tokenizer(tiny_model):
+    assert tiny_model.tokenizer.add_bos is False
+    r = perplexity(tiny_model, TOKENS, window=64)
+    assert not r.bos_per_window and r.nll == perplexity(tiny_model, TOKENS, window=64, bos_per_window=False).nll
+
+
+def test_cli_eval_says_whether_each_window_had_a_bos(bos_model, tmp_path):
+    import json
+
+    from umakit.cli.eval_cmd import eval_cmd
+
+    text = tmp_path / "t.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. Paris is the capital of France. " * 6)
+    args = [str(bos_model.info.path), "--text", str(text), "--window", "32", "--backend", "mlx"]
+    on = json.loads(CliRunner().invoke(eval_cmd, args + ["--json"]).output)
+    off = json.loads(CliRunner().invoke(eval_cmd, args + ["--json", "--no-bos-per-window"]).output)
+    assert on["bos_per_window"] is True and off["bos_per_window"] is False
+    assert on["ppl"] == pytest.approx(perplexity(bos_model, text.read_text(), window=32).ppl, rel=1e-6)
+    assert abs(on["ppl"] - off["ppl"]) > 1e-4
+    result = CliRunner().invoke(eval_cmd, args)
+    assert result.exit_code == 0 and "BOS per window" in result.output

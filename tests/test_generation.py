@@ -133,7 +133,7 @@ def test_stats_are_composed_and_their_json_is_flat():
 def test_memory_warning_names_the_fix():
     import os
 
-    from umakit.model import memory_warnings
+    from umakit.hardware import memory_warnings
 
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     assert memory_warnings(ram // 10, "cpu") == []

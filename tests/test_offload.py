@@ -21,7 +21,7 @@ TOKENS = [1, 17, 33, 2, 99, 5, 64, 7, 8, 120, 3]
 
 # -- planner ---------------------------------------------------------------------------
 @pytest.mark.parametrize("text, expected", [
-    ("24GB", 24 * 10**9), ("23.5 GiB", int(23.5 * 2**30)), ("512MB", 512 * 10**6), ("512mib", 512 * 2**20),
+    ("24GB", 24 * 2**30), ("23.5 GiB", int(23.5 * 2**30)), ("512MB", 512 * 2**20), ("512mib", 512 * 2**20),
     ("1000", 1000), (2048, 2048),
 ])
 def test_sizes_read_as_bytes(text, expected):
@@ -161,12 +161,23 @@ def test_budget_on_the_engine_and_its_errors(deep_dir):
     assert umakit.load(deep_dir, gpu_layers=1, dtype="float32").info.backend == "torch"
 
 
+def test_the_engine_reserves_kv_as_plan_counts_it(deep_dir):
+    from umakit.backends.torch.loader import CUDA_CACHE_TOKENS
+    from umakit.offload import reserve_tokens, reserved_bytes
+    from umakit.shapes import KV_RESERVE_TOKENS
+
+    m = umakit.load(deep_dir, backend="torch", device="cpu", dtype="float32", gpu_layers=1)
+    assert CUDA_CACHE_TOKENS == KV_RESERVE_TOKENS  # one constant: the cache a GPU starts with is what is reserved
+    assert m.engine.offload.reserved_bytes == reserved_bytes(m.engine.config, reserve_tokens(m.engine.config)) > 0
+
+
 def test_stats_report_the_streamed_bytes_against_the_offload_ceiling(deep_dir, monkeypatch, tmp_path):
     monkeypatch.setenv("UMAKIT_HOME", str(tmp_path))  # a machine that has not been measured yet
     probes = []
     monkeypatch.setattr(hw_probes, "h2d_gbps", lambda index=0, kind="cpu", pinned=True: probes.append(kind) or 8.0)
     assert hardware.h2d_bandwidth("cpu") == {"pinned": 8.0, "pageable": 8.0}  # nothing is pinned without CUDA
-    assert hardware.h2d_bandwidth("cpu") == {"pinned": 8.0, "pageable": 8.0} and probes == ["cpu"]  # cached
+    cached = hardware.h2d_bandwidth("cpu")
+    assert cached == {"pinned": 8.0, "pageable": 8.0} and probes == ["cpu"] * hw_probes.PROBE_RUNS  # best of runs, once
     m = umakit.load(deep_dir, backend="torch", device="cpu", dtype="float32", gpu_layers=1, peak_bandwidth=20.0)
     s = m.generate("a b c", raw=True, temperature=0, max_tokens=12).stats
     streamed = m.info.weights.streamed_bytes_per_token

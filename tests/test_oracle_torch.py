@@ -5,10 +5,11 @@ import pytest
 import torch
 
 import umakit
+from conftest import ALL_FAMILIES
 from umakit.errors import InvalidArgumentError, UnsupportedModelError
 from umakit.sampling import SamplingParams
 
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]
+FAMILIES = ALL_FAMILIES  # every tiny family: gemma3 (sliding and global layers), mixtral and qwen3_moe (2 of 4 experts)
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 301, 12, 64, 128, 77, 31, 200, 11]
 GREEDY = SamplingParams(temperature=0)
 
@@ -97,9 +98,28 @@ def test_half_precision_on_cpu_is_close(tiny_dir, dtype, tolerance):
     assert np.abs(model.logits(PROMPT) - theirs).max() <= tolerance * np.abs(theirs).max()
 
 
-def test_unsupported_model_type_names_the_supported_ones(tiny_dir):
-    with pytest.raises(UnsupportedModelError, match="supported: llama, mistral, qwen2, qwen3"):
-        umakit.load(tiny_dir("gemma3"), backend="torch", device="cpu")
+def test_unsupported_model_type_names_the_supported_ones(tiny_dir, tmp_path):
+    from umakit.backends.torch.engine import TorchEngine
+    from umakit.checkpoint import open_checkpoint
+
+    path = _edited(tiny_dir("llama"), tmp_path / "phi3", model_type="phi3")
+    with pytest.raises(UnsupportedModelError, match="supported: llama, mistral, qwen2, qwen3, gemma3_text, mixtral, "
+                                                    "qwen3_moe"):
+        TorchEngine.from_checkpoint(open_checkpoint(path), device="cpu")
+    with pytest.raises(UnsupportedModelError, match="the torch backend does not run model_type 'phi3'; "
+                                                    "use --backend mlx"):
+        umakit.load(path, backend="torch", device="cpu")
+
+
+def _edited(src, path, **changes):
+    """A copy of the checkpoint at ``src`` with config.json fields changed."""
+    import json
+    import shutil
+
+    shutil.copytree(src, path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, **changes}))
+    return path
 
 
 def test_kv_bits_is_refused(pair):
@@ -124,16 +144,54 @@ def test_static_decode_step_equals_eager(tiny_dir, family):
 
 def test_sliding_window_matches_transformers(tiny_dir, tmp_path):
     """Mistral with a window shorter than the prompt: prefill masks and cached decode both honour it."""
-    import json
-    import shutil
-
-    path = tmp_path / "mistral-window"
-    shutil.copytree(tiny_dir("mistral"), path)
-    config = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**config, "sliding_window": 6}))
+    path = _edited(tiny_dir("mistral"), tmp_path / "mistral-window", sliding_window=6)
     model, ref = umakit.load(path, backend="torch", device="cpu", dtype="float32"), reference(path)
     np.testing.assert_allclose(model.logits(PROMPT), ref_logits(ref, PROMPT), atol=1e-4, rtol=1e-4)
     cache = model.make_cache()
     model.engine.prefill(PROMPT[:4], cache)
     steps = [model.engine.logits([t], cache)[-1] for t in PROMPT[4:]]
     np.testing.assert_allclose(np.stack(steps), ref_logits(ref, PROMPT)[4:], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family, changes", [
+    ("gemma3", {"final_logit_softcapping": 0.5, "sliding_window": 3}),  # tanh bends these logits (max ~0.7)
+    ("qwen3_moe", {"norm_topk_prob": False, "num_experts_per_tok": 3}),  # the picked weights not renormalised
+])
+def test_variants_match_transformers(tiny_dir, tmp_path, family, changes):
+    """Settings the tiny families leave off, through prefill and cached decode."""
+    path = _edited(tiny_dir(family), tmp_path / family, **changes)
+    model, ref = umakit.load(path, backend="torch", device="cpu", dtype="float32"), reference(path)
+    theirs = ref_logits(ref, PROMPT)
+    np.testing.assert_allclose(model.logits(PROMPT), theirs, atol=1e-4, rtol=1e-4)
+    cache = model.make_cache()
+    model.engine.prefill(PROMPT[:2], cache)
+    steps = [model.engine.logits([t], cache)[-1] for t in PROMPT[2:]]
+    np.testing.assert_allclose(np.stack(steps), theirs[2:], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "gemma3"])
+def test_mlx_quantized_checkpoint_runs_as_on_mlx(tiny_dir, tmp_path, family):
+    """umakit quantize's output (mlx-lm's layout: experts stacked, each quantized alone) reads as MLX reads it."""
+    from safetensors import safe_open
+
+    from umakit.quantize.pipeline import quantize
+
+    dst = tmp_path / "q4"
+    quantize(tiny_dir(family), dst, bits=4, group_size=32)
+    with safe_open(str(dst / "model.safetensors"), "np") as f:
+        stacked = [k for k in f.keys() if ".switch_mlp." in k and k.endswith(".scales")]
+    assert bool(stacked) == (family != "gemma3")
+    torch_model = umakit.load(dst, backend="torch", device="cpu", dtype="float32")
+    assert torch_model.info.weights.quantization.startswith("4-bit g32")
+    mlx_logits = umakit.load(dst, backend="mlx").logits(PROMPT)
+    np.testing.assert_allclose(torch_model.logits(PROMPT), mlx_logits, atol=1e-4, rtol=1e-4)
+
+
+def test_qwen3_moe_with_a_dense_layer_matches_transformers(tmp_path):
+    """mlp_only_layers: layer 1 keeps a dense MLP between sparse ones."""
+    from tiny import make_tiny_model
+
+    path = make_tiny_model("qwen3_moe", tmp_path / "mixed", num_hidden_layers=3, mlp_only_layers=[1])
+    model = umakit.load(path, backend="torch", device="cpu", dtype="float32")
+    assert [type(b.mlp).__name__ for b in model.engine.model.model.layers] == ["SparseMoE", "MLP", "SparseMoE"]
+    np.testing.assert_allclose(model.logits(PROMPT), ref_logits(reference(path), PROMPT), atol=1e-4, rtol=1e-4)

@@ -1,5 +1,6 @@
 """`umakit plan`: memory anatomy from config shapes, device fits and offload splits, the CLI."""
 
+import dataclasses
 import json
 import math
 
@@ -10,11 +11,14 @@ import umakit.cli.main
 from umakit import plan as P
 from umakit.errors import ConfigError, InvalidArgumentError, ModelNotFoundError
 from umakit.hardware import GiB, DeviceInfo, lookup_device
-from umakit.offload import RING_SLOTS, reserved_bytes
+from umakit.offload import RING_SLOTS, ROUTED_EXPERTS, WHOLE_LAYERS, reserved_bytes
 from umakit.roofline import offload_ceiling_tps
+from umakit.shapes import KV_RESERVE_TOKENS
 
-PRESETS = ["gemma-3-27b", "llama-2-13b", "llama-2-70b", "llama-2-7b", "llama-3-70b", "llama-3-8b",
-           "llama-3.1-70b", "llama-3.1-8b", "mistral-7b", "mixtral-8x7b", "qwen2.5-72b", "qwen2.5-7b",
+PRESETS = ["deepseek-v3", "gemma-3-12b", "gemma-3-1b", "gemma-3-27b", "gemma-3-4b", "llama-2-13b", "llama-2-70b",
+           "llama-2-7b", "llama-3-70b", "llama-3-8b", "llama-3.1-405b", "llama-3.1-70b", "llama-3.1-8b",
+           "llama-3.2-1b", "llama-3.2-3b", "llama-3.3-70b", "mistral-7b", "mistral-large", "mixtral-8x22b",
+           "mixtral-8x7b", "qwen2.5-72b", "qwen2.5-7b", "qwen3-235b-a22b", "qwen3-30b-a3b", "qwen3-32b", "qwen3-8b",
            "smollm2-135m"]
 
 
@@ -38,7 +42,7 @@ def test_llama3_8b_weights_fp16_and_4bit():
     assert fp16.params == 8_030_261_248
     assert 16.0e9 < fp16.weight_bytes < 16.1e9  # about 16 GB
     assert 4.0e9 < fp16.params * 4 / 8 < 4.1e9  # about 4 GB at 4 bits before group overhead
-    q4 = plan("llama-3-8b", bits=4)
+    q4 = plan("llama-3-8b", bits=4, recipe="uniform")
     norms = cat(q4, "norms").params
     # every matrix at 4.5 bits (4-bit, group 64, fp16 scale and bias), norms at 16 bits
     assert q4.weight_bytes == pytest.approx((q4.params - norms) * 4.5 / 8 + norms * 2, abs=8)
@@ -46,6 +50,22 @@ def test_llama3_8b_weights_fp16_and_4bit():
     mixed = plan("llama-3-8b", bits=4, embed_bits=8)
     assert cat(mixed, "embedding").bits_per_weight == cat(mixed, "head").bits_per_weight == 8.5
     assert cat(mixed, "attention").bits_per_weight == 4.5
+
+
+def test_bits_follow_the_quantize_recipes():
+    # `umakit quantize --bits 4` keeps embeddings and head at 8 bits: 5.04 GB for Llama-3-8B, not 4.52
+    q4 = plan("llama-3-8b", bits=4)
+    assert (q4.recipe, q4.embed_bits) == ("default", 8)
+    assert q4.weight_bytes == plan("llama-3-8b", bits=4, embed_bits=8).weight_bytes == 5_042_741_248
+    assert cat(q4, "embedding").bits_per_weight == cat(q4, "head").bits_per_weight == 8.5
+    # mixed: v_proj and down_proj of the first and last two blocks at 8 bits too
+    mixed = plan("llama-3-8b", bits=4, recipe="mixed")
+    v, down = 4096 * 1024, 14336 * 4096
+    assert mixed.weight_bytes - q4.weight_bytes == 4 * (v + down) * (8.5 - 4.5) / 8
+    assert mixed.layers[0].total > mixed.layers[2].total == mixed.layers[29].total < mixed.layers[31].total
+    assert 4.5 < cat(mixed, "mlp").bits_per_weight < 8.5
+    with pytest.raises(InvalidArgumentError, match="recipe"):
+        plan("llama-3-8b", bits=4, recipe="nope")
 
 
 def test_categories_of_an_untied_and_a_tied_model():
@@ -98,12 +118,20 @@ TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_lay
     ("Qwen3Config", dict(tie_word_embeddings=True, head_dim=16)),
     ("MixtralConfig", dict(tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2)),
     ("Gemma3TextConfig", dict(head_dim=16, sliding_window=8, query_pre_attn_scalar=16)),
+    ("Qwen3MoeConfig", dict(tie_word_embeddings=False, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                            moe_intermediate_size=32)),
+    ("DeepseekV3Config", dict(tie_word_embeddings=False, n_routed_experts=4, num_experts_per_tok=2,
+                              moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=32,
+                              q_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, n_group=2,
+                              topk_group=1, num_key_value_heads=4)),
 ])
 def test_parameter_count_matches_transformers(cls, extra):
     transformers = pytest.importorskip("transformers")
-    config = getattr(transformers, cls)(**TINY, **extra)
+    config = getattr(transformers, cls)(**{**TINY, **extra})
     model = transformers.AutoModelForCausalLM.from_config(config)
     expected = sum(p.numel() for p in model.parameters())  # tied weights are counted once
+    # DeepSeek's router score correction bias is a buffer to torch but a tensor of the checkpoint
+    expected += sum(b.numel() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias"))
     assert P.plan_model(config.to_dict()).params == expected
 
 
@@ -137,7 +165,39 @@ def test_presets_all_load_and_plan():
     assert tuple(s[k] for k in keys) == (576, 30, 9, 3, 1536, 49152, True, 100000.0, 8192, "llama")
 
 
-def test_resolve_config_sources(tmp_path):
+# Parameter counts the model cards publish (billions, as rounded there), text model only.
+PUBLISHED_PARAMS = {"deepseek-v3": 671, "llama-3.1-405b": 405, "llama-3.2-1b": 1.23, "llama-3.2-3b": 3.21,
+                    "llama-3.3-70b": 70.6, "qwen3-8b": 8.2, "qwen3-32b": 32.8, "qwen3-30b-a3b": 30.5,
+                    "qwen3-235b-a22b": 235, "mixtral-8x22b": 141, "mistral-large": 123, "gemma-3-1b": 1.0}
+
+
+@pytest.mark.parametrize("name, billions", sorted(PUBLISHED_PARAMS.items()))
+def test_presets_have_the_published_sizes(name, billions):
+    assert plan(name).params / 1e9 == pytest.approx(billions, rel=0.01)
+
+
+def test_moe_active_parameters_match_the_names():
+    # activated parameters, embedding and head included (model cards): Qwen3-30B-A3B 3.3 B, Qwen3-235B-A22B 22 B,
+    # DeepSeek-V3 37 B, Mixtral-8x7B 12.9 B, Mixtral-8x22B 39 B
+    for name, active in (("qwen3-30b-a3b", 3.3e9), ("qwen3-235b-a22b", 22e9), ("deepseek-v3", 37e9),
+                         ("mixtral-8x7b", 12.9e9), ("mixtral-8x22b", 39e9)):
+        p = plan(name)  # 16-bit: two bytes per parameter read
+        embed, head = cat(p, "embedding"), cat(p, "head")
+        layers = p.weight_read_bytes_per_step - head.read_bytes_per_step - embed.read_bytes_per_step
+        assert layers / 2 + embed.params + head.params == pytest.approx(active, rel=0.02), name
+
+
+def test_deepseek_latent_attention_caches_its_compressed_vector():
+    p = plan("deepseek-v3")
+    assert p.kv_bytes_per_token == 61 * (512 + 64) * 2  # kv_lora_rank + qk_rope_head_dim, 16-bit
+    assert plan("deepseek-v3", kv_bits=8).kv_bytes_per_token == 61 * (576 + 576 // 64 * 2 * 2)
+    assert any("latent" in n for n in p.notes)
+    s = P.ModelShape.from_config(P.load_preset("deepseek-v3"))
+    assert (s.num_experts, s.experts_per_token, s.dense_layers, s.shared_expert_intermediate_size) == (256, 8, 3, 2048)
+
+
+def test_resolve_config_sources(tmp_path, monkeypatch):
+    monkeypatch.setenv("UMAKIT_HOME", str(tmp_path / "home"))  # the built-in model not imported: its preset
     model_dir = tmp_path / "my-model"
     model_dir.mkdir()
     (model_dir / "config.json").write_text(json.dumps(P.load_preset("llama-2-7b")))
@@ -201,6 +261,19 @@ def test_the_offload_reserve_is_what_plan_counts_besides_weights(preset):
     with pytest.raises(InvalidArgumentError):
         reserved_bytes(P.load_preset(preset), 0)
 
+def test_a_split_reserves_what_the_engine_reserves_or_more():
+    # below KV_RESERVE_TOKENS the engine still reserves that much when it splits by budget
+    config = P.load_preset("llama-2-70b")
+    short = plan("llama-2-70b", bits=4, context=512)
+    assert short.reserve_tokens == KV_RESERVE_TOKENS
+    assert short.reserve_bytes == reserved_bytes(config, KV_RESERVE_TOKENS) > short.kv_bytes + short.working_bytes
+    assert short.offload_fixed_bytes == short.fixed_bytes - short.kv_bytes - short.working_bytes + short.reserve_bytes
+    long = plan("llama-2-70b", bits=4, context=32768)
+    assert long.reserve_bytes == long.kv_bytes + long.working_bytes > reserved_bytes(config)
+    # a model whose whole context is shorter reserves only that
+    assert reserved_bytes({**config, "max_position_embeddings": 1024}) == reserved_bytes(config, 1024)
+
+
 def test_plan_to_dict_is_json():
     p = plan("mixtral-8x7b", bits=4, devices=[lookup_device("H100 80GB")])
     d = json.loads(json.dumps(P.plan_to_dict(p)))
@@ -233,7 +306,8 @@ def test_cli_text(run):
     assert "320.00 KiB/token x 8192 tokens x 1 = 2.50 GiB" in out
 
 
-def test_cli_default_devices_include_the_local_machine(run):
+def test_cli_default_devices_include_the_local_machine(run, tmp_path, monkeypatch):
+    monkeypatch.setenv("UMAKIT_HOME", str(tmp_path / "home"))  # the built-in model not imported: its preset
     r = run("--peak-bandwidth", "42")
     assert r.exit_code == 0, r.output
     assert P.DEFAULT_PRESET in r.output and "42 GB/s user" in r.output
@@ -265,7 +339,7 @@ def test_cli_errors_are_one_line(run, args, message):
 def test_a_vram_budget_caps_the_gpu_and_plans_the_split_the_engine_uses():
     from umakit.offload import plan_layers
 
-    budget = 3 * 10**9
+    budget = 3 * 2**30  # "3GB" on the command line: memory sizes are binary, as cards are sold
     p = plan("llama-3-8b", bits=4, context=4096, devices=[lookup_device("RTX 4090 24GB")], vram_budget=budget)
     (d,) = p.devices
     assert d.budget_bytes == budget and not d.fits
@@ -278,3 +352,81 @@ def test_a_vram_budget_caps_the_gpu_and_plans_the_split_the_engine_uses():
     assert f"--gpu-layers {split.gpu_layers}" in out.output
     bad = CliRunner().invoke(umakit.cli.main.main, ["plan", "llama-3-8b", "--vram-budget", "3XB"])
     assert bad.exit_code != 0 and "as a size" in bad.output
+
+
+def test_cli_states_its_units_and_the_budget_in_them(run):
+    r = run("llama-3-8b", "--bits", "4", "--context", "4096", "--device", "RTX 4090 24GB", "--vram-budget", "3GB")
+    assert r.exit_code == 0, r.output
+    out = r.output
+    assert "sizes in GiB/MiB/KiB (2^30/2^20/2^10 bytes), bandwidths in GB/s (10^9 bytes/s)" in out
+    assert "size (KiB-GiB)" in out and "usable / memory (GiB)" in out and "peak bandwidth (GB/s)" in out
+    assert "--vram-budget 3GB = 3.00 GiB" in out and "3.00 GiB / 24.00 GiB" in out  # "GB" as the card is sold: 2^30
+    assert "(--bits 4, default recipe)" in out
+
+
+def test_cli_offload_names_the_engine_and_each_placement(run):
+    r = run("mixtral-8x7b", "--bits", "4", "--device", "RTX 4090 24GB")
+    assert r.exit_code == 0, r.output
+    # MoE: the engine streams routed experts; whole layers are shown for comparison only
+    (d,) = plan("mixtral-8x7b", bits=4, devices=[lookup_device("RTX 4090 24GB")]).devices
+    engine, whole = d.offload, d.whole_layers
+    assert (engine.placement, whole.placement) == (ROUTED_EXPERTS, WHOLE_LAYERS)
+    assert (f"routed experts (torch engine): {engine.layers_resident}/32 layers' experts resident" in r.output)
+    assert f"whole layers (for comparison: no engine streams MoE layers whole): {whole.layers_resident}/32" in r.output
+    assert r.output.index("routed experts (torch") < r.output.index("whole layers (for comparison")
+    assert (f"--gpu-layers {engine.layers_resident} (layers whose experts stay resident)" in r.output
+            and engine.layers_resident != whole.layers_resident)
+    r = run("llama-3-8b", "--bits", "4", "--device", "RTX 4090 24GB", "--vram-budget", "3GB")
+    assert "whole layers (torch engine): 0/32 layers resident" in r.output and "for comparison" not in r.output
+    assert "--gpu-layers 0\n" in r.output
+    # no engine offloads DeepSeek's latent attention: plan recommends none
+    r = run("deepseek-v3", "--bits", "4", "--device", "RTX 4090 24GB")
+    assert r.exit_code == 0, r.output
+    assert "--gpu-layers" not in r.output and "no engine streams deepseek_v3 layers" in r.output
+    assert "routed experts (no engine yet)" in r.output
+    assert P.offload_engines("deepseek_v3") == () and "torch" in P.offload_engines("llama")
+
+
+def test_plan_recommends_only_engines_that_run_the_architecture(monkeypatch):
+    """The offload split names the engines whose spec runs the language model's architecture."""
+    from umakit import backends
+    from umakit.config_compat import architecture
+
+    config = P.load_preset("gemma-3-4b")
+    p = plan("gemma-3-4b", devices=[lookup_device("RTX 3060 8GB")])
+    assert p.architecture == architecture(config) == "gemma3_text" != config["model_type"]
+    (d,) = p.devices
+    assert d.offload.engines == ("torch",) and d.whole_layers is None
+    torch_spec = backends.ENGINES["torch"]
+    narrowed = dataclasses.replace(torch_spec, architectures=tuple(a for a in torch_spec.architectures
+                                                                   if a != "gemma3_text"))
+    monkeypatch.setitem(backends.ENGINES, "torch", narrowed)
+    (d,) = plan("gemma-3-4b", devices=[lookup_device("RTX 3060 8GB")]).devices
+    assert d.offload.engines == () and d.offload.ceiling_tps
+
+
+def test_no_model_plans_the_built_in_model_as_imported(run, tmp_path, monkeypatch):
+    from umakit.default_model import DEFAULT_MODEL_NAME
+
+    monkeypatch.setenv("UMAKIT_HOME", str(tmp_path))
+    assert P.resolve_config()[0] == P.DEFAULT_PRESET  # not imported yet: the preset's shapes
+    block = {"group_size": 32, "bits": 4, "mode": "affine", "model.embed_tokens": {"group_size": 32, "bits": 8}}
+    target = tmp_path / "models" / DEFAULT_MODEL_NAME
+    target.mkdir(parents=True)
+    (target / "config.json").write_text(json.dumps({**P.load_preset("smollm2-135m"), "quantization": block}))
+    name, config = P.resolve_config()
+    assert name == DEFAULT_MODEL_NAME and P.plan_model(config).weight_bytes == 98_275_968
+    r = run("--device", "H100 80GB")
+    assert r.exit_code == 0 and "93.72 MiB" in r.output and "checkpoint: 4-bit g32" in r.output
+
+
+def test_cli_reads_a_quantized_checkpoint_and_takes_a_recipe(run, tmp_path):
+    block = {"group_size": 32, "bits": 4, "mode": "affine", "model.embed_tokens": {"group_size": 32, "bits": 8}}
+    (tmp_path / "config.json").write_text(json.dumps({**P.load_preset("smollm2-135m"), "quantization": block}))
+    d = json.loads(run(str(tmp_path), "--json", "--device", "H100 80GB").output)
+    assert (d["bits"], d["embed_bits"], d["group_size"], d["weight_bytes"]) == (4, 8, 32, 98_275_968)
+    assert d["quantization"] == "checkpoint: 4-bit g32, some layers 8-bit"
+    mixed = json.loads(run("llama-3-8b", "--bits", "4", "--recipe", "mixed", "--json", "--device", "H100 80GB").output)
+    assert mixed["recipe"] == "mixed" and mixed["weight_bytes"] == plan("llama-3-8b", bits=4, recipe="mixed").weight_bytes
+    bad = run("llama-3-8b", "--bits", "4", "--recipe", "nope")
+    assert bad.exit_code == 1 and "Error: unknown recipe 'nope'" in bad.output

@@ -74,3 +74,37 @@ def test_offload_ceiling():
     assert offload_ceiling_tps(10e9, 0, 1000, 25) == pytest.approx(100.0)
     with pytest.raises(InvalidArgumentError):
         offload_ceiling_tps(1e9, 1e9, 1000, 0)
+
+
+def test_measure_decode_reads_the_rest_from_vram_and_never_a_negative_amount():
+    from types import SimpleNamespace
+
+    from umakit.roofline import measure_decode
+
+    dev = SimpleNamespace(peak_bandwidth_gbps=100.0, name="gpu", bandwidth_source="published", pcie_h2d_gbps=10.0)
+    r, o = measure_decode(1e9, 4e8, 1e3, 1000, 2.0, dev, placement="experts", hit_rate=0.25)
+    assert r.bytes_per_token == 1e9 + 1e6
+    assert o.ceiling_tps == pytest.approx(offload_ceiling_tps(6e8 + 1e6, 4e8, 100.0, 10.0))
+    assert (o.placement, o.hit_rate, o.streamed_bytes, o.achieved_pcie_gbps) == ("experts", 0.25, 4e8, 0.8)
+    # a batch's union of experts streamed against one token's weight bytes: only the KV cache is left in VRAM
+    _, o = measure_decode(1e9, 3e9, 1e3, 1000, None, dev)
+    assert o.ceiling_tps == pytest.approx(offload_ceiling_tps(1e6, 3e9, 100.0, 10.0))
+    # nothing streamed but an expert cache kept: its hits are still reported; no cache, no offload figures
+    assert measure_decode(1e9, 0, 1e3, 10, 1.0, dev, hit_rate=1.0)[1].hit_rate == 1.0
+    assert measure_decode(1e9, 0, 1e3, 10, 1.0, dev)[1] is None
+
+
+def test_a_sharded_run_reports_the_link_share_of_each_step():
+    from umakit.cli.format import stats_line
+    from umakit.generation import GenerationStats
+    from umakit.hardware import DeviceInfo
+    from umakit.roofline import measure_decode
+
+    dev = DeviceInfo(name="test", kind="cpu", memory_bytes=0, peak_bandwidth_gbps=100.0, bandwidth_source="user")
+    r, _ = measure_decode(1e9, 0, 0, 0, 20.0, dev, comm_s_per_token=0.01)  # 20 steps/s, 10 ms each on the link
+    assert r.comm_share == pytest.approx(0.2)
+    stats = GenerationStats(decode_tps=20.0, generated_tokens=3, roofline=r)
+    assert stats.to_dict()["link"] == {"comm_s_per_token": 0.01, "share_of_step": pytest.approx(0.2)}
+    assert "link 10.00 ms/token (20% of a step)" in stats_line(stats)
+    plain, _ = measure_decode(1e9, 0, 0, 0, 20.0, dev)
+    assert plain.comm_share == 0 and "link" not in GenerationStats(roofline=plain).to_dict()

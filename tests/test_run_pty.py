@@ -130,3 +130,15 @@ def test_chat_with_most_layers_streamed_from_host_memory():
     new, reused = say(child, "Hi!")
     assert new > 0 and reused == 0
     quit(child)
+
+
+def test_piped_bad_line_fails_alone():
+    script = b"What is the capital of France?\n\xff\xfe not text\nAnd what is the capital of Germany?\n"
+    out = subprocess.run([EXE, "run", "--temp", "0", "--max-tokens", "24"], input=script, capture_output=True,
+                         timeout=300)
+    assert out.returncode == 1
+    assert out.stderr.decode().splitlines() == [
+        "Error: line 2 of the input is not UTF-8 text: byte 0xff at offset 0 (invalid start byte); "
+        "convert it to UTF-8 first"]
+    replies = out.stdout.decode().split("\n\n")
+    assert "Paris" in replies[0] and "Berlin" in replies[1]  # the lines after the bad one still ran

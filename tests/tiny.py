@@ -30,10 +30,20 @@ FAMILIES = {
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(tie_word_embeddings=False, sliding_window=None)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(tie_word_embeddings=True, head_dim=16)),
+    # As transformers v5 writes it: layer_types (and no sliding_window_pattern), one RoPE per layer type
+    # (linear scaling on the global layers only); the window is shorter than the tests' prompts.
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
-        head_dim=16, sliding_window=8, query_pre_attn_scalar=16, sliding_window_pattern=2,
-        layer_types=["sliding_attention", "full_attention"],
+        head_dim=16, sliding_window=8, query_pre_attn_scalar=24, num_hidden_layers=3,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
     )),
+    # Two experts of four per token; qwen3_moe renormalises the picked weights.
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
+        num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16, norm_topk_prob=True,
+        tie_word_embeddings=False)),
 }
 
 
@@ -70,6 +80,8 @@ def make_tiny_model(family: str, path: Path, seed: int = 0, **overrides) -> Path
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.copy_(torch.randn_like(p) * 0.1 + (0.0 if family == "gemma3" else 1.0))
+            elif name.endswith(".gate.weight"):  # a router: decisive logits, so the experts picked matter
+                p.mul_(20)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
     write_tokenizer(path)

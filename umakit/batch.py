@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterator, Sequence
 
 from .backends.base import BatchRow
+from . import validate
 from .errors import InvalidArgumentError, UmakitError
 from .generation import DecodeRow, GenerationResult
 from .sampling import DEFAULT_MAX_TOKENS, SamplingParams
@@ -73,10 +74,37 @@ class BatchStats:
                 "achieved_gbps": self.achieved_gbps}
 
 
-def _check_type(name: str, value, types: tuple, what: str):
-    if isinstance(value, bool) or not isinstance(value, types):
-        raise InvalidArgumentError(f"{name} must be {what}, got {value!r}")
-    return value
+def check_item(item, *, max_tokens: int = DEFAULT_MAX_TOKENS, stop: Sequence[str] | str = (),
+               seed: int | None = None, system: str | None = None,
+               sampling: SamplingParams | None = None) -> dict:
+    """Check one prompt without a model: its shape and every setting, the arguments as defaults.
+
+    Returns the resolved fields (prompt or messages, system, max_tokens, seed,
+    stop, sampling); a bad item raises `InvalidArgumentError` before any model
+    work, so the CLI can set it aside before loading.
+    """
+    if isinstance(item, str):
+        fields = {"prompt": item}
+    elif isinstance(item, (list, tuple)):
+        fields = {"messages": list(item)}
+    elif isinstance(item, dict):
+        fields = dict(item)
+    else:
+        raise InvalidArgumentError(f"a prompt must be a string, a message list or a dict, got {type(item).__name__}")
+    unknown = set(fields) - ITEM_KEYS
+    if unknown:
+        raise InvalidArgumentError(f"unknown setting(s) {', '.join(sorted(unknown))}; known: {', '.join(sorted(ITEM_KEYS))}")
+    if ("prompt" in fields) == ("messages" in fields):
+        raise InvalidArgumentError("give exactly one of 'prompt' or 'messages'")
+    system = fields.get("system", system)
+    max_tokens = fields.get("max_tokens", max_tokens)
+    stop = validate.request(fields.get("prompt"), fields.get("messages"), system, max_tokens, fields.get("stop", stop))
+    overrides = {k: validate.sampling_field(k, fields[k]) for k in SAMPLING_FIELDS if k in fields}
+    return {
+        "prompt": fields.get("prompt"), "messages": fields.get("messages"), "system": system,
+        "max_tokens": max_tokens, "seed": validate.seed(fields.get("seed", seed)), "stop": stop,
+        "sampling": (sampling or SamplingParams()).with_overrides(**overrides),
+    }
 
 
 def make_request(
@@ -91,54 +119,20 @@ def make_request(
     sampling: SamplingParams | None = None,
 ) -> BatchRequest:
     """Encode one prompt: a string, a message list, or a dict with ``prompt`` or
-    ``messages`` and optional per-item settings that override the arguments."""
+    ``messages`` and optional per-item settings that override the arguments (`check_item`)."""
     if isinstance(item, BatchRequest):
         return item
-    if isinstance(item, str):
-        fields = {"prompt": item}
-    elif isinstance(item, (list, tuple)):
-        fields = {"messages": list(item)}
-    elif isinstance(item, dict):
-        fields = dict(item)
-    else:
-        raise InvalidArgumentError(f"a prompt must be a string, a message list or a dict, got {type(item).__name__}")
-    unknown = set(fields) - ITEM_KEYS
-    if unknown:
-        raise InvalidArgumentError(f"unknown setting(s) {', '.join(sorted(unknown))}; known: {', '.join(sorted(ITEM_KEYS))}")
-    if ("prompt" in fields) == ("messages" in fields):
-        raise InvalidArgumentError("give exactly one of 'prompt' or 'messages'")
-    if "prompt" in fields:
-        _check_type("prompt", fields["prompt"], (str,), "a string")
-    else:
-        _check_type("messages", fields["messages"], (list,), "a list of {role, content} objects")
-    system = fields.get("system", system)
-    if system is not None:
-        _check_type("system", system, (str,), "a string")
-    max_tokens = _check_type("max_tokens", fields.get("max_tokens", max_tokens), (int,), "an integer")
-    if max_tokens < 1:
-        raise InvalidArgumentError(f"max_tokens must be at least 1, got {max_tokens}")
-    seed = fields.get("seed", seed)
-    if seed is not None:
-        _check_type("seed", seed, (int,), "an integer")
-    stop = fields.get("stop", stop)
-    stop = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
-        raise InvalidArgumentError(f"stop must be a string or a list of strings, got {stop!r}")
-    overrides = {}
-    for k in SAMPLING_FIELDS:
-        if k in fields:
-            ints = k in ("top_k", "repetition_context")
-            overrides[k] = _check_type(k, fields[k], (int,) if ints else (int, float), "an integer" if ints else "a number")
-    params = (sampling or SamplingParams()).with_overrides(**overrides)
-    ids = model.encode(fields.get("prompt"), fields.get("messages"), system, raw)
+    c = check_item(item, max_tokens=max_tokens, stop=stop, seed=seed, system=system, sampling=sampling)
+    ids = model.encode(c["prompt"], c["messages"], c["system"], raw)
     if not ids:
         raise InvalidArgumentError("the prompt is empty: there is nothing to continue from")
+    max_tokens = c["max_tokens"]
     limit = model.info.context_length
     if limit and len(ids) + max_tokens > limit:
         max_tokens = limit - len(ids)
         if max_tokens < 1:
             raise InvalidArgumentError(f"the prompt ({len(ids)} tokens) fills the model's context of {limit} tokens")
-    return BatchRequest(tuple(ids), max_tokens, params, seed, tuple(stop))
+    return BatchRequest(tuple(ids), max_tokens, c["sampling"], c["seed"], c["stop"])
 
 
 def plan_batch_size(requests: Sequence[BatchRequest], requested: int, kv_bytes_per_token: float,
@@ -210,6 +204,10 @@ class BatchStream:
         self.stats.prefill_s += time.perf_counter() - t
 
     def _run(self) -> Iterator[tuple[int, GenerationResult]]:
+        with self._model.engine.wired():  # held while the caller reads, as stream_tokens does
+            yield from self._steps()
+
+    def _steps(self) -> Iterator[tuple[int, GenerationResult]]:
         engine, stats, w = self._model.engine, self.stats, self._model.info.weights
         waiting = deque(range(len(self.requests)))
         rows: dict[int, DecodeRow] = {}

@@ -4,7 +4,8 @@ Input lines are ``{"id": ..., "prompt": "..."}`` or ``{"id": ..., "messages": [.
 plus optional per-item settings (checked by `umakit.batch.make_request`).
 Output lines are appended, flushed and synced one by one, so a crash loses
 nothing that finished; a rerun skips the ids already in the output and cuts
-off a line torn by the crash.
+off a line torn by the crash. The CLI holds the output's lock (`umakit.fsutil.locked`)
+for the whole run, so two batches never append to one file at once.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import InvalidArgumentError
-from .fsutil import atomic_file
+from .fsutil import AppendFile, atomic_file, writing
 from .generation import GenerationResult
 
 
@@ -71,11 +72,14 @@ def read_items(path: str | os.PathLike) -> tuple[list[InputItem], list[LineError
     """
     items: list[InputItem] = []
     errors: list[LineError] = []
-    with open(path, "rb") as f:
-        for n, raw in enumerate(f, start=1):
-            if raw.strip():
-                parsed = _parse_line(n, raw)
-                (items if isinstance(parsed, InputItem) else errors).append(parsed)
+    try:
+        with open(path, "rb") as f:
+            for n, raw in enumerate(f, start=1):
+                if raw.strip():
+                    parsed = _parse_line(n, raw)
+                    (items if isinstance(parsed, InputItem) else errors).append(parsed)
+    except OSError as e:
+        raise InvalidArgumentError(f"cannot read {path}: {e.strerror or e}") from e
     lines: dict[str, list[int]] = {}
     for item in items:
         lines.setdefault(id_key(item.id), []).append(item.line)
@@ -98,10 +102,11 @@ def prepare_output(path: str | os.PathLike) -> set[str]:
     path = Path(path)
     if not path.exists():
         return set()
-    data = path.read_bytes()
-    end = data.rfind(b"\n") + 1
-    if end < len(data):
-        os.truncate(path, end)
+    with writing(path):
+        data = path.read_bytes()
+        end = data.rfind(b"\n") + 1
+        if end < len(data):
+            os.truncate(path, end)
     done = set()
     for raw in data[:end].splitlines():
         try:
@@ -124,7 +129,8 @@ def write_errors(path: str | os.PathLike, errors: list[LineError]) -> None:
     """Write the errors file whole (or remove a stale one when there are none)."""
     path = Path(path)
     if not errors:
-        path.unlink(missing_ok=True)
+        with writing(path):
+            path.unlink(missing_ok=True)
         return
     with atomic_file(path, encoding="utf-8") as f:
         for e in errors:
@@ -148,16 +154,18 @@ def result_record(item_id, result: GenerationResult) -> dict:
 
 
 class ResultWriter:
-    """Appends one JSON line per result; each is flushed and synced before the next."""
+    """Appends one JSON line per result; each is synced before the next.
+
+    A failed write (a full disk) is cut back to the last whole line and raised
+    as a `WriteError`; an output this writer created and never wrote to is
+    removed, so a failed run leaves no empty file.
+    """
 
     def __init__(self, path: str | os.PathLike):
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        self._f = open(path, "a", encoding="utf-8")
+        self._f = AppendFile(path)
 
     def write(self, record: dict) -> None:
-        self._f.write(json.dumps(record, ensure_ascii=False) + "\n")
-        self._f.flush()
-        os.fsync(self._f.fileno())
+        self._f.write((json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8"))
 
     def close(self) -> None:
         self._f.close()
@@ -167,3 +175,13 @@ class ResultWriter:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def check_paths(input_path: str | os.PathLike, output_path: str | os.PathLike) -> None:
+    """Refuse an output (or its errors file) that is the input: resuming would read the input as results."""
+    src = Path(input_path).resolve()
+    for out in (Path(output_path), errors_path(output_path)):
+        if out.resolve() == src or (out.exists() and src.exists() and os.path.samefile(out, src)):
+            raise InvalidArgumentError(f"{out} is the input file {input_path}; write the results elsewhere")
+    if Path(output_path).is_dir():
+        raise InvalidArgumentError(f"{output_path} is a directory; give a file for the results")

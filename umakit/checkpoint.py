@@ -16,6 +16,7 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import config_compat
 from .errors import CheckpointError, ConfigError, ModelNotFoundError
 
 # Bytes per element of the safetensors dtypes we accept.
@@ -78,9 +79,13 @@ def resolve(model: str | os.PathLike | None) -> Path:
         return path
     if path.is_file():
         if path.suffix == ".gguf":
+            from .fsutil import writing
             from .gguf import cached_import
+            from .home import home_dir
 
-            return cached_import(path)
+            cache = home_dir("models", "gguf")  # an unusable $UMAKIT_HOME is one clear error
+            with writing(cache):  # so is a full disk or a read-only cache mid-import
+                return cached_import(path)
         raise ModelNotFoundError(
             f"{path} is a file; give the model's directory (with config.json) or a .gguf file"
         )
@@ -127,31 +132,7 @@ def read_config(path: Path) -> dict:
     missing = [k for k in REQUIRED_CONFIG_FIELDS if k not in config]
     if missing:
         raise ConfigError(f"{cfg_path} lacks required field(s): {', '.join(missing)}")
-    _normalize_rope(config)
-    _normalize_rope(config.get("text_config") or {})
-    return config
-
-
-def _normalize_rope(config: dict) -> None:
-    """Map transformers v5's ``rope_parameters`` onto the v4 fields most model code reads.
-
-    v5 writes ``{"rope_theta": ..., "rope_type": ...}`` (or one such dict per
-    layer type, e.g. gemma3's full and sliding attention) instead of
-    ``rope_theta`` and ``rope_scaling``.
-    """
-    params = config.get("rope_parameters")
-    if not isinstance(params, dict):
-        return
-    if "full_attention" in params or "sliding_attention" in params:
-        local = params.get("sliding_attention") or {}
-        params = params.get("full_attention") or local
-        if "rope_theta" in local:
-            config.setdefault("rope_local_base_freq", local["rope_theta"])
-    if "rope_theta" in params:
-        config.setdefault("rope_theta", params["rope_theta"])
-    kind = params.get("rope_type", params.get("type", "default"))
-    if kind != "default" and not config.get("rope_scaling"):
-        config["rope_scaling"] = {k: v for k, v in params.items() if k != "rope_theta"} | {"rope_type": kind, "type": kind}
+    return config_compat.normalize(config)
 
 
 def weight_files(path: Path) -> list[Path]:
@@ -220,7 +201,51 @@ def open_checkpoint(path: Path) -> Checkpoint:
     tensors: dict[str, TensorInfo] = {}
     for f in files:
         tensors.update(read_safetensors_header(f))
-    return Checkpoint(path=path, config=config, files=files, tensors=tensors)
+    return validate_checkpoint(Checkpoint(path=path, config=config, files=files, tensors=tensors))
+
+
+# Config fields every engine reads as sizes: positive integers when present (None means "derive it").
+POSITIVE_INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                       "num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window")
+POSITIVE_FLOAT_FIELDS = ("rms_norm_eps", "rope_theta")
+
+
+def _check_config_values(config: dict, where: str) -> None:
+    for key in POSITIVE_INT_FIELDS:
+        v = config.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ConfigError(f"{where}: {key} must be a positive integer, got {json.dumps(v)}")
+    for key in POSITIVE_FLOAT_FIELDS:
+        v = config.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf")):
+            raise ConfigError(f"{where}: {key} must be a positive number, got {json.dumps(v)}")
+    heads, kv = config.get("num_attention_heads"), config.get("num_key_value_heads")
+    if heads and kv and heads % kv:
+        raise ConfigError(f"{where}: num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv})")
+
+
+def validate_checkpoint(ckpt: Checkpoint) -> Checkpoint:
+    """The checks both engines run on a checkpoint before building a model, so both say the same thing.
+
+    Config sizes must be positive integers and scales positive finite numbers
+    (not strings, not negative); each tensor's dtype must fit its role: packed
+    quantized weights are U32, everything else a float (a header claiming I32
+    for a float weight has data of the right size but the wrong meaning).
+    """
+    where = str(ckpt.path / "config.json")
+    _check_config_values(ckpt.config, where)
+    if isinstance(ckpt.config.get("text_config"), dict):
+        _check_config_values(ckpt.config["text_config"], where + " (text_config)")
+    for name, t in ckpt.tensors.items():
+        module, _, leaf = name.rpartition(".")
+        if leaf == "weight" and f"{module}.scales" in ckpt.tensors:
+            if t.dtype != "U32":
+                raise CheckpointError(f"{t.file.name}: tensor {name} is {t.dtype} but a quantized weight (it has "
+                                      "scales) must be U32 packed words")
+        elif leaf in ("weight", "bias", "scales", "biases") and t.dtype not in FLOAT_DTYPES:
+            raise CheckpointError(f"{t.file.name}: tensor {name} is {t.dtype} but must be a float tensor "
+                                  f"({', '.join(sorted(FLOAT_DTYPES))})")
+    return ckpt
 
 
 def size_on_disk(path: Path) -> int:

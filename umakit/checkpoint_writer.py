@@ -41,17 +41,23 @@ def _shards(weights: Mapping[str, Any]) -> list[dict[str, Any]]:
     return shards
 
 
-def _write_weights(dest: Path, weights: Mapping[str, Any], sharded: bool) -> None:
+def _save(file: Path, arrays: dict) -> None:
     import mlx.core as mx
 
+    # Through a Python file, so a full disk is an OSError with its errno (a path gives a bare RuntimeError).
+    with open(file, "wb") as f:
+        mx.save_safetensors(f, arrays, metadata={"format": "mlx"})
+
+
+def _write_weights(dest: Path, weights: Mapping[str, Any], sharded: bool) -> None:
     if not sharded:
-        mx.save_safetensors(str(dest / WEIGHTS_FILE), dict(weights), metadata={"format": "mlx"})
+        _save(dest / WEIGHTS_FILE, dict(weights))
         return
     shards = _shards(weights)
     weight_map = {}
     for i, shard in enumerate(shards):
         name = WEIGHTS_FILE if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        mx.save_safetensors(str(dest / name), shard, metadata={"format": "mlx"})
+        _save(dest / name, shard)
         weight_map.update(dict.fromkeys(shard, name))
     index = {"metadata": {"total_size": sum(v.nbytes for v in weights.values())},
              "weight_map": dict(sorted(weight_map.items()))}

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from .affine import DEFAULT_GROUP_SIZE, FLOAT_BITS
 from .errors import InvalidArgumentError
 from .hardware import lookup_device
+from .offload import ROUTED_EXPERTS
 from .plan import DEFAULT_KV_BITS, REFERENCE_DEVICES, WEIGHT_BITS, plan_model
 
 
@@ -80,7 +81,8 @@ def compare(records: list[dict], references: tuple[str, ...] = REFERENCE_DEVICES
         else:
             o = d.offload
             tps, link = o.ceiling_tps, "PCIe"
-            note = f"{o.layers_resident}/{o.layers_total} layers resident; unified-memory ceiling {d.ceiling_tps:.0f} tok/s"
+            what = "layers' experts" if o.placement == ROUTED_EXPERTS else "layers"
+            note = f"{o.layers_resident}/{o.layers_total} {what} resident; unified-memory ceiling {d.ceiling_tps:.0f} tok/s"
         columns.append(Column(
             label=d.device.name, kind="predicted", device=d.device.name, decode_tps=tps,
             achieved_gbps=tps * plan.step_read_bytes / 1e9 if tps else None, peak_gbps=d.device.peak_bandwidth_gbps,

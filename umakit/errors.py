@@ -39,3 +39,9 @@ class InvalidArgumentError(UmakitError, ValueError):
 
 class DoesNotFitError(InvalidArgumentError):
     """The model, or the part of it that must stay resident, does not fit the memory it may use."""
+
+
+class WriteError(UmakitError, OSError):
+    """A file or directory could not be written (full disk, read-only filesystem, bad parent, a lock held).
+
+    Also an `OSError`, so code that handled the raw error keeps handling it."""

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator, Sequence
 
 from .backends.base import Engine, KVCache
+from .offload import ROUTED_EXPERTS
 from .roofline import OffloadStats, RooflineStats
 from .sampling import SamplingParams
 from .tokenizer import StreamingDetokenizer, Tokenizer
@@ -95,6 +96,16 @@ class GenerationStats:
         return self.roofline.device_name if self.roofline else ""
 
     @property
+    def comm_s_per_token(self) -> float:
+        """A sharded run: seconds each decode step waits on the link between ranks."""
+        return self.roofline.comm_s_per_token if self.roofline else 0.0
+
+    @property
+    def comm_share(self) -> float:
+        """A sharded run: the share of a decode step spent on the link."""
+        return self.roofline.comm_share if self.roofline else 0.0
+
+    @property
     def bandwidth_source(self) -> str:
         """Where the peak came from: "published", "measured" or "user"."""
         return self.roofline.bandwidth_source if self.roofline else ""
@@ -126,6 +137,11 @@ class GenerationStats:
         return _figure(self.offload.efficiency) if self.offload else 0.0
 
     @property
+    def expert_hit_rate(self) -> float:
+        """Routed experts streamed: the share of those asked for that the device cache held (0.0: none kept)."""
+        return _figure(self.offload.hit_rate) if self.offload else 0.0
+
+    @property
     def over_roofline(self) -> float:
         """Decode tok/s as a multiple of the one-token roofline ceiling (above 1 only by speculating)."""
         return self.decode_tps / self.ceiling_tps if self.ceiling_tps else 0.0
@@ -134,6 +150,11 @@ class GenerationStats:
         """The flat JSON form: counts, clocks, then every roofline and offload figure
         (and, for a speculative run, its figures under "speculative")."""
         out = {name: getattr(self, name) for name in STATS_KEYS}
+        if self.offload is not None and self.offload.placement == ROUTED_EXPERTS:
+            out["expert_offload"] = {"streamed_bytes_per_token": self.pcie_bytes_per_token,
+                                     "cache_hit_rate": self.offload.hit_rate}
+        if self.comm_s_per_token:
+            out["link"] = {"comm_s_per_token": self.comm_s_per_token, "share_of_step": self.comm_share}
         if self.speculative is not None:
             out["speculative"] = {**self.speculative.to_dict(), "over_one_token_roofline": self.over_roofline}
         return out
@@ -291,8 +312,9 @@ def stream_generate(
 ) -> Iterator[Chunk]:
     """Generate after ``prompt`` (appended to what ``cache`` holds), yielding text chunks.
 
-    ``measure(decode_tps, context_tokens)`` returns the run's (RooflineStats,
-    OffloadStats or None), see `umakit.roofline.measure_decode`. With a
+    ``measure(decode_tps, context_tokens, streamed)`` returns the run's (RooflineStats,
+    OffloadStats or None), see `umakit.roofline.measure_decode`; ``streamed`` is what the
+    engine's copy counters (`OffloadPlan.counters`) saw over the decode, or None. With a
     ``speculator`` (`umakit.speculative.SpeculativeDecoder`) its tokens replace
     the engine's, and its stats join the run's.
     """
@@ -300,10 +322,14 @@ def stream_generate(
     row = DecodeRow(tokenizer, max_tokens, stop, prompt_tokens=len(prompt), cached_tokens=cache.offset)
     source = speculator if speculator is not None else engine
     tokens = source.generate_tokens(prompt, cache, sampling, seed=seed, history=history)
+    counters = engine.offload.counters if engine.offload is not None else None
+    first = None  # the copy counters once the first token is out: the decode steps' copies come after
     try:
         while not row.finished:
             token = next(tokens)
             text = row.feed(token, time.perf_counter())
+            if counters is not None and row.drawn == 1:
+                first = counters.snapshot()
             if row.finish != FINISH_STOP:
                 yield Chunk(text, token)
         tail = row.close()
@@ -313,7 +339,9 @@ def stream_generate(
         tokens.close()
     stats = row.stats(engine.peak_memory())
     if measure is not None and stats.decode_tps:
-        stats.fill(*measure(stats.decode_tps, stats.cached_tokens + len(prompt) + stats.generated_tokens // 2))
+        streamed = counters.since(first, row.drawn - 1) if first is not None and row.drawn > 1 else None
+        stats.fill(*measure(stats.decode_tps, stats.cached_tokens + len(prompt) + stats.generated_tokens // 2,
+                            streamed))
     if speculator is not None:
         stats.speculative = speculator.stats
         speculator.stats.target_bytes_per_step = stats.bytes_per_token

@@ -5,9 +5,24 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from .errors import WriteError
+
 DEFAULT_HOME = Path("~/.cache/umakit")
 
 
 def umakit_home() -> Path:
     """umakit's data directory (not created here)."""
     return Path(os.environ.get("UMAKIT_HOME") or DEFAULT_HOME).expanduser()
+
+
+def home_dir(*parts: str) -> Path:
+    """``$UMAKIT_HOME/<parts>``, created; an unusable home (a file, read-only, full) is one `WriteError`."""
+    path = umakit_home().joinpath(*parts)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        reason = e.strerror or str(e)
+        where = f" at {e.filename}" if e.filename and os.fspath(e.filename) != os.fspath(path) else ""
+        raise WriteError(f"cannot use {path} (UMAKIT_HOME={umakit_home()}): {reason}{where}; "
+                         "set UMAKIT_HOME to a writable directory") from e
+    return path

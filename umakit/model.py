@@ -4,39 +4,23 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
-from . import backends, checkpoint, roofline, speculative
+from . import backends, checkpoint, config_compat, roofline, speculative, validate
 from .affine import DEFAULT_GROUP_SIZE
-from .backends.base import OFFLOAD, QUANTIZE, Engine, KVCache, WeightInfo
+from .backends.base import OFFLOAD, QUANTIZE, Engine, KVCache
 from .errors import InvalidArgumentError, UmakitError
 from .batch import DEFAULT_BATCH_SIZE, BatchRun, BatchStream, generate_batch, stream_batch
 from .generation import Chunk, GenerationResult, collect, stream_generate
 from .hardware import DeviceInfo, detect_local
-from .offload import OffloadPlan
+from .load_info import LoadInfo, load_info
+from .offload import StreamedRun
 from .sampling import DEFAULT_MAX_TOKENS, SamplingParams, sampling_params
 from .speculative import SpeculativeDecoder
 from .tokenizer import Message, Tokenizer
 
 if TYPE_CHECKING:
     import numpy as np
-
-
-@dataclass
-class LoadInfo:
-    name: str
-    path: Path | None  # None for a synthetic model
-    backend: str
-    device: str
-    dtype: str
-    load_s: float
-    size_on_disk: int
-    weights: WeightInfo
-    context_length: int
-    warnings: list[str] = field(default_factory=list)  # e.g. weights near the memory limit
-    offload: OffloadPlan | None = None  # the layer split when layers stream from host memory
 
 
 class Model:
@@ -112,6 +96,7 @@ class Model:
         from the text so far, n-grams of ``ngram`` tokens) propose up to
         ``draft_tokens`` tokens that one target step verifies.
         """
+        stop = validate.request(prompt, messages, system, max_tokens, stop)
         ids = self.encode(prompt, messages, system, raw)
         return self.stream_tokens(
             ids, self.make_cache(kv_bits), max_tokens=max_tokens, stop=stop, seed=seed,
@@ -181,11 +166,12 @@ class Model:
                 )
         stops = [stop] if isinstance(stop, str) else list(stop)
         kv = self.engine.kv_bytes_per_token(cache.kv_bits)
-        return stream_generate(
+        return _wired(self.engine, stream_generate(
             self.engine, self.tokenizer, prompt, cache, params, max_tokens, stop=stops, seed=seed,
-            history=history, measure=lambda tps, context: self.measure_decode(tps, context, kv),
+            history=history, measure=lambda tps, context, streamed=None: self.measure_decode(tps, context, kv,
+                                                                                           streamed),
             speculator=speculator,
-        )
+        ))
 
     def speculator(self, *, draft: Model | str | os.PathLike | None = None, draft_tokens: int | None = None,
                    prompt_lookup: bool = False, ngram: int | None = None) -> SpeculativeDecoder | None:
@@ -223,8 +209,8 @@ class Model:
         ``messages`` plus its own settings (any of the keyword arguments here
         but ``batch_size``), which override these for that prompt.
         """
-        return generate_batch(self, prompts, batch_size=batch_size, max_tokens=max_tokens, stop=stop, seed=seed,
-                              system=system, raw=raw, sampling=sampling_params(
+        return generate_batch(self, prompts, batch_size=batch_size, max_tokens=max_tokens, stop=stop,
+                              seed=seed, system=system, raw=raw, sampling=sampling_params(
                                   sampling, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                                   repetition_penalty=repetition_penalty, repetition_context=repetition_context))
 
@@ -277,12 +263,36 @@ class Model:
                                              link=self.info.offload is not None)
         return self._device_info
 
-    def measure_decode(self, tokens_per_s: float | None, context_tokens: int, kv_bytes_per_token: float | None = None):
-        """(RooflineStats, OffloadStats or None) of decoding at ``context_tokens`` at ``tokens_per_s``."""
-        w = self.info.weights
+    def measure_decode(self, tokens_per_s: float | None, context_tokens: int, kv_bytes_per_token: float | None = None,
+                       streamed: StreamedRun | None = None):
+        """(RooflineStats, OffloadStats or None) of decoding at ``context_tokens`` at ``tokens_per_s``.
+
+        ``streamed``: what the engine's copy counters saw over the run (else the plan's bytes per
+        token, and the device cache's hit rate since load)."""
+        w, plan = self.info.weights, self.engine.offload
         kv = self.engine.kv_bytes_per_token() if kv_bytes_per_token is None else kv_bytes_per_token
-        return roofline.measure_decode(w.bytes_per_token, w.streamed_bytes_per_token, kv, context_tokens,
-                                       tokens_per_s, self.device_info)
+        if streamed is None:
+            hit = plan.counters.hit_rate if plan is not None and plan.counters is not None else None
+            streamed = StreamedRun(w.streamed_bytes_per_token, hit)
+        where = dict(placement=plan.placement if plan is not None else "", hit_rate=streamed.hit_rate,
+                     comm_s_per_token=w.comm_s_per_token)
+        stats = roofline.measure_decode(w.bytes_per_token, streamed.bytes_per_token, kv, context_tokens,
+                                        tokens_per_s, self.device_info, **where)
+        dev, achieved = self.device_info, stats[0].achieved_gbps
+        if dev.bandwidth_source == "measured" and achieved and achieved > dev.peak_bandwidth_gbps:
+            # the cached probe was taken on a busy machine: measure it again (at least what this run read)
+            self._device_info = detect_local(self.info.device, link=self.info.offload is not None,
+                                             achieved_gbps=achieved)
+            stats = roofline.measure_decode(w.bytes_per_token, streamed.bytes_per_token, kv, context_tokens,
+                                            tokens_per_s, self._device_info, **where)
+        return stats
+
+
+def _wired(engine: Engine, chunks: Iterator[Chunk]) -> Iterator[Chunk]:
+    """``chunks`` consumed under the engine's wiring (held from the first chunk until closed; the
+    CLI's own hold nests around it)."""
+    with engine.wired():
+        yield from chunks
 
 
 def load(
@@ -297,6 +307,7 @@ def load(
     progress: Callable[[int, int], None] | None = None,
     gpu_layers: int | None = None,
     vram_budget: int | str | None = None,
+    parallel: str | None = None,
 ) -> Model:
     """Load a model directory, Hub repo id, .gguf file, or (None) the built-in default.
 
@@ -309,20 +320,26 @@ def load(
     is called as the weights are read. ``gpu_layers`` (keep the first N layers
     in device memory) or ``vram_budget`` (bytes or "24GB": keep as many as fit)
     stream the remaining layers from host memory on every step (torch backend;
-    on a CPU the copies are host copies, see umakit/offload.py).
+    on a CPU the copies are host copies, see umakit/offload.py). ``parallel`` ("tensor" or "pipeline"), under
+    mlx.launch: this rank's shard of the model; rank 0 gets the Model, the other ranks follow it, then exit.
     """
     t0 = time.perf_counter()
     offload = gpu_layers is not None or vram_budget is not None
     needs = frozenset(needs) | ({QUANTIZE} if quantize is not None else set()) | ({OFFLOAD} if offload else set())
-    engine_name, device = backends.resolve(backend, device, needs)
+    backend = backends.parallel_backend(backend, parallel)
+    backends.resolve(backend, device, needs)  # refuse the user's words before fetching or importing a model
     path = checkpoint.resolve(model)
     ckpt = checkpoint.open_checkpoint(path)
+    engine_name, device, choice_note = backends.choose(backend, device, needs,
+                                                       config_compat.architecture(ckpt.config))
     tokenizer = Tokenizer(path, ckpt.config, extra_eos_ids=checkpoint.generation_eos_ids(path, ckpt.config))
-    engine = backends.engine_class(engine_name).from_checkpoint(
-        ckpt, device=device, dtype=dtype, progress=progress, quantize=quantize, gpu_layers=gpu_layers,
-        vram_budget=vram_budget)
-    info = _load_info(engine, checkpoint.display_name(ckpt.path), path, time.perf_counter() - t0,
+    engine = backends.load_engine(
+        engine_name, ckpt, parallel=parallel, device=device, dtype=dtype, progress=progress, quantize=quantize,
+        gpu_layers=gpu_layers, vram_budget=vram_budget)
+    info = load_info(engine, checkpoint.display_name(ckpt.path), path, time.perf_counter() - t0,
                       sum(f.stat().st_size for f in ckpt.files))
+    if choice_note:  # why "auto" passed over its first engine, shown with the load's warnings
+        info.warnings.insert(0, choice_note)
     return Model(engine, tokenizer, info, peak_bandwidth=peak_bandwidth)
 
 
@@ -350,48 +367,13 @@ def load_synthetic(
     t0 = time.perf_counter()
     offload = gpu_layers is not None or vram_budget is not None
     needs = frozenset(needs) | ({OFFLOAD} if offload else set())
-    engine_name, device = backends.resolve(backend, device, needs)
     config = load_preset(preset) if isinstance(preset, str) else dict(preset)
+    engine_name, device, choice_note = backends.choose(backend, device, needs, config_compat.architecture(config))
     engine = backends.engine_class(engine_name).synthetic(
         config, device=device, dtype=dtype, bits=bits, group_size=group_size, gpu_layers=gpu_layers,
         vram_budget=vram_budget)
     name = preset if isinstance(preset, str) else str(config.get("model_type", "synthetic"))
-    info = _load_info(engine, name, None, time.perf_counter() - t0, 0)
+    info = load_info(engine, name, None, time.perf_counter() - t0, 0)
+    if choice_note:
+        info.warnings.insert(0, choice_note)
     return Model(engine, None, info, peak_bandwidth=peak_bandwidth)
-
-
-def _load_info(engine: Engine, name: str, path: Path | None, load_s: float, size_on_disk: int) -> LoadInfo:
-    cfg = engine.config.get("text_config", engine.config)
-    info = LoadInfo(
-        name=name, path=path, backend=engine.name, device=engine.device, dtype=engine.dtype, load_s=load_s,
-        size_on_disk=size_on_disk, weights=engine.weight_info(),
-        context_length=int(cfg.get("max_position_embeddings") or 0), offload=engine.offload,
-    )
-    # With layers streaming, the device holds only the resident part; the host holds all of it.
-    resident = info.offload.resident_bytes if info.offload and engine.device != "cpu" else info.weights.total_bytes
-    info.warnings = [*engine.load_notes, *memory_warnings(resident, engine.device)]
-    return info
-
-
-NEAR_LIMIT = 0.9  # warn when weights take more than this share of usable memory
-
-
-def memory_warnings(weight_bytes: int, device: str) -> list[str]:
-    """A warning, with the fix, when the weights are near or over usable memory."""
-    gib = weight_bytes / 2**30
-    if device == "cpu":
-        limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        where, fix = "RAM", "use a smaller or more quantized model (umakit quantize --bits 4)"
-    else:
-        dev = detect_local(device)
-        limit = dev.usable_bytes
-        if dev.kind == "apple":
-            where = "the GPU's recommended working set"
-            fix = (f"raise it with `sudo sysctl iogpu.wired_limit_mb={int(weight_bytes * 1.2 / 2**20)}` "
-                   "or use a more quantized model (umakit quantize --bits 4)")
-        else:
-            where, fix = "VRAM", "use a more quantized model (umakit quantize --bits 4)"
-    if weight_bytes <= NEAR_LIMIT * limit:
-        return []
-    return [f"the weights ({gib:.1f} GiB) are {weight_bytes / limit:.0%} of {where} ({limit / 2**30:.1f} GiB); "
-            f"generation may swap or fail: {fix}"]

@@ -2,36 +2,41 @@
 
 Everything comes from config.json shapes. Formulas (sizes in bytes, B = batch):
 
-* weights: parameters x stored bits per weight / 8 by category; quantized
-  matrices carry an fp16 scale and bias per group (4-bit, group 64 -> 4.5 bits);
-  norms, biases and MoE routers stay in 16 bits.
-* KV cache and working memory: as `umakit.shapes` counts them (the offload
-  planner, and so the torch engine, reserve the same amounts).
+* weights: every matrix at the bits it is stored at (`umakit.plan_weights`: a
+  checkpoint's ``quantization`` block, or ``--bits`` through `umakit quantize`'s
+  recipes), norms and biases in 16 bits.
+* KV cache and working memory: as `umakit.shapes` counts them.
 * decode ceiling: bandwidth / bytes read per step, where a step reads every
   weight it uses (one embedding row per sequence; for MoE only the routed
   experts) and the whole KV cache, and yields B tokens.
+* offload (a discrete GPU too small for the model): the torch engine's own
+  split, with the KV reserve it makes (`umakit.offload.reserved_bytes`):
+  whole layers for a dense model (`umakit.offload.plan_layers`), routed experts
+  for MoE (`umakit.offload.plan_experts`; whole layers shown beside it, for
+  comparison only); `umakit.offload.streamed_bytes_per_token` counts what each copies.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Sequence
 
-from .affine import DEFAULT_GROUP_SIZE, FLOAT_BITS, GROUP_SIZES, KV_BITS, bits_per_weight
-from .errors import ConfigError, InvalidArgumentError, ModelNotFoundError
+from .affine import DEFAULT_GROUP_SIZE, FLOAT_BITS, GROUP_SIZES, KV_BITS, describe
+from .config_compat import architecture
+from .errors import InvalidArgumentError
 from .hardware import GiB, DeviceInfo, detect_local, lookup_device
-from .offload import plan_layers
+from .offload import (ROUTED_EXPERTS, WHOLE_LAYERS, LayerBytes, OffloadPlan, expected_active_experts, plan_experts,
+                      plan_layers, reserve_tokens, reserved_bytes)
+from .plan_config import (DEFAULT_PRESET, PRESET_DIR, list_presets, load_config,  # noqa: F401 (plan's API)
+                          load_preset, resolve_config)
+from .plan_weights import CATEGORIES, checkpoint_bits, count_weights, recipe_bits, stored_bits
 from .roofline import offload_ceiling_tps
 from .shapes import FLOAT_BYTES, ModelShape, kv_cache_bytes, kv_layer_bytes_per_token, working_bytes
 from .shapes import PREFILL_CHUNK  # noqa: F401 (re-exported: plan reports the chunk it sizes)
 
-PRESET_DIR = Path(__file__).parent / "presets"
-DEFAULT_PRESET = "smollm2-135m"
 DEFAULT_CONTEXT = 8192
-DEFAULT_PLAN_BITS = FLOAT_BITS  # plan an unquantized model unless told (`umakit quantize` defaults to 4)
+DEFAULT_PLAN_BITS = None  # a checkpoint's own quantization block, else unquantized 16-bit weights
 DEFAULT_KV_BITS = FLOAT_BITS
 DEFAULT_BATCH = 1
 WEIGHT_BITS = (FLOAT_BITS, 8, 4)  # the weight widths plan offers (--bits, --embed-bits)
@@ -49,22 +54,24 @@ class WeightCategory:
 
     name: str  # embedding | attention | mlp | head | norms
     params: int
-    bits_per_weight: float  # stored bits of its quantized matrices (16: unquantized)
+    bits_per_weight: float  # stored bits of its quantizable matrices (16: unquantized)
     bytes: int
     read_bytes_per_step: int  # bytes one decode step reads from this category
 
 
 @dataclass(frozen=True)
 class OffloadEstimate:
-    """A discrete GPU that cannot hold everything: whole layers resident, the rest streamed per step."""
+    """A discrete GPU that cannot hold everything: a placement's split and its decode ceiling."""
 
-    layers_resident: int
+    layers_resident: int  # whole layers (WHOLE_LAYERS) or layers whose experts stay resident (ROUTED_EXPERTS)
     layers_total: int
     resident_read_bytes: int  # read from VRAM per step
     streamed_bytes: int  # copied host -> device per step
     pcie_gbps: float
     pcie_source: str
-    ceiling_tps: float | None  # None: embeddings, KV cache and working memory alone exceed VRAM
+    ceiling_tps: float | None  # None: the resident minimum alone exceeds VRAM
+    placement: str = WHOLE_LAYERS
+    engines: tuple[str, ...] = ()  # engines that offload this architecture with this placement
 
 
 @dataclass(frozen=True)
@@ -75,7 +82,8 @@ class DevicePlan:
     budget_bytes: int  # what the model may occupy there
     fits: bool
     ceiling_tps: float  # decode tokens/s with everything resident (the unified-memory ceiling)
-    offload: OffloadEstimate | None = None
+    offload: OffloadEstimate | None = None  # the split the torch engine makes (`engine_placement`)
+    whole_layers: OffloadEstimate | None = None  # MoE: whole layers streamed, for comparison only (no engine does)
 
 
 @dataclass(frozen=True)
@@ -100,12 +108,20 @@ class Plan:
     working_bytes: int
     total_bytes: int
     step_read_bytes: int  # weights read + KV cache read per decode step
-    layer_bytes: int  # one transformer layer's weights (for offload splits)
-    layer_read_bytes: int
+    layer_bytes: int  # the largest transformer layer's weights
+    layer_read_bytes: int  # what a step reads of it
     fixed_bytes: int  # resident outside the layers: embedding, head, final norm, KV cache, working memory
     fixed_read_bytes: int
     notes: tuple[str, ...] = ()
     devices: tuple[DevicePlan, ...] = ()
+    quantization: str = "none"  # where the bits come from, e.g. "checkpoint: 4-bit g32, some layers 8-bit"
+    recipe: str | None = None  # the quantize recipe planned with (--bits), None otherwise
+    layers: tuple[LayerBytes, ...] = ()  # each layer's weights, split as the offload placements see them
+    active_experts: float = 0.0  # distinct experts a decode step reads per MoE layer
+    reserve_tokens: int = 0  # the context the engine reserves KV for when it splits layers by a budget
+    reserve_bytes: int = 0  # what a split sets aside: the engine's reserve, or the cache at context x batch if more
+    offload_fixed_bytes: int = 0  # resident outside the layers in a split: embedding, head, final norm, reserve
+    architecture: str = ""  # the language model's model_type, as the engines match it (gemma3_text in a gemma3)
 
 
 def choices_text(values: Sequence[int]) -> str:
@@ -113,17 +129,9 @@ def choices_text(values: Sequence[int]) -> str:
     return f"{', '.join(map(str, values[:-1]))} or {values[-1]}"
 
 
-def _bits_per_weight(bits: int, group_size: int) -> float:
-    return float(FLOAT_BITS) if bits == FLOAT_BITS else bits_per_weight(bits, group_size, FLOAT_BYTES)
-
-
-def _weight_bytes(params: float, bits: int, group_size: int) -> float:
-    return params * _bits_per_weight(bits, group_size) / 8
-
-
 def _check(bits, embed_bits, group_size, kv_bits, context, batch) -> None:
     for flag, value in (("--bits", bits), ("--embed-bits", embed_bits)):
-        if value not in WEIGHT_BITS:
+        if value is not None and value not in WEIGHT_BITS:
             raise InvalidArgumentError(f"{flag} must be {choices_text(WEIGHT_BITS)} (got {value})")
     if kv_bits not in KV_CACHE_BITS:
         raise InvalidArgumentError(f"--kv-bits must be {choices_text(KV_CACHE_BITS)} (got {kv_bits})")
@@ -133,12 +141,22 @@ def _check(bits, embed_bits, group_size, kv_bits, context, batch) -> None:
         raise InvalidArgumentError(f"--context and --batch must be at least 1 (got {context}, {batch})")
 
 
+def quantization_block(config: dict) -> dict | None:
+    """A checkpoint's quantization block (mlx-lm writes ``quantization``, transformers ``quantization_config``)."""
+    for key in ("quantization", "quantization_config"):
+        block = config.get(key)
+        if isinstance(block, dict) and "bits" in block:
+            return block
+    return None
+
+
 def plan_model(
     config: dict,
     *,
     name: str = "model",
-    bits: int = DEFAULT_PLAN_BITS,
+    bits: int | None = DEFAULT_PLAN_BITS,
     group_size: int = DEFAULT_GROUP_SIZE,
+    recipe: str | None = None,
     embed_bits: int | None = None,
     kv_bits: int = DEFAULT_KV_BITS,
     context: int = DEFAULT_CONTEXT,
@@ -148,84 +166,118 @@ def plan_model(
 ) -> Plan:
     """Weights by category, KV cache, working memory and totals; one DevicePlan per device.
 
-    ``embed_bits`` (default: ``bits``) sets the embedding and output head, which
-    umakit's quantizer keeps at 8 bits when asked for 4. ``vram_budget`` (bytes)
-    caps what a discrete GPU may hold, as ``--vram-budget`` does when running.
+    ``bits`` None plans the checkpoint as stored (its ``quantization`` block, per-layer
+    overrides included; none: 16-bit). ``bits`` 8 or 4 plans what `umakit quantize`
+    writes with ``recipe`` (default: quantize's): embedding and head at 8 bits unless
+    ``embed_bits`` says otherwise. ``vram_budget`` (bytes) caps what a discrete GPU may
+    hold, as ``--vram-budget`` does when running.
     """
-    embed_bits = bits if embed_bits is None else embed_bits
+    from .quantize.recipes import DEFAULT_RECIPE, get_recipe
+
     _check(bits, embed_bits, group_size, kv_bits, context, batch)
+    if recipe is not None:
+        get_recipe(recipe)  # a one-line error naming the recipes
     s = ModelShape.from_config(config)
-    H, L, D = s.hidden_size, s.num_layers, s.head_dim
-    q_out, kv_out = s.q_out, s.kv_out
-
-    # Per layer: quantized matrices and 16-bit extras (biases, norms, router).
-    attn_q = H * q_out * 2 + H * kv_out * 2
-    attn_f = (q_out + 2 * kv_out if s.qkv_bias else 0) + (H if s.o_bias else 0)
-    if s.num_experts:
-        expert = 3 * H * s.intermediate_size
-        # Distinct experts a step touches when B tokens route independently and uniformly.
-        active = s.num_experts * (1 - (1 - s.experts_per_token / s.num_experts) ** batch)
-        shared = 3 * H * s.shared_expert_intermediate_size
-        mlp_q, mlp_f = s.num_experts * expert + shared, H * s.num_experts + (H if shared else 0)
-        mlp_read = _weight_bytes(active * expert + shared, bits, group_size) + mlp_f * FLOAT_BYTES
+    H, L = s.hidden_size, s.num_layers
+    block = quantization_block(config)
+    if bits is None and block is not None and embed_bits is None and recipe is None:
+        bits_of, quantization, used_recipe = checkpoint_bits(block), f"checkpoint: {describe(block)}", None
+        bits, group_size = int(block["bits"]), int(block["group_size"])
     else:
-        mlp_q, mlp_f = 3 * H * s.intermediate_size, 0
-        mlp_read = None
-    layer_norms = s.norms_per_layer * H + (2 * D if s.qk_norm else 0)
-    attn_bytes = _weight_bytes(attn_q, bits, group_size) + attn_f * FLOAT_BYTES
-    mlp_bytes = _weight_bytes(mlp_q, bits, group_size) + mlp_f * FLOAT_BYTES
-    mlp_read = mlp_bytes if mlp_read is None else mlp_read
-    embed_bytes = _weight_bytes(s.vocab_size * H, embed_bits, group_size)
-    head_params = 0 if s.tie_word_embeddings else s.vocab_size * H
-    norm_params = L * layer_norms + H
+        bits = FLOAT_BITS if bits is None else bits
+        used_recipe = (recipe or DEFAULT_RECIPE) if bits != FLOAT_BITS else None
+        bits_of = recipe_bits(bits, group_size, used_recipe or DEFAULT_RECIPE, L, embed_bits)
+        quantization = f"--bits {bits}, {used_recipe} recipe" if used_recipe else "none (16-bit)"
+        if embed_bits is not None:
+            quantization += f", --embed-bits {embed_bits}"
+    w = count_weights(s, bits_of)
 
-    bpw, embed_bpw = _bits_per_weight(bits, group_size), _bits_per_weight(embed_bits, group_size)
-    categories = (
-        WeightCategory("embedding", s.vocab_size * H, embed_bpw, round(embed_bytes),
-                       round(embed_bytes / s.vocab_size * batch)),
-        WeightCategory("attention", L * (attn_q + attn_f), bpw, round(L * attn_bytes), round(L * attn_bytes)),
-        WeightCategory("mlp", L * (mlp_q + mlp_f), bpw, round(L * mlp_bytes), round(L * mlp_read)),
+    active = expected_active_experts(s.num_experts, s.experts_per_token, batch)
+    layer_read = [lb.dense + round(min(active, lb.experts) * lb.expert) for lb in w.layers]
+    expert_read = sum(layer_read) - sum(lb.dense for lb in w.layers)
+    size = {c: round(w.bytes[c]) for c in CATEGORIES}
+    embed_bytes = size["embedding"]
+    read = {
+        "embedding": round(embed_bytes / s.vocab_size * batch),
+        "attention": size["attention"],
+        "mlp": size["mlp"] - round(w.expert_matrix_bytes) + expert_read,
         # A tied head has no parameters of its own but still reads the whole embedding matrix.
-        WeightCategory("head", head_params, embed_bpw, round(embed_bytes) if head_params else 0,
-                       round(embed_bytes)),
-        WeightCategory("norms", norm_params, float(FLOAT_BITS), norm_params * FLOAT_BYTES, norm_params * FLOAT_BYTES),
-    )
+        "head": size["head"] if size["head"] else embed_bytes,
+        "norms": size["norms"],
+    }
+    categories = tuple(
+        WeightCategory(c, w.params[c], _mean_bits(w, c, w.embed_pair), size[c], read[c]) for c in CATEGORIES)
     weight_bytes = sum(c.bytes for c in categories)
     weight_read = sum(c.read_bytes_per_step for c in categories)
 
-    kv_layer = kv_layer_bytes_per_token(s, kv_bits, group_size)
-    kv_total = kv_cache_bytes(s, context, batch, kv_bits, group_size)
+    kv_layer = kv_layer_bytes_per_token(s, kv_bits)
+    kv_total = kv_cache_bytes(s, context, batch, kv_bits)
     working = working_bytes(s, context, batch)
-    layer_bytes = round(attn_bytes + mlp_bytes + layer_norms * FLOAT_BYTES)
-    layer_read = round(attn_bytes + mlp_read + layer_norms * FLOAT_BYTES)
-    head_bytes = categories[3].bytes
-    notes = []
-    if s.sliding_layers and s.sliding_window < context:
-        notes.append(f"{s.sliding_layers} of {L} layers attend to a {s.sliding_window}-token window; "
-                     "their KV cache is capped there (a rotating cache)")
-    if s.num_experts:
-        notes.append(f"MoE: {s.num_experts} experts, {s.experts_per_token} routed per token; a decode step reads"
-                     f" only the experts its tokens use (about {active:.1f} at batch {batch}, routing uniform)")
-    if "vision_config" in config:
-        notes.append("the vision tower is not counted")
+    outer = size["embedding"] + size["head"] + H * FLOAT_BYTES  # embedding, head, final norm
+    notes = _notes(s, config, context, active, batch)
+    # Never less than the engine reserves when it splits by budget; more when --context x --batch needs it
+    # (the split is then run with --gpu-layers, which reserves nothing of its own).
+    reserve = max(reserved_bytes(config), kv_total + working)
     plan = Plan(
-        model=name, model_type=s.model_type, bits=bits, embed_bits=embed_bits, group_size=group_size,
+        model=name, model_type=s.model_type, bits=bits,
+        embed_bits=w.embed_pair[0] if w.embed_pair else FLOAT_BITS, group_size=group_size,
         kv_bits=kv_bits, context=context, batch=batch,
         params=sum(c.params for c in categories), num_layers=L, categories=categories,
         weight_bytes=weight_bytes, weight_read_bytes_per_step=weight_read,
         kv_bytes_per_token=kv_layer * L, kv_bytes=kv_total, working_bytes=working,
         total_bytes=weight_bytes + kv_total + working, step_read_bytes=weight_read + kv_total,
-        layer_bytes=layer_bytes, layer_read_bytes=layer_read,
-        fixed_bytes=categories[0].bytes + head_bytes + H * FLOAT_BYTES + kv_total + working,
-        fixed_read_bytes=categories[0].read_bytes_per_step + categories[3].read_bytes_per_step
-        + H * FLOAT_BYTES + kv_total,
-        notes=tuple(notes),
+        layer_bytes=max(lb.total for lb in w.layers), layer_read_bytes=max(layer_read),
+        fixed_bytes=outer + kv_total + working,
+        fixed_read_bytes=read["embedding"] + read["head"] + H * FLOAT_BYTES + kv_total,
+        notes=tuple(notes), quantization=quantization, recipe=used_recipe, layers=w.layers, active_experts=active,
+        reserve_tokens=reserve_tokens(config), reserve_bytes=reserve,
+        offload_fixed_bytes=outer + reserve, architecture=architecture(config) or s.model_type,
     )
     return dataclasses.replace(plan, devices=tuple(plan_device(plan, d, vram_budget) for d in devices))
 
 
+def _mean_bits(w, category: str, embed_pair) -> float:
+    if w.matrix_params[category]:
+        return 8 * w.matrix_bytes[category] / w.matrix_params[category]
+    if category == "head":  # tied: the embedding's
+        return stored_bits(embed_pair)
+    return float(FLOAT_BITS)
+
+
+def _notes(s: ModelShape, config: dict, context: int, active: float, batch: int) -> list[str]:
+    notes = []
+    if s.sliding_layers and s.sliding_window < context:
+        notes.append(f"{s.sliding_layers} of {s.num_layers} layers attend to a {s.sliding_window}-token window; "
+                     "their KV cache is capped there (a rotating cache)")
+    if s.num_experts:
+        notes.append(f"MoE: {s.num_experts} experts, {s.experts_per_token} routed per token; a decode step reads"
+                     f" only the experts its tokens use (about {active:.1f} at batch {batch}, routing uniform)")
+    if s.kv_latent_dim:
+        notes.append(f"multi-head latent attention: the cache holds one {s.kv_latent_dim}-element latent vector"
+                     " per token and layer (kv_lora_rank + qk_rope_head_dim)")
+    if config.get("num_nextn_predict_layers"):
+        notes.append("the multi-token-prediction layer is not counted (engines do not run it)")
+    if "vision_config" in config:
+        notes.append("the vision tower is not counted")
+    return notes
+
+
+def engine_placement(plan: Plan) -> str:
+    """The placement the torch engine offloads ``plan``'s model with: routed experts for MoE, else whole layers."""
+    return ROUTED_EXPERTS if plan.active_experts else WHOLE_LAYERS
+
+
+def offload_engines(model_type: str) -> tuple[str, ...]:
+    """Engines that stream weights from host memory on a GPU and run ``model_type`` (`config_compat.architecture`)."""
+    from .backends import ENGINES
+    from .backends.base import OFFLOAD
+
+    return tuple(name for name, spec in ENGINES.items()
+                 if OFFLOAD in spec.features and "cuda" in spec.devices and spec.runs(model_type))
+
+
 def plan_device(plan: Plan, device: DeviceInfo, vram_budget: int | None = None) -> DevicePlan:
-    """Does ``plan`` fit on ``device``, its decode ceiling, and the PCIe-offload split where it does not."""
+    """Does ``plan`` fit on ``device``, its decode ceiling, and the PCIe-offload splits where it does not."""
     budget = device.usable_bytes
     if device.kind == "nvidia":
         budget = max(device.memory_bytes - CUDA_RESERVED_BYTES, 0)
@@ -233,32 +285,59 @@ def plan_device(plan: Plan, device: DeviceInfo, vram_budget: int | None = None) 
             budget = min(budget, vram_budget)
     fits = plan.total_bytes <= budget
     ceiling = plan.batch * device.peak_bandwidth_gbps * 1e9 / plan.step_read_bytes
-    offload = None
+    offload = whole = None
     if device.kind == "nvidia" and not fits:
-        offload = offload_split(plan, device, budget)
-    return DevicePlan(device=device, budget_bytes=budget, fits=fits, ceiling_tps=ceiling, offload=offload)
+        offload = offload_split(plan, device, budget, engine_placement(plan))
+        if offload.placement != WHOLE_LAYERS:
+            whole = offload_split(plan, device, budget, WHOLE_LAYERS)
+    return DevicePlan(device=device, budget_bytes=budget, fits=fits, ceiling_tps=ceiling, offload=offload,
+                      whole_layers=whole)
 
 
-def offload_split(plan: Plan, device: DeviceInfo, budget_bytes: int) -> OffloadEstimate:
-    """The engine's own split (umakit.offload.plan_layers): embeddings, head, KV cache and working
-    memory resident first, then as many whole layers as fit next to the streaming ring; the rest streamed."""
+def _link(device: DeviceInfo) -> tuple[float, str]:
     if device.pcie_h2d_gbps:
-        pcie, source = device.pcie_h2d_gbps, "measured"
-    else:
-        gen = device.pcie_gen or 4
-        pcie, source = PCIE_EFFECTIVE_GBPS[gen], f"PCIe {gen}.0 x16 typical" + ("" if device.pcie_gen else " (assumed)")
-    layers = plan.num_layers
-    reserved = plan.kv_bytes + plan.working_bytes
+        return device.pcie_h2d_gbps, "measured"
+    gen = device.pcie_gen or 4
+    return PCIE_EFFECTIVE_GBPS[gen], f"PCIe {gen}.0 x16 typical" + ("" if device.pcie_gen else " (assumed)")
+
+
+def offload_split(plan: Plan, device: DeviceInfo, budget_bytes: int, placement: str = WHOLE_LAYERS) -> OffloadEstimate:
+    """The split a placement makes within ``budget_bytes``, as the torch engine makes it: embeddings, head
+    and the engine's KV reserve resident first, then as many whole layers (`WHOLE_LAYERS`,
+    umakit.offload.plan_layers) or layers' routed experts (`ROUTED_EXPERTS`, umakit.offload.plan_experts:
+    every dense part resident) as fit next to the streaming buffers. ``engines``: those that run it,
+    empty for a placement other than `engine_placement`."""
+    pcie, source = _link(device)
+    layers, n = plan.layers, len(plan.layers)
+    weights_fixed = plan.offload_fixed_bytes - plan.reserve_bytes
+    engines = offload_engines(plan.architecture) if placement == engine_placement(plan) else ()
     try:
-        split = plan_layers([plan.layer_bytes] * layers, plan.fixed_bytes - reserved, vram_budget=max(budget_bytes, 1),
-                            reserved_bytes=reserved)
+        if placement == WHOLE_LAYERS:
+            split = plan_layers([lb.total for lb in layers], weights_fixed, vram_budget=max(budget_bytes, 1),
+                                reserved_bytes=plan.reserve_bytes)
+        else:
+            split = plan_experts(layers, weights_fixed, vram_budget=max(budget_bytes, 1),
+                                 reserved_bytes=plan.reserve_bytes, active_experts=plan.active_experts)
     except InvalidArgumentError:  # not even the resident minimum fits
-        return OffloadEstimate(0, layers, plan.fixed_read_bytes, layers * plan.layer_read_bytes, pcie, source, None)
-    resident = split.gpu_layers
-    streamed = (layers - resident) * plan.layer_read_bytes
-    resident_read = plan.fixed_read_bytes + resident * plan.layer_read_bytes
-    ceiling = plan.batch * offload_ceiling_tps(resident_read, streamed, device.peak_bandwidth_gbps, pcie)
-    return OffloadEstimate(int(resident), int(layers), int(resident_read), int(streamed), pcie, source, ceiling)
+        return OffloadEstimate(0, n, plan.fixed_read_bytes, sum(lb.total for lb in layers), pcie, source, None,
+                               placement, engines)
+    resident_read = plan.fixed_read_bytes + _resident_read(plan, split)
+    ceiling = plan.batch * offload_ceiling_tps(resident_read, split.streamed_bytes, device.peak_bandwidth_gbps, pcie)
+    return OffloadEstimate(split.gpu_layers, n, int(resident_read), split.streamed_bytes, pcie, source, ceiling,
+                           placement, engines)
+
+
+def _resident_read(plan: Plan, split: OffloadPlan) -> int:
+    """What a step reads from VRAM in the layers: all of a resident layer's used weights; for routed
+    experts also every streamed layer's dense part."""
+    total = 0
+    for i, lb in enumerate(plan.layers):
+        used = lb.dense + round(min(plan.active_experts, lb.experts) * lb.expert)
+        if i in split.resident_layers:
+            total += used
+        elif split.placement == ROUTED_EXPERTS:
+            total += lb.dense
+    return total
 
 
 def resolve_devices(names: Sequence[str] = (), override_gbps: float | None = None) -> list[DeviceInfo]:
@@ -268,53 +347,6 @@ def resolve_devices(names: Sequence[str] = (), override_gbps: float | None = Non
         raise InvalidArgumentError("--peak-bandwidth sets the local device's bandwidth: add --device local")
     return [detect_local(override_gbps=override_gbps) if n.lower() == LOCAL_DEVICE else lookup_device(n)
             for n in names]
-
-
-def resolve_config(model: str | None = None, preset: str | None = None, config: str | None = None) -> tuple[str, dict]:
-    """(display name, config dict) from exactly one of: a model directory (or preset name), a preset, a config.json."""
-    given = [x for x in (model, preset, config) if x is not None]
-    if len(given) > 1:
-        raise InvalidArgumentError("give only one of MODEL, --preset and --config")
-    if config is not None:
-        path = Path(config)
-        return (path.parent.resolve().name if path.name == "config.json" else path.stem), load_config(path)
-    if model is not None and not Path(model).exists() and model.lower() in list_presets():
-        preset = model
-    if model is not None and preset is None:
-        return Path(model).resolve().name, load_config(model)
-    preset = preset or DEFAULT_PRESET
-    return preset.lower(), load_preset(preset)
-
-
-def list_presets() -> list[str]:
-    """Names of the built-in config shapes (umakit/presets/*.json)."""
-    return sorted(p.stem for p in PRESET_DIR.glob("*.json"))
-
-
-def load_preset(name: str) -> dict:
-    """The config.json of a built-in preset such as "llama-3-8b"."""
-    path = PRESET_DIR / f"{name.lower()}.json"
-    if not path.is_file():
-        raise ModelNotFoundError(f"unknown preset {name!r}; choose from {', '.join(list_presets())}")
-    return json.loads(path.read_text(encoding="utf-8"))
-
-
-def load_config(path: str | Path) -> dict:
-    """A config.json file, or the config.json inside a model directory."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / "config.json"
-    if not path.is_file():
-        raise ModelNotFoundError(
-            f"{path} not found: give a model directory with config.json, --config FILE or --preset NAME"
-        )
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"cannot read {path}: {e}") from e
-    if not isinstance(config, dict):
-        raise ConfigError(f"{path} is not a JSON object")
-    return config
 
 
 def plan_to_dict(plan: Plan) -> dict:

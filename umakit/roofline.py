@@ -8,6 +8,7 @@ Bandwidths are in GB/s (1e9 bytes per second); sizes are in bytes.
 from __future__ import annotations
 
 import math
+import dataclasses
 from dataclasses import dataclass
 
 from .affine import FLOAT_BITS, KV_BITS, KV_GROUP_SIZE
@@ -57,6 +58,13 @@ class RooflineStats:
     mbu: float | None  # memory-bandwidth utilisation: achieved / peak, 0..1
     device_name: str
     bandwidth_source: str  # "published" | "measured" | "user"
+    comm_s_per_token: float = 0.0  # a sharded run: seconds each decode step waits on the link (measured at load)
+
+    @property
+    def comm_share(self) -> float:
+        """The share of a decode step spent on the link, at the measured tok/s (0 when unsharded)."""
+        return min(1.0, self.comm_s_per_token * self.achieved_gbps * 1e9 / self.bytes_per_token) \
+            if self.comm_s_per_token and self.achieved_gbps and self.bytes_per_token else 0.0
 
 
 def decode_roofline(
@@ -110,10 +118,13 @@ class OffloadStats:
     achieved_pcie_gbps: float | None  # streamed bytes x measured tok/s
     efficiency: float | None  # measured tok/s / ceiling (overlap efficiency)
     streamed_bytes: float = 0.0  # bytes copied over the link per step
+    placement: str = ""  # what streams: `umakit.offload.WHOLE_LAYERS` or `ROUTED_EXPERTS` ("": not said)
+    hit_rate: float | None = None  # routed experts: share found in the device cache (None: none kept)
 
 
 def offload_ceiling(resident_bytes: float, streamed_bytes: float, memory_gbps: float, pcie_gbps: float,
-                    tokens_per_s: float | None = None) -> OffloadStats:
+                    tokens_per_s: float | None = None, placement: str = "",
+                    hit_rate: float | None = None) -> OffloadStats:
     """The offload ceiling of one decode step and, given the measured tok/s, how close a run came."""
     ceiling = offload_ceiling_tps(resident_bytes, streamed_bytes, memory_gbps, pcie_gbps)
     return OffloadStats(
@@ -122,20 +133,32 @@ def offload_ceiling(resident_bytes: float, streamed_bytes: float, memory_gbps: f
         achieved_pcie_gbps=None if tokens_per_s is None else streamed_bytes * tokens_per_s / GB,
         efficiency=None if tokens_per_s is None else tokens_per_s / ceiling,
         streamed_bytes=streamed_bytes,
+        placement=placement,
+        hit_rate=hit_rate,
     )
 
 
 def measure_decode(weight_bytes_per_token: float, streamed_bytes_per_token: float, kv_bytes_per_token: float,
-                   context_tokens: int, tokens_per_s: float | None, device) -> tuple[RooflineStats, OffloadStats | None]:
-    """The one measurement of a decode run: its roofline and, when layers stream, its offload figures.
+                   context_tokens: int, tokens_per_s: float | None, device, placement: str = "",
+                   hit_rate: float | None = None, comm_s_per_token: float = 0.0,
+                   ) -> tuple[RooflineStats, OffloadStats | None]:
+    """The one measurement of a decode run: its roofline and, when weights stream, its offload figures.
+
+    ``placement`` and ``hit_rate`` (routed experts kept on the device) pass to the `OffloadStats`;
+    ``comm_s_per_token`` (a sharded engine's link time per step) to the `RooflineStats`.
 
     ``device`` is a `umakit.hardware.DeviceInfo` (peak bandwidth, name, source, measured link rate).
+    The streamed bytes are among the weights a step reads; what else it reads (the rest of the
+    weights, the KV cache) comes from VRAM. Streamed bytes above the step's weight bytes (routed experts:
+    the union a batch picked, against one token's) leave only the KV cache read from VRAM.
     Generation stats, bench runs and offload sweeps all take their numbers from here.
     """
     r = decode_roofline(weight_bytes_per_token, kv_bytes_per_token, context_tokens, tokens_per_s,
                         device.peak_bandwidth_gbps, device.name, device.bandwidth_source)
-    if not streamed_bytes_per_token or not device.pcie_h2d_gbps:
-        return r, None
-    o = offload_ceiling(r.bytes_per_token - streamed_bytes_per_token, streamed_bytes_per_token,
-                        device.peak_bandwidth_gbps, device.pcie_h2d_gbps, tokens_per_s)
+    r = dataclasses.replace(r, comm_s_per_token=comm_s_per_token)
+    if (not streamed_bytes_per_token and hit_rate is None) or not device.pcie_h2d_gbps:
+        return r, None  # nothing streams (an expert cache that held every pick still reports its hits)
+    resident = r.bytes_per_token - min(streamed_bytes_per_token, weight_bytes_per_token)
+    o = offload_ceiling(resident, streamed_bytes_per_token, device.peak_bandwidth_gbps, device.pcie_h2d_gbps,
+                        tokens_per_s, placement, hit_rate)
     return r, o

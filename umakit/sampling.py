@@ -16,7 +16,7 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass, replace
 
-from .errors import InvalidArgumentError
+from . import validate
 
 DEFAULT_MAX_TOKENS = 512
 DEFAULT_TEMPERATURE = 0.7
@@ -25,6 +25,7 @@ DEFAULT_TOP_K = 0
 DEFAULT_MIN_P = 0.0
 DEFAULT_REPETITION_PENALTY = 1.0
 DEFAULT_REPETITION_CONTEXT = 64
+SAMPLING_FIELDS = tuple(validate.SAMPLING_RANGES)
 
 
 @dataclass(frozen=True)
@@ -37,18 +38,9 @@ class SamplingParams:
     repetition_context: int = DEFAULT_REPETITION_CONTEXT
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise InvalidArgumentError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise InvalidArgumentError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise InvalidArgumentError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0 <= self.min_p < 1:
-            raise InvalidArgumentError(f"min_p must be in [0, 1), got {self.min_p}")
-        if self.repetition_penalty <= 0:
-            raise InvalidArgumentError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        if self.repetition_context < 1:
-            raise InvalidArgumentError(f"repetition_context must be >= 1, got {self.repetition_context}")
+        # Every way in (CLI flags, /set, batch lines, API keywords) builds one of these: the checks live here once.
+        for name in SAMPLING_FIELDS:
+            object.__setattr__(self, name, validate.sampling_field(name, getattr(self, name)))
 
     @property
     def greedy(self) -> bool:
@@ -60,8 +52,9 @@ class SamplingParams:
 
 
 def seed_or_random(seed: int | None) -> int:
-    """``seed`` as a non-negative 64-bit integer (every backend's generator takes those, some refuse
-    negative ones), or a fresh random one (63 bits) when it is None."""
+    """``seed`` (checked: a signed 64-bit integer) as a non-negative 64-bit integer (every backend's generator
+    takes those, some refuse negative ones), or a fresh random one (63 bits) when it is None."""
+    seed = validate.seed(seed)
     return seed % 2**64 if seed is not None else secrets.randbits(63)
 
 

@@ -12,8 +12,9 @@ import os
 import platform
 import shutil
 import sys
+from typing import NamedTuple
 
-from ..errors import BackendUnavailableError, InvalidArgumentError
+from ..errors import BackendUnavailableError, InvalidArgumentError, UnsupportedModelError
 
 from .base import EngineSpec
 from .mlx import SPEC as _MLX
@@ -44,10 +45,29 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def resolve(backend: str = "auto", device: str | None = None, needs: frozenset[str] = frozenset()) -> tuple[str, str]:
-    """Choose (engine, device) from the user's words; explains every refusal.
+class Choice(NamedTuple):
+    """An engine and device for a load, and why "auto" passed over its first preference (None if it did not)."""
 
-    ``needs`` names features (`umakit.backends.base.FEATURES`) that "auto" must respect on a CPU.
+    engine: str
+    device: str
+    note: str | None = None
+
+
+def resolve(backend: str = "auto", device: str | None = None, needs: frozenset[str] = frozenset(),
+            model_type: str | None = None) -> tuple[str, str]:
+    """Choose (engine, device) from the user's words; explains every refusal (see `choose`)."""
+    return choose(backend, device, needs, model_type)[:2]
+
+
+def choose(backend: str = "auto", device: str | None = None, needs: frozenset[str] = frozenset(),
+           model_type: str | None = None) -> Choice:
+    """Choose the engine and device from the user's words, the features asked for and the architecture.
+
+    ``needs`` names features (`umakit.backends.base.FEATURES`) and ``model_type``
+    the checkpoint's architecture (`umakit.config_compat.architecture`; None:
+    not known yet). "auto" takes the first engine, in the machine's order of
+    preference, that is installed and can do both; an explicit backend that
+    cannot is refused with the one that can.
     """
     backend = (backend or "auto").lower()
     if backend in SHORTHANDS:
@@ -56,12 +76,7 @@ def resolve(backend: str = "auto", device: str | None = None, needs: frozenset[s
             raise InvalidArgumentError(f"--backend {implied} runs on device {implied}, not {device}")
         device = implied
     if backend == "auto":
-        if is_apple_silicon() and device in (None, "auto", "metal"):
-            backend = "mlx"
-        elif device in (None, "auto", "cuda") and _cuda_available():
-            backend = "torch"
-        else:
-            backend = next((e for e in CPU_PREFERENCE if _installed(e) and needs <= ENGINES[e].features), "mlx")
+        return _auto(device, needs, model_type)
     if backend not in ENGINES:
         raise InvalidArgumentError(f"unknown backend {backend!r}; choose from auto, {', '.join(ENGINES)}, cuda")
     if device in (None, "auto"):
@@ -69,15 +84,78 @@ def resolve(backend: str = "auto", device: str | None = None, needs: frozenset[s
             device = "metal" if is_apple_silicon() else "cpu"
         else:
             device = "cuda" if _cuda_available() else "cpu"
-    if device not in ENGINES[backend].devices:
-        raise InvalidArgumentError(f"backend {backend} runs on {' or '.join(ENGINES[backend].devices)}, not {device!r}")
-    missing = needs - ENGINES[backend].features
+    spec = ENGINES[backend]
+    if device not in spec.devices:
+        raise InvalidArgumentError(f"backend {backend} runs on {' or '.join(spec.devices)}, not {device!r}")
+    missing = needs - spec.features
     if missing:
         have = [e for e in ENGINES if missing <= ENGINES[e].features]
         raise InvalidArgumentError(
             f"the {backend} backend does not support {', '.join(sorted(missing))} yet; use --backend {have[0]}"
         )
-    return backend, device
+    others = [e for e in ENGINES if ENGINES[e].runs(model_type)]
+    if not spec.runs(model_type) and others:  # with no engine for it, the engine's own error lists what it runs
+        raise UnsupportedModelError(f"the {backend} backend does not run model_type {model_type!r}; "
+                                    f"use --backend {others[0]}")
+    return Choice(backend, device)
+
+
+def _candidates(device: str | None) -> list[tuple[str, str]]:
+    """(engine, device) pairs "auto" considers, best first: the machine's GPU engine, then the CPU order."""
+    out = []
+    if is_apple_silicon() and device in (None, "auto", "metal"):
+        out.append(("mlx", "metal"))
+    elif device in (None, "auto", "cuda") and _cuda_available():
+        out.append(("torch", "cuda"))
+    if device in (None, "auto", "cpu"):
+        out += [(e, "cpu") for e in CPU_PREFERENCE]
+    elif not out:  # a device no engine prefers: whichever engines run there
+        out = [(e, device) for e in ENGINES if device in ENGINES[e].devices]
+    return out
+
+
+def _why_not(engine: str, needs: frozenset[str], model_type: str | None) -> str | None:
+    spec = ENGINES[engine]
+    if not spec.runs(model_type):
+        return f"{engine} does not run {model_type}"
+    if not needs <= spec.features:
+        return f"{engine} does not support {', '.join(sorted(needs - spec.features))}"
+    return None
+
+
+def _auto(device: str | None, needs: frozenset[str], model_type: str | None) -> Choice:
+    candidates = _candidates(device)
+    if not candidates:
+        raise InvalidArgumentError(f"no backend runs on device {device!r}; choose from metal, cuda, cpu")
+    able = [(e, d) for e, d in candidates if _why_not(e, needs, model_type) is None]
+    if not able:
+        engines = dict.fromkeys(e for e, _ in candidates)
+        if any(not ENGINES[e].runs(model_type) for e in engines):
+            names = "; ".join(f"{e} runs {ENGINES[e].named_architectures()}" for e in engines)
+            raise UnsupportedModelError(f"model_type {model_type!r} is not supported by any engine: {names}")
+        raise InvalidArgumentError(f"no backend supports {', '.join(sorted(needs))} on {candidates[0][1]}")
+    engine, where = next(((e, d) for e, d in able if _installed(ENGINES[e].dependency)), able[0])
+    skipped = dict.fromkeys(r for e, _ in candidates[:candidates.index((engine, where))]
+                            if (r := _why_not(e, needs, model_type)))
+    note = f"running on {engine} ({where}): {'; '.join(skipped)}" if skipped else None
+    return Choice(engine, where, note)
+
+
+def parallel_backend(backend: str, parallel: str | None) -> str:
+    """The engine "auto" means for a run sharded across ranks (``parallel``): the launcher's."""
+    from .distributed import backend_for
+
+    return backend_for(backend, parallel)
+
+
+def load_engine(name: str, ckpt, *, parallel: str | None = None, **options):
+    """``engine_class(name).from_checkpoint(ckpt, **options)``; with ``parallel`` ("tensor" or "pipeline"),
+    the model sharded across the ranks of the launcher's run (`umakit.backends.distributed.load`)."""
+    if parallel is None:
+        return engine_class(name).from_checkpoint(ckpt, **options)
+    from .distributed import load
+
+    return load(name, parallel, ckpt, **options)
 
 
 def engine_class(name: str):

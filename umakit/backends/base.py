@@ -47,6 +47,21 @@ class EngineSpec:
     extra: str  # the pip extra that installs it
     devices: tuple[str, ...]  # preferred first
     features: frozenset[str]
+    # The model types (the language model's, `umakit.config_compat.architecture`) it runs: a fixed list,
+    # or, where empty, whatever ``finds_architecture`` finds without importing the engine.
+    architectures: tuple[str, ...] = ()
+    finds_architecture: Callable[[str], bool] | None = None
+    architectures_source: str = ""  # for messages: what finds them ("mlx-lm has a model file for")
+
+    def runs(self, model_type: str | None) -> bool:
+        """Whether the engine has code for ``model_type`` (None, not known yet: assume so)."""
+        if model_type is None or model_type in self.architectures:
+            return True
+        return self.finds_architecture is not None and self.finds_architecture(model_type)
+
+    def named_architectures(self) -> str:
+        """The architectures it runs, for a message."""
+        return ", ".join(self.architectures) if self.architectures else f"any {self.architectures_source}"
 
 
 @runtime_checkable
@@ -80,10 +95,12 @@ class WeightInfo:
     total_bytes: int
     by_category: dict[str, int] = field(default_factory=dict)  # embedding, attention, mlp, head, norms, other
     params: int = 0
-    bytes_per_token: int = 0  # weight bytes one decode step reads (one embedding row, not the table)
+    # weight bytes one decode step reads: one embedding row, not the table; of MoE's routed experts, top-k's share
+    bytes_per_token: int = 0
     kv_bytes_per_token: float = 0.0  # cache bytes per cached token, all layers, K and V
     quantization: str = "none"  # e.g. "4-bit g32 (embeddings 8-bit)"
     streamed_bytes_per_token: int = 0  # of bytes_per_token, those copied host -> device per step (offload)
+    comm_s_per_token: float = 0.0  # a sharded run: seconds a decode step waits on collectives, measured at load
 
     @property
     def bits_per_weight(self) -> float:
@@ -196,7 +213,7 @@ class Engine(Protocol):
     dtype: str  # compute dtype, e.g. "float32"
     config: dict  # the checkpoint's config.json (with its quantization block once quantized on load)
     quantization: dict | None  # the config.json quantization block of the weights as loaded
-    offload: OffloadPlan | None  # the layer split when layers stream from host memory
+    offload: OffloadPlan | None  # the split when weights stream from host memory; its `counters` count the copies
     load_notes: tuple[str, ...]  # what a user should know about how the weights were loaded
 
     @classmethod

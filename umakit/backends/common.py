@@ -2,7 +2,8 @@
 
 Pure functions over tensor names and shapes (no framework), so the MLX and
 torch engines report the same categories, the same message for the same broken
-checkpoint, and the same bytes per decode step.
+checkpoint, and the same bytes per decode step (of a mixture-of-experts model:
+its dense weights and the share of the routed experts a token is sent to).
 """
 
 from __future__ import annotations
@@ -29,6 +30,22 @@ def category(name: str) -> str:
     return "other"
 
 
+ROUTED_EXPERTS = ".switch_mlp."  # in a tensor's name: mlx-lm's (and the torch engine's) stacked routed experts
+
+
+def is_routed_expert(name: str) -> bool:
+    """Whether a tensor belongs to the routed experts (a shared expert or a dense MLP does not)."""
+    return ROUTED_EXPERTS in name
+
+
+def routed_share(config: dict) -> float:
+    """Share of the routed experts' bytes one token reads: experts per token / experts (1.0: no experts)."""
+    cfg = {**config, **(config.get("text_config") or {})}
+    experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts") or 0)
+    per_token = int(cfg.get("num_experts_per_tok") or 0)
+    return min(per_token / experts, 1.0) if experts > 1 and per_token else 1.0
+
+
 def check_weights(expected: Mapping[str, Sequence[int]], given: Mapping[str, Sequence[int]],
                   source: Mapping[str, str] | None = None) -> None:
     """Name the first missing, unexpected or mis-shaped tensor before any data is read.
@@ -53,13 +70,19 @@ def check_weights(expected: Mapping[str, Sequence[int]], given: Mapping[str, Seq
 
 
 def weight_info(by_category: dict[str, int], params: int, vocab_size: int, kv_bytes_per_token: float,
-                quantization: dict | None, execution: str = "", streamed_bytes_per_token: int = 0) -> WeightInfo:
-    """A `WeightInfo` from bytes by category; ``execution`` says how quantized layers run, if it matters."""
+                quantization: dict | None, execution: str = "", streamed_bytes_per_token: int = 0,
+                routed_bytes: int = 0, routed_read_share: float = 1.0) -> WeightInfo:
+    """A `WeightInfo` from bytes by category; ``execution`` says how quantized layers run, if it matters.
+
+    ``routed_bytes`` are the routed experts' (all of them, within ``by_category``); a decode token
+    reads ``routed_read_share`` of them (`routed_share`), so ``bytes_per_token`` counts that much.
+    """
     total = sum(by_category.values())
     embed = by_category.get("embedding", 0)
     tied = "head" not in by_category
     # A decode step reads one embedding row, but a tied head reads the whole table.
     per_token = total if tied else total - embed + embed // max(vocab_size, 1)
+    per_token -= routed_bytes - round(routed_bytes * routed_read_share)
     described = affine.describe(quantization)
     if quantization and execution:
         described += f" ({execution})"

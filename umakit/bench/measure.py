@@ -102,7 +102,7 @@ def _timed_run(model: Model, prompt: list[int], gen_tokens: int, kv_bits: int | 
     decode_tps = (gen_tokens - 1) / (t2 - t1)
     r, o = model.measure_decode(decode_tps, len(prompt) + gen_tokens // 2, engine.kv_bytes_per_token(kv_bits))
     run = Run(t1 - t0, len(prompt) / (t1 - t0), decode_tps, r.achieved_gbps, r.mbu, r.bytes_per_token,
-              engine.peak_memory())
+              engine.peak_memory(), comm_share=r.comm_share)
     if o is not None:
         run.pcie_gbps, run.offload_efficiency = o.achieved_pcie_gbps, o.efficiency
     return run
@@ -129,7 +129,7 @@ def _timed_batch_run(model: Model, prompts: list[list[int]], gen_tokens: int) ->
     # One step reads the weights once and every row's cache: measured per step, tps / rows steps/s.
     r, o = model.measure_decode(tps / rows, len(prompts[0]) + gen_tokens // 2, engine.kv_bytes_per_token() * rows)
     run = Run(t1 - t0, sum(map(len, prompts)) / (t1 - t0), tps, r.achieved_gbps, r.mbu, r.bytes_per_token,
-              engine.peak_memory())
+              engine.peak_memory(), comm_share=r.comm_share)
     if o is not None:
         run.pcie_gbps, run.offload_efficiency = o.achieved_pcie_gbps, o.efficiency
     return run
@@ -137,7 +137,11 @@ def _timed_batch_run(model: Model, prompts: list[list[int]], gen_tokens: int) ->
 
 def run_bench(model: Model, settings: BenchSettings | None = None, progress: Progress | None = None) -> BenchRecord:
     """Warm up, then time ``settings.repeat`` runs and the context sweep of a loaded model."""
-    settings = settings or BenchSettings()
+    with model.engine.wired():  # the setup `generate` runs under, so both measure the same thing
+        return _run_bench(model, settings or BenchSettings(), progress)
+
+
+def _run_bench(model: Model, settings: BenchSettings, progress: Progress | None) -> BenchRecord:
     engine = model.engine
     vocab = _vocab_size(engine.config)
     prompt = random_prompt(vocab, settings.prompt_tokens, settings.seed)

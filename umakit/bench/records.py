@@ -33,6 +33,7 @@ class Run:
     peak_memory_bytes: int
     pcie_gbps: float = 0.0  # offload: streamed bytes per step x steps/s
     offload_efficiency: float = 0.0  # offload: steps/s / the two-link ceiling
+    comm_share: float = 0.0  # sharded: the share of a decode step spent on the link
 
 
 @dataclass
@@ -121,6 +122,7 @@ def model_dict(model, kv_bits: int | None) -> dict:
     w, engine = model.info.weights, model.engine
     return {"name": model.info.name, "params": w.params, "bits_per_weight": round(w.bits_per_weight, 3),
             "weight_bytes": w.total_bytes, "bytes_per_token": w.bytes_per_token,
+            "comm_s_per_token": w.comm_s_per_token,
             "kv_bytes_per_token": engine.kv_bytes_per_token(kv_bits),
             "quantization": w.quantization, "backend": engine.name, "device": engine.device,
             "dtype": engine.dtype, "config": _shape_config(engine.config)}
@@ -155,6 +157,8 @@ def load_record(path) -> dict:
         data["machine"]["peak_bandwidth_gbps"], data["summary"]["decode_tps"]["median"], data["model"]["name"]
     except FileNotFoundError as e:
         raise InvalidArgumentError(f"no such bench file: {path}") from e
+    except OSError as e:
+        raise InvalidArgumentError(f"cannot read bench file {path}: {e.strerror or e}") from e
     except (ValueError, KeyError, TypeError) as e:
         raise InvalidArgumentError(f"{path} is not a umakit bench record ({e})") from e
     return data

@@ -11,7 +11,8 @@ import click
 from umakit.backends.base import BATCH
 from umakit.batch import DEFAULT_BATCH_SIZE
 
-from .options import SAMPLING_KEYS, load_model, model_options, offload_options, sampling_options
+from .options import (SAMPLING_KEYS, follow_unless_leader, load_model, model_options, offload_options, parallel_option,
+                      sampling_options)
 
 
 class Progress:
@@ -74,30 +75,54 @@ class Progress:
 @sampling_options
 @model_options
 @offload_options
+@parallel_option
 def batch_cmd(model, input_path, output_path, batch_size, system, raw, stop, max_tokens, seed, backend, device, dtype,
-              peak_bandwidth, gpu_layers, vram_budget, **sampling):
+              peak_bandwidth, gpu_layers, vram_budget, parallel, **sampling):
     """Generate a reply to every prompt of a JSON Lines file, in batches."""
-    from umakit import batch, batch_io
+    from umakit import batch_io, fsutil, validate
     from umakit.sampling import SamplingParams
+
+    load = dict(backend=backend, device=device, dtype=dtype, peak_bandwidth=peak_bandwidth, needs={BATCH},
+                gpu_layers=gpu_layers, vram_budget=vram_budget)
+    follow_unless_leader(parallel, model, **load)  # a follower reads no input and writes no output
+    batch_io.check_paths(input_path, output_path)
+    system = None if system is None else validate.text(system, "--system")
+    stop = tuple(validate.text(s, "--stop") for s in stop)
+    params = SamplingParams().with_overrides(**{k: sampling[k] for k in SAMPLING_KEYS})
+    settings = dict(max_tokens=max_tokens, stop=stop, seed=seed, system=system, sampling=params)
+    load["parallel"] = parallel
+    with fsutil.locked(output_path):  # a second batch onto the same output is refused, not interleaved
+        _run(model, input_path, output_path, batch_size, raw, settings, load)
+
+
+def _run(model, input_path, output_path, batch_size, raw, settings, load_kwargs) -> None:
+    from umakit import batch, batch_io
+    from umakit.errors import InvalidArgumentError
 
     items, errors = batch_io.read_items(input_path)  # duplicate ids stop here, before anything runs
     done = batch_io.prepare_output(output_path)
     todo = [it for it in items if batch_io.id_key(it.id) not in done]
     if len(todo) < len(items):
         click.echo(f"{len(items) - len(todo)} of {len(items)} items already in {output_path}: skipped", err=True)
+    checked = []
+    for it in todo:  # every setting of every line is checked before the model loads
+        try:
+            batch.check_item(it.fields, **settings)
+            checked.append(it)
+        except InvalidArgumentError as e:
+            errors.append(batch_io.LineError(it.line, str(e), it.id))
+    todo = checked
     m = stream = None
     if todo:
-        m = load_model(model, backend=backend, device=device, dtype=dtype, peak_bandwidth=peak_bandwidth,
-                       needs={BATCH}, gpu_layers=gpu_layers, vram_budget=vram_budget)
+        m = load_model(model, **load_kwargs)
 
     def skip(i, error):  # i indexes todo
         errors.append(batch_io.LineError(todo[i].line, str(error), todo[i].id))
 
     try:
         if m is not None:
-            params = SamplingParams().with_overrides(**{k: sampling[k] for k in SAMPLING_KEYS})
-            stream = batch.stream_batch(m, [it.fields for it in todo], batch_size=batch_size, max_tokens=max_tokens,
-                                        stop=stop, seed=seed, system=system, raw=raw, sampling=params, on_error=skip)
+            stream = batch.stream_batch(m, [it.fields for it in todo], batch_size=batch_size, raw=raw, on_error=skip,
+                                        **settings)
     finally:  # the skipped lines are reported even when the batch then cannot run
         _report(errors, output_path)
     if stream is not None and len(stream):

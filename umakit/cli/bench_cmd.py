@@ -24,6 +24,7 @@ from .options import (
     load_model,
     model_options,
     offload_options,
+    parallel_option,
     speculative_options,
 )
 
@@ -59,15 +60,24 @@ def _contexts(ctx, param, value):
               help="Steps of the offload sweep (5: 0, 25, 50, 75, 100% of the layers streamed).")
 @click.option("--speculative", is_flag=True,
               help="Plain against speculative decoding of a copy-heavy prompt, in one run (prompt lookup unless --draft).")
+@click.option("--probe", is_flag=True,
+              help="Measure this machine's bandwidth (and host link) again, best of several runs; cache it and exit.")
 @speculative_options
 @model_options
 @offload_options
+@parallel_option
 def bench(model, prompt_tokens, gen_tokens, repeat, warmup, batch, kv_bits, contexts, synthetic, bits, json_out, compare,
-          plot, offload_sweep, sweep_steps, speculative, draft, draft_tokens, prompt_lookup, ngram, backend, device,
-          dtype, peak_bandwidth, gpu_layers, vram_budget):
+          plot, offload_sweep, sweep_steps, speculative, probe, draft, draft_tokens, prompt_lookup, ngram, backend,
+          device, dtype, peak_bandwidth, gpu_layers, vram_budget, parallel):
     """Measure TTFT, prefill and decode speed, achieved GB/s and % of peak bandwidth."""
     from umakit import bench as lib
+    from umakit.fsutil import check_writable
 
+    if probe:
+        click.echo(_probe(device))
+        return
+    for out in filter(None, (json_out, plot)):  # a run of minutes must not end on an unwritable path
+        check_writable(out)
     if compare:
         records = [lib.load_record(p) for p in compare]
         click.echo(compare_table(records))
@@ -76,6 +86,8 @@ def bench(model, prompt_tokens, gen_tokens, repeat, warmup, batch, kv_bits, cont
             raise click.UsageError("--offload-sweep chooses the resident layers itself: drop --gpu-layers/--vram-budget")
         if bits and not synthetic:
             raise click.UsageError("--bits applies to --synthetic models; quantize a checkpoint with umakit quantize")
+        if parallel and (synthetic or offload_sweep or speculative or compare):
+            raise click.UsageError("--parallel measures a model directory: drop --synthetic/--offload-sweep/--speculative")
         settings = lib.BenchSettings(prompt_tokens, gen_tokens, repeat, warmup,
                                      kv_bits, contexts, batch=batch)
         speculative = speculative or prompt_lookup or draft is not None
@@ -97,7 +109,7 @@ def bench(model, prompt_tokens, gen_tokens, repeat, warmup, batch, kv_bits, cont
                 record = lib.run_offload_sweep(lambda n: load(gpu_layers=n), layers, settings, sweep_steps,
                                                progress=lambda what, done, total: bar.update(1))
         else:
-            m = load(gpu_layers=gpu_layers, vram_budget=vram_budget)
+            m = load(gpu_layers=gpu_layers, vram_budget=vram_budget, **({"parallel": parallel} if parallel else {}))
             with click.progressbar(length=settings.steps, label="benchmarking", file=sys.stderr) as bar:
                 record = lib.run_bench(m, settings, progress=lambda what, done, total: bar.update(1))
         records = [record.to_json()]
@@ -117,6 +129,15 @@ def bench(model, prompt_tokens, gen_tokens, repeat, warmup, batch, kv_bits, cont
         else:
             lib.plot_records(records, plot)
         click.echo(f"wrote {plot}", err=True)
+
+
+def _probe(device) -> str:
+    """Re-measure the local device's cached figures; one line saying what they are now."""
+    from umakit.hardware import detect_local
+
+    dev = detect_local(device or "auto", remeasure=True, link=True)
+    link = f"; host link {dev.pcie_h2d_gbps:.1f} GB/s (measured)" if dev.pcie_h2d_gbps else ""
+    return f"{dev.name}: peak bandwidth {dev.peak_bandwidth_gbps:.1f} GB/s ({dev.bandwidth_source}){link}"
 
 
 def _loader(model, synthetic, bits, backend, device, dtype, peak_bandwidth, needs):

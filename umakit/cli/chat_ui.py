@@ -1,16 +1,26 @@
-"""The interactive side of `umakit run`: input, slash commands, streaming output."""
+"""The interactive side of `umakit run`: input, slash commands, streaming output.
+
+Nothing typed here ends the session but ``/exit``, Ctrl-D, or Ctrl-C at an
+empty prompt: a failed command or turn is one ``Error:`` line and the prompt
+comes back. Ctrl-C during a turn (just after Enter, in the prefill, in the
+reply) returns to the prompt with the conversation intact.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import re
 import select
 import signal
 import sys
-from dataclasses import fields
+import traceback
+from pathlib import Path
 
 import click
 
-from umakit.chat import ChatSession, TurnInfo
-from umakit.errors import UmakitError
+from umakit import crashlog, validate
+from umakit.chat import ChatSession, Stopped, TurnInfo
+from umakit.errors import InvalidArgumentError, UmakitError
 
 from .format import decode_line, size
 
@@ -27,6 +37,12 @@ A line ending in \\ continues on the next line; a pasted block is one message.""
 
 SETTABLE = {"temp": "temperature", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
             "min_p": "min_p", "repetition_penalty": "repetition_penalty"}
+SETTINGS = "temp, top_p, top_k, min_p, repetition_penalty, max_tokens, seed"
+_ESCAPE = re.compile(r"(\x1b\[[0-9;?]*[A-Za-z])")
+
+
+class Cancelled(Exception):
+    """Ctrl-C after a message's first line was entered: the message is not sent."""
 
 
 class Interrupt:
@@ -53,20 +69,46 @@ def footer(info: TurnInfo, stats) -> str:
     return " · ".join(parts)
 
 
+def readline_prompt(prompt: str) -> str:
+    """``prompt`` with each escape sequence between \\001 and \\002, which readline and libedit read as
+    "takes no room": without them line editing miscounts the prompt's width and redraws long lines wrong."""
+    return _ESCAPE.sub("\001\\1\002", prompt)
+
+
 def read_message(prompt: str) -> str | None:
     """One user message: continuation lines with a trailing backslash, and pasted
-    blocks (lines already waiting on stdin) joined. None at end of input."""
-    lines = []
-    line = input(prompt)
-    while True:
-        if line.endswith("\\"):
-            lines.append(line[:-1])
-            line = input("... ")
-            continue
-        lines.append(line)
-        if not _more_waiting():
-            return "\n".join(lines)
-        line = input("")
+    blocks (lines already waiting on stdin) joined.
+
+    Ctrl-C at an empty prompt raises KeyboardInterrupt; with text typed, or
+    once the first line is entered, it raises `Cancelled` instead (the message
+    is dropped, the session goes on).
+    """
+    try:
+        line = input(prompt)
+    except KeyboardInterrupt:
+        # readline keeps the line it was editing, or had just accepted when the
+        # signal came between Enter and input() returning.
+        if _line_buffer().strip():
+            raise Cancelled from None
+        raise
+    try:
+        lines = []
+        while True:
+            if line.endswith("\\"):
+                lines.append(line[:-1])
+                line = input("... ")
+                continue
+            lines.append(line)
+            if not _more_waiting():
+                return "\n".join(lines)
+            line = input("")
+    except KeyboardInterrupt:
+        raise Cancelled from None
+
+
+def _line_buffer() -> str:
+    readline = sys.modules.get("readline")
+    return readline.get_line_buffer() if readline is not None else ""
 
 
 def _more_waiting() -> bool:
@@ -85,16 +127,21 @@ class Repl:
     def style(self, text: str, **kw) -> str:
         return click.style(text, **kw) if self.color else text
 
+    def notice(self, text: str) -> None:
+        click.echo(self.style(text, dim=True), err=True)
+
     # -- one reply ------------------------------------------------------------------
     def reply(self, text: str) -> None:
         with Interrupt() as stop:
             self._reply(text, stop)
 
     def _reply(self, text: str, stop: Interrupt) -> None:
+        self._info = TurnInfo()
+
         def ready(info: TurnInfo):
             if info.dropped_turns:
-                click.echo(self.style(f"(context full: dropped the {info.dropped_turns} oldest turn(s), "
-                                      "kept the system prompt, re-prefilling)", dim=True), err=True)
+                self.notice(f"(context full: dropped the {info.dropped_turns} oldest turn(s), "
+                            "kept the system prompt, re-prefilling)")
             self._info = info
 
         stats = None
@@ -102,15 +149,18 @@ class Repl:
             click.echo(chunk.text, nl=False)
             sys.stdout.flush()
             stats = chunk.stats or stats
+        if self._info.cancelled:
+            self.notice("(stopped before the reply; the message was dropped)")
+            return
         click.echo()
         if stop.hit:
-            click.echo(self.style("(reply stopped; it stays in the history, marked as cut)", dim=True), err=True)
+            self.notice("(reply stopped; it stays in the history, marked as cut)")
         elif stats is not None and self.show_stats:
-            click.echo(self.style(footer(self._info, stats), dim=True), err=True)
+            self.notice(footer(self._info, stats))
 
     # -- commands ---------------------------------------------------------------------
-    def command(self, line: str) -> bool:
-        """Run a slash command; False means exit."""
+    def command(self, line: str, stop: Interrupt | None = None) -> bool:
+        """Run a slash command; False means exit. A bad command raises `UmakitError`."""
         name, _, arg = line[1:].partition(" ")
         arg = arg.strip()
         s = self.session
@@ -131,84 +181,134 @@ class Repl:
                        f"generated {t.generated_tokens} tok · cache {s.cache.offset} tok = {size(s.cache_bytes)} · "
                        f"weights {size(s.model.info.weights.total_bytes)} · peak mem {size(t.peak_memory_bytes)}")
         elif name == "save":
-            if not arg:
-                raise click.UsageError("usage: /save FILE")
-            s.save(arg)
+            s.save(_path(arg, "/save FILE"))
             click.echo(f"(saved {len(s.messages)} messages to {arg})")
         elif name == "load":
-            if not arg:
-                raise click.UsageError("usage: /load FILE")
-            n = s.load(arg)
+            n = s.load(_path(arg, "/load FILE"), should_stop=(lambda: stop.hit) if stop else lambda: False)
             click.echo(f"(loaded {len(s.messages)} messages from {arg}; prefilled {n} tokens)")
         elif name == "set":
             parts = arg.split(None, 1)
-            if len(parts) == 2:
-                self._set(*parts)
-            else:
-                click.echo("usage: /set NAME VALUE")
+            if len(parts) != 2:
+                raise InvalidArgumentError(f"usage: /set NAME VALUE, with NAME one of {SETTINGS}")
+            self._set(*parts)
         else:
-            click.echo(f"unknown command /{name}; /help lists the commands")
+            raise InvalidArgumentError(f"unknown command /{name}; /help lists the commands")
         return True
 
     def _set(self, key: str, value: str) -> None:
         s = self.session.settings
-        try:
-            if key in SETTABLE:
-                field = SETTABLE[key]
-                kind = {f.name: f.type for f in fields(s.sampling)}[field]
-                s.sampling = s.sampling.with_overrides(**{field: int(value) if kind == "int" else float(value)})
-            elif key == "max_tokens":
-                s.max_tokens = max(1, int(value))
-            elif key == "seed":
-                s.seed = None if value == "none" else int(value)
-            else:
-                click.echo(f"unknown setting {key}; try temp, top_p, top_k, min_p, repetition_penalty, max_tokens, seed")
-                return
-        except ValueError as e:
-            click.echo(f"bad value for {key}: {e}")
-            return
+        if key in SETTABLE:
+            field = SETTABLE[key]
+            s.sampling = s.sampling.with_overrides(**{field: validate.parse_setting(field, value)})
+        elif key == "max_tokens":
+            s.max_tokens = validate.max_tokens(_int(key, value))
+        elif key == "seed":
+            s.seed = None if value == "none" else validate.seed(_int(key, value))
+        else:
+            raise InvalidArgumentError(f"unknown setting {key}; try {SETTINGS}")
         click.echo(f"({key} = {value})")
 
     # -- loops --------------------------------------------------------------------------
     def interactive(self) -> None:
-        _enable_line_editing()
         prompt = self.style(">>> ", bold=True)
-        while True:
-            try:
-                text = read_message(prompt)
-            except (EOFError, KeyboardInterrupt):
-                click.echo()
-                return
-            if not text.strip():
-                continue
-            try:
-                if text.startswith("/"):
-                    with Interrupt():  # a stray Ctrl-C must not kill a /save half-way
-                        if not self.command(text.strip()):
-                            return
+        if _enable_line_editing():
+            prompt = readline_prompt(prompt)
+        with self.rescuing():
+            while True:
+                try:
+                    text = read_message(prompt)
+                except Cancelled:
+                    self.notice("(cancelled)")
+                    continue
+                except (EOFError, KeyboardInterrupt):
+                    click.echo()
+                    return
+                except UnicodeDecodeError as e:
+                    click.echo(f"Error: that input is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset "
+                               f"{e.start}); nothing was sent", err=True)
+                    continue
+                if text.strip() and not self.run_one(text):
+                    return
+
+    def run_one(self, text: str) -> bool:
+        """One message or slash command; every failure is one ``Error:`` line. False means exit."""
+        try:
+            if text.startswith("/"):
+                with Interrupt() as stop:  # a stray Ctrl-C must not kill a /save half-way
+                    return self.command(text.strip(), stop)
+            self.reply(text)
+        except KeyboardInterrupt:  # Ctrl-C in the instant before a turn's own handler took over
+            self.notice("(cancelled)")
+        except Stopped as e:
+            self.notice(f"({e})")
+        except (UmakitError, click.UsageError) as e:
+            click.echo(f"Error: {e}", err=True)
+        except Exception as e:  # a bug: reported and logged, and the conversation goes on
+            self.session.resync()  # the cache may be in doubt: the next turn prefills every message again
+            if crashlog.debug():
+                traceback.print_exc()
+            click.echo(f"Error: {crashlog.report(e)}", err=True)
+        return True
+
+    def piped(self, stream) -> bool:
+        """One message per line of ``stream`` (bytes, UTF-8); each reply followed by a blank line.
+
+        A line that fails is one ``Error:`` line and the next ones still run; False if any failed.
+        """
+        ok = True
+        with self.rescuing():
+            for n, raw in enumerate(stream, 1):
+                try:
+                    text = validate.decode_utf8(raw, f"line {n} of the input").rstrip("\n")
+                    if text.strip():
+                        self.reply(text)
+                        click.echo()
+                except UmakitError as e:
+                    click.echo(f"Error: {e}" if str(e).startswith("line ") else f"Error: line {n}: {e}", err=True)
+                    ok = False
+        return ok
+
+    @contextlib.contextmanager
+    def rescuing(self):
+        """If an error ends the chat anyway, save its transcript first and say where (``/load`` brings it back)."""
+        try:
+            yield
+        except Exception:
+            if self.session.messages:
+                try:
+                    path = self.session.rescue()
+                except UmakitError as e:
+                    self.notice(f"(could not save the conversation: {e})")
                 else:
-                    self.reply(text)
-            except (UmakitError, click.UsageError) as e:
-                click.echo(f"Error: {e}", err=True)
-
-    def piped(self, stream) -> None:
-        """One message per input line; each reply followed by a blank line."""
-        for line in stream:
-            text = line.rstrip("\n")
-            if text.strip():
-                self.reply(text)
-                click.echo()
+                    self.notice(f"(conversation saved to {path}; /load {path} brings it back)")
+            raise
 
 
-def _enable_line_editing() -> None:
+def _path(arg: str, usage: str) -> Path:
+    if not arg:
+        raise InvalidArgumentError(f"usage: {usage}")
+    return Path(arg).expanduser()
+
+
+def _int(name: str, value: str) -> int:
     try:
-        import readline  # noqa: F401  (arrow keys and history for input())
-    except ImportError:  # Windows without pyreadline
-        return
-    from umakit.home import umakit_home
+        return int(value)
+    except ValueError:
+        raise InvalidArgumentError(f"{name} must be an integer, got {value!r}") from None
 
-    umakit_home().mkdir(parents=True, exist_ok=True)
-    history = str(umakit_home() / "chat_history")
+
+def _enable_line_editing() -> bool:
+    """Turn on readline (arrow keys, history kept in $UMAKIT_HOME); True when it is in use."""
+    try:
+        import readline
+    except ImportError:  # Windows without pyreadline
+        return False
+    from umakit.home import home_dir
+
+    try:
+        history = str(home_dir() / "chat_history")
+    except OSError:  # an unusable $UMAKIT_HOME: line editing without a saved history
+        return True
     try:
         readline.read_history_file(history)
     except OSError:
@@ -216,6 +316,7 @@ def _enable_line_editing() -> None:
     import atexit
 
     atexit.register(lambda: _save_history(readline, history))
+    return True
 
 
 def _save_history(readline, path: str) -> None:

@@ -31,10 +31,13 @@ FLOAT_CACHE = "float"  # --kv-bits: one cache in the compute dtype, unquantized
 @click.option("--kv-bits", type=click.Choice([FLOAT_CACHE, *(str(b) for b in sorted(KV_BITS, reverse=True))]),
               default=None,
               help="Feed the whole text through one KV cache (float or quantized) instead of windows.")
+@click.option("--bos-per-window/--no-bos-per-window", default=None,
+              help="Start every window with the BOS (default: when the tokenizer adds one); "
+                   "--no-bos-per-window puts it before the first window only.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @model_options
-def eval_cmd(model, text_file, corpus, window, stride, max_tokens, kv_bits, as_json, backend, device, dtype,
-             peak_bandwidth):
+def eval_cmd(model, text_file, corpus, window, stride, max_tokens, kv_bits, bos_per_window, as_json, backend, device,
+             dtype, peak_bandwidth):
     """Perplexity of MODEL (default: the built-in model) on --text FILE or --corpus NAME."""
     from umakit.corpora import load_corpus
     from umakit.evaluate import kv_perplexity, perplexity
@@ -43,21 +46,23 @@ def eval_cmd(model, text_file, corpus, window, stride, max_tokens, kv_bits, as_j
         raise click.UsageError("give exactly one of --text FILE or --corpus NAME")
     if corpus and max_tokens is None:
         max_tokens = DEFAULT_TOKENS
+    from umakit import validate
+
     # a token is rarely 8 characters: read no more of a corpus than the tokens need
-    text = text_file.read_text(encoding="utf-8") if text_file else load_corpus(corpus, max_chars=8 * max_tokens)
+    text = validate.read_text(text_file, "text file") if text_file else load_corpus(corpus, max_chars=8 * max_tokens)
     bits = None if kv_bits in (None, FLOAT_CACHE) else int(kv_bits)
     m = load_model(model, backend=backend, device=device, dtype=dtype, peak_bandwidth=peak_bandwidth,
                    needs=kv_needs(bits))
     if kv_bits is None:
-        r = perplexity(m, text, window=window, stride=stride, max_tokens=max_tokens)
-        how = f"windows of {r.window}, stride {r.stride}"
+        r = perplexity(m, text, window=window, stride=stride, max_tokens=max_tokens, bos_per_window=bos_per_window)
+        how = f"windows of {r.window}, stride {r.stride}" + (", BOS per window" if r.bos_per_window else "")
     else:
         r = kv_perplexity(m, text, kv_bits=bits, chunk=DEFAULT_CHUNK, max_tokens=max_tokens)
         how = f"one {kv_bits}{'-bit' if bits else ''} KV cache, {r.cache_bytes_per_token:,.0f} cache bytes/token"
     source = str(text_file) if text_file else corpus
     if as_json:
         out = {"model": m.info.name, "text": source, "tokens": r.tokens, "nll": r.nll, "ppl": r.ppl,
-               "seconds": r.seconds, "window": r.window, "stride": r.stride}
+               "seconds": r.seconds, "window": r.window, "stride": r.stride, "bos_per_window": r.bos_per_window}
         if kv_bits is not None:
             out |= {"kv_bits": kv_bits, "cache_bytes_per_token": r.cache_bytes_per_token}
         click.echo(json.dumps(out))

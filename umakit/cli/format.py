@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from umakit.offload import ROUTED_EXPERTS
+
 
 def size(n: float) -> str:
     """Bytes in binary units: 1.5 GiB, 270 MiB, 12 KiB."""
@@ -26,10 +28,15 @@ def decode_line(stats) -> str:
                 if stats.ceiling_tps else "")
         line += (f" · {over}{spec.method.replace('_', ' ')}: {100 * spec.acceptance_rate:.0f}% of {spec.proposed} "
                  f"proposed accepted, {spec.tokens_per_step:.2f} tok per target step")
-    if stats.pcie_bytes_per_token:
-        line += (f" · streamed {size(stats.pcie_bytes_per_token)}/token at {stats.pcie_gbps:.1f} GB/s"
-                 f" (link {stats.pcie_peak_gbps:.0f} GB/s) · {100 * stats.overlap_efficiency:.0f}% of the"
-                 f" offload ceiling {stats.offload_ceiling_tps:.1f} tok/s")
+    if stats.offload is not None:
+        experts = stats.offload.placement == ROUTED_EXPERTS
+        line += (f" · streamed {'experts ' if experts else ''}{size(stats.pcie_bytes_per_token)}/token at "
+                 f"{stats.pcie_gbps:.1f} GB/s (link {stats.pcie_peak_gbps:.0f} GB/s) · "
+                 f"{100 * stats.overlap_efficiency:.0f}% of the offload ceiling {stats.offload_ceiling_tps:.1f} tok/s")
+        if experts and stats.offload.hit_rate is not None:
+            line += f" · expert cache hits {100 * stats.expert_hit_rate:.0f}%"
+    if stats.comm_s_per_token:
+        line += f" · link {1e3 * stats.comm_s_per_token:.2f} ms/token ({100 * stats.comm_share:.0f}% of a step)"
     return line
 
 

@@ -10,12 +10,14 @@ import click
 from .format import stats_line
 from .options import (
     SAMPLING_KEYS,
+    follow_unless_leader,
     kv_bits_option,
     kv_needs,
     load_model,
     load_draft,
     model_options,
     offload_options,
+    parallel_option,
     quantize_option,
     sampling_options,
     speculative_options,
@@ -35,15 +37,23 @@ from .options import (
 @offload_options
 @quantize_option
 @speculative_options
+@parallel_option
 def generate(model, prompt, system, raw, stop, kv_bits, as_json, max_tokens, seed, backend, device, dtype,
-             peak_bandwidth, gpu_layers, vram_budget, quantize, draft, draft_tokens, prompt_lookup, ngram, **sampling):
+             peak_bandwidth, gpu_layers, vram_budget, quantize, draft, draft_tokens, prompt_lookup, ngram, parallel,
+             **sampling):
     """Generate a reply to one prompt."""
+    from umakit import validate
     from umakit.generation import collect
 
-    if prompt == "-":
-        prompt = sys.stdin.read()
-    m = load_model(model, backend=backend, device=device, dtype=dtype, peak_bandwidth=peak_bandwidth,
-                   quantize=quantize, needs=kv_needs(kv_bits), gpu_layers=gpu_layers, vram_budget=vram_budget)
+    load = dict(backend=backend, device=device, dtype=dtype, peak_bandwidth=peak_bandwidth, quantize=quantize,
+                needs=kv_needs(kv_bits), gpu_layers=gpu_layers, vram_budget=vram_budget)
+    follow_unless_leader(parallel, model, **load)  # a follower reads no input
+    # Everything the user typed is checked before the model loads: no error after a reply.
+    prompt = validate.decode_utf8(sys.stdin.buffer.read(), "stdin") if prompt == "-" else validate.text(prompt, "--prompt")
+    system = None if system is None else validate.text(system, "--system")
+    stop = tuple(validate.text(s, "--stop") for s in stop)
+    m = load_model(model, parallel=parallel, **load)
+    m.device_info  # the stats line needs it: a probe whose cache cannot be written fails here, before any reply
     chunks = m.stream(prompt, system=system, raw=raw, max_tokens=max_tokens, stop=stop, seed=seed, kv_bits=kv_bits,
                       draft=load_draft(m, draft), draft_tokens=draft_tokens, prompt_lookup=prompt_lookup, ngram=ngram,
                       **{k: sampling[k] for k in SAMPLING_KEYS})

@@ -2,13 +2,16 @@
 
 Subcommands live in their own modules and are imported only when used, so
 `umakit --help` and each command start fast. Library errors become a one-line
-message and exit status 1 here, in one place.
+message and exit status 1 here, in one place; any other exception is a bug,
+reported in one line with its traceback logged (`umakit.crashlog`).
 """
 
 from __future__ import annotations
 
+import errno
 import importlib
 import sys
+import traceback
 
 import click
 
@@ -49,6 +52,23 @@ class LazyGroup(click.Group):
         except KeyboardInterrupt:
             click.echo("\nInterrupted.", err=True)
             sys.exit(130)
+        except (click.ClickException, click.exceptions.Exit, click.Abort):
+            raise
+        except OSError as e:
+            if e.errno == errno.EPIPE:  # output piped into `head` and the like: click exits quietly
+                raise
+            raise internal_error(e) from e
+        except Exception as e:
+            raise internal_error(e) from e
+
+
+def internal_error(e: Exception) -> click.ClickException:
+    """A bug, not a user's mistake: one line naming it and its log (the traceback too with UMAKIT_DEBUG=1)."""
+    from umakit import crashlog
+
+    if crashlog.debug():
+        traceback.print_exception(type(e), e, e.__traceback__)
+    return click.ClickException(crashlog.report(e))
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})

@@ -60,18 +60,42 @@ def model_options(f):
     return f
 
 
+def _checked(ctx, param, value):
+    """The library's check of a sampling flag (click's ranges let nan and inf through)."""
+    from umakit import validate
+    from umakit.errors import InvalidArgumentError
+
+    try:
+        return validate.sampling_field(param.name, value)
+    except InvalidArgumentError as e:
+        raise click.BadParameter(str(e)) from e
+
+
+def _checked_seed(ctx, param, value):
+    from umakit import validate
+    from umakit.errors import InvalidArgumentError
+
+    try:
+        return validate.seed(value)
+    except InvalidArgumentError as e:
+        raise click.BadParameter(str(e)) from e
+
+
 def sampling_options(f):
     """--max-tokens, --temp, --top-p, --top-k, --min-p, --repetition-penalty, --seed."""
     opts = [
         click.option("--max-tokens", type=click.IntRange(min=1), default=DEFAULT_MAX_TOKENS, show_default=True),
         click.option("--temp", "temperature", type=click.FloatRange(min=0), default=DEFAULT_TEMPERATURE, show_default=True,
-                     help="Sampling temperature; 0 is greedy."),
-        click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=DEFAULT_TOP_P, show_default=True),
+                     callback=_checked, help="Sampling temperature; 0 is greedy."),
+        click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=DEFAULT_TOP_P, show_default=True,
+                     callback=_checked),
         click.option("--top-k", type=click.IntRange(min=0), default=DEFAULT_TOP_K, show_default=True, help="0 disables."),
-        click.option("--min-p", type=click.FloatRange(0, 1, max_open=True), default=DEFAULT_MIN_P, show_default=True),
+        click.option("--min-p", type=click.FloatRange(0, 1, max_open=True), default=DEFAULT_MIN_P, show_default=True,
+                     callback=_checked),
         click.option("--repetition-penalty", type=click.FloatRange(min=0, min_open=True), default=DEFAULT_REPETITION_PENALTY,
-                     show_default=True, help="1 disables."),
-        click.option("--seed", type=int, default=None, help="Make sampling reproducible."),
+                     show_default=True, callback=_checked, help="1 disables."),
+        click.option("--seed", type=int, default=None, callback=_checked_seed,
+                     help="Make sampling reproducible (a signed 64-bit integer)."),
     ]
     for opt in reversed(opts):
         f = opt(f)
@@ -106,6 +130,27 @@ def load_model(model, *, show_progress: bool = False, **load_kwargs):
             bar.update(total - bar.pos)  # the file headers are not tensor bytes
     echo_warnings(m.info.warnings)
     return m
+
+
+def parallel_option(f):
+    """--parallel tensor|pipeline: one model across the ranks of an mlx.launch run."""
+    from umakit.backends.distributed import MODES
+
+    return click.option(
+        "--parallel", type=click.Choice(MODES), default=None,
+        help="Under mlx.launch or torchrun: shard the model across the ranks (rank 0 reads and prints; the others "
+             "follow).")(f)
+
+
+def follow_unless_leader(parallel, model, **load_kwargs) -> None:
+    """With --parallel on a rank other than 0: load this rank's shard and follow rank 0 (never returns).
+
+    Called before a command reads input or opens its outputs: only rank 0 does either.
+    """
+    from umakit.backends.distributed import is_follower
+
+    if parallel and is_follower():
+        load_model(model, parallel=parallel, **load_kwargs)
 
 
 def speculative_options(f):

@@ -29,7 +29,9 @@ def quantize_cmd(src, dst, bits, group_size, recipe, force, eval_file, as_json):
     """Quantize the float checkpoint SRC (directory or Hub id) into OUTPUT, mlx-lm's layout."""
     from umakit.quantize.pipeline import quantize
 
-    text = eval_file.read_text(encoding="utf-8") if eval_file else None
+    from umakit import validate
+
+    text = validate.read_text(eval_file, "text file") if eval_file else None
     r = quantize(src, dst, bits=int(bits), group_size=int(group_size), recipe=recipe, force=force, eval_text=text)
     out = {
         "dst": str(r.dst), "bits": r.bits, "group_size": r.group_size, "recipe": r.recipe,

@@ -10,12 +10,14 @@ from .chat_ui import Repl
 from .format import size
 from .options import (
     SAMPLING_KEYS,
+    follow_unless_leader,
     kv_bits_option,
     kv_needs,
     load_draft,
     load_model,
     model_options,
     offload_options,
+    parallel_option,
     quantize_option,
     sampling_options,
     speculative_options,
@@ -34,16 +36,18 @@ from .options import (
 @offload_options
 @quantize_option
 @speculative_options
+@parallel_option
 def run(model, system, max_context, kv_bits, stats, max_tokens, seed, backend, device, dtype, peak_bandwidth,
-        gpu_layers, vram_budget, quantize, draft, draft_tokens, prompt_lookup, ngram, **sampling):
+        gpu_layers, vram_budget, quantize, draft, draft_tokens, prompt_lookup, ngram, parallel, **sampling):
     """Chat with MODEL (default: the built-in SmolLM2-135M-Instruct)."""
     import umakit
     from umakit.chat import ChatSession, ChatSettings
 
+    load = dict(backend=backend, device=device, dtype=dtype, peak_bandwidth=peak_bandwidth, quantize=quantize,
+                needs=kv_needs(kv_bits), gpu_layers=gpu_layers, vram_budget=vram_budget)
+    follow_unless_leader(parallel, model, **load)  # a follower reads no input
     tty = sys.stdin.isatty() and sys.stdout.isatty()
-    m = load_model(model, show_progress=tty, backend=backend, device=device, dtype=dtype,
-                   peak_bandwidth=peak_bandwidth, quantize=quantize, needs=kv_needs(kv_bits), gpu_layers=gpu_layers,
-                   vram_budget=vram_budget)
+    m = load_model(model, show_progress=tty, parallel=parallel, **load)
     settings = ChatSettings(system=system, max_tokens=max_tokens, max_context=max_context, kv_bits=kv_bits, seed=seed,
                             sampling=umakit.SamplingParams(**{k: sampling[k] for k in SAMPLING_KEYS}))
     speculator = m.speculator(draft=load_draft(m, draft), draft_tokens=draft_tokens, prompt_lookup=prompt_lookup,
@@ -52,7 +56,8 @@ def run(model, system, max_context, kv_bits, stats, max_tokens, seed, backend, d
     repl = Repl(session, color=tty, show_stats=tty if stats is None else stats)
     with m.engine.wired():
         if not sys.stdin.isatty():
-            repl.piped(sys.stdin)
+            if not repl.piped(sys.stdin.buffer):
+                sys.exit(1)  # each failed line has had its Error: line
             return
         i, w = m.info, m.info.weights
         offload = ""

@@ -15,7 +15,7 @@ from umakit.serve import DEFAULT_HOST, DEFAULT_MAX_BODY_BYTES, DEFAULT_PORT
 from umakit.serve.types import SchedulerSettings
 
 from .format import size
-from .options import load_model, model_options, offload_options
+from .options import follow_unless_leader, load_model, model_options, offload_options, parallel_option
 
 API_KEY_ENV = "UMAKIT_API_KEY"
 
@@ -49,17 +49,20 @@ def _size(ctx, param, value):
               help="A request still running after S seconds, queueing included, fails with 504.")
 @model_options
 @offload_options
+@parallel_option
 def serve_cmd(model, host, port, api_key, max_concurrency, max_queue, prompt_cache_bytes, max_body_bytes,
-              request_timeout, backend, device, dtype, peak_bandwidth, gpu_layers, vram_budget):
+              request_timeout, backend, device, dtype, peak_bandwidth, gpu_layers, vram_budget, parallel):
     """Serve a model over an OpenAI-compatible HTTP API (chat and completions, streamed or not)."""
     import uvicorn
 
     from umakit.serve.app import make_app
     from umakit.serve.scheduler import Scheduler
 
+    load = dict(backend=backend, device=device, dtype=dtype, peak_bandwidth=peak_bandwidth, needs={BATCH},
+                gpu_layers=gpu_layers, vram_budget=vram_budget)
+    follow_unless_leader(parallel, model, **load)  # only rank 0 binds the port and answers HTTP
     sock = _bind(host, port)  # before the model loads: a port in use fails in a second, not after the load
-    m = load_model(model, show_progress=sys.stderr.isatty(), backend=backend, device=device, dtype=dtype,
-                   peak_bandwidth=peak_bandwidth, needs={BATCH}, gpu_layers=gpu_layers, vram_budget=vram_budget)
+    m = load_model(model, show_progress=sys.stderr.isatty(), parallel=parallel, **load)
     settings = SchedulerSettings(max_concurrency=max_concurrency, max_queue=max_queue,
                                  prompt_cache_bytes=prompt_cache_bytes, request_timeout_s=request_timeout)
     scheduler = Scheduler(m, settings)

@@ -11,10 +11,10 @@ import contextlib
 import hashlib
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 from ..errors import ModelNotFoundError
+from ..fsutil import new_temp_dir
 from ..home import umakit_home
 from .convert import is_complete, plan_import, write_import
 from .reader import open_gguf
@@ -25,8 +25,7 @@ def import_once(gguf_path: Path, target: Path) -> Path:
     if is_complete(target):
         return target
     plan = plan_import(open_gguf(gguf_path))
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    tmp = new_temp_dir(target)
     try:
         write_import(plan, tmp)
         _install(tmp, target)

@@ -20,7 +20,7 @@ import numpy as np
 
 from ..affine import quantization_block
 from ..checkpoint_writer import WEIGHTS_FILE, fill_model_dir, write_model_dir
-from ..fsutil import check_destination
+from ..fsutil import check_destination, check_not_inside, check_writable
 from ..errors import UnsupportedModelError
 from . import quants
 from .arch import ArchSpec, map_names, qk_row_order, spec_for
@@ -236,6 +236,8 @@ def import_gguf(path: str | os.PathLike, out_dir: str | os.PathLike, force: bool
     start = time.perf_counter()  # parsing and checking included
     plan = plan_import(open_gguf(path))
     check_destination(out_dir, force)
+    check_not_inside(path, out_dir)  # with --force, replacing a folder that holds the GGUF would destroy it
+    check_writable(out_dir)
     c = _convert(plan)
     written = write_model_dir(out_dir, c.arrays, c.config_text, files=c.files, sharded=False, force=force)
     return _report(plan, c, Path(out_dir), written, start)

@@ -87,14 +87,24 @@ CHIPS: tuple[ChipSpec, ...] = (
     # 460 GB/s is from third-party spec listings (Apple: "up to 614"); check before relying on it.
     _apple("M5 Max 32-core GPU", 460, ("m5", "max"), (), 32),
     # NVIDIA: product pages and datasheets; PCIe generation of the host link.
-    _nv("RTX 3080", 760, ("3080",), (10,), 4),  # GeForce RTX 30 series specs
+    _nv("RTX 3060", 360, ("3060",), (12,), 4),  # GeForce RTX 30 series specs (the 12 GB card)
+    _nv("RTX 3060 8GB", 240, ("3060",), (8,), 4),  # 128-bit bus
+    _nv("RTX 3060 Ti", 448, ("3060", "ti"), (8,), 4),
+    _nv("RTX 3070", 448, ("3070",), (8,), 4),
+    _nv("RTX 3070 Ti", 608, ("3070", "ti"), (8,), 4),
+    _nv("RTX 3080", 760, ("3080",), (10,), 4),
     _nv("RTX 3080 12GB", 912, ("3080",), (12,), 4),
     _nv("RTX 3080 Ti", 912, ("3080", "ti"), (12,), 4),
     _nv("RTX 3090", 936, ("3090",), (24,), 4),
     _nv("RTX 3090 Ti", 1008, ("3090", "ti"), (24,), 4),
     _nv("RTX 4060 Ti", 288, ("4060", "ti"), (8, 16), 4),  # GeForce RTX 40 series specs
+    _nv("RTX 4060", 272, ("4060",), (8,), 4),
     _nv("RTX 4070", 504, ("4070",), (12,), 4),
+    _nv("RTX 4070 Super", 504, ("4070", "super"), (12,), 4),
+    _nv("RTX 4070 Ti", 504, ("4070", "ti"), (12,), 4),
+    _nv("RTX 4070 Ti Super", 672, ("4070", "ti", "super"), (16,), 4),
     _nv("RTX 4080", 716.8, ("4080",), (16,), 4),
+    _nv("RTX 4080 Super", 736, ("4080", "super"), (16,), 4),
     _nv("RTX 4090", 1008, ("4090",), (24,), 4),
     _nv("RTX 5080", 960, ("5080",), (16,), 5),  # GeForce RTX 50 series specs
     _nv("RTX 5090", 1792, ("5090",), (32,), 5),
@@ -198,15 +208,30 @@ def _device_from_chip(chip: ChipSpec, memory_bytes: int, name: str | None = None
 def lookup_device(name: str) -> DeviceInfo:
     """A reference device by name, e.g. "M2 Ultra 192GB", "M4 Max 128GB", "RTX 4090 24GB", "H100 80GB".
 
-    The memory size in the name sets ``memory_bytes``; without one the largest
-    configuration sold is used.
+    The memory size in the name sets ``memory_bytes`` (GB as sold: GiB, 2^30 bytes) and must be one
+    the chip is sold with; without one the largest configuration sold is used.
     """
     chip = find_chip(name)
     if chip is None:
         known = ", ".join(c.name.split(" ", 1)[1] for c in CHIPS)
         raise InvalidArgumentError(f"unknown device {name!r}; known (add a size like '128GB'): {known}")
-    memory_gb = _parse_memory_gb(name) or max(chip.memory_gb, default=0)
+    given = _parse_memory_gb(name)
+    memory_gb = given or max(chip.memory_gb, default=0)
     if not memory_gb:
         raise InvalidArgumentError(f"say how much memory {chip.name} has, e.g. '{name} 36GB'")
+    sold = sorted({m for c in CHIPS if c.kind == chip.kind and set(c.tokens) == set(chip.tokens) for m in c.memory_gb})
+    if given and sold and given not in sold:
+        bare = _without_size(name)
+        raise InvalidArgumentError(f"{bare} is sold with {_sizes_text(sold)}, not {given}GB; "
+                                   f"e.g. '{bare} {sold[-1]}GB'")
     size = f"{memory_gb}GB"
     return _device_from_chip(chip, memory_gb * GiB, name=chip.name if size in chip.name else f"{chip.name} {size}")
+
+
+def _sizes_text(sizes: list[int]) -> str:
+    gb = [f"{m}GB" for m in sizes]
+    return gb[0] if len(gb) == 1 else f"{', '.join(gb[:-1])} or {gb[-1]}"
+
+
+def _without_size(name: str) -> str:
+    return re.sub(r"\s*\d+\s*gb\b", "", name, flags=re.IGNORECASE).strip()

@@ -7,7 +7,6 @@ anything unknown, and every CPU, is measured once (`umakit.hardware.probes`) and
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import re
@@ -15,14 +14,13 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 
 from ..errors import BackendUnavailableError, InvalidArgumentError
-from ..fsutil import atomic_file
 from ..home import umakit_home
 from . import probes
 from .chips import DeviceInfo, default_working_set, find_chip
+from .metal import metal_working_set
 
 CACHE_FILE = "hardware.json"
 CACHE_VERSION = 1
@@ -44,14 +42,15 @@ _DEVICE_KINDS = {"auto": "auto", "cpu": "cpu", "metal": "apple", "apple": "apple
 
 
 def detect_local(device: str = "auto", override_gbps: float | None = None, *, remeasure: bool = False,
-                 link: bool = False) -> DeviceInfo:
+                 link: bool = False, achieved_gbps: float | None = None) -> DeviceInfo:
     """Facts about this machine's ``device`` ("auto", "metal", "cuda", "cuda:N", "cpu").
 
     Peak bandwidth: ``override_gbps`` (source "user"), else the published figure
     for a known chip, else a streaming-read probe run once per machine and
     cached in ``$UMAKIT_HOME/hardware.json`` (source "measured"). On NVIDIA the
     host-to-device copy bandwidth is measured and cached the same way; on a
-    CPU too when ``link`` (offload's host copies stand in for PCIe there).
+    CPU too when ``link`` (offload's host copies stand in for PCIe there). ``achieved_gbps``: what a
+    run just read per second; a measured peak below it is measured again (`probes.cached_probe`).
     """
     if override_gbps is not None and not override_gbps > 0:
         raise InvalidArgumentError(f"--peak-bandwidth must be a positive number of GB/s (got {override_gbps})")
@@ -71,7 +70,7 @@ def detect_local(device: str = "auto", override_gbps: float | None = None, *, re
         peak, source = float(chip.peak_gbps), "published"
     else:
         probe = {"apple": probes.apple_gbps, "nvidia": probes.cuda_gbps, "cpu": probes.cpu_gbps}[kind]
-        peak = _cached(facts, "peak_bandwidth_gbps", lambda: probe(facts.index), remeasure)
+        peak = _cached(facts, "peak_bandwidth_gbps", lambda: probe(facts.index), remeasure, achieved_gbps)
         source = "measured"
     pcie = None
     if kind == "nvidia" or (link and kind == "cpu"):
@@ -140,10 +139,7 @@ def _apple_facts(index: int) -> _LocalFacts:
 
 def _metal_working_set() -> int | None:
     try:
-        import mlx.core as mx
-
-        info_fn = getattr(mx, "device_info", None) or mx.metal.device_info  # moved in MLX 0.29
-        return int(info_fn()["max_recommended_working_set_size"]) or None
+        return metal_working_set() or None
     except (ImportError, AttributeError, KeyError, RuntimeError, ValueError):
         return None
 
@@ -181,7 +177,8 @@ def _ram_bytes() -> int:
 
 
 def available_ram() -> int:
-    """Memory available now (Linux: MemAvailable, which counts reclaimable page cache)."""
+    """Memory available now (Linux: MemAvailable, which counts reclaimable page cache;
+    macOS: free, speculative and inactive pages from `vm_stat`)."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -189,16 +186,67 @@ def available_ram() -> int:
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
+    if sys.platform == "darwin":
+        available = vm_stat_available(_run(["vm_stat"]))
+        if available:
+            return available
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):
         return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
 
 
+def vm_stat_available(text: str) -> int | None:
+    """Bytes macOS can hand out now, from `vm_stat`'s output: free + speculative + inactive pages
+    (the figure psutil reports; purgeable pages sit in those queues already). None when unreadable."""
+    page = re.search(r"page size of (\d+) bytes", text)
+    counts = dict(re.findall(r"^Pages (free|speculative|inactive):\s+(\d+)\.", text, re.MULTILINE))
+    if page is None or "free" not in counts:
+        return None
+    return int(page.group(1)) * sum(int(counts.get(k, 0)) for k in ("free", "speculative", "inactive"))
+
+
 def cpu_kv_budget() -> int:
     """Bytes a batch KV cache may take on a CPU: `CPU_KV_FRACTION` of the RAM available now
     (the weights are already resident)."""
     return int(available_ram() * CPU_KV_FRACTION)
+
+
+NEAR_LIMIT = 0.9  # warn when weights take more than this share of usable memory
+WIRED_ADVICE_MARGIN = 1.2  # the weights plus room for the KV cache and activations
+OS_RESERVE_FRACTION = 0.1  # of RAM that a raised GPU limit still leaves to macOS...
+OS_RESERVE_MIN = 4 << 30  # ...and never less than this
+
+
+def wired_limit_advice_mb(weight_bytes: int, memory_bytes: int) -> int | None:
+    """The `iogpu.wired_limit_mb` to suggest for ``weight_bytes`` on a Mac of ``memory_bytes``:
+    `WIRED_ADVICE_MARGIN` times the weights, capped below RAM by the OS reserve (MLX: the limit
+    must stay under total memory). None when even the cap cannot hold the weights."""
+    cap = memory_bytes - max(OS_RESERVE_MIN, int(memory_bytes * OS_RESERVE_FRACTION))
+    if weight_bytes >= cap:
+        return None
+    return int(min(weight_bytes * WIRED_ADVICE_MARGIN, cap) / 2**20)
+
+
+def memory_warnings(weight_bytes: int, device: str) -> list[str]:
+    """A warning, with the fix, when the weights are near or over usable memory."""
+    gib = weight_bytes / 2**30
+    quantize = "use a more quantized model (umakit quantize --bits 4)"
+    if device == "cpu":
+        limit = _ram_bytes()
+        where, fix = "RAM", "use a smaller or more quantized model (umakit quantize --bits 4)"
+    else:
+        dev = detect_local(device)
+        limit = dev.usable_bytes
+        if dev.kind == "apple":
+            where, mb = "the GPU's recommended working set", wired_limit_advice_mb(weight_bytes, dev.memory_bytes)
+            fix = quantize if mb is None else f"raise it with `sudo sysctl iogpu.wired_limit_mb={mb}` or {quantize}"
+        else:
+            where, fix = "VRAM", quantize
+    if weight_bytes <= NEAR_LIMIT * limit:
+        return []
+    return [f"the weights ({gib:.1f} GiB) are {weight_bytes / limit:.0%} of {where} ({limit / 2**30:.1f} GiB); "
+            f"generation may swap or fail: {fix}"]
 
 
 def _int(text: str) -> int:
@@ -212,22 +260,9 @@ def _cache_path():
     return umakit_home() / CACHE_FILE
 
 
-def _cached(facts: _LocalFacts, field: str, measure, remeasure: bool) -> float:
-    """``field`` for this machine's device from the cache, measuring and saving it when absent."""
-    path = _cache_path()
+def _cached(facts: _LocalFacts, field: str, measure, remeasure: bool, achieved_gbps: float | None = None) -> float:
+    """``field`` for this machine's device through the probe cache (`probes.cached_probe`: best of several
+    runs, measured again when a week old, when a run achieved more, or when ``remeasure``)."""
     key = f"{socket.gethostname()}|{facts.kind}|{facts.name}"
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-        entries = data["entries"] if data.get("version") == CACHE_VERSION else {}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        entries = {}  # missing or unreadable: measure again and rewrite it
-    if not isinstance(entries, dict):
-        entries = {}
-    entry = entries.get(key) if isinstance(entries.get(key), dict) else {}
-    if not remeasure and isinstance(entry.get(field), (int, float)) and entry[field] > 0:
-        return float(entry[field])
-    value = round(float(measure()), 2)  # what the cache keeps, so the first run reports what later runs read
-    entries[key] = {**entry, field: value, f"{field}_measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    with atomic_file(path) as f:
-        json.dump({"version": CACHE_VERSION, "entries": entries}, f, indent=2, sort_keys=True)
-    return value
+    return probes.cached_probe(_cache_path(), key, field, measure, version=CACHE_VERSION, remeasure=remeasure,
+                               achieved_gbps=achieved_gbps)

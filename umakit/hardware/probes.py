@@ -1,15 +1,86 @@
-"""Bandwidth probes: each streams through a buffer far larger than the caches, keeps the best of a
-few runs and returns GB/s (1e9 bytes per second), in under a second.
+"""Bandwidth probes and the cache of what they measured.
 
-`umakit.hardware.local` runs them only for devices the published table does not know, and
-caches what they measure. Frameworks are imported inside each probe, so importing this is free.
+Each probe streams through a buffer far larger than the caches, keeps the best of a few
+repeats and returns GB/s (1e9 bytes per second), in under a second. `cached_probe` keeps the
+figures in ``$UMAKIT_HOME/hardware.json``: the best of `PROBE_RUNS` separate runs (a busy
+moment spoils one run, not the figure), measured again when the figure is older than
+`MAX_AGE_S`, when a run achieved more than it (a figure taken while the machine was busy:
+the share of peak then stays at or under 100%), or on demand (`umakit bench --probe`).
+`umakit.hardware.local` runs the probes only for devices the published table does not know.
+Frameworks are imported inside each probe, so importing this is free.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import time
+from pathlib import Path
+from typing import Callable
+
+from ..fsutil import atomic_file
+
+PROBE_RUNS = 3  # separate runs of a probe; the best is kept
+PROBE_PAUSE_S = 0.1  # between them, so that one burst of other work does not spoil them all
+MAX_AGE_S = 7 * 24 * 3600  # a cached figure older than a week is measured again
+TIME_FORMAT = "%Y-%m-%dT%H:%M:%S"  # local time, as the cache has always written it
+
+
+def best_of(measure: Callable[[], float], runs: int = PROBE_RUNS, pause_s: float = PROBE_PAUSE_S,
+            sleep: Callable[[float], None] = time.sleep) -> float:
+    """The highest of ``runs`` calls of ``measure``, ``pause_s`` apart: a bandwidth is never
+    overstated by a run, only understated by a busy moment."""
+    best = 0.0
+    for i in range(max(runs, 1)):
+        if i:
+            sleep(pause_s)
+        best = max(best, float(measure()))
+    return best
+
+
+def why_measure(entry: dict, field: str, now: float, achieved_gbps: float | None = None) -> str | None:
+    """Why ``entry``'s ``field`` must be measured again ("absent", "stale", "exceeded"), or None."""
+    value = entry.get(field)
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+        return "absent"
+    stamp = entry.get(f"{field}_measured_at")
+    try:
+        age = now - time.mktime(time.strptime(stamp, TIME_FORMAT))
+    except (TypeError, ValueError, OverflowError):
+        return "stale"  # no readable date: as good as old
+    if age > MAX_AGE_S:
+        return "stale"
+    if achieved_gbps is not None and achieved_gbps > value:
+        return "exceeded"
+    return None
+
+
+def cached_probe(path: Path, key: str, field: str, measure: Callable[[], float], *, version: int,
+                 remeasure: bool = False, achieved_gbps: float | None = None,
+                 now: Callable[[], float] = time.time, sleep: Callable[[float], None] = time.sleep) -> float:
+    """``field`` of device ``key`` from the cache file at ``path``, measured (`best_of` `PROBE_RUNS`
+    runs of ``measure``) and saved when absent, older than `MAX_AGE_S`, below ``achieved_gbps`` (what
+    a run just read per second: the figure becomes at least that), or when ``remeasure``."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        entries = data["entries"] if data.get("version") == version else {}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        entries = {}  # missing or unreadable: measure again and rewrite it
+    if not isinstance(entries, dict):
+        entries = {}
+    entry = entries.get(key) if isinstance(entries.get(key), dict) else {}
+    t = now()
+    reason = "asked" if remeasure else why_measure(entry, field, t, achieved_gbps)
+    if reason is None:
+        return float(entry[field])
+    value = round(best_of(measure, sleep=sleep), 2)  # what the cache keeps: later runs read the same
+    if reason == "exceeded" and value < achieved_gbps:  # busy again: the run itself proved more
+        value = math.ceil(achieved_gbps * 100) / 100
+    entries[key] = {**entry, field: value, f"{field}_measured_at": time.strftime(TIME_FORMAT, time.localtime(t))}
+    with atomic_file(path) as f:
+        json.dump({"version": version, "entries": entries}, f, indent=2, sort_keys=True)
+    return value
 
 
 def cpu_gbps(index: int = 0, size_bytes: int = 256 << 20, repeats: int = 4) -> float:

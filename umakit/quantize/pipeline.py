@@ -19,7 +19,7 @@ from .. import checkpoint, checkpoint_writer
 from ..affine import DEFAULT_BITS, DEFAULT_GROUP_SIZE
 from ..backends.base import WeightInfo
 from ..errors import CheckpointError, InvalidArgumentError
-from ..fsutil import check_destination
+from ..fsutil import check_destination, check_not_inside, check_writable
 from ..evaluate import PerplexityResult, perplexity
 from ..model import load
 from .recipes import DEFAULT_RECIPE, get_recipe
@@ -114,6 +114,8 @@ def quantize(
     src_path = checkpoint.resolve(src)
     if dst.resolve() == src_path.resolve():
         raise InvalidArgumentError(f"{dst} is the source checkpoint; write the quantized model elsewhere")
+    check_not_inside(src_path, dst)  # with --force, replacing a folder that holds the source would destroy it
+    check_writable(dst)
     ckpt = checkpoint.open_checkpoint(src_path)
     _check_float(ckpt)
     before = None

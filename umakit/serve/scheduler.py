@@ -207,6 +207,10 @@ class Scheduler:
                 time.sleep(RESTART_PAUSE_S)
 
     def _run(self) -> None:
+        with self.model.engine.wired():  # the wiring `generate` runs under, held by the worker itself
+            self._serve()
+
+    def _serve(self) -> None:
         decoder = self.model.engine.batch_decoder()
         self._kv_budget = decoder.kv_budget_bytes()
         self._healthy = True

@@ -5,9 +5,11 @@ imports `engine` only when the engine is chosen.
 """
 
 from ..base import BATCH, EXPORT, QUANTIZE, QUANTIZED_KV, EngineSpec
+from .architectures import mlx_lm_runs
 
 SPEC = EngineSpec(name="mlx", module="umakit.backends.mlx.engine", cls="MLXEngine", dependency="mlx",
-                  extra="umakit", devices=("metal", "cpu"), features=frozenset({QUANTIZED_KV, BATCH, QUANTIZE, EXPORT}))
+                  extra="umakit", devices=("metal", "cpu"), features=frozenset({QUANTIZED_KV, BATCH, QUANTIZE, EXPORT}),
+                  finds_architecture=mlx_lm_runs, architectures_source="architecture mlx-lm has a model file for")
 
 
 def __getattr__(name):

@@ -22,7 +22,7 @@ import mlx.core as mx
 
 from ...errors import InvalidArgumentError, UnsupportedModelError
 from ..base import PREFILL_CHUNK, BatchRow
-from ...hardware import cpu_kv_budget
+from ...hardware import cpu_kv_budget, metal_working_set
 from ...sampling import seed_or_random
 from .cache import MLXCache
 from .mlx_lm_import import import_mlx_lm
@@ -33,6 +33,9 @@ BatchKVCache, BatchRotatingKVCache = _cache.BatchKVCache, _cache.BatchRotatingKV
 KVCache, RotatingKVCache, make_prompt_cache = _cache.KVCache, _cache.RotatingKVCache, _cache.make_prompt_cache
 
 PAD_WASTE = 1.5  # prefill rows together while padded tokens stay under this factor of real ones
+# Of the working set the weights leave free: the rest is for activations, logits and other
+# apps (a KV cache grown to the whole working set under a wired limit panics, mlx-lm #883).
+METAL_KV_FRACTION = 0.7
 
 
 class _RowSampler:
@@ -260,8 +263,8 @@ class MLXBatchDecoder:
 
     def kv_budget_bytes(self) -> int:
         if self._engine.device == "metal":
-            working_set = int(mx.metal.device_info()["max_recommended_working_set_size"])
-            return working_set - self._engine.weight_info().total_bytes
+            free = metal_working_set() - self._engine.weight_info().total_bytes
+            return max(int(free * METAL_KV_FRACTION), 0)
         return cpu_kv_budget()  # the weights are already resident
 
     def context_tokens(self) -> int:

@@ -10,17 +10,17 @@ from typing import Iterator, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_unflatten
 
-from ... import affine
-from ...checkpoint import Checkpoint
+from ... import affine, config_compat
+from ...checkpoint import Checkpoint, validate_checkpoint
 from ...errors import BackendUnavailableError, CheckpointError, InvalidArgumentError, UnsupportedModelError
 from ...quantize.recipes import parse_spec, quantize_model
 from ...roofline import kv_bytes_per_token
 from ...sampling import SamplingParams, seed_or_random
 from .. import common
 from ..base import PREFILL_CHUNK, WeightInfo, refuse_options
-from . import SPEC
+from . import SPEC, wiring
 from .batch import MLXBatchDecoder
 from .cache import MLXCache
 from .mlx_lm_import import import_mlx_lm
@@ -53,8 +53,26 @@ def _cast(v: mx.array, target: mx.Dtype) -> mx.array:
     return v.astype(target, stream=mx.cpu) if v.dtype == mx.float64 else v.astype(target)
 
 
+def cast_weights(weights: dict, target: mx.Dtype, castable=lambda name: True) -> dict:
+    """Floating tensors cast to ``target``, except where ``castable(name)`` (an mlx-lm model's
+    `cast_predicate`, e.g. MoE router biases kept in float32) says to keep the stored type."""
+    def cast(name: str, v: mx.array) -> mx.array:
+        if not mx.issubdtype(v.dtype, mx.floating):
+            return v
+        if castable(name):
+            return _cast(v, target)
+        return _cast(v, mx.float32) if v.dtype == mx.float64 else v  # kept, but the GPU has no float64
+
+    return {k: cast(k, v) for k, v in weights.items()}
+
+
+def _castable(model: nn.Module):
+    return getattr(model, "cast_predicate", lambda name: True)  # mlx-lm's own default (convert.py)
+
+
 def _architecture(config: dict):
     """mlx-lm's (Model, ModelArgs) for a config; a clear error for unknown types."""
+    config_compat.check_mlx(config)
     model_type = config["model_type"]
     models = import_mlx_lm("models")
     known = sorted(p.stem for p in Path(models.__path__[0]).glob("*.py") if not p.stem.startswith("_"))
@@ -92,6 +110,7 @@ class MLXEngine:
                         quantize: int | dict | None = None, gpu_layers: int | None = None,
                         vram_budget: int | str | None = None) -> "MLXEngine":
         refuse_options(SPEC, gpu_layers=gpu_layers, vram_budget=vram_budget)
+        validate_checkpoint(ckpt)  # the same checks, and messages, as the torch engine's
         self = cls(device)
         self.config = ckpt.config
         with mx.stream(self._mx_device):
@@ -125,7 +144,8 @@ class MLXEngine:
             model_cls, args_cls = _architecture(self.config)
             model = model_cls(args_cls.from_dict(self.config))  # mlx's initialisers: random, never all zeros
             target = self._compute_dtype(dtype, {}) if dtype != "auto" or device == "cpu" else mx.float16
-            model.set_dtype(target)
+            model.update(tree_unflatten(list(cast_weights(dict(tree_flatten(model.parameters())), target,
+                                                          _castable(model)).items())))
             if bits is not None:
                 nn.quantize(model, group_size=group_size, bits=bits)
                 self.quantization = self.config["quantization"] = {"group_size": group_size, "bits": bits}
@@ -150,21 +170,36 @@ class MLXEngine:
         if self.quantization:
             _hook_up_quantization(model, weights, self.quantization)
         target = self._compute_dtype(dtype, weights, ckpt.config)
-        weights = {k: _cast(v, target) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
+        weights = cast_weights(weights, target, _castable(model))
         common.check_weights({k: v.shape for k, v in tree_flatten(model.parameters())},
                              {k: v.shape for k, v in weights.items()})
         model.load_weights(list(weights.items()), strict=False)
         del weights  # drop the lazy source arrays so each converts and frees in turn
-        done, total = 0, ckpt.nbytes
-        for name, array in tree_flatten(model.parameters()):  # read tensor by tensor, reporting bytes
+        split = self._split(model, ckpt)
+        params = tree_flatten(model.parameters())
+        done, total = 0, sum(a.nbytes for _, a in params) if split else ckpt.nbytes
+        for name, array in params:  # read tensor by tensor, reporting bytes
             mx.eval(array)
-            done += ckpt.tensors[name].nbytes if name in ckpt.tensors else array.nbytes
+            done += ckpt.tensors[name].nbytes if name in ckpt.tensors and not split else array.nbytes
             if progress:
                 progress(min(done, total), total)
         model.eval()
         self.model = model
         self.dtype = next(k for k, v in DTYPES.items() if v == target)
         release_buffers()  # the lazily converted source arrays
+
+    def _split(self, model, ckpt: Checkpoint) -> bool:
+        """Called between binding the lazy weights and reading them: an engine over a shard of the
+        model (backends/distributed) splits it here, so only its part is ever read. True if it did."""
+        return False
+
+    def _agree(self, token: mx.array) -> mx.array:
+        """The token every process of the run feeds next (one process: its own draw)."""
+        return token
+
+    def _take(self, token: mx.array) -> int:
+        """Wait for ``token`` on the host (a sharded engine bounds that wait)."""
+        return token.item()
 
     def _compute_dtype(self, dtype: str, weights: dict, config: dict | None = None) -> mx.Dtype:
         if dtype != "auto":
@@ -222,7 +257,7 @@ class MLXEngine:
             sub = key
             if not sampling.greedy:
                 key, sub = mx.random.split(key)
-            token = sampler(logits, recent, sub)  # (1,)
+            token = self._agree(sampler(logits, recent, sub))  # (1,)
             if penalty:
                 recent = mx.concatenate([recent, token[None].astype(mx.uint32)], axis=1)[:, -window:]
             return token
@@ -239,7 +274,7 @@ class MLXEngine:
                 # of building the next graph overlaps the device computing it.
                 next_y = step(y)
                 mx.async_eval(next_y)
-                yield y.item()
+                yield self._take(y)
                 y = next_y
                 if n % CLEAR_EVERY == 0:
                     release_buffers()
@@ -252,9 +287,11 @@ class MLXEngine:
         by_cat: dict[str, int] = {}
         for name, a in params.items():
             by_cat[common.category(name)] = by_cat.get(common.category(name), 0) + a.nbytes
+        routed = sum(a.nbytes for name, a in params.items() if common.is_routed_expert(name))
         return common.weight_info(by_cat, common.logical_params({k: a.shape for k, a in params.items()},
                                                                 self.quantization),
-                                  self.config.get("vocab_size") or 1, self.kv_bytes_per_token(), self.quantization)
+                                  self.config.get("vocab_size") or 1, self.kv_bytes_per_token(), self.quantization,
+                                  routed_bytes=routed, routed_read_share=common.routed_share(self.config))
 
     def export_weights(self) -> dict[str, mx.array]:
         """The parameters by checkpoint name, quantized layers as packed weight, scales and biases."""
@@ -270,20 +307,14 @@ class MLXEngine:
             kv_bits=kv_bits, dtype_bytes=DTYPES[self.dtype].size, group_size=affine.KV_GROUP_SIZE,
         )
 
-    @contextlib.contextmanager
-    def wired(self):
-        """Keep the weights resident (wired) on Metal while generating; restore after."""
-        if self.device != "metal":
-            yield
-            return
-        info = mx.metal.device_info()
-        limit = min(self.weight_info().total_bytes, int(info["max_recommended_working_set_size"]))
-        old = mx.set_wired_limit(limit)
-        try:
-            yield
-        finally:
-            mx.synchronize()
-            mx.set_wired_limit(old)
+    def wired(self) -> contextlib.AbstractContextManager:
+        """Keep the weights resident (wired) on Metal while generating; restore after.
+
+        The policy and its nesting are `umakit.backends.mlx.wiring`'s; ``UMAKIT_NO_WIRE=1`` turns it off.
+        """
+        if self.device != "metal" or wiring.wiring_disabled():
+            return contextlib.nullcontext()
+        return wiring.WIRING.hold(self.weight_info().total_bytes)
 
     def reset_peak_memory(self) -> None:
         mx.reset_peak_memory()

@@ -6,8 +6,12 @@ imports `engine` only when the engine is chosen.
 
 from ..base import BATCH, OFFLOAD, EngineSpec
 
+# The model types backends/torch/model.py runs (config.json's, of the language model).
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "mixtral", "qwen3_moe")
+
 SPEC = EngineSpec(name="torch", module="umakit.backends.torch.engine", cls="TorchEngine", dependency="torch",
-                  extra="umakit[cuda]", devices=("cuda", "cpu"), features=frozenset({BATCH, OFFLOAD}))
+                  extra="umakit[cuda]", devices=("cuda", "cpu"), features=frozenset({BATCH, OFFLOAD}),
+                  architectures=ARCHITECTURES)
 
 
 def __getattr__(name):

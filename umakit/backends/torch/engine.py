@@ -41,11 +41,12 @@ from ..base import PREFILL_CHUNK, WeightInfo, refuse_options
 from . import SPEC, quant
 from .batch import TorchBatchDecoder
 from .cache import GROW_STEP, StaticKVCache
-from .convert import describe_execution
+from .convert import activation_dtype, cpu_auto_dtype, describe_execution
 from .kernels import GraphDecoder
 from .loader import (CUDA_CACHE_TOKENS, SAFETENSORS_FLOATS, build_model, check_fits, compute_dtype, layer_of,
                      named_tensors, plan_offload, stream_checkpoint)
 from .model import ModelArgs
+from .expert_stream import ExpertStreamer, plan_expert_offload
 from .offload import LayerStreamer
 from .sampling import make_sampler
 from .synthetic import random_tensors, synthetic_shapes
@@ -69,6 +70,8 @@ class TorchEngine:
         shapes = {k: t.shape for k, t in ckpt.tensors.items()}
         floats = [SAFETENSORS_FLOATS[t.dtype] for t in ckpt.tensors.values() if t.dtype in SAFETENSORS_FLOATS]
         staging = "cpu" if gpu_layers is not None or vram_budget is not None else device
+        if dtype == "auto" and device == "cpu" and gpu_layers is None and vram_budget is None:
+            dtype = cpu_auto_dtype(ckpt.config.get("quantization"))  # int4 kernels where they are the fastest
         return cls(ckpt.config, shapes, lambda: stream_checkpoint(ckpt, staging, progress), device,
                    compute_dtype(dtype, floats, device), gpu_layers, vram_budget)
 
@@ -106,33 +109,37 @@ class TorchEngine:
         self.config = config
         self.args = ModelArgs.from_config(config)
         self.dtype = str(dtype).removeprefix("torch.")
-        # On CPU, float16 means float16 weights with float32 activations, cache
-        # and accumulation (quant.Fp16Linear): x86 CPUs have no fast half math.
-        half_weights = device == "cpu" and dtype == torch.float16 and quant.Fp16Linear.available()
-        self.cache_dtype = torch.float32 if half_weights else dtype  # activations and KV cache
+        self.cache_dtype = activation_dtype(self.torch_device, dtype)  # activations and KV cache
         self.quantization = config.get("quantization")
         self.offload = None  # an OffloadPlan, in bytes as loaded, when layers stream from host memory
         plan = None
+        moe = self.args.num_experts > 0  # offloads its routed experts only (expert_stream.py), never whole layers
         if gpu_layers is not None or vram_budget is not None:
-            plan = plan_offload(self.args, config, shapes, dtype, gpu_layers, vram_budget)
+            plan = (plan_expert_offload(self.args, shapes, dtype, gpu_layers, vram_budget, config) if moe
+                    else plan_offload(self.args, config, shapes, dtype, gpu_layers, vram_budget))
         elif device == "cuda":
             check_fits(self.args, config, shapes, dtype, torch.cuda.mem_get_info(self.torch_device)[0])
         offloaded = plan.offloaded_layers if plan else ()
+        whole, experts = ((), offloaded) if moe else (offloaded, ())
+        self.experts_streamer = None  # an ExpertStreamer when routed experts live in host memory
         with torch.inference_mode():
             self.model = build_model(self.args, config, shapes, source(), self.torch_device, self.cache_dtype,
-                                     dtype, offloaded)
-            if offloaded:
-                self.model.streamer = LayerStreamer(self.model.model.layers, offloaded, self.torch_device,
+                                     dtype, whole, host_experts=experts)
+            if whole:
+                self.model.streamer = LayerStreamer(self.model.model.layers, whole, self.torch_device,
                                                     RING_SLOTS, common.category)
+            if experts:
+                self.experts_streamer = ExpertStreamer(self.model.model.layers, experts, self.torch_device)
         self._params = common.logical_params(shapes, self.quantization)
         if plan is not None:
             streamer = self.model.streamer
-            streamed = streamer.streamed_bytes if streamer else 0
+            streamed = streamer.streamed_bytes if streamer else plan.streamed_bytes
             resident = list(self._resident_tensor_bytes())
+            fixed = plan.fixed_bytes if moe else sum(n for name, n in resident if layer_of(name) is None)
             self.offload = dataclasses.replace(
-                plan, fixed_bytes=sum(n for name, n in resident if layer_of(name) is None),
-                resident_bytes=sum(n for _, n in resident), streamed_bytes=streamed,
-                ring_bytes=streamer.ring_bytes if streamer else 0)
+                plan, fixed_bytes=fixed, resident_bytes=sum(n for _, n in resident), streamed_bytes=streamed,
+                ring_bytes=streamer.ring_bytes if streamer else 0,
+                counters=self.experts_streamer.counters if self.experts_streamer else None)
         # Streamed layers change weights under a graph: run those eagerly.
         self._graphs = GraphDecoder(self.model) if device == "cuda" and not offloaded else None
 
@@ -216,9 +223,12 @@ class TorchEngine:
         """(name, bytes) of every weight held on the device for good (streamed layers excluded)."""
         seen: set[int] = set()
         streamer = self.model.streamer
+        experts = self.experts_streamer
         for name, t in named_tensors(self.model):
             if streamer is not None and layer_of(name) in streamer.position:
                 continue  # views into the streaming ring
+            if experts is not None and layer_of(name) in experts.position and ".switch_mlp." in name:
+                continue  # routed experts held in host memory
             if t.data_ptr() in seen:
                 continue  # a tied head shares the embedding's storage
             seen.add(t.data_ptr())
@@ -238,9 +248,15 @@ class TorchEngine:
         if streamer is not None:  # the host copies of the streamed layers
             for cat, n in streamer.bytes_by_category.items():
                 by_cat[cat] = by_cat.get(cat, 0) + n
-        return common.weight_info(by_cat, self._params, self.args.vocab_size, self.kv_bytes_per_token(),
+        routed = sum(n for name, n in self._resident_tensor_bytes() if common.is_routed_expert(name))
+        if self.experts_streamer is not None:
+            by_cat["mlp"] = by_cat.get("mlp", 0) + self.experts_streamer.host_bytes
+            routed += self.experts_streamer.host_bytes
+        a = self.args
+        return common.weight_info(by_cat, self._params, a.vocab_size, self.kv_bytes_per_token(),
                                   self.quantization, describe_execution(self.model),
-                                  streamer.streamed_bytes if streamer is not None else 0)
+                                  self.offload.streamed_bytes if self.offload is not None else 0,
+                                  routed, a.num_experts_per_tok / a.num_experts if a.num_experts else 1.0)
 
     def export_weights(self):
         raise InvalidArgumentError("the torch backend holds weights in execution form and cannot export them; "

@@ -20,14 +20,16 @@ from ...affine import BITS, GROUP_SIZES
 from ...checkpoint import Checkpoint
 from ...errors import CheckpointError, DoesNotFitError, InvalidArgumentError
 from ...offload import RING_SLOTS, OffloadPlan, parse_size, plan_layers, reserved_bytes
+from ...shapes import KV_RESERVE_TOKENS
 from ..common import check_weights
 from . import quant
 from .convert import convert_model
 from .model import ModelArgs, Transformer, fuse_projections, rope_inv_freq
+from .moe import Experts, expert_slot, stacked_shapes
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 SAFETENSORS_FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-CUDA_CACHE_TOKENS = 4096  # initial KV capacity on CUDA, and the context the offload budget reserves for
+CUDA_CACHE_TOKENS = KV_RESERVE_TOKENS  # initial KV capacity on CUDA: what the offload budget reserves for
 
 
 def compute_dtype(dtype: str, floats: list, device: str) -> torch.dtype:
@@ -55,7 +57,7 @@ def _quant_spec(path: str, q: dict, tensors) -> dict | None:
 
 def _swap_quantized(model: Transformer, q: dict, tensors, dtype: torch.dtype) -> None:
     for path, module in list(model.named_modules()):
-        if not isinstance(module, (nn.Linear, nn.Embedding)):
+        if not isinstance(module, (nn.Linear, nn.Embedding, Experts)):
             continue
         spec = _quant_spec(path, q, tensors)
         if spec is None:
@@ -63,7 +65,9 @@ def _swap_quantized(model: Transformer, q: dict, tensors, dtype: torch.dtype) ->
         if spec["bits"] not in BITS or spec["group_size"] not in GROUP_SIZES:
             raise CheckpointError(f"{path}: {spec['bits']}-bit groups of {spec['group_size']} are not supported")
         try:
-            if isinstance(module, nn.Embedding):
+            if isinstance(module, Experts):
+                new = module.quantized(spec["bits"], spec["group_size"], dtype)
+            elif isinstance(module, nn.Embedding):
                 new = quant.QuantizedEmbedding(module.num_embeddings, module.embedding_dim, **spec, dtype=dtype,
                                                device="meta")
             else:
@@ -106,26 +110,30 @@ def stream_checkpoint(ckpt: Checkpoint, device: str, progress=None):
 
 
 def build_model(args: ModelArgs, config: dict, shapes: dict, source, device: torch.device,
-                dtype: torch.dtype, weights: torch.dtype | None = None, offloaded: Sequence[int] = ()) -> Transformer:
+                dtype: torch.dtype, weights: torch.dtype | None = None, offloaded: Sequence[int] = (),
+                host_experts: Sequence[int] = ()) -> Transformer:
     """Build the model on the meta device, then fill it from ``source`` one tensor at a time.
 
     ``dtype`` is that of activations and float tensors, ``weights`` that of the
     linear layers' execution form (default: ``dtype``). The ``offloaded`` layers
     are read into host memory and converted one at a time on the device (so
     it never holds two of them), in a form made of plain tensors that can be
-    streamed; the engine then hands them to a `LayerStreamer`.
+    streamed; the engine then hands them to a `LayerStreamer`. The routed experts of the ``host_experts``
+    layers are read into host memory, for an `ExpertStreamer`.
     """
     weights = weights or dtype
     with torch.device("meta"):
         model = Transformer(args)
+    # transformers' one tensor per expert, checked and held as mlx-lm's stacked (E, ...) ones
+    shapes, sources = stacked_shapes(shapes)
     _swap_quantized(model, config.get("quantization") or {}, shapes, dtype)
-    names = {n: k for k in shapes if (n := _sanitize(k)) is not None}
+    keys = {n: k for k in shapes if (n := _sanitize(k)) is not None}
+    names = {n: sources.get(k, k) for n, k in keys.items()}
     expected = _expected(model)
     tied = args.tie_word_embeddings or not any(n.startswith("lm_head.") for n in names)
     if tied:
         expected = {k: v for k, v in expected.items() if not k.startswith("lm_head.")}
-    check_weights({k: tuple(v.shape) for k, v in expected.items()}, {n: shapes[k] for n, k in names.items()},
-                  names)
+    check_weights({k: tuple(v.shape) for k, v in expected.items()}, {n: shapes[k] for n, k in keys.items()}, names)
 
     streamed = frozenset(offloaded)
     host = torch.device("cpu")
@@ -133,10 +141,15 @@ def build_model(args: ModelArgs, config: dict, shapes: dict, source, device: tor
         name = _sanitize(key)
         if name is None:
             continue
-        target = host if layer_of(name) in streamed else device
+        slot = expert_slot(name)
+        on_host = layer_of(name) in streamed or (layer_of(name) in host_experts and (slot or ".switch_mlp." in name))
+        target = host if on_host else device
         if t.is_floating_point() and not name.endswith((".scales", ".biases")):
             t = t.to(device=target, dtype=dtype)
-        _assign(model, name, t.to(target))
+        if slot is not None:
+            _assign_expert(model, *slot, t.to(target))
+        else:
+            _assign(model, name, t.to(target))
 
     embed = model.model.embed_tokens
     if tied:
@@ -185,8 +198,9 @@ def plan_offload(args: ModelArgs, config: dict, shapes: dict, weights: torch.dty
                   vram_budget) -> OffloadPlan:
     """Which layers stream, from the checkpoint's tensor sizes in the execution dtype (what CUDA runs).
 
-    The budget also holds what `umakit plan` counts besides weights, for `CUDA_CACHE_TOKENS` tokens
-    of context: the KV cache and a prefill chunk's working memory (16-bit, as on a GPU).
+    The budget also holds what `umakit plan` counts besides weights (`umakit.offload.reserved_bytes`:
+    the KV cache for `KV_RESERVE_TOKENS` tokens, or the model's context if shorter, and a prefill
+    chunk's working memory, 16-bit as on a GPU).
     """
     per_layer = [0] * args.num_hidden_layers
     fixed = 0
@@ -202,7 +216,7 @@ def plan_offload(args: ModelArgs, config: dict, shapes: dict, weights: torch.dty
         else:
             per_layer[layer] += nbytes
     budget = None if vram_budget is None else parse_size(vram_budget)
-    reserve = reserved_bytes(config, min(args.max_position_embeddings, CUDA_CACHE_TOKENS))
+    reserve = reserved_bytes(config)
     return plan_layers(per_layer, fixed, gpu_layers=gpu_layers, vram_budget=budget, reserved_bytes=reserve,
                        ring_slots=RING_SLOTS)
 
@@ -214,6 +228,16 @@ def _assign(model: nn.Module, name: str, t: torch.Tensor) -> None:
         module._parameters[attr] = nn.Parameter(t, requires_grad=False)
     else:
         module._buffers[attr] = t
+
+
+def _assign_expert(model: nn.Module, name: str, expert: int, t: torch.Tensor) -> None:
+    """Copy one expert's tensor into its row of the stacked (E, ...) tensor ``name``, made at the first."""
+    path, _, attr = name.rpartition(".")
+    module = model.get_submodule(path)
+    store = module._parameters if attr in module._parameters else module._buffers
+    if store[attr].is_meta:
+        _assign(model, name, torch.empty(store[attr].shape, dtype=t.dtype, device=t.device))
+    store[attr][expert].copy_(t)
 
 
 def named_tensors(model: nn.Module):

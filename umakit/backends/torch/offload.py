@@ -26,6 +26,8 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from ...offload import WHOLE_LAYERS, LayerBytes, streamed_bytes_per_token
+
 ALIGN = 64  # bytes: every tensor view starts on a 64-byte boundary of its slot
 
 
@@ -91,8 +93,8 @@ class LayerStreamer:
 
     @property
     def streamed_bytes(self) -> int:
-        """Bytes copied host -> device per forward pass."""
-        return sum(self.layer_bytes)
+        """Bytes copied host -> device per forward pass: whole layers (`umakit.offload.WHOLE_LAYERS`)."""
+        return streamed_bytes_per_token([LayerBytes(n) for n in self.layer_bytes], WHOLE_LAYERS)
 
     @property
     def ring_bytes(self) -> int:

@@ -180,7 +180,7 @@ class Int4PackLinear(nn.Module):
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
             self.op = torch.ops.aten._weight_int4pack_mm_for_cpu
         self.register_buffer("packed", packed)
-        self.register_buffer("bias", None if m.bias is None else m.bias.to(torch.bfloat16))
+        self.register_buffer("bias", None if m.bias is None else m.bias.float())  # cast to the input dtype on use
 
     @staticmethod
     def supports(m: QuantizedLinear, device: torch.device) -> bool:
@@ -190,15 +190,17 @@ class Int4PackLinear(nn.Module):
         return device.type != "cuda" or (m.out_features % 8 == 0 and k % 32 == 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape[:-1]
+        shape, dtype = x.shape[:-1], x.dtype
         x = x.reshape(-1, self.in_features)  # (M, K)
-        if x.dtype != torch.bfloat16:
+        if dtype != torch.bfloat16:
             x = x.to(torch.bfloat16)
         if self.split:
             x = torch.cat([x, x], dim=-1)  # (M, 2K): one input per nibble plane
         y = self.op(x, self.packed, self.group_size, self.scales_and_zeros)
+        if dtype != torch.bfloat16:
+            y = y.to(dtype)  # float32 activations (CPU): only the kernel's inputs and outputs are rounded
         if self.bias is not None:
-            y = y + self.bias
+            y = y + self.bias.to(dtype)
         return y.view(*shape, self.out_features)
 
 

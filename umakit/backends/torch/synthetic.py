@@ -11,7 +11,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .gemma import GemmaRMSNorm
 from .model import ModelArgs, RMSNorm, Transformer
+from .moe import Experts
 
 
 def synthetic_shapes(config: dict, bits: int | None, group_size: int) -> tuple[dict, dict[str, tuple]]:
@@ -22,8 +24,15 @@ def synthetic_shapes(config: dict, bits: int | None, group_size: int) -> tuple[d
         model = Transformer(args)
     shapes: dict[str, tuple] = {}
     for path, m in model.named_modules():
-        if isinstance(m, RMSNorm):
+        if isinstance(m, (RMSNorm, GemmaRMSNorm)):
             shapes[f"{path}.weight"] = tuple(m.weight.shape)
+        if isinstance(m, Experts):  # stacked as mlx-lm stores them: (E, out, in), each expert quantized alone
+            n, rows, cols = m.n, m.out_features, m.in_features
+            if bits and cols % group_size == 0:
+                shapes[f"{path}.weight"] = (n, rows, cols * bits // 32)
+                shapes[f"{path}.scales"] = shapes[f"{path}.biases"] = (n, rows, cols // group_size)
+            else:
+                shapes[f"{path}.weight"] = (n, rows, cols)
         if not isinstance(m, (nn.Linear, nn.Embedding)) or (path == "lm_head" and args.tie_word_embeddings):
             continue
         rows, cols = m.weight.shape
