@@ -24,7 +24,7 @@ def tiny_model(tiny_dir):
     """A loaded tiny llama on the MLX backend (float32 on CPU)."""
     import umakit
 
-    return umakit.load(tiny_dir("llama"), backend="mlx")
+    return umakit.load(tiny_dir("llama"), backend="mlx", device="cpu")  # pinned: float32 on a Mac too
 
 
 @pytest.fixture(autouse=True)

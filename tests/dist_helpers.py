@@ -54,3 +54,21 @@ def tiny_models(root: Path) -> dict[str, Path]:
     quantize(llama, root / "llama-q4", bits=4, group_size=32)
     quantize(qwen3, root / "qwen3-q8", bits=8, group_size=32)
     return {"llama": llama, "qwen3": qwen3, "llama-q4": root / "llama-q4", "qwen3-q8": root / "qwen3-q8"}
+
+
+def default_model_dir() -> Path:
+    """The built-in model's import: the user's own if made (saves one), else this run's; skips without it."""
+    import pytest
+
+    from umakit import checkpoint
+    from umakit.default_model import DEFAULT_MODEL_NAME
+    from umakit.errors import UmakitError
+    from umakit.home import DEFAULT_HOME
+
+    default = DEFAULT_HOME.expanduser() / "models" / DEFAULT_MODEL_NAME
+    if (default / "config.json").exists():
+        return default
+    try:
+        return checkpoint.resolve(None)
+    except UmakitError as e:
+        pytest.skip(f"the default model is not available here: {e}")

@@ -42,7 +42,7 @@ def test_every_item_gets_one_result_line(tiny_dir, tiny_model, tmp_path):
     out = tmp_path / "out.jsonl"
     # The oracle `tiny_model` is on MLX; seeded draws are reproducible within an engine, not across engines.
     r = run(tiny_dir("llama"), "-i", inp, "-o", out, "--temp", "0", "--max-tokens", "12", "--raw", "-b", "2",
-            "--backend", "mlx")
+            "--backend", "mlx", "--device", "cpu")
     assert r.exit_code == 0, r.output
     rows = {row["id"]: row for row in read_jsonl(out)}
     assert set(rows) == {"a", 7, "c"}

@@ -278,6 +278,7 @@ class ClockEngine:
 @pytest.mark.parametrize("seconds, expected", [
     (0.001, [16, 32, 64, 128, 256, 512, 512, 46]),  # a fast device soon prefills at full size
     (0.2, [16] * 97 + [14]),  # a slow one keeps chunks small, so Ctrl-C never waits long
+    (0.5, [16, 8, 4, 2] + [1] * 1536),  # a very slow one shrinks them to single tokens
 ])
 def test_prefill_chunks_grow_only_on_fast_devices(monkeypatch, seconds, expected):
     from umakit import chat

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from dist_helpers import LAUNCH, RUN_LIMIT_S, SCRIPT, VENV_BIN, launch, run_script, tiny_models
+from dist_helpers import LAUNCH, RUN_LIMIT_S, SCRIPT, VENV_BIN, default_model_dir, launch, run_script, tiny_models
 from tiny import make_tiny_model
 
 pytest.importorskip("mlx.core")
@@ -56,17 +56,7 @@ def test_each_rank_holds_about_half_of_a_model_whose_layers_dominate(wide, tmp_p
 
 
 def test_the_default_model_over_three_ranks_decodes_its_single_process_tokens(tmp_path):
-    from umakit import checkpoint
-    from umakit.default_model import DEFAULT_MODEL_NAME
-    from umakit.errors import UmakitError
-    from umakit.home import DEFAULT_HOME
-
-    default = DEFAULT_HOME.expanduser() / "models" / DEFAULT_MODEL_NAME  # the user's import, if made: saves one
-    if not (default / "config.json").exists():
-        try:
-            default = checkpoint.resolve(None)
-        except UmakitError as e:
-            pytest.skip(f"the default model is not available here: {e}")
+    default = default_model_dir()
     # 9 heads and 3 KV heads: two ranks cannot split it, three can.
     single = run_script(tmp_path, default, "none", "--tokens", "4")
     sharded = run_script(tmp_path, default, "tensor", "--tokens", "4", n=3)

@@ -140,8 +140,8 @@ def test_quantized_checkpoint_streams_in_float_and_keeps_its_tokens(deep_dir, tm
 
     q = tmp_path / "q8"
     quantize(deep_dir, q, bits=8, group_size=32)
-    base = umakit.load(q, backend="torch", device="cpu")  # auto: float16 weights, float32 math
-    m = umakit.load(q, backend="torch", device="cpu", gpu_layers=2)
+    base = umakit.load(q, backend="torch", device="cpu", dtype="float16")  # float16 weights, float32 math
+    m = umakit.load(q, backend="torch", device="cpu", dtype="float16", gpu_layers=2)
     assert m.info.dtype == base.info.dtype
     kinds = {type(mod).__name__ for mod in m.engine.model.model.layers[4].modules()}
     assert "Fp16Linear" not in kinds  # FBGEMM's packed weights are not tensors: streamed layers run as float32

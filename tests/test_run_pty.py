@@ -142,3 +142,31 @@ def test_piped_bad_line_fails_alone():
         "convert it to UTF-8 first"]
     replies = out.stdout.decode().split("\n\n")
     assert "Paris" in replies[0] and "Berlin" in replies[1]  # the lines after the bad one still ran
+
+
+def test_sigterm_or_a_closed_terminal_saves_the_conversation_first(tmp_path):
+    import signal
+    import time
+
+    env = {**os.environ, "UMAKIT_HOME": os.environ.get("UMAKIT_HOME", str(tmp_path / "home"))}
+    proc = subprocess.Popen([EXE, "run", "--temp", "0", "--max-tokens", "8"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    try:
+        proc.stdin.write(b"My name is Zed.\n")
+        proc.stdin.flush()
+        reply = b""
+        deadline = time.monotonic() + 120
+        while not reply.endswith(b"\n\n") and time.monotonic() < deadline:  # a piped reply ends with a blank line
+            reply += proc.stdout.read1(4096)
+        assert reply.endswith(b"\n\n"), reply
+        proc.send_signal(signal.SIGTERM)  # while the chat waits for the next line (stdin stays open)
+        proc.wait(timeout=60)
+        err = proc.stderr.read().decode()
+    finally:
+        proc.kill()
+    assert proc.returncode == 1 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == "Error: the chat was ended by SIGTERM"
+    saved = re.search(r"conversation saved to (\S+);", err)
+    assert saved, err
+    messages = json.loads(open(saved.group(1)).read())["messages"]
+    assert messages[0] == {"role": "user", "content": "My name is Zed."} and messages[1]["role"] == "assistant"

@@ -140,12 +140,58 @@ def test_quantized_checkpoint_in_half_precision_is_close(quantized_dir, dtype, k
     assert np.abs(ours.logits(PROMPT) - theirs).max() <= tolerance * np.abs(theirs).max()
 
 
-def test_auto_on_cpu_takes_half_weights_with_float32_math(quantized_dir):
-    model = umakit.load(quantized_dir, backend="torch", device="cpu")
-    expected = "float16" if quant.Fp16Linear.available() else "float32"
-    assert model.info.dtype == expected
-    exact = umakit.load(quantized_dir, backend="mlx", device="cpu")
-    np.testing.assert_allclose(model.logits(PROMPT), exact.logits(PROMPT), atol=0.005, rtol=0.005)
+def test_auto_on_cpu_takes_the_fastest_form_of_the_machine(quantized_dir, monkeypatch):
+    """int4 kernels under AVX-512 (bfloat16 matmul inputs), FBGEMM's float16 weights under AVX2."""
+    exact = umakit.load(quantized_dir, backend="mlx", device="cpu").logits(PROMPT)
+    for capability in ("AVX512", "AVX2"):
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
+        model = umakit.load(quantized_dir, backend="torch", device="cpu")
+        kinds = {type(m).__name__ for m in model.engine.model.modules()}
+        if capability == "AVX512":
+            expected, kind, tolerance = "bfloat16", "Int4PackLinear", 0.05
+        elif quant.Fp16Linear.available():
+            expected, kind, tolerance = "float16", "Fp16Linear", 0.005
+        else:
+            expected, kind, tolerance = "float32", "Linear", 0.005
+        assert model.info.dtype == expected and kind in kinds
+        assert np.abs(model.logits(PROMPT) - exact).max() <= tolerance * np.abs(exact).max()
+
+
+@pytest.mark.parametrize("quantization, expected", [
+    ({"bits": 4, "group_size": 32, "model.embed_tokens": {"bits": 8, "group_size": 32}}, "bfloat16"),
+    ({"bits": 8, "group_size": 64}, "bfloat16"),
+    ({"bits": 4, "group_size": 64, "lm_head": {"bits": 6, "group_size": 64}}, "auto"),  # a 6-bit layer: dense
+    ({"bits": 3, "group_size": 64}, "auto"),
+    (None, "auto"),  # float weights
+])
+def test_cpu_auto_dtype_takes_int4_kernels_only_for_4_and_8_bits(quantization, expected, monkeypatch):
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    assert convert.cpu_auto_dtype(quantization) == expected
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert convert.cpu_auto_dtype(quantization) == "auto"
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows, cols, group_size", [(80, 96, 32), (128, 96, 32), (192, 384, 128), (4160, 64, 32)])
+def test_int4_kernels_take_float32_inputs_and_return_float32(bits, rows, cols, group_size):
+    """Inputs, outputs (and, from DENSE_ROWS rows on, weights) rounded to bfloat16's 8 significant bits only."""
+    m = layer(rows, cols, bits, group_size)
+    m.bias = torch.randn(rows) * 0.1
+    want_weight = m.dequantized(torch.float32)
+    run = quant.Int4PackLinear(m, torch.device("cpu"))
+    assert run.dense_prefill == (rows % 64 == 0)  # 4160 rows: two blocks of output rows
+    if run.dense_prefill:  # the unpacked weight is the one the kernel reads (its scales are bfloat16 too)
+        eye = torch.eye(cols, dtype=torch.bfloat16)
+        seen = run.op(torch.cat([eye, eye], -1) if run.split else eye, run.packed, group_size, run.scales_and_zeros)
+        torch.testing.assert_close(run.dequantized(0, rows).float(), seen.float().T, rtol=2**-7, atol=1e-6)
+    for tokens in (1, 7, quant.DENSE_ROWS + 3):
+        x = torch.randn(2, tokens, cols)
+        got = run(x)
+        want = F.linear(x, want_weight, m.bias)
+        assert got.dtype == torch.float32 and got.shape == want.shape
+        assert (got - want).abs().max() <= 2**-7 * want.abs().max()
+        # the same kernel as bfloat16 inputs: float32 inputs change only the rounding of the output and bias
+        assert (got - run(x.bfloat16()).float()).abs().max() <= 2**-7 * want.abs().max()
 
 
 @pytest.mark.skipif(not quant.Fp16Linear.available(), reason="float16 weights with float32 math need FBGEMM (x86)")

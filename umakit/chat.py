@@ -38,7 +38,8 @@ ROLES = ("system", "user", "assistant")
 # A prefill chunk that finishes in under this doubles the next one: fast devices soon prefill at
 # full size (small chunks cost prefill speed), while the next chunk, about twice as long, still
 # leaves a Ctrl-C well inside the 0.5 s the chat promises.
-FAST_CHUNK_S = 0.1
+FAST_CHUNK_S = 0.05
+SLOW_CHUNK_S = 0.25  # ... and one slower than this halves the next, down to one token (MLX on a slow CPU)
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -59,8 +60,9 @@ def prefill_interruptibly(engine, tokens: Sequence[int], cache, should_stop: Cal
     went in.
 
     Chunks start at `INTERRUPT_PREFILL_CHUNK` tokens and double (up to `PREFILL_CHUNK`) while
-    each takes under `FAST_CHUNK_S`. A device clearly faster or slower than that always gets
-    the same chunks, so the same prompt prefills the same way each time.
+    each takes under `FAST_CHUNK_S`, or halve (down to 1) while each takes over `SLOW_CHUNK_S`.
+    A device clearly faster or slower than that always gets the same chunks, so the same prompt
+    prefills the same way each time.
     """
     done, n = 0, INTERRUPT_PREFILL_CHUNK
     while done < len(tokens) and not should_stop():
@@ -68,8 +70,11 @@ def prefill_interruptibly(engine, tokens: Sequence[int], cache, should_stop: Cal
         start = time.perf_counter()
         engine.prefill(part, cache)
         done += len(part)
-        if time.perf_counter() - start < FAST_CHUNK_S:
+        elapsed = time.perf_counter() - start
+        if elapsed < FAST_CHUNK_S:
             n = min(2 * n, PREFILL_CHUNK)
+        elif elapsed > SLOW_CHUNK_S:
+            n = max(1, n // 2)
     return done
 
 

@@ -23,6 +23,7 @@ p.add_argument("parallel")
 p.add_argument("--batch", action="store_true")
 p.add_argument("--backend", default="mlx", help="mlx (under mlx.launch) or torch (under torchrun)")
 p.add_argument("--tokens", type=int, default=12)
+p.add_argument("--dtype", default="auto")
 p.add_argument("--temp", type=float, default=0.0)
 p.add_argument("--kill-rank", type=int, default=None)
 p.add_argument("--kill-after", type=int, default=3)
@@ -57,7 +58,7 @@ if a.kill_rank is not None and rank == a.kill_rank and rank != 0:
     MessageChannel.receive = counting
 
 model = a.model_rank1 if a.model_rank1 and rank == 1 else a.model
-m = umakit.load(model, backend=a.backend, device="cpu", parallel=parallel)
+m = umakit.load(model, backend=a.backend, device="cpu", dtype=a.dtype, parallel=parallel)
 result = {"weight_bytes": m.info.weights.total_bytes, "warnings": m.info.warnings}
 if a.batch:
     run = m.generate_batch(PROMPTS, max_tokens=a.tokens, temperature=a.temp, seed=7, raw=True)

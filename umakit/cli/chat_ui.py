@@ -45,6 +45,20 @@ class Cancelled(Exception):
     """Ctrl-C after a message's first line was entered: the message is not sent."""
 
 
+class Ended(BaseException):
+    """The terminal closed (SIGHUP) or the process was asked to stop (SIGTERM) mid-chat.
+
+    Not an `Exception`, so no handler in the chat takes it for one failed line or command."""
+
+
+def _ended(signum, _frame):
+    raise Ended(f"the chat was ended by {signal.Signals(signum).name}")
+
+
+# Signals that end a chat from outside; each first saves the conversation (SIGHUP does not exist on Windows).
+ENDING_SIGNALS = tuple(s for s in (getattr(signal, "SIGHUP", None), signal.SIGTERM) if s is not None)
+
+
 class Interrupt:
     """Ctrl-C during a reply sets a flag instead of raising inside the engine."""
 
@@ -270,10 +284,13 @@ class Repl:
 
     @contextlib.contextmanager
     def rescuing(self):
-        """If an error ends the chat anyway, save its transcript first and say where (``/load`` brings it back)."""
+        """If an error ends the chat anyway, save its transcript first and say where (``/load`` brings it back).
+
+        Closing the terminal or a SIGTERM ends it the same way: saved first."""
+        old = {s: signal.signal(s, _ended) for s in ENDING_SIGNALS}
         try:
             yield
-        except Exception:
+        except (Exception, Ended) as e:
             if self.session.messages:
                 try:
                     path = self.session.rescue()
@@ -281,7 +298,12 @@ class Repl:
                     self.notice(f"(could not save the conversation: {e})")
                 else:
                     self.notice(f"(conversation saved to {path}; /load {path} brings it back)")
+            if isinstance(e, Ended):
+                raise UmakitError(str(e)) from None  # one Error: line, as for any reason a command stops
             raise
+        finally:
+            for s, handler in old.items():
+                signal.signal(s, handler)
 
 
 def _path(arg: str, usage: str) -> Path:

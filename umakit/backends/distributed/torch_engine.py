@@ -119,7 +119,7 @@ def start(ckpt, parallel: str, *, device: str, dtype: str = "auto", progress=Non
     config = shard_config(ckpt.config, n)
     shapes = {k: shard_shape(k, t.shape, n) for k, t in ckpt.tensors.items()}
     floats = [SAFETENSORS_FLOATS[t.dtype] for t in ckpt.tensors.values() if t.dtype in SAFETENSORS_FLOATS]
-    target = str(compute_dtype(dtype, floats, device)).removeprefix("torch.")
+    target = str(compute_dtype(dtype, floats, device, ckpt.config.get("quantization"))).removeprefix("torch.")
     engine = TorchEngine.from_tensors(config, shapes, lambda: read_shard(ckpt, rank, n, str(where),
                                                                          progress if rank == 0 else None),
                                       device=device, dtype=target)

@@ -4,11 +4,13 @@ How quantized (MLX affine) layers run, by compute dtype:
 
 CPU, float32           dequantized once at load: exact, but reads 4 bytes a weight.
 CPU, float16 ("auto"   float16 weights, float32 inputs and sums (FBGEMM): 2 bytes a
- where FBGEMM exists)  weight, weights rounded to float16 (x86 only). 3.5x the decode
-                       speed of float32 on SmolLM2 (benchmarks/cpu_engines.py), with
-                       the same greedy tokens; float32 elsewhere.
-CPU, bfloat16          torch's int4 kernels after an exact repack: ~0.6 bytes a
-                       weight, inputs and outputs rounded to bfloat16.
+ where FBGEMM exists    weight, weights rounded to float16 (x86 only), the same greedy
+ and bfloat16 is not    tokens as float32; float32 where FBGEMM is missing.
+ faster)
+CPU, bfloat16 ("auto"  torch's int4 kernels after an exact repack: ~0.6 bytes a
+ for 4/8-bit models     weight, bfloat16 kernel inputs, float32 sums, activations and
+ where torch's kernels  cache (convert.activation_dtype). On SmolLM2 Q4_1: over 2x
+ are AVX-512)           float16's decode (benchmarks/cpu_engines.py); see convert.cpu_auto_dtype.
 CUDA ("auto": the checkpoint's half type)  tinygemm int4 in bfloat16, otherwise a
                        fused Triton dequantize-matvec; the decode step is a CUDA graph.
 
@@ -41,7 +43,7 @@ from ..base import PREFILL_CHUNK, WeightInfo, refuse_options
 from . import SPEC, quant
 from .batch import TorchBatchDecoder
 from .cache import GROW_STEP, StaticKVCache
-from .convert import activation_dtype, cpu_auto_dtype, describe_execution
+from .convert import activation_dtype, describe_execution
 from .kernels import GraphDecoder
 from .loader import (CUDA_CACHE_TOKENS, SAFETENSORS_FLOATS, build_model, check_fits, compute_dtype, layer_of,
                      named_tensors, plan_offload, stream_checkpoint)
@@ -70,10 +72,8 @@ class TorchEngine:
         shapes = {k: t.shape for k, t in ckpt.tensors.items()}
         floats = [SAFETENSORS_FLOATS[t.dtype] for t in ckpt.tensors.values() if t.dtype in SAFETENSORS_FLOATS]
         staging = "cpu" if gpu_layers is not None or vram_budget is not None else device
-        if dtype == "auto" and device == "cpu" and gpu_layers is None and vram_budget is None:
-            dtype = cpu_auto_dtype(ckpt.config.get("quantization"))  # int4 kernels where they are the fastest
         return cls(ckpt.config, shapes, lambda: stream_checkpoint(ckpt, staging, progress), device,
-                   compute_dtype(dtype, floats, device), gpu_layers, vram_budget)
+                   compute_dtype(dtype, floats, device, ckpt.config.get("quantization")), gpu_layers, vram_budget)
 
     @classmethod
     def synthetic(cls, config: dict, *, device: str, dtype: str = "auto", bits: int | None = None,
@@ -81,7 +81,7 @@ class TorchEngine:
                   vram_budget: int | str | None = None) -> "TorchEngine":
         """Random weights in a real architecture's exact shapes (for benchmarks)."""
         config, shapes = synthetic_shapes(config, bits, group_size)
-        target = compute_dtype(dtype, [torch.bfloat16], device)
+        target = compute_dtype(dtype, [torch.bfloat16], device, config.get("quantization"))
         offload = gpu_layers is not None or vram_budget is not None
         staging = torch.device("cpu" if offload else device)  # streamed layers never visit the device whole
         return cls(config, shapes, lambda: random_tensors(shapes, target, staging), device, target, gpu_layers,
@@ -94,8 +94,8 @@ class TorchEngine:
 
         ``shapes`` maps every tensor name to its shape; ``source()`` yields (name, tensor) pairs.
         """
-        return cls(config, shapes, source, device, compute_dtype(dtype, [torch.bfloat16], device), gpu_layers,
-                   vram_budget)
+        return cls(config, shapes, source, device,
+                   compute_dtype(dtype, [torch.bfloat16], device, config.get("quantization")), gpu_layers, vram_budget)
 
     def __init__(self, config: dict, shapes: dict, source, device: str, dtype: torch.dtype,
                  gpu_layers: int | None = None, vram_budget=None):
@@ -109,7 +109,7 @@ class TorchEngine:
         self.config = config
         self.args = ModelArgs.from_config(config)
         self.dtype = str(dtype).removeprefix("torch.")
-        self.cache_dtype = activation_dtype(self.torch_device, dtype)  # activations and KV cache
+        self.cache_dtype = activation_dtype(self.torch_device, dtype, bool(config.get("quantization")))  # and KV cache
         self.quantization = config.get("quantization")
         self.offload = None  # an OffloadPlan, in bytes as loaded, when layers stream from host memory
         plan = None

@@ -23,7 +23,7 @@ from ...offload import RING_SLOTS, OffloadPlan, parse_size, plan_layers, reserve
 from ...shapes import KV_RESERVE_TOKENS
 from ..common import check_weights
 from . import quant
-from .convert import convert_model
+from .convert import convert_model, cpu_auto_dtype
 from .model import ModelArgs, Transformer, fuse_projections, rope_inv_freq
 from .moe import Experts, expert_slot, stacked_shapes
 
@@ -32,14 +32,17 @@ SAFETENSORS_FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.
 CUDA_CACHE_TOKENS = KV_RESERVE_TOKENS  # initial KV capacity on CUDA: what the offload budget reserves for
 
 
-def compute_dtype(dtype: str, floats: list, device: str) -> torch.dtype:
-    """The requested dtype; "auto" is float16 weights with float32 math on an x86 CPU, and the checkpoint's
-    half precision on CUDA."""
+def compute_dtype(dtype: str, floats: list, device: str, quantization: dict | None = None) -> torch.dtype:
+    """The requested dtype. "auto" on a CPU is what `convert.cpu_auto_dtype` picks for the checkpoint's
+    ``quantization`` (torch's int4 kernels where they are fastest), else float16 weights with float32
+    math; on CUDA, the checkpoint's half precision."""
     if dtype != "auto":
         if dtype not in DTYPES:
             raise InvalidArgumentError(f"unknown dtype {dtype!r}; choose auto, {', '.join(DTYPES)}")
         return DTYPES[dtype]
     if device == "cpu":
+        if cpu_auto_dtype(quantization) == "bfloat16":
+            return torch.bfloat16
         # Half the bytes of float32 and the same float32 arithmetic (see the table above).
         return torch.float16 if quant.Fp16Linear.available() else torch.float32
     halves = [f for f in floats if f != torch.float32]
