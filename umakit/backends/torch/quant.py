@@ -214,7 +214,6 @@ class Int4PackLinear(nn.Module):
             y = y + self.bias.to(dtype)
         return y.view(*shape, self.out_features)
 
-
     def dequantized(self, start: int, stop: int) -> torch.Tensor:
         """Output rows [start, stop) of the weight, (rows, in_features) bfloat16, from the CPU packing."""
         q = unpack_cpu_int4pack(self.packed[start:stop])  # (rows, K or 2K)
