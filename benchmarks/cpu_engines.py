@@ -10,7 +10,8 @@ float16 weights, float32 math; bfloat16: torch's int4 kernels on an exact
 repack, bfloat16 inputs), umakit MLX-CPU, llama.cpp through llama-cpp-python
 on the same GGUF (run by ``--llama-python``, a separate venv; skipped with a
 note when absent), and Hugging Face transformers on the same GGUF dequantized
-to float32.
+to float32, and mlx-lm on umakit's MLX import of the GGUF (the same 4-bit
+weights, mlx-community's layout).
 
 Columns: decode tok/s (greedy, ``--tokens`` new tokens after a short prompt),
 prefill tok/s of a 512-token prompt, seconds from process start to the first
@@ -18,8 +19,11 @@ token of a one-shot generation (the import already cached), weight bytes read
 per token, the bandwidth that implies, and perplexity on the first
 ``--ppl-tokens`` tokens of the Austen corpus, in windows of 512 each scored
 from its second token (one scoring for every engine, so llama.cpp's is
-comparable), as a change from umakit's float32 path. Prints a markdown table
-and writes it to benchmarks/out/cpu_engines.md.
+comparable), as a change from umakit's float32 path, twice: as a prompt is
+read (all of a window in one forward pass) and as a reply is made (one decode
+step per token, the step `generate` runs: on torch-CPU the fused C++ step).
+MLX engines are not scored by default (``--ppl-mlx``: about 9 minutes each on
+MLX-CPU). Prints a markdown table and writes it to benchmarks/out/cpu_engines.md.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ WINDOW = 512
 OUT = Path(__file__).parent / "out" / "cpu_engines.md"
 UMAKIT = {"torch-auto": ("torch", "auto"), "torch-float32": ("torch", "float32"),
           "torch-float16": ("torch", "float16"), "torch-bfloat16": ("torch", "bfloat16"), "mlx": ("mlx", "float32")}
-ENGINES = (*UMAKIT, "llama.cpp", "hf")
+ENGINES = (*UMAKIT, "llama.cpp", "hf", "mlx-lm")
 LLAMA_PYTHON = "/work/llama-venv/bin/python"
 
 
@@ -61,6 +65,13 @@ def nll_of_windows(ids: list[int], logits_of) -> float:
         logp = z[np.arange(len(chunk) - 1), chunk[1:]] - np.log(np.exp(z).sum(axis=-1))
         total, count = total - logp.sum(), count + len(chunk) - 1
     return total / count
+
+
+def stepwise(logits_of_one, chunk: list[int]):
+    """Logits (n, V) of ``chunk`` fed one decode step at a time; ``logits_of_one(token, first)``."""
+    import numpy as np
+
+    return np.stack([np.asarray(logits_of_one(t, i == 0), dtype=np.float32).reshape(-1) for i, t in enumerate(chunk)])
 
 
 def worker_umakit(args, t0: float) -> dict:
@@ -88,8 +99,17 @@ def worker_umakit(args, t0: float) -> dict:
     prefill = len(long) / (time.perf_counter() - t)
     out = dict(first=first, decode=decode, prefill=prefill, bytes=model.info.weights.bytes_per_token,
                weights=f"{model.info.weights.quantization}; {model.info.dtype}")
-    if args.ppl:
-        out["nll"] = nll_of_windows(json.loads(Path(args.ppl).read_text()), engine.logits)
+    if args.ppl and (backend != "mlx" or args.ppl_mlx):
+        ids = json.loads(Path(args.ppl).read_text())
+        out["nll"] = nll_of_windows(ids, engine.logits)
+        caches = []
+
+        def one(token, first):
+            if first:
+                caches[:] = [engine.make_cache()]
+            return engine.logits([token], caches[0])
+
+        out["nll_step"] = nll_of_windows(ids, lambda chunk: stepwise(one, chunk))
     return out
 
 
@@ -119,7 +139,16 @@ def worker_llama(args, t0: float) -> dict:
             llm.eval(chunk)
             return llm.scores[:len(chunk)]
 
-        out["nll"] = nll_of_windows(json.loads(Path(args.ppl).read_text()), logits_of)
+        ids = json.loads(Path(args.ppl).read_text())
+        out["nll"] = nll_of_windows(ids, logits_of)
+
+        def one(token, first):
+            if first:
+                llm.reset()
+            llm.eval([token])
+            return llm.scores[llm.n_tokens - 1]
+
+        out["nll_step"] = nll_of_windows(ids, lambda chunk: stepwise(one, chunk))
     return out
 
 
@@ -154,11 +183,50 @@ def worker_hf(args, t0: float) -> dict:
     return out
 
 
+def worker_mlx_lm(args, t0: float) -> dict:
+    import mlx.core as mx
+    from mlx_lm import load, stream_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    model, tok = load(args.mlx_path)
+    greedy = make_sampler(temp=0.0)
+    stream = stream_generate(model, tok, PROMPT, max_tokens=args.tokens + 1, sampler=greedy)
+    next(stream)
+    first = time.time() - t0
+    last = None
+    for last in stream:
+        pass
+    long = tok.encode(LONG * 60)[:WINDOW]
+    done = None
+    for done in stream_generate(model, tok, long, max_tokens=1, sampler=greedy):
+        pass
+    out = dict(first=first, decode=last.generation_tps, prefill=done.prompt_tps,
+               bytes=sum(v.nbytes for _, v in _mlx_leaves(model.parameters())), weights="umakit's MLX import, 4-bit")
+    if args.ppl and args.ppl_mlx:
+        import numpy as np
+
+        out["nll"] = nll_of_windows(json.loads(Path(args.ppl).read_text()),
+                                    lambda c: np.array(model(mx.array([c]))[0].astype(mx.float32)))
+    return out
+
+
+def _mlx_leaves(tree, prefix=""):
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _mlx_leaves(v, f"{prefix}{k}.")
+    elif isinstance(tree, list):
+        for i, v in enumerate(tree):
+            yield from _mlx_leaves(v, f"{prefix}{i}.")
+    else:
+        yield prefix, tree
+
+
 # -- the driver ----------------------------------------------------------------------
 def run_worker(engine: str, args, gguf: str, ppl: str | None) -> dict | None:
     python = args.llama_python if engine == "llama.cpp" else sys.executable
     cmd = [python, __file__, "--worker", engine, "--tokens", str(args.tokens), "--threads", str(args.threads),
-           "--gguf", gguf, "--t0", repr(time.time())] + (["--ppl", ppl] if ppl else [])
+           "--gguf", gguf, "--mlx-path", args.mlx_path or "", "--t0", repr(time.time())]
+    cmd += (["--ppl", ppl] if ppl else []) + (["--ppl-mlx"] if args.ppl_mlx else [])
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode:
         print(f"  {engine} failed:\n{done.stderr[-2000:]}", file=sys.stderr)
@@ -172,25 +240,31 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3, help="runs per engine, in rotation (the median is reported)")
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="threads of every engine")
     ap.add_argument("--ppl-tokens", type=int, default=4096, help="Austen tokens scored (0: no perplexity)")
+    ap.add_argument("--ppl-mlx", action="store_true", help="score the MLX engines' perplexity too (slow on CPU)")
     ap.add_argument("--engines", nargs="*", default=list(ENGINES), choices=ENGINES)
     ap.add_argument("--llama-python", default=LLAMA_PYTHON, help="a python with llama-cpp-python installed")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--gguf", help=argparse.SUPPRESS)
     ap.add_argument("--t0", type=float, help=argparse.SUPPRESS)
     ap.add_argument("--ppl", help=argparse.SUPPRESS)
+    ap.add_argument("--mlx-path", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        fn = worker_llama if args.worker == "llama.cpp" else worker_hf if args.worker == "hf" else worker_umakit
+        fn = {"llama.cpp": worker_llama, "hf": worker_hf, "mlx-lm": worker_mlx_lm}.get(args.worker, worker_umakit)
         print(json.dumps(fn(args, args.t0)))
         return
 
     import umakit
     from umakit.corpora import load_corpus
+    notes = []
     from umakit.default_model import packaged_gguf
 
-    umakit.resolve_model(None)  # imports the packaged GGUF on first use, outside the timed start-ups
+    args.mlx_path = str(umakit.resolve_model(None))  # imports the packaged GGUF on first use, outside the timings
     gguf = str(packaged_gguf())
-    notes = []
+    from umakit.backends.torch import native
+
+    if not native.ensure():  # built once per machine, outside the timed start-ups
+        notes.append(f"the fused CPU decode step is off ({native.reason()}): torch-CPU decodes eagerly")
     engines = list(args.engines)
     if "llama.cpp" in engines and not Path(args.llama_python).exists():
         engines.remove("llama.cpp")
@@ -219,7 +293,7 @@ def main() -> None:
 
 
 def render(runs: dict[str, list[dict]], args, load_before, load_after, notes: list[str]) -> str:
-    ref = next((rs[0].get("nll") for e, rs in runs.items() if e == "torch-float32" and rs), None)
+    ref = next((rs[0] for e, rs in runs.items() if e == "torch-float32" and rs), {})
     lines = [
         f"CPU engines on the default model (SmolLM2-135M-Instruct Q4_1 GGUF), {time.strftime('%Y-%m-%d')}: "
         f"{args.tokens} new tokens greedy, median of {args.repeat} runs, each in its own process, in rotation; "
@@ -229,19 +303,21 @@ def render(runs: dict[str, list[dict]], args, load_before, load_after, notes: li
         *notes,
         "",
         "| engine | weights | decode tok/s | prefill tok/s (512) | start to first token s | MB read/token | "
-        "GB/s | perplexity (Austen) | vs float32 |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "GB/s | perplexity (Austen), prompt | vs float32 | perplexity, decode steps | vs float32 |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for e, rs in runs.items():
         if not rs:
-            lines.append(f"| {e} | failed | | | | | | | |")
+            lines.append(f"| {e} | failed | | | | | | | | | |")
             continue
         med = {k: statistics.median(r[k] for r in rs) for k in ("decode", "prefill", "first", "bytes")}
-        nll = rs[0].get("nll")
-        ppl = f"{math.exp(nll):.3f}" if nll is not None else "n/a"
-        delta = f"{100 * (math.exp(nll - ref) - 1):+.2f}%" if nll is not None and ref is not None else "n/a"
+        cells = []
+        for key in ("nll", "nll_step"):
+            nll, base = rs[0].get(key), ref.get(key)
+            cells.append(f"{math.exp(nll):.3f}" if nll is not None else "n/a")
+            cells.append(f"{100 * (math.exp(nll - base) - 1):+.2f}%" if nll is not None and base is not None else "n/a")
         lines.append(f"| {e} | {rs[0]['weights']} | {med['decode']:.1f} | {med['prefill']:.0f} | {med['first']:.2f} | "
-                     f"{med['bytes'] / 1e6:.0f} | {med['bytes'] * med['decode'] / 1e9:.1f} | {ppl} | {delta} |")
+                     f"{med['bytes'] / 1e6:.0f} | {med['bytes'] * med['decode'] / 1e9:.1f} | {' | '.join(cells)} |")
     return "\n".join(lines)
 
 

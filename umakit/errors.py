@@ -45,3 +45,7 @@ class WriteError(UmakitError, OSError):
     """A file or directory could not be written (full disk, read-only filesystem, bad parent, a lock held).
 
     Also an `OSError`, so code that handled the raw error keeps handling it."""
+
+
+class BusyError(WriteError):
+    """Another umakit process holds the lock of the place to write (`umakit.fsutil.locked`)."""

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from .errors import InvalidArgumentError, WriteError
+from .errors import BusyError, InvalidArgumentError, WriteError
 
 TEMP_SUFFIX = ".tmp"
 LOCK_SUFFIX = ".lock"
@@ -54,9 +54,11 @@ def write_error(path: str | os.PathLike, e: OSError) -> WriteError:
 
 @contextlib.contextmanager
 def writing(path: str | os.PathLike) -> Iterator[None]:
-    """Turn any `OSError` raised inside into a `WriteError` about ``path``."""
+    """Turn any `OSError` raised inside into a `WriteError` about ``path`` (one already raised stays as it is)."""
     try:
         yield
+    except WriteError:
+        raise
     except OSError as e:
         raise write_error(path, e) from e
 
@@ -161,7 +163,7 @@ def locked(path: str | os.PathLike) -> Iterator[None]:
             except BlockingIOError:
                 holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
                 os.close(fd)
-                raise WriteError(f"{path} is being written by another umakit process (pid {holder}); "
+                raise BusyError(f"{path} is being written by another umakit process (pid {holder}); "
                                  "wait for it to finish or write elsewhere") from None
             try:
                 same = os.fstat(fd).st_ino == os.stat(lock).st_ino

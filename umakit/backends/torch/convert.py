@@ -43,7 +43,9 @@ def for_execution(m: QuantizedLinear, device: torch.device, dtype: torch.dtype) 
         return Int4PackLinear(m, device)
     if dtype == torch.float16 and Fp16Linear.available():
         return Fp16Linear(m)
-    return dense(m, dtype)
+    # A layer the int4 kernels cannot take (a router of 8 experts, 2/3/5/6 bits) meets the float32
+    # activations of a quantized model on CPU (activation_dtype): it runs dequantized in float32.
+    return dense(m, activation_dtype(device, dtype, quantized=True))
 
 
 def activation_dtype(device: torch.device, dtype: torch.dtype, quantized: bool = False) -> torch.dtype:

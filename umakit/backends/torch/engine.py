@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import resource
 import sys
 from typing import Iterator, Sequence
@@ -40,7 +41,7 @@ from ...roofline import kv_bytes_per_token
 from ...sampling import SamplingParams, seed_or_random
 from .. import common
 from ..base import PREFILL_CHUNK, WeightInfo, refuse_options
-from . import SPEC, quant
+from . import SPEC, native, quant
 from .batch import TorchBatchDecoder
 from .cache import GROW_STEP, StaticKVCache
 from .convert import activation_dtype, describe_execution
@@ -49,6 +50,7 @@ from .loader import (CUDA_CACHE_TOKENS, SAFETENSORS_FLOATS, build_model, check_f
                      named_tensors, plan_offload, stream_checkpoint)
 from .model import ModelArgs
 from .expert_stream import ExpertStreamer, plan_expert_offload
+from .fused import FusedDecoder, covers
 from .offload import LayerStreamer
 from .sampling import make_sampler
 from .synthetic import random_tensors, synthetic_shapes
@@ -142,6 +144,15 @@ class TorchEngine:
                 counters=self.experts_streamer.counters if self.experts_streamer else None)
         # Streamed layers change weights under a graph: run those eagerly.
         self._graphs = GraphDecoder(self.model) if device == "cuda" and not offloaded else None
+        # CPU: the layers of a decode step in one C++ call, where the model is one it covers (fused.py)
+        # and the library builds (once per machine) and loads (native.py).
+        self._fused = None
+        if device == "cpu" and covers(self.model):
+            if native.ensure():
+                self._fused = FusedDecoder(self.model)
+            elif not os.environ.get("UMAKIT_NO_NATIVE"):
+                self.load_notes = (f"decode steps run eagerly, about 1.7x slower: the fused CPU step is "
+                                   f"unavailable ({native.reason()})",)
 
     # -- engine interface -----------------------------------------------------
     def make_cache(self, kv_bits: int | None = None) -> StaticKVCache:
@@ -160,8 +171,10 @@ class TorchEngine:
     def logits(self, tokens: Sequence[int], cache: StaticKVCache | None = None) -> np.ndarray:
         cache = cache if cache is not None else self.make_cache()
         with torch.inference_mode():
-            out = self._forward(torch.tensor(list(tokens), device=self.torch_device), cache)
-            return out[0].float().cpu().numpy()
+            ids = torch.tensor(list(tokens), device=self.torch_device)
+            if len(ids) == 1 and self._fused is not None:  # a decode step: the step generation runs
+                return self._fused(ids, cache).float().numpy()
+            return self._forward(ids, cache)[0].float().cpu().numpy()
 
     def prefill(self, tokens: Sequence[int], cache: StaticKVCache) -> None:
         """Run ``tokens`` into ``cache``; the head is skipped."""
@@ -217,6 +230,8 @@ class TorchEngine:
     def _decode(self, token: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
         if self._graphs is not None:
             return self._graphs(token, cache)
+        if self._fused is not None:
+            return self._fused(token, cache)
         return self._forward(token, cache)[:, -1]
 
     def _resident_tensor_bytes(self) -> Iterator[tuple[str, int]]:
@@ -253,8 +268,11 @@ class TorchEngine:
             by_cat["mlp"] = by_cat.get("mlp", 0) + self.experts_streamer.host_bytes
             routed += self.experts_streamer.host_bytes
         a = self.args
+        execution = describe_execution(self.model)
+        if self._fused is not None:
+            execution += "; fused decode step"
         return common.weight_info(by_cat, self._params, a.vocab_size, self.kv_bytes_per_token(),
-                                  self.quantization, describe_execution(self.model),
+                                  self.quantization, execution,
                                   self.offload.streamed_bytes if self.offload is not None else 0,
                                   routed, a.num_experts_per_tok / a.num_experts if a.num_experts else 1.0)
 
@@ -274,12 +292,13 @@ class TorchEngine:
 
     @contextlib.contextmanager
     def eager(self):
-        """Run decode steps without CUDA graphs (as offloading does), e.g. to compare the two bit for bit."""
-        graphs, self._graphs = self._graphs, None
+        """Run decode steps eagerly, without CUDA graphs (as offloading does) or the fused CPU step, e.g. to
+        compare them."""
+        graphs, fused, self._graphs, self._fused = self._graphs, self._fused, None, None
         try:
             yield
         finally:
-            self._graphs = graphs
+            self._graphs, self._fused = graphs, fused
 
     def reset_peak_memory(self) -> None:
         if self.device == "cuda":

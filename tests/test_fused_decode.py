@@ -1,0 +1,213 @@
+"""The fused CPU decode step (torch engine, fused.py): the eager step's logits for every family it covers;
+its one-time C++ build (native.py): shared, waited for, refused cleanly, never half-installed."""
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import umakit
+from umakit.backends.torch import fused, native
+from umakit.quantize import quantize
+from umakit.sampling import SamplingParams
+
+from tiny import make_tiny_model
+
+TEXT = "It is a truth universally acknowledged, that a single man in possession of a good fortune"
+# Both steps round the kernels' inputs to bfloat16 (8 significant bits), from float32 values that may
+# differ in their last bits (a norm's sum, an exp), so a rounding may differ here and there. On the
+# tiny models the two agree exactly here; a sign of RoPE flipped moves logits by 1-2% of the largest.
+RELATIVE = 0.005
+
+
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory):
+    """``quantized(family, bits)`` -> a tiny checkpoint quantized by umakit (the default recipe keeps some
+    layers at 8 bits, which run as two nibble planes)."""
+    made = {}
+
+    def get(family: str, bits: int = 4, **overrides):
+        key = (family, bits, tuple(sorted(overrides.items())))
+        if key not in made:
+            src = make_tiny_model(family, tmp_path_factory.mktemp(family), **overrides)
+            randomize_biases(src / "model.safetensors")
+            made[key] = tmp_path_factory.mktemp(f"{family}-q{bits}") / "q"
+            quantize(src, made[key], bits=bits, group_size=32)
+        return made[key]
+
+    return get
+
+
+def randomize_biases(path: Path) -> None:
+    """transformers initialises biases to zero, where a dropped bias would not show."""
+    tensors = load_file(path)
+    gen = torch.Generator().manual_seed(1)
+    for name, t in tensors.items():
+        if name.endswith(".bias"):
+            tensors[name] = torch.randn(t.shape, generator=gen, dtype=torch.float32).to(t.dtype)
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def teacher_forced(model, ids: list[int], eager: bool) -> np.ndarray:
+    """Logits (n, V) of each of ``ids`` fed one decode step at a time."""
+    engine = model.engine
+    cache = engine.make_cache()
+    with engine.eager() if eager else _nothing():
+        return np.concatenate([engine.logits([t], cache) for t in ids])
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def take(model, n: int) -> list[int]:
+    """The first ``n`` greedy tokens after TEXT, end-of-sequence or not."""
+    engine = model.engine
+    stream = engine.generate_tokens(model.tokenizer.encode(TEXT), engine.make_cache(), SamplingParams(temperature=0))
+    return list(itertools.islice(stream, n))
+
+
+def assert_close(fast: np.ndarray, slow: np.ndarray) -> None:
+    worst = np.abs(fast - slow).max(axis=-1) / np.abs(slow).max(axis=-1)
+    assert worst.max() <= RELATIVE, f"step {worst.argmax()} differs by {worst.max():.3g} of its largest logit"
+
+
+@pytest.mark.parametrize("family, bits, overrides", [
+    ("llama", 4, {}),
+    ("llama", 8, {}),  # every projection on two nibble planes
+    ("qwen2", 4, {}),  # q/k/v biases, a tied head
+    ("qwen3", 4, {}),  # q/k norms, head_dim apart from hidden/heads
+    ("mistral", 4, {"sliding_window": 8}),  # the window shorter than the text
+])
+def test_fused_step_gives_the_eager_steps_logits(quantized, family, bits, overrides):
+    model = umakit.load(quantized(family, bits, **overrides), backend="torch", device="cpu", dtype="bfloat16")
+    assert model.engine._fused is not None, native.reason()
+    assert "fused decode step" in model.info.weights.quantization
+    ids = model.tokenizer.encode(TEXT)[:40]
+    assert len(ids) > 20
+    assert_close(teacher_forced(model, ids, eager=False), teacher_forced(model, ids, eager=True))
+
+
+def test_fused_step_follows_the_cache_as_it_grows(quantized):
+    """Past 256 tokens the cache moves to a larger buffer; the fused step reads the new one."""
+    model = umakit.load(quantized("llama"), backend="torch", device="cpu", dtype="bfloat16")
+    engine = model.engine
+    ids = (model.tokenizer.encode(TEXT) * 30)[:300]
+    got, want = engine.make_cache(), engine.make_cache()
+    engine.prefill(ids[:250], got)
+    engine.prefill(ids[:250], want)
+    fast = np.concatenate([engine.logits([t], got) for t in ids[250:]])
+    with engine.eager():
+        slow = np.concatenate([engine.logits([t], want) for t in ids[250:]])
+    assert got.capacity > 256 and got.offset == want.offset == 300
+    assert_close(fast, slow)
+
+
+def test_generation_runs_on_the_fused_step(quantized):
+    model = umakit.load(quantized("llama"), backend="torch", device="cpu", dtype="bfloat16")
+    engine = model.engine
+    calls = []
+    step = engine._fused.__call__
+    engine._fused = type("Counted", (), {"__call__": lambda self, t, c: calls.append(1) or step(t, c)})()
+    assert len(take(model, 12)) == 12 and len(calls) == 11  # every step after the first token's
+
+
+@pytest.mark.parametrize("family, dtype", [("gemma3", "bfloat16"), ("mixtral", "bfloat16"), ("llama", "float32"),
+                                           ("llama", "float16")])
+def test_what_the_fused_step_does_not_cover_runs_eagerly(quantized, family, dtype):
+    if dtype == "float16" and "fbgemm" not in torch.backends.quantized.supported_engines:
+        pytest.skip("float16 weights with float32 math need FBGEMM (x86)")
+    model = umakit.load(quantized(family), backend="torch", device="cpu", dtype=dtype)
+    assert not fused.covers(model.engine.model) and model.engine._fused is None
+    assert "fused" not in model.info.weights.quantization
+    assert len(take(model, 4)) == 4
+
+
+# -- the build ---------------------------------------------------------------------
+@pytest.fixture
+def fresh_state(monkeypatch, tmp_path):
+    """native's per-process answer forgotten, and an empty build cache."""
+    monkeypatch.setitem(native._state, "ready", None)
+    monkeypatch.setitem(native._state, "reason", "")
+    monkeypatch.setenv("UMAKIT_NATIVE_DIR", str(tmp_path / "native"))
+    return tmp_path / "native"
+
+
+def test_a_failing_compiler_leaves_its_log_and_no_library(fresh_state, monkeypatch, tmp_path):
+    failing = tmp_path / "cxx"
+    failing.write_text("#!/bin/sh\necho 'fatal error: no such header' >&2\nexit 3\n")
+    failing.chmod(0o755)
+    monkeypatch.setenv("CXX", str(failing))
+    assert native.ensure() is False
+    assert "the C++ build failed (exit status 3)" in native.reason()
+    logs = list(fresh_state.glob("*.log"))
+    assert len(logs) == 1 and "fatal error: no such header" in logs[0].read_text()
+    assert [p for p in fresh_state.iterdir() if p.suffix != ".log"] == []  # no library, no temp dir
+
+
+def test_no_compiler_and_the_switch_off_are_reasons(fresh_state, monkeypatch):
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    assert native.ensure() is False and "no C++ compiler" in native.reason()
+    monkeypatch.setitem(native._state, "ready", None)
+    monkeypatch.setenv("UMAKIT_NO_NATIVE", "1")
+    assert native.ensure() is False and native.reason() == "UMAKIT_NO_NATIVE is set"
+
+
+def test_without_the_library_the_engine_says_so_and_runs_eagerly(quantized, monkeypatch):
+    monkeypatch.setitem(native._state, "ready", False)
+    monkeypatch.setitem(native._state, "reason", "no C++ compiler (set CXX, or install g++ or clang++)")
+    model = umakit.load(quantized("llama"), backend="torch", device="cpu", dtype="bfloat16")
+    assert model.engine._fused is None
+    assert any("run eagerly" in w and "no C++ compiler" in w for w in model.info.warnings)
+    assert len(take(model, 4)) == 4
+    monkeypatch.setenv("UMAKIT_NO_NATIVE", "1")  # asked for: nothing to warn about
+    assert umakit.load(quantized("llama"), backend="torch", device="cpu", dtype="bfloat16").info.warnings == []
+
+
+BUILD = """
+import json, sys, time
+from umakit.backends.torch import native
+t = time.perf_counter()
+ok = native.ensure()
+print(json.dumps({"ok": ok, "reason": native.reason(), "s": time.perf_counter() - t}))
+"""
+
+
+@pytest.mark.skipif(native.compiler() is None, reason="no C++ compiler here")
+def test_two_processes_share_one_build_and_a_third_reuses_it(tmp_path):
+    env = {**os.environ, "UMAKIT_NATIVE_DIR": str(tmp_path / "native")}
+    env.pop("UMAKIT_NO_NATIVE", None)
+    both = [subprocess.Popen([sys.executable, "-c", BUILD], env=env, stdout=subprocess.PIPE, text=True)
+            for _ in range(2)]
+    results = [json.loads(p.communicate(timeout=600)[0]) for p in both]
+    assert all(r["ok"] for r in results), results
+    built = list((tmp_path / "native").iterdir())
+    assert len(built) == 1 and [p.name for p in built[0].iterdir()] == [native.LIBRARY]  # no temps, no second
+    stamp = (built[0] / native.LIBRARY).stat().st_mtime_ns
+    again = json.loads(subprocess.run([sys.executable, "-c", BUILD], env=env, capture_output=True, text=True,
+                                      check=True).stdout)
+    assert again["ok"] and (built[0] / native.LIBRARY).stat().st_mtime_ns == stamp  # loaded, not rebuilt
+
+
+def test_a_changed_source_or_torch_builds_elsewhere(monkeypatch, tmp_path):
+    cxx = native.compiler() or "/usr/bin/c++"
+    monkeypatch.setenv("UMAKIT_NATIVE_DIR", str(tmp_path))
+    first = native.library_dir(cxx)
+    changed = tmp_path / "fused_decode.cpp"
+    changed.write_text(Path(native.SOURCE).read_text() + "\n// changed\n")
+    monkeypatch.setattr(native, "SOURCE", changed)
+    assert native.library_dir(cxx) != first
+    monkeypatch.setattr(native, "SOURCE", Path(native.__file__).with_name("csrc") / "fused_decode.cpp")
+    monkeypatch.setattr(torch, "__version__", "0.0.0")
+    assert native.library_dir(cxx) != first

@@ -1,0 +1,72 @@
+"""The CPU decode step in one C++ call (native.py builds it): the eager step's math without its ~65 ops a layer.
+
+`FusedDecoder` serves the same call as the eager step and the CUDA graph
+(logits of one token appended to the cache) for the models it covers: the
+Llama family (llama, mistral, qwen2's q/k/v biases, qwen3's q/k norms) with
+every projection on torch's int4 kernels and float32 activations, which is
+the CPU default for 4- and 8-bit checkpoints (convert.py). Anything else,
+and every step where the library cannot be built (native.py), runs the eager model.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .model import MLP, RMSNorm, Transformer
+from .quant import Int4PackLinear
+
+
+def covers(model: Transformer) -> bool:
+    """Whether every layer of ``model`` is one the fused step computes exactly as the eager one."""
+    a = model.args
+    if model.streamer is not None or a.gemma_norms or a.layer_types or a.num_experts or a.hidden_act != "silu":
+        return False
+    if a.num_attention_heads % a.num_key_value_heads or a.head_dim % 2:
+        return False
+    for block in model.model.layers:
+        attn, mlp = block.self_attn, block._modules[block.ffn_name]
+        if not isinstance(mlp, MLP):
+            return False
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if not all(isinstance(m, Int4PackLinear) for m in linears) or any(m.bias is not None for m in linears[1:]):
+            return False
+        norms = [block.input_layernorm, block.post_attention_layernorm]
+        if a.qk_norm:
+            norms += [attn.q_norm, attn.k_norm]
+        if not all(type(n) is RMSNorm and n.weight.dtype == torch.float32 for n in norms):
+            return False
+    return True
+
+
+class FusedDecoder:
+    """One decode step: embedding and head in torch, the layers in `umakit::decode_layers`."""
+
+    def __init__(self, model: Transformer):
+        self.model = model
+        a = model.args
+        norms, qk_norms, packed, sz, groups, splits, biases = [], [], [], [], [], [], []
+        for block in model.model.layers:
+            attn, mlp = block.self_attn, block._modules[block.ffn_name]
+            norms += [block.input_layernorm.weight, block.post_attention_layernorm.weight]
+            if a.qk_norm:
+                qk_norms += [attn.q_norm.weight, attn.k_norm.weight]
+            for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                packed.append(m.packed)
+                sz.append(m.scales_and_zeros)
+                groups.append(m.group_size)
+                splits.append(int(m.split))
+            if attn.qkv_proj.bias is not None:
+                biases.append(attn.qkv_proj.bias)
+        self.weights = (norms, qk_norms, packed, sz, groups, splits, biases)
+        self.shape = (a.num_attention_heads, a.num_key_value_heads, a.head_dim, a.rms_norm_eps,
+                      a.attn_scale or 0.0, a.sliding_window or 0)
+        self.inv_freq = model.inv_freq[0].contiguous()
+
+    def __call__(self, token: torch.Tensor, cache) -> torch.Tensor:
+        """Logits (1, V) of ``token`` (1,) appended to ``cache``."""
+        cache.reserve(1)
+        x = self.model._embed(token.view(1, 1))
+        x = torch.ops.umakit.decode_layers(x, self.inv_freq, cache.offset, cache.k, cache.v, *self.weights,
+                                           *self.shape)
+        cache.advance(1)
+        return self.model._head(x)[:, -1]
