@@ -35,12 +35,13 @@ def cuda_linear(m: QuantizedLinear, dtype: torch.dtype) -> nn.Module:
     return dense(m, dtype)
 
 
-def for_execution(m: QuantizedLinear, device: torch.device, dtype: torch.dtype) -> nn.Module:
-    """The fastest form of ``m`` that stays within float tolerance of dequantize-then-matmul in ``dtype``."""
+def for_execution(m: QuantizedLinear, device: torch.device, dtype: torch.dtype, prepacked=None) -> nn.Module:
+    """The fastest form of ``m`` that stays within float tolerance of dequantize-then-matmul in ``dtype``;
+    ``prepacked``: its int4 packing from an earlier CPU load (packed_cache.py)."""
     if device.type == "cuda":
         return cuda_linear(m, dtype)
     if dtype == torch.bfloat16 and Int4PackLinear.supports(m, device):
-        return Int4PackLinear(m, device)
+        return Int4PackLinear(m, device, prepacked)
     if dtype == torch.float16 and Fp16Linear.available():
         return Fp16Linear(m)
     # A layer the int4 kernels cannot take (a router of 8 experts, 2/3/5/6 bits) meets the float32
@@ -82,13 +83,15 @@ def cpu_auto_dtype(quantization: dict | None) -> str:
     return "auto"
 
 
-def convert_model(model: nn.Module, device: torch.device, dtype: torch.dtype, tensors_only=lambda path: False) -> None:
+def convert_model(model: nn.Module, device: torch.device, dtype: torch.dtype, tensors_only=lambda path: False,
+                  prepacked=lambda path: None) -> None:
     """Swap every loaded `QuantizedLinear` for its execution form (embeddings stay lookups).
 
     On CPU in float16, every linear layer then holds float16 weights for
     FBGEMM's float32 kernels (see `Fp16Linear`), except where
     ``tensors_only(path)``: FBGEMM's packed weights are not tensors, so such
     layers (streamed ones, see offload.py) run dequantized in float32 instead.
+    ``prepacked(path)`` gives a layer's stored int4 packing, or None.
     """
     fp16 = device.type == "cpu" and dtype == torch.float16 and Fp16Linear.available()
     for path, module in list(model.named_modules()):
@@ -99,7 +102,8 @@ def convert_model(model: nn.Module, device: torch.device, dtype: torch.dtype, te
     for path, module in list(model.named_modules()):
         if type(module) is QuantizedLinear:
             plain = tensors_only(path) and fp16
-            _replace(model, path, dense(module, torch.float32) if plain else for_execution(module, device, dtype))
+            _replace(model, path, dense(module, torch.float32) if plain
+                     else for_execution(module, device, dtype, prepacked(path)))
     for path, module in list(model.named_modules()):
         if isinstance(module, Concat) and all(isinstance(m, nn.Linear) for m in module.parts):
             _replace(model, path, concat(list(module.parts)))  # mixed bits, all dequantized: one matmul again

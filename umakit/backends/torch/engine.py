@@ -11,6 +11,8 @@ CPU, bfloat16 ("auto"  torch's int4 kernels after an exact repack: ~0.6 bytes a
  for 4/8-bit models     weight, bfloat16 kernel inputs, float32 sums, activations and
  where torch's kernels  cache (convert.activation_dtype). On SmolLM2 Q4_1: over 2x
  are AVX-512)           float16's decode (benchmarks/cpu_engines.py); see convert.cpu_auto_dtype.
+                       For the Llama family a decode step's layers run in one C++
+                       call (fused.py, built once per machine by native.py).
 CUDA ("auto": the checkpoint's half type)  tinygemm int4 in bfloat16, otherwise a
                        fused Triton dequantize-matvec; the decode step is a CUDA graph.
 
@@ -52,6 +54,7 @@ from .model import ModelArgs
 from .expert_stream import ExpertStreamer, plan_expert_offload
 from .fused import FusedDecoder, covers
 from .offload import LayerStreamer
+from .packed_cache import PackedCache
 from .sampling import make_sampler
 from .synthetic import random_tensors, synthetic_shapes
 
@@ -74,8 +77,12 @@ class TorchEngine:
         shapes = {k: t.shape for k, t in ckpt.tensors.items()}
         floats = [SAFETENSORS_FLOATS[t.dtype] for t in ckpt.tensors.values() if t.dtype in SAFETENSORS_FLOATS]
         staging = "cpu" if gpu_layers is not None or vram_budget is not None else device
+        # CPU: the int4 packing of a quantized checkpoint, kept from its first load (packed_cache.py)
+        packed = PackedCache.for_checkpoint(ckpt.path, ckpt.files) if device == "cpu" and ckpt.config.get(
+            "quantization") else None
         return cls(ckpt.config, shapes, lambda: stream_checkpoint(ckpt, staging, progress), device,
-                   compute_dtype(dtype, floats, device, ckpt.config.get("quantization")), gpu_layers, vram_budget)
+                   compute_dtype(dtype, floats, device, ckpt.config.get("quantization")), gpu_layers, vram_budget,
+                   packed)
 
     @classmethod
     def synthetic(cls, config: dict, *, device: str, dtype: str = "auto", bits: int | None = None,
@@ -100,8 +107,9 @@ class TorchEngine:
                    compute_dtype(dtype, [torch.bfloat16], device, config.get("quantization")), gpu_layers, vram_budget)
 
     def __init__(self, config: dict, shapes: dict, source, device: str, dtype: torch.dtype,
-                 gpu_layers: int | None = None, vram_budget=None):
-        """An engine over ``source()``'s (name, tensor) pairs, named and shaped as ``shapes`` says."""
+                 gpu_layers: int | None = None, vram_budget=None, packed: PackedCache | None = None):
+        """An engine over ``source()``'s (name, tensor) pairs, named and shaped as ``shapes`` says;
+        ``packed``: where the CPU int4 packing of these tensors is kept between loads."""
         if device not in SPEC.devices:
             raise InvalidArgumentError(f"the torch backend runs on {' or '.join(SPEC.devices)}, not {device!r}")
         if device == "cuda" and not torch.cuda.is_available():
@@ -126,7 +134,7 @@ class TorchEngine:
         self.experts_streamer = None  # an ExpertStreamer when routed experts live in host memory
         with torch.inference_mode():
             self.model = build_model(self.args, config, shapes, source(), self.torch_device, self.cache_dtype,
-                                     dtype, whole, host_experts=experts)
+                                     dtype, whole, host_experts=experts, packed=packed)
             if whole:
                 self.model.streamer = LayerStreamer(self.model.model.layers, whole, self.torch_device,
                                                     RING_SLOTS, common.category)

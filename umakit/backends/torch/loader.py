@@ -26,6 +26,7 @@ from . import quant
 from .convert import convert_model, cpu_auto_dtype
 from .model import ModelArgs, Transformer, fuse_projections, rope_inv_freq
 from .moe import Experts, expert_slot, stacked_shapes
+from .packed_cache import PackedCache
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 SAFETENSORS_FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -114,7 +115,7 @@ def stream_checkpoint(ckpt: Checkpoint, device: str, progress=None):
 
 def build_model(args: ModelArgs, config: dict, shapes: dict, source, device: torch.device,
                 dtype: torch.dtype, weights: torch.dtype | None = None, offloaded: Sequence[int] = (),
-                host_experts: Sequence[int] = ()) -> Transformer:
+                host_experts: Sequence[int] = (), packed: PackedCache | None = None) -> Transformer:
     """Build the model on the meta device, then fill it from ``source`` one tensor at a time.
 
     ``dtype`` is that of activations and float tensors, ``weights`` that of the
@@ -122,7 +123,8 @@ def build_model(args: ModelArgs, config: dict, shapes: dict, source, device: tor
     are read into host memory and converted one at a time on the device (so
     it never holds two of them), in a form made of plain tensors that can be
     streamed; the engine then hands them to a `LayerStreamer`. The routed experts of the ``host_experts``
-    layers are read into host memory, for an `ExpertStreamer`.
+    layers are read into host memory, for an `ExpertStreamer`. ``packed``: the CPU int4 packing of
+    an earlier load, read instead of repacking, and written when this load made it.
     """
     weights = weights or dtype
     with torch.device("meta"):
@@ -166,7 +168,11 @@ def build_model(args: ModelArgs, config: dict, shapes: dict, source, device: tor
         block = model.model.layers[i].to(device)
         convert_model(block, device, weights, tensors_only=lambda path: True)
         block.to(host)
-    convert_model(model, device, weights, tensors_only=lambda path: layer_of(path) in streamed)
+    convert_model(model, device, weights, tensors_only=lambda path: layer_of(path) in streamed,
+                  prepacked=packed.get if packed is not None else lambda path: None)
+    if packed is not None:
+        packed.store({f"{path}.{name}": getattr(m, name) for path, m in model.named_modules()
+                      if isinstance(m, quant.Int4PackLinear) for name in ("packed", "scales_and_zeros")})
     if tied and isinstance(embed, quant.QuantizedEmbedding) and isinstance(model.lm_head, nn.Linear):
         # The tied head was dequantized: look rows up in it and drop the packed table.
         model.model.embed_tokens = nn.Embedding.from_pretrained(model.lm_head.weight, freeze=True)

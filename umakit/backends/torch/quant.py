@@ -165,10 +165,23 @@ class Int4PackLinear(nn.Module):
     512 rows, with the weights rounded to bfloat16 (8 significant bits).
     """
 
-    def __init__(self, m: QuantizedLinear, device: torch.device):
+    def __init__(self, m: QuantizedLinear, device: torch.device, prepacked=None):
+        """``prepacked``: (packed, scales_and_zeros) an earlier CPU load made of ``m`` (packed_cache.py)."""
         super().__init__()
         self.in_features, self.out_features, self.group_size = m.in_features, m.out_features, m.group_size
         self.split = m.bits == 8
+        if prepacked is not None and device.type == "cpu" and self._fits(*prepacked):
+            packed, sz = prepacked
+        else:
+            packed, sz = self._repack(m, device)
+        self.register_buffer("scales_and_zeros", sz)
+        ops = torch.ops.aten
+        self.op = ops._weight_int4pack_mm if device.type == "cuda" else ops._weight_int4pack_mm_for_cpu
+        self.dense_prefill = device.type == "cpu" and self.out_features % 64 == 0 and _cpu_layout_known()
+        self.register_buffer("packed", packed)
+        self.register_buffer("bias", None if m.bias is None else m.bias.float())  # cast to the input dtype on use
+
+    def _repack(self, m: QuantizedLinear, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         q = unpack(m.weight, m.bits, m.in_features).to(torch.int32)  # (N, K)
         s, b = m.scales.float(), m.biases.float()  # (N, G)
         if self.split:
@@ -176,18 +189,17 @@ class Int4PackLinear(nn.Module):
             s, b = torch.cat([16 * s, s], dim=1), torch.cat([b + 128 * s, 8 * s], dim=1)
         else:
             b = b + 8 * s
-        sz = torch.stack([s, b], dim=-1).transpose(0, 1)  # (G, N, 2)
-        self.register_buffer("scales_and_zeros", sz.contiguous().to(torch.bfloat16))
+        sz = torch.stack([s, b], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)  # (G, N, 2)
         if device.type == "cuda":
             tiles = next(t for t in (8, 4, 2) if q.shape[1] % (t * 16) == 0)
-            packed = torch.ops.aten._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8), tiles)
-            self.op = torch.ops.aten._weight_int4pack_mm
-        else:
-            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
-            self.op = torch.ops.aten._weight_int4pack_mm_for_cpu
-        self.dense_prefill = device.type == "cpu" and self.out_features % 64 == 0 and _cpu_layout_known()
-        self.register_buffer("packed", packed)
-        self.register_buffer("bias", None if m.bias is None else m.bias.float())  # cast to the input dtype on use
+            return torch.ops.aten._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8), tiles), sz
+        return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2), sz
+
+    def _fits(self, packed: torch.Tensor, sz: torch.Tensor) -> bool:
+        """Whether a stored packing has the shapes and dtypes `_repack` makes of this layer on CPU."""
+        k = self.in_features * (2 if self.split else 1)
+        return (packed.dtype == torch.uint8 and tuple(packed.shape) == (self.out_features, k // 2)
+                and sz.dtype == torch.bfloat16 and tuple(sz.shape) == (k // self.group_size, self.out_features, 2))
 
     @staticmethod
     def supports(m: QuantizedLinear, device: torch.device) -> bool:

@@ -1,0 +1,186 @@
+"""Process start to first token, one-shot: `umakit generate` against llama-cpp-python on the same GGUF.
+
+    python benchmarks/start_up.py [--repeat 3] [--threads 2] [--keep DIR]
+
+Two models: the built-in SmolLM2-135M Q4_1 GGUF, and a GGUF of Qwen2.5-0.5B's
+exact shapes (24 layers, hidden 896, 14/2 heads, q/k/v biases, 151,936-token
+vocabulary, tied embeddings) with random weights, written here with the
+`gguf` package (the built-in model's tokenizer, padded with unused tokens to
+Qwen's vocabulary) and quantized by llama.cpp itself to Q4_1 with a Q8_0
+table, as the built-in one is. Random weights cost the same to load and run
+as real ones; there is no 0.5B GGUF offline.
+
+Each model is imported into umakit once first (``umakit import``, outside the
+timings, as a user's first run does), then every measurement is a fresh
+process, the two engines in rotation, median of ``--repeat``: umakit's
+``umakit generate -m FILE.gguf -p PROMPT --max-tokens 8 --temp 0`` until the
+first byte of its reply on stdout, and a llama-cpp-python process (``--llama-python``,
+a separate venv; see cpu_engines.py) that loads the file and evaluates the
+prompt until its first token. Prints a markdown table and writes it to
+benchmarks/out/start_up.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+PROMPT = "What is the capital of France?"
+OUT = Path(__file__).parent / "out" / "start_up.md"
+LLAMA_PYTHON = "/work/llama-venv/bin/python"
+QWEN05 = dict(layers=24, hidden=896, heads=14, kv_heads=2, inter=4864, vocab=151936, theta=1e6, eps=1e-6,
+              context=32768)
+Q4_1, Q8_0 = 3, 8  # llama.cpp's LLAMA_FTYPE_MOSTLY_Q4_1 and GGML_TYPE_Q8_0
+
+LLAMA_WORKER = """
+import sys, time
+t0 = float(sys.argv[3])
+from llama_cpp import Llama
+llm = Llama(sys.argv[1], n_threads=int(sys.argv[2]), n_ctx=512, verbose=False)
+llm.eval(llm.tokenize(sys.argv[4].encode()))
+llm.sample(top_k=1, temp=0)
+print(time.time() - t0)
+"""
+
+QUANTIZE = """
+import sys, llama_cpp
+p = llama_cpp.llama_model_quantize_default_params()
+p.ftype, p.token_embedding_type, p.nthread = int(sys.argv[3]), int(sys.argv[4]), 2
+assert llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), p) == 0
+"""
+
+
+def write_qwen05_f16(path: Path, tokenizer_from: Path) -> None:
+    """A float16 GGUF of Qwen2.5-0.5B's shapes, random weights, the given GGUF's tokenizer padded to its vocabulary."""
+    import gguf
+
+    s = QWEN05
+    src = gguf.GGUFReader(str(tokenizer_from))
+    field = lambda key: src.fields[key].contents()  # noqa: E731
+    tokens, types = field("tokenizer.ggml.tokens"), field("tokenizer.ggml.token_type")
+    pad = s["vocab"] - len(tokens)
+    w = gguf.GGUFWriter(str(path), "qwen2")
+    w.add_name("qwen2.5-0.5b-shaped, random weights")
+    w.add_context_length(s["context"])
+    w.add_embedding_length(s["hidden"])
+    w.add_block_count(s["layers"])
+    w.add_feed_forward_length(s["inter"])
+    w.add_head_count(s["heads"])
+    w.add_head_count_kv(s["kv_heads"])
+    w.add_rope_freq_base(s["theta"])
+    w.add_layer_norm_rms_eps(s["eps"])
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(field("tokenizer.ggml.pre"))
+    w.add_token_list(tokens + [f"<|unused_{i}|>" for i in range(pad)])
+    w.add_token_types(types + [gguf.TokenType.UNUSED] * pad)
+    w.add_token_merges(field("tokenizer.ggml.merges"))
+    w.add_bos_token_id(field("tokenizer.ggml.bos_token_id"))
+    w.add_eos_token_id(field("tokenizer.ggml.eos_token_id"))
+    w.add_add_bos_token(False)
+    w.add_chat_template(field("tokenizer.chat_template"))
+    rng = np.random.default_rng(0)
+    h, hd = s["hidden"], s["hidden"] // s["heads"]
+    kv = s["kv_heads"] * hd
+
+    def rand(*shape):  # GGUF lists dimensions innermost first; numpy arrays are (out, in)
+        return (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(np.float16)
+
+    w.add_tensor("token_embd.weight", rand(s["vocab"], h))
+    w.add_tensor("output_norm.weight", np.ones(h, dtype=np.float32))
+    for i in range(s["layers"]):
+        b = f"blk.{i}."
+        w.add_tensor(b + "attn_norm.weight", np.ones(h, dtype=np.float32))
+        w.add_tensor(b + "ffn_norm.weight", np.ones(h, dtype=np.float32))
+        for name, rows in (("attn_q", h), ("attn_k", kv), ("attn_v", kv)):
+            w.add_tensor(b + name + ".weight", rand(rows, h))
+            w.add_tensor(b + name + ".bias", rand(rows).astype(np.float32))
+        w.add_tensor(b + "attn_output.weight", rand(h, h))
+        w.add_tensor(b + "ffn_gate.weight", rand(s["inter"], h))
+        w.add_tensor(b + "ffn_up.weight", rand(s["inter"], h))
+        w.add_tensor(b + "ffn_down.weight", rand(h, s["inter"]))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def umakit_first_token(gguf_file: Path, threads: int) -> float:
+    """Seconds from spawning `umakit generate` to the first byte of its reply on stdout."""
+    umakit = Path(sys.executable).with_name("umakit")
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    t0 = time.time()
+    p = subprocess.Popen([str(umakit), "generate", "-m", str(gguf_file), "-p", PROMPT, "--max-tokens", "8",
+                          "--temp", "0"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+    first = p.stdout.read(1)
+    took = time.time() - t0
+    p.stdout.read()
+    if p.wait() != 0 or not first:
+        raise RuntimeError(f"umakit generate failed on {gguf_file}")
+    return took
+
+
+def llama_first_token(llama_python: str, gguf_file: Path, threads: int) -> float:
+    run = subprocess.run([llama_python, "-c", LLAMA_WORKER, str(gguf_file), str(threads), repr(time.time()), PROMPT],
+                         capture_output=True, text=True, check=True)
+    return float(run.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--llama-python", default=LLAMA_PYTHON)
+    ap.add_argument("--keep", help="a directory to keep (and reuse) the 0.5B GGUF in")
+    args = ap.parse_args()
+    if not Path(args.llama_python).exists():
+        sys.exit(f"no {args.llama_python}: llama-cpp-python is the peer here (see cpu_engines.py's docstring)")
+    from umakit.default_model import packaged_gguf
+
+    builtin = packaged_gguf()
+    with tempfile.TemporaryDirectory() as tmp:
+        where = Path(args.keep or tmp)
+        where.mkdir(parents=True, exist_ok=True)
+        qwen = where / "qwen2.5-0.5b-shaped.Q4_1.gguf"
+        if not qwen.exists():
+            f16 = where / "qwen2.5-0.5b-shaped.F16.gguf"
+            write_qwen05_f16(f16, builtin)
+            subprocess.run([args.llama_python, "-c", QUANTIZE, str(f16), str(qwen), str(Q4_1), str(Q8_0)], check=True)
+            f16.unlink()
+        models = {"SmolLM2-135M-Instruct Q4_1 (built-in)": builtin, "Qwen2.5-0.5B shapes, Q4_1 (random)": qwen}
+        for path in models.values():  # the one-time import, as a first run does, outside the timings
+            umakit_first_token(path, args.threads)
+        times: dict[str, dict[str, list[float]]] = {m: {"umakit": [], "llama.cpp": []} for m in models}
+        load = os.getloadavg()[0]
+        for _ in range(args.repeat):
+            for name, path in models.items():
+                times[name]["umakit"].append(umakit_first_token(path, args.threads))
+                times[name]["llama.cpp"].append(llama_first_token(args.llama_python, path, args.threads))
+                print(f"  {name}: umakit {times[name]['umakit'][-1]:.2f} s, llama.cpp "
+                      f"{times[name]['llama.cpp'][-1]:.2f} s", file=sys.stderr)
+        sizes = {name: path.stat().st_size for name, path in models.items()}
+    lines = [f"Process start to first token, one-shot, {time.strftime('%Y-%m-%d')}: median of {args.repeat}, "
+             f"each run a fresh process, in rotation; {args.threads} threads; load average {load:.1f} at the start.",
+             "", "| model | GGUF size | umakit generate (cached import) | llama-cpp-python | umakit / llama.cpp |",
+             "|---|---:|---:|---:|---:|"]
+    for name, t in times.items():
+        u, l = statistics.median(t["umakit"]), statistics.median(t["llama.cpp"])
+        lines.append(f"| {name} | {sizes[name] / 1e6:.0f} MB | {u:.2f} s | {l:.2f} s | {u / l:.1f}x |")
+    table = "\n".join(lines)
+    print(table)
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.write_text(table + "\n")
+    print(json.dumps(times), file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
