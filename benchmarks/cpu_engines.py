@@ -1,6 +1,6 @@
 """CPU engines on the default model, in one run: decode, prefill, start-up, bytes per token and perplexity.
 
-    python benchmarks/cpu_engines.py [--tokens 128] [--repeat 3] [--threads 2] [--ppl-tokens 4096]
+    python benchmarks/cpu_engines.py [--tokens 128] [--repeat 3] [--threads 2] [--ppl-tokens 4096] [--corpus wiki]
 
 Every measurement runs in a fresh process, the engines in rotation (so a
 burst of load from elsewhere hits each alike), and the median of the repeats
@@ -17,9 +17,9 @@ Columns: decode tok/s (greedy, ``--tokens`` new tokens after a short prompt),
 prefill tok/s of a 512-token prompt, seconds from process start to the first
 token of a one-shot generation (the import already cached), weight bytes read
 per token, the bandwidth that implies, and perplexity on the first
-``--ppl-tokens`` tokens of the Austen corpus, in windows of 512 each scored
-from its second token (one scoring for every engine, so llama.cpp's is
-comparable), as a change from umakit's float32 path, twice: as a prompt is
+``--ppl-tokens`` tokens of the Austen corpus (or ``--corpus wiki``, the
+Wikipedia leads), in windows of 512 each scored from its second token (one
+scoring for every engine, so llama.cpp's is comparable), as a change from umakit's float32 path, twice: as a prompt is
 read (all of a window in one forward pass) and as a reply is made (one decode
 step per token, the step `generate` runs: on torch-CPU the fused C++ step).
 MLX engines are not scored by default (``--ppl-mlx``: about 9 minutes each on
@@ -240,6 +240,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3, help="runs per engine, in rotation (the median is reported)")
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="threads of every engine")
     ap.add_argument("--ppl-tokens", type=int, default=4096, help="Austen tokens scored (0: no perplexity)")
+    ap.add_argument("--corpus", default="austen", choices=("austen", "wiki"), help="the text perplexity is scored on")
     ap.add_argument("--ppl-mlx", action="store_true", help="score the MLX engines' perplexity too (slow on CPU)")
     ap.add_argument("--engines", nargs="*", default=list(ENGINES), choices=ENGINES)
     ap.add_argument("--llama-python", default=LLAMA_PYTHON, help="a python with llama-cpp-python installed")
@@ -273,7 +274,7 @@ def main() -> None:
         ppl = None
         if args.ppl_tokens:
             tokenizer = umakit.load(None, backend="torch", device="cpu", dtype="float32").tokenizer
-            ids = tokenizer.encode(load_corpus("austen"))[:args.ppl_tokens]
+            ids = tokenizer.encode(load_corpus(args.corpus))[:args.ppl_tokens]
             ppl = str(Path(tmp) / "ids.json")
             Path(ppl).write_text(json.dumps(ids))
         load_before = os.getloadavg()
@@ -303,7 +304,7 @@ def render(runs: dict[str, list[dict]], args, load_before, load_after, notes: li
         *notes,
         "",
         "| engine | weights | decode tok/s | prefill tok/s (512) | start to first token s | MB read/token | "
-        "GB/s | perplexity (Austen), prompt | vs float32 | perplexity, decode steps | vs float32 |",
+        f"GB/s | perplexity ({args.corpus}), prompt | vs float32 | perplexity, decode steps | vs float32 |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for e, rs in runs.items():
