@@ -114,13 +114,26 @@ def test_fused_step_follows_the_cache_as_it_grows(quantized):
     assert_close(fast, slow)
 
 
-def test_generation_runs_on_the_fused_step(quantized):
+def test_generation_runs_on_the_fused_step(quantized, monkeypatch):
+    model = umakit.load(quantized("llama"), backend="torch", device="cpu", dtype="bfloat16")
+    calls = []
+    real = fused.FusedDecoder.__call__
+    monkeypatch.setattr(fused.FusedDecoder, "__call__", lambda self, t, c: calls.append(1) or real(self, t, c))
+    assert len(take(model, 12)) == 12 and len(calls) == 11  # every step after the first token's
+
+
+def test_a_hooked_layer_runs_eagerly(quantized):
+    """A sharded engine all-reduces in forward hooks on attention and the MLP: the fused step would skip them."""
     model = umakit.load(quantized("llama"), backend="torch", device="cpu", dtype="bfloat16")
     engine = model.engine
-    calls = []
-    step = engine._fused.__call__
-    engine._fused = type("Counted", (), {"__call__": lambda self, t, c: calls.append(1) or step(t, c)})()
-    assert len(take(model, 12)) == 12 and len(calls) == 11  # every step after the first token's
+    ids = model.tokenizer.encode(TEXT)[:12]
+    want = teacher_forced(model, ids, eager=True)
+    seen = []
+    block = engine.model.model.layers[1]
+    block.mlp.register_forward_hook(lambda m, i, out: seen.append(1) or out * 2)
+    got = teacher_forced(model, ids, eager=False)
+    assert len(seen) == len(ids) and "fused" not in engine.weight_info().quantization
+    assert np.abs(got - want).max() > RELATIVE * np.abs(want).max()  # the hook's doubling shows
 
 
 @pytest.mark.parametrize("family, dtype", [("gemma3", "bfloat16"), ("mixtral", "bfloat16"), ("llama", "float32"),

@@ -180,7 +180,7 @@ class TorchEngine:
         cache = cache if cache is not None else self.make_cache()
         with torch.inference_mode():
             ids = torch.tensor(list(tokens), device=self.torch_device)
-            if len(ids) == 1 and self._fused is not None:  # a decode step: the step generation runs
+            if len(ids) == 1 and self._fused is not None and self._fused.applies():  # the step generation runs
                 return self._fused(ids, cache).float().numpy()
             return self._forward(ids, cache)[0].float().cpu().numpy()
 
@@ -238,7 +238,7 @@ class TorchEngine:
     def _decode(self, token: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
         if self._graphs is not None:
             return self._graphs(token, cache)
-        if self._fused is not None:
+        if self._fused is not None and self._fused.applies():
             return self._fused(token, cache)
         return self._forward(token, cache)[:, -1]
 
@@ -277,7 +277,7 @@ class TorchEngine:
             routed += self.experts_streamer.host_bytes
         a = self.args
         execution = describe_execution(self.model)
-        if self._fused is not None:
+        if self._fused is not None and self._fused.applies():
             execution += "; fused decode step"
         return common.weight_info(by_cat, self._params, a.vocab_size, self.kv_bytes_per_token(),
                                   self.quantization, execution,

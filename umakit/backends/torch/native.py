@@ -34,7 +34,7 @@ SOURCE = Path(__file__).with_name("csrc") / "fused_decode.cpp"
 LIBRARY = "umakit_fused.so"
 BUILD_TIMEOUT_S = 600.0  # also how long a process waits for another one's build
 FLAGS = ("-O3", "-shared", "-fPIC", "-std=c++17", "-w")
-_X86_FLAGS = ("-mavx2", "-mfma", "-mf16c")  # for the loops; every AVX-512 machine (where this runs) has them
+_AVX2_FLAGS = ("-mavx2", "-mfma", "-mf16c")  # for the loops, where torch itself found AVX2 (or AVX-512)
 
 _lock = threading.Lock()
 _state: dict = {"ready": None, "reason": ""}  # ready: None until tried, then True or False
@@ -50,7 +50,8 @@ def compiler() -> str | None:
 def command(cxx: str, out: Path) -> list[str]:
     root = Path(torch.__file__).parent
     abi = int(torch.compiled_with_cxx11_abi())
-    arch = _X86_FLAGS if platform.machine() in ("x86_64", "AMD64") else ()
+    x86 = platform.machine() in ("x86_64", "AMD64")
+    arch = _AVX2_FLAGS if x86 and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") else ()
     return [cxx, *FLAGS, *arch, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-I{root / 'include'}",
             f"-I{root / 'include' / 'torch' / 'csrc' / 'api' / 'include'}", str(SOURCE), "-o", str(out),
             f"-L{root / 'lib'}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{root / 'lib'}"]

@@ -26,7 +26,7 @@ from ...errors import WriteError
 from ...fsutil import atomic_file
 from ...home import home_dir
 
-FORMAT_VERSION = 1  # bump when Int4PackLinear's packed form changes
+FORMAT_VERSION = 2  # bump when Int4PackLinear's packed form or the file layout changes (2: 64-byte aligned data)
 SUFFIX = ".safetensors"
 ALIGNMENT = 64  # bytes: torch's CPU allocator's, and AVX-512's loads
 
