@@ -35,6 +35,21 @@ def tiny_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def torch_models(tiny_dir):
+    """``torch_models(family)`` -> the tiny checkpoint loaded on the torch engine (CPU, float32), once per session."""
+    import umakit
+
+    loaded = {}
+
+    def get(family: str):
+        if family not in loaded:
+            loaded[family] = umakit.load(tiny_dir(family), backend="torch", device="cpu", dtype="float32")
+        return loaded[family]
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def tiny_model(tiny_dir):
     """A loaded tiny llama on the MLX backend (float32 on CPU)."""
     import umakit

@@ -2,15 +2,15 @@
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 from click.testing import CliRunner
 
 from umakit.cli.main import COMMANDS, main
+
+import proc_helpers
 
 REGISTER = "from umakit.cli.main import COMMANDS, main; COMMANDS.setdefault('batch', 'cli.batch_cmd:batch_cmd'); main()"
 
@@ -135,20 +135,8 @@ def test_a_killed_run_resumes_with_each_id_exactly_once(tiny_dir, tmp_path):
     cmd = [sys.executable, "-c", REGISTER, "batch", str(tiny_dir("llama")), "-i", str(inp), "-o", str(out),
            "--temp", "0.8", "--seed", "1", "--raw", "-b", "2"]
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
-    proc = subprocess.Popen(cmd + ["--max-tokens", "480"], stderr=subprocess.PIPE, env=env)
-    try:
-        deadline = time.monotonic() + 90
-        while not (out.exists() and out.read_bytes().count(b"\n") >= 1):
-            assert proc.poll() is None, proc.stderr.read().decode()
-            assert time.monotonic() < deadline, "no result line appeared"
-            time.sleep(0.02)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.stderr.close()
-    assert proc.returncode == -signal.SIGKILL
+    proc_helpers.kill_when(cmd + ["--max-tokens", "480"], lambda: out.exists() and out.read_bytes().count(b"\n") >= 1,
+                           "a result line")
     first = out.read_bytes()
     done_first = first.count(b"\n")
     assert 1 <= done_first < n, "the run finished before it was killed: make it slower"

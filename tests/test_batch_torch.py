@@ -3,7 +3,6 @@
 import pytest
 import torch
 
-import umakit
 from umakit.backends.base import BatchDecoder, BatchRow
 from umakit.backends.torch.batch import TorchBatchDecoder
 from umakit.sampling import SamplingParams
@@ -11,21 +10,9 @@ from umakit.sampling import SamplingParams
 from test_batch import MAX_TOKENS, PROMPTS, batched_prompts, sequential
 
 
-@pytest.fixture(scope="module")
-def models(tiny_dir):
-    loaded = {}
-
-    def get(family):
-        if family not in loaded:
-            loaded[family] = umakit.load(tiny_dir(family), backend="torch", device="cpu", dtype="float32")
-        return loaded[family]
-
-    return get
-
-
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_greedy_batch_equals_sequential_token_for_token(models, family):
-    model = models(family)
+def test_greedy_batch_equals_sequential_token_for_token(torch_models, family):
+    model = torch_models(family)
     assert isinstance(model.engine.batch_decoder(), TorchBatchDecoder)
     expected = sequential(model, PROMPTS, max_tokens=MAX_TOKENS, temperature=0)
     for size in (1, 3, 8):
@@ -40,8 +27,8 @@ def test_greedy_batch_equals_sequential_token_for_token(models, family):
             assert run.stats.steps < run.stats.generated_tokens  # one forward pass serves many rows
 
 
-def test_seeded_sampling_per_row_matches_sequential(models):
-    model = models("llama")
+def test_seeded_sampling_per_row_matches_sequential(torch_models):
+    model = torch_models("llama")
     settings = [
         dict(temperature=0.8, seed=1),
         dict(temperature=1.0, top_k=20, seed=2),
@@ -57,8 +44,8 @@ def test_seeded_sampling_per_row_matches_sequential(models):
     assert expected[0].tokens != expected[1].tokens  # the seeds really differ
 
 
-def test_stop_strings_and_max_tokens_are_per_row(models):
-    model = models("llama")
+def test_stop_strings_and_max_tokens_are_per_row(torch_models):
+    model = torch_models("llama")
     prompts = [PROMPTS[0], PROMPTS[8], PROMPTS[2]]
     free = sequential(model, prompts, max_tokens=MAX_TOKENS, temperature=0)
     text = free[1].text  # a stop string from the middle of row 1's free reply
@@ -76,8 +63,8 @@ def test_stop_strings_and_max_tokens_are_per_row(models):
     assert run[2].finish_reason == "length" and run[2].tokens == free[2].tokens[:11]
 
 
-def test_stream_refills_slots_and_yields_rows_as_they_finish(models):
-    model = models("llama")
+def test_stream_refills_slots_and_yields_rows_as_they_finish(torch_models):
+    model = torch_models("llama")
     items = [{"prompt": "The", "max_tokens": 30}, {"prompt": "Paris is", "max_tokens": 2},
              {"prompt": "fox", "max_tokens": 9}, {"prompt": PROMPTS[1], "max_tokens": 5}]
     stream = model.stream_batch(items, temperature=0, raw=True, batch_size=3)
@@ -88,8 +75,8 @@ def test_stream_refills_slots_and_yields_rows_as_they_finish(models):
     assert stream.stats.steps < 30 + 2 + 9 + 5
 
 
-def test_adding_rows_leaves_running_caches_untouched(models):
-    model = models("llama")
+def test_adding_rows_leaves_running_caches_untouched(torch_models):
+    model = torch_models("llama")
     dec = TorchBatchDecoder(model.engine)
     assert isinstance(dec, BatchDecoder)
     greedy = SamplingParams(temperature=0)
@@ -106,9 +93,9 @@ def test_adding_rows_leaves_running_caches_untouched(models):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_rows_with_prefilled_caches_match_rows_without(models, family):
+def test_rows_with_prefilled_caches_match_rows_without(torch_models, family):
     from test_batch import rows_with_caches_match_rows_without
 
-    model = models(family)
+    model = torch_models(family)
     prompts = [model.encode(p, raw=True) for p in PROMPTS if isinstance(p, str)]
     rows_with_caches_match_rows_without(model.engine, prompts)

@@ -8,23 +8,20 @@ during the reply each return to the prompt within 0.5 s, and the next turn
 sees the earlier history.
 """
 
-import io
 import json
 import os
 import re
-import sys
 import time
 
 import pytest
 
+import pty_helpers
 from conftest import requires_default_model
+from pty_helpers import PROMPT, say
 from umakit.chat import ChatSession, ChatSettings
 from umakit.cli import chat_ui
 from umakit.sampling import SamplingParams
 
-EXE = os.path.join(os.path.dirname(sys.executable), "umakit")
-PROMPT = ">>> "
-FOOTER = re.compile(r"prefilled (\d+) new tok · reused (\d+) cached")
 WORDS = "apple river stone cloud music paper garden window silver orange".split()
 
 
@@ -146,20 +143,7 @@ def pexpect():
 
 
 def spawn(pexpect, *args, term="dumb"):
-    child = pexpect.spawn(EXE, ["run", "--temp", "0", "--max-tokens", "8", *args], encoding="utf-8", timeout=60,
-                          dimensions=(40, 200), env={**os.environ, "TERM": term})
-    child.logfile_read = io.StringIO()  # all the terminal showed
-    child.expect("/help for commands")
-    child.expect_exact(PROMPT)
-    return child
-
-
-def say(child, text):
-    child.sendline(text)
-    child.expect(FOOTER)
-    new, reused = int(child.match.group(1)), int(child.match.group(2))
-    child.expect_exact(PROMPT)
-    return new, reused
+    return pty_helpers.spawn(pexpect, "--max-tokens", "8", *args, term=term)
 
 
 def interrupt(child, *notices):

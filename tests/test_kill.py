@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -20,7 +19,8 @@ from click.testing import CliRunner
 
 from umakit.cli.main import COMMANDS, main
 
-DEADLINE_S = 90
+import proc_helpers
+
 # Runs the CLI with its writers stopping half-way, as a crash during a write would leave them.
 STALL = """
 import os, sys, time
@@ -51,23 +51,7 @@ main()
 
 def kill_when(args: list, ready) -> None:
     """Run the CLI stalling mid-write, wait until ``ready()``, then SIGKILL it."""
-    env = {**os.environ, "PYTHONPATH": os.getcwd()}
-    proc = subprocess.Popen([sys.executable, "-c", STALL, *map(str, args)], stderr=subprocess.PIPE, env=env)
-    try:
-        deadline = time.monotonic() + DEADLINE_S
-        while not ready():
-            if proc.poll() is not None:
-                raise AssertionError(f"exited {proc.returncode} before the write: {proc.stderr.read().decode()}")
-            assert time.monotonic() < deadline, "the write never started"
-            time.sleep(0.02)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        proc.stderr.close()
-    assert proc.returncode == -signal.SIGKILL
+    proc_helpers.kill_when([sys.executable, "-c", STALL, *map(str, args)], ready, "the write")
 
 
 def temps(out: Path) -> list[Path]:

@@ -4,17 +4,15 @@ import json
 import os
 import re
 import subprocess
-import sys
 
 import pytest
 
+import pty_helpers
 from conftest import requires_default_model
+from pty_helpers import EXE, PROMPT, say
 
 pexpect = pytest.importorskip("pexpect")
 
-EXE = os.path.join(os.path.dirname(sys.executable), "umakit")
-FOOTER = re.compile(r"prefilled (\d+) new tok · reused (\d+) cached")
-PROMPT = ">>> "
 pytestmark = [pytest.mark.slow, requires_default_model]
 
 
@@ -27,20 +25,7 @@ def default_model_imported():
 
 
 def spawn(*args):
-    child = pexpect.spawn(EXE, ["run", "--temp", "0", *args], encoding="utf-8", timeout=180,
-                          dimensions=(40, 200), env={**os.environ, "TERM": "dumb"})
-    child.expect("/help for commands")
-    child.banner = child.before
-    child.expect_exact(PROMPT)
-    return child
-
-
-def say(child, text):
-    child.sendline(text)
-    child.expect(FOOTER)
-    new, reused = int(child.match.group(1)), int(child.match.group(2))
-    child.expect_exact(PROMPT)
-    return new, reused
+    return pty_helpers.spawn(pexpect, *args, timeout=180)
 
 
 def command(child, text):

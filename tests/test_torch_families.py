@@ -1,5 +1,5 @@
 """gemma3 and the mixture-of-experts families on the torch engine's other paths (CPU, float32):
-the batch decoder, the CUDA-graph decode step run eagerly, streamed (offloaded) layers, synthetic models."""
+the batch decoder, the CUDA-graph decode step run eagerly, streamed (offloaded) layers, synthetic torch_models."""
 
 import numpy as np
 import pytest
@@ -13,22 +13,10 @@ FAMILIES = ["gemma3", "mixtral", "qwen3_moe"]
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 301, 12, 64, 128, 77, 31, 200, 11]
 
 
-@pytest.fixture(scope="module")
-def models(tiny_dir):
-    loaded = {}
-
-    def get(family):
-        if family not in loaded:
-            loaded[family] = umakit.load(tiny_dir(family), backend="torch", device="cpu", dtype="float32")
-        return loaded[family]
-
-    return get
-
-
 @pytest.mark.parametrize("family", FAMILIES)
-def test_greedy_batch_equals_sequential(models, family):
+def test_greedy_batch_equals_sequential(torch_models, family):
     """Rows at their own positions (past gemma3's window of 8; several tokens routed at once)."""
-    model = models(family)
+    model = torch_models(family)
     expected = sequential(model, PROMPTS, max_tokens=MAX_TOKENS, temperature=0)
     run = model.generate_batch(batched_prompts(PROMPTS), max_tokens=MAX_TOKENS, temperature=0, batch_size=4,
                                raw=True)
@@ -36,11 +24,11 @@ def test_greedy_batch_equals_sequential(models, family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_static_decode_step_equals_eager(models, family):
+def test_static_decode_step_equals_eager(torch_models, family):
     """The CUDA-graph decode step (fixed span under a mask, experts gathered), run eagerly on CPU."""
     from umakit.backends.torch.kernels import GraphDecoder
 
-    model = models(family)
+    model = torch_models(family)
     step = GraphDecoder(model.engine.model, capture=False)
     cache = model.make_cache()
     model.engine.prefill(PROMPT[:3], cache)
@@ -50,8 +38,8 @@ def test_static_decode_step_equals_eager(models, family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_streamed_layers_give_the_resident_tokens(models, tiny_dir, family):
-    resident = models(family)
+def test_streamed_layers_give_the_resident_tokens(torch_models, tiny_dir, family):
+    resident = torch_models(family)
     streamed = umakit.load(tiny_dir(family), backend="torch", device="cpu", dtype="float32", gpu_layers=1)
     assert streamed.engine.offload.offloaded_layers
     np.testing.assert_array_equal(streamed.logits(PROMPT), resident.logits(PROMPT))
@@ -73,9 +61,9 @@ def test_synthetic_model_has_the_checkpoint_shapes(tiny_dir, family, bits):
     assert logits.shape == (len(PROMPT), config["vocab_size"]) and np.isfinite(logits).all()
 
 
-def test_routing_uses_more_than_one_expert_per_token(models):
+def test_routing_uses_more_than_one_expert_per_token(torch_models):
     """The tiny MoE configs route each token to two of four experts, and different tokens to different ones."""
-    moe = models("mixtral").engine.model.model.layers[0].block_sparse_moe
+    moe = torch_models("mixtral").engine.model.model.layers[0].block_sparse_moe
     x = torch.randn(32, moe.gate.in_features)
     weights, idx = moe.route(x)
     assert idx.shape == (32, 2) and len(torch.unique(idx)) == 4
@@ -83,7 +71,7 @@ def test_routing_uses_more_than_one_expert_per_token(models):
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
-def test_moe_offload_copies_only_the_picked_experts(models, tiny_dir, family):
+def test_moe_offload_copies_only_the_picked_experts(torch_models, tiny_dir, family):
     """Routed experts of the streamed layer live in host memory; a decode step copies the 2 of 4 it picked."""
     from umakit.offload import ROUTED_EXPERTS
 
@@ -94,7 +82,7 @@ def test_moe_offload_copies_only_the_picked_experts(models, tiny_dir, family):
     per_expert = sum(p.weight[0].nbytes for p in (switch.gate_proj, switch.up_proj, switch.down_proj))
     assert plan.streamed_bytes == m.info.weights.streamed_bytes_per_token == 2 * per_expert
     assert streamer.host_bytes == 4 * per_expert
-    np.testing.assert_array_equal(m.logits(PROMPT), models(family).logits(PROMPT))  # bit-identical
+    np.testing.assert_array_equal(m.logits(PROMPT), torch_models(family).logits(PROMPT))  # bit-identical
 
     cache = m.make_cache()
     m.engine.prefill(PROMPT, cache)
@@ -128,9 +116,9 @@ def test_moe_offload_budget_keeps_more_experts_resident_as_it_grows(tiny_dir):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_speculation_is_lossless(models, family):
+def test_speculation_is_lossless(torch_models, family):
     """Trimming the cache after rejected proposals (gemma3: past its window, masked in the full cache)."""
-    model = models(family)
+    model = torch_models(family)
     prompt = "The quick brown fox jumps over the lazy dog. The quick brown"
     plain = model.generate(prompt, raw=True, max_tokens=32, temperature=0)
     assert model.generate(prompt, raw=True, max_tokens=32, temperature=0, prompt_lookup=True).tokens == plain.tokens
