@@ -160,6 +160,13 @@ def test_a_failing_compiler_leaves_its_log_and_no_library(fresh_state, monkeypat
     logs = list(fresh_state.glob("*.log"))
     assert len(logs) == 1 and "fatal error: no such header" in logs[0].read_text()
     assert [p for p in fresh_state.iterdir() if p.suffix != ".log"] == []  # no library, no temp dir
+    monkeypatch.setitem(native._state, "ready", None)  # the next start does not compile again
+    failing.write_text("#!/bin/sh\ntouch " + str(tmp_path / "ran") + "\nexit 3\n")
+    assert native.ensure() is False and "failed earlier" in native.reason() and str(logs[0]) in native.reason()
+    assert not (tmp_path / "ran").exists()
+    logs[0].unlink()  # removed: it tries again
+    monkeypatch.setitem(native._state, "ready", None)
+    assert native.ensure() is False and (tmp_path / "ran").exists()
 
 
 def test_no_compiler_and_the_switch_off_are_reasons(fresh_state, monkeypatch):
@@ -172,7 +179,7 @@ def test_no_compiler_and_the_switch_off_are_reasons(fresh_state, monkeypatch):
 
 def test_without_the_library_the_engine_says_so_and_runs_eagerly(quantized, monkeypatch):
     monkeypatch.setitem(native._state, "ready", False)
-    monkeypatch.setitem(native._state, "reason", "no C++ compiler (set CXX, or install g++ or clang++)")
+    monkeypatch.setitem(native._state, "reason", "no C++ compiler: set CXX, or install g++ or clang++")
     model = umakit.load(quantized("llama"), backend="torch", device="cpu", dtype="bfloat16")
     assert model.engine._fused is None
     assert any("run eagerly" in w and "no C++ compiler" in w for w in model.info.warnings)

@@ -9,7 +9,8 @@ finds the build under way waits for it. The build is synchronous on purpose:
 a step that switched from eager to fused mid-run would change the last bits
 of the logits, and with them a seeded sample. Without a compiler, with
 ``UMAKIT_NO_NATIVE=1``, or when the build fails (its log is kept beside the
-library), umakit runs the eager step: slower, never wrong.
+library, and no later start compiles again until the log is removed), umakit
+runs the eager step: slower, never wrong.
 ``UMAKIT_NATIVE_DIR`` moves the cache (the test suite shares one across runs).
 """
 
@@ -84,10 +85,13 @@ def _ensure() -> tuple[bool, str]:
         return False, "UMAKIT_NO_NATIVE is set"
     cxx = compiler()
     if cxx is None:
-        return False, "no C++ compiler (set CXX, or install g++ or clang++)"
+        return False, "no C++ compiler: set CXX, or install g++ or clang++"
     try:
         where = library_dir(cxx)
         if not (where / LIBRARY).exists():
+            if build_log(where).exists():  # failed before: not 8 s of compiling again on every start
+                return False, (f"the C++ build failed earlier; its output is in {build_log(where)} "
+                               "(remove that file to try again)")
             failed = _build(cxx, where)
             if failed:
                 return False, failed
@@ -100,10 +104,15 @@ def _ensure() -> tuple[bool, str]:
     return True, ""
 
 
+def build_log(where: Path) -> Path:
+    """Where a failed build of ``where`` left the compiler's output."""
+    return where.with_name(where.name + ".log")
+
+
 def _build(cxx: str, where: Path) -> str:
     """Compile into a temporary directory renamed into place, or wait for another process's build;
     returns why it failed, or ""."""
-    log = where.with_name(where.name + ".log")
+    log = build_log(where)
     deadline = time.monotonic() + BUILD_TIMEOUT_S
     while not (where / LIBRARY).exists():
         try:
