@@ -173,10 +173,14 @@ def finish(pexpect, child):
 def test_ctrl_c_right_after_enter(pexpect, tmp_path):
     child = spawn(pexpect, term="xterm")
     say(child, "My name is Zed.")
+    child.sendline("/set max_tokens 2000")  # so no reply can finish before the Ctrl-C lands
+    child.expect_exact(PROMPT)
     for i in range(3):
         child.sendline(f"Tell me a long story number {i}.")
         child.expect_exact(f"number {i}.\r\n")  # Enter was taken: the turn is starting
         assert interrupt(child, "(cancelled)", "(stopped before the reply", "(reply stopped") < 0.5
+    child.sendline("/set max_tokens 8")
+    child.expect_exact(PROMPT)
     new, reused = say(child, "What is my name?")
     assert reused > 0  # the first turn is still in the cache
     messages = saved(child, tmp_path / "t.json")
@@ -212,7 +216,7 @@ def test_ctrl_c_during_a_long_prefill(pexpect, tmp_path):
 
 @pty
 def test_ctrl_c_during_the_reply(pexpect, tmp_path):
-    child = spawn(pexpect, "--max-tokens", "400")
+    child = spawn(pexpect, "--max-tokens", "2000")
     say(child, "My name is Zed.")
     child.sendline("Write a very long story about a dragon who loves libraries.")
     child.expect_exact("libraries.\r\n")

@@ -107,8 +107,10 @@ def test_ctrl_c_in_generate_exits_130_without_a_traceback():
     import umakit
 
     umakit.resolve_model(None)
-    proc = subprocess.Popen([EXE, "generate", "-p", "Tell me a very long story.", "--max-tokens", "2000"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # greedy counting never reaches an end of text: 2000 tokens take seconds even at 200 tok/s, so the
+    # signal lands mid-reply (a sampled story could end before it, as it did once CI decoded that fast)
+    proc = subprocess.Popen([EXE, "generate", "--raw", "--temp", "0", "-p", "1, 2, 3, 4, 5, 6, 7, 8,",
+                             "--max-tokens", "2000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     proc.stdout.read(20)  # the reply is streaming
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)

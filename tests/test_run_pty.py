@@ -62,7 +62,7 @@ def test_second_turn_prefills_only_new_tokens():
 
 
 def test_ctrl_c_stops_reply_and_session_continues():
-    child = spawn("--max-tokens", "400")
+    child = spawn("--max-tokens", "2000")
     child.sendline("Write a very long story about a dragon who loves libraries.")
     child.expect_exact("libraries.\r\n")  # the echo of the input line
     child.expect(r"\w+ \w+ \w+")  # the reply has started streaming
