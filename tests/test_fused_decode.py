@@ -92,6 +92,77 @@ def test_fused_step_gives_the_eager_steps_logits(quantized, family, bits, overri
     assert_close(teacher_forced(model, ids, eager=False), teacher_forced(model, ids, eager=True))
 
 
+def batch_logits(engine, prompts: list[list[int]], steps: int, eager: bool) -> np.ndarray:
+    """Logits (steps, B, V) of a batch cache's rows, prefilled with ``prompts`` (lengths apart), each then fed
+    ``steps`` tokens one step at a time; the cache keeps a spare row, as one does after a row leaves."""
+    from umakit.backends.torch.batch import BatchKVCache
+
+    a = engine.args
+    cache = BatchKVCache(a.num_hidden_layers, a.num_key_value_heads, a.head_dim, a.max_position_embeddings,
+                         engine.cache_dtype, engine.torch_device)
+    lengths = [len(p) for p in prompts]
+    cache.reserve(len(prompts) + 1, max(lengths) + steps, 0)
+    out = []
+    with torch.inference_mode(), engine.eager() if eager else contextlib.nullcontext():
+        for i, p in enumerate(prompts):
+            single = engine.make_cache()
+            engine.prefill(p, single)
+            cache.put(i, single)
+        for step in range(steps):
+            tokens = torch.tensor([[p[(step * 7 + i) % len(p)]] for i, p in enumerate(prompts)])
+            out.append(engine._decode_rows(tokens, lengths, cache, max(lengths) + 1).float().numpy())
+            lengths = [n + 1 for n in lengths]
+    return np.stack(out)
+
+
+@pytest.mark.parametrize("family, bits, overrides", [
+    ("llama", 4, {}),
+    ("llama", 8, {}),
+    ("qwen2", 4, {}),
+    ("qwen3", 4, {}),
+    ("mistral", 4, {"sliding_window": 8}),  # rows before and past their window, in one step
+])
+def test_fused_batch_step_gives_the_eager_batch_steps_logits(quantized, family, bits, overrides):
+    model = umakit.load(quantized(family, bits, **overrides), backend="torch", device="cpu", dtype="bfloat16")
+    engine = model.engine
+    assert engine._fused is not None, native.reason()
+    ids = model.tokenizer.encode(TEXT)
+    prompts = [ids[:5], ids[:19], ids[3:14]]
+    for rows in (prompts, prompts[1:2]):  # several rows (masked keys), one row (its keys narrowed)
+        fast, slow = batch_logits(engine, rows, 6, eager=False), batch_logits(engine, rows, 6, eager=True)
+        assert fast.shape == (6, len(rows), engine.args.vocab_size)
+        assert_close(fast.reshape(-1, fast.shape[-1]), slow.reshape(-1, slow.shape[-1]))
+
+
+def test_the_batch_decoder_runs_on_the_fused_step(quantized, monkeypatch):
+    """Rows that join and leave mid-run: each step goes through the fused rows call, and the greedy tokens
+    match those of a single-sequence run of the same prompt."""
+    from umakit.backends.base import BatchRow
+
+    model = umakit.load(quantized("llama"), backend="torch", device="cpu", dtype="bfloat16")
+    engine = model.engine
+    calls = []
+    real = fused.FusedDecoder.rows
+    monkeypatch.setattr(fused.FusedDecoder, "rows", lambda self, *a: calls.append(len(a[1])) or real(self, *a))
+    ids = model.tokenizer.encode(TEXT)
+    prompts = {0: ids[:6], 1: ids[:17], 2: ids[2:11]}
+    greedy = SamplingParams(temperature=0)
+    dec = engine.batch_decoder()
+    dec.add([BatchRow(0, prompts[0], greedy), BatchRow(1, prompts[1], greedy)])
+    got = {0: [], 1: [], 2: []}
+    for step in range(10):
+        if step == 3:
+            dec.add([BatchRow(2, prompts[2], greedy)])
+        if step == 6:
+            dec.remove([0])
+        for rid, token in dec.step():
+            got[rid].append(token)
+    assert calls == [2, 2, 2, 3, 3, 3, 2, 2, 2, 2]
+    for rid, tokens in got.items():
+        stream = engine.generate_tokens(prompts[rid], engine.make_cache(), greedy)
+        assert tokens == list(itertools.islice(stream, len(tokens))), rid
+
+
 def test_fused_step_follows_the_cache_as_it_grows(quantized):
     """Past 256 tokens the cache moves to a larger buffer; the fused step reads the new one."""
     model = umakit.load(quantized("llama"), backend="torch", device="cpu", dtype="bfloat16")

@@ -148,7 +148,6 @@ class TorchBatchDecoder:
 
     def __init__(self, engine):
         self._engine = engine
-        self._model = engine.model
         self._device = engine.torch_device
         a = engine.args
         self._cache = BatchKVCache(a.num_hidden_layers, a.num_key_value_heads, a.head_dim,
@@ -191,8 +190,7 @@ class TorchBatchDecoder:
         self._cache.reserve(len(self._ids), span, span - 1)
         with torch.inference_mode():
             tokens = torch.tensor(self._next, dtype=torch.long, device=self._device)[:, None]  # (B, 1)
-            positions = torch.tensor(self._lengths, dtype=torch.long, device=self._device)  # (B,)
-            logits = self._model.decode_rows(tokens, positions, self._cache, span)  # (B, V)
+            logits = self._engine._decode_rows(tokens, self._lengths, self._cache, span)  # (B, V)
             picked, figures = self._sample(logits)
             picked = picked.tolist()  # the one wait for the device; the figures are ready after it
             self._logprobs = {rid: _read(f) for rid, f in figures.items()}

@@ -242,6 +242,13 @@ class TorchEngine:
             return self._fused(token, cache)
         return self._forward(token, cache)[:, -1]
 
+    def _decode_rows(self, tokens: torch.Tensor, positions: list[int], cache, span: int) -> torch.Tensor:
+        """Logits (B, V) of one token a row of a batch cache (`TorchBatchDecoder`), row b at ``positions[b]``."""
+        if self._fused is not None and self._fused.applies():
+            return self._fused.rows(tokens, positions, cache)
+        where = torch.tensor(positions, dtype=torch.long, device=self.torch_device)
+        return self.model.decode_rows(tokens, where, cache, span)
+
     def _resident_tensor_bytes(self) -> Iterator[tuple[str, int]]:
         """(name, bytes) of every weight held on the device for good (streamed layers excluded)."""
         seen: set[int] = set()

@@ -1,7 +1,8 @@
 """The CPU decode step in one C++ call (native.py builds it): the eager step's math without its ~65 ops a layer.
 
-`FusedDecoder` serves the same call as the eager step and the CUDA graph
-(logits of one token appended to the cache) for the models it covers: the
+`FusedDecoder` serves the same calls as the eager step and the CUDA graph
+(logits of one token appended to the cache) and as the eager batched step
+(`rows`: one token for each row of a batch cache) for the models it covers: the
 Llama family (llama, mistral, qwen2's q/k/v biases, qwen3's q/k norms) with
 every projection on torch's int4 kernels and float32 activations, which is
 the CPU default for 4- and 8-bit checkpoints (convert.py). Anything else,
@@ -72,8 +73,16 @@ class FusedDecoder:
     def __call__(self, token: torch.Tensor, cache) -> torch.Tensor:
         """Logits (1, V) of ``token`` (1,) appended to ``cache``."""
         cache.reserve(1)
-        x = self.model._embed(token.view(1, 1))
-        x = torch.ops.umakit.decode_layers(x, self.inv_freq, cache.offset, cache.k, cache.v, *self.weights,
-                                           *self.shape)
+        logits = self._layers(token.view(1, 1), [cache.offset], cache.k, cache.v)
         cache.advance(1)
+        return logits
+
+    def rows(self, tokens: torch.Tensor, positions: list[int], cache) -> torch.Tensor:
+        """Logits (B, V) of one token per row, ``tokens`` (B, 1), row b at ``positions[b]`` of a `BatchKVCache`
+        (reserved for them), as `Transformer.decode_rows` computes them."""
+        return self._layers(tokens, positions, cache.k, cache.v)
+
+    def _layers(self, tokens: torch.Tensor, positions: list[int], k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        x = self.model._embed(tokens)
+        x = torch.ops.umakit.decode_layers(x, self.inv_freq, positions, k, v, *self.weights, *self.shape)
         return self.model._head(x)[:, -1]

@@ -1,4 +1,5 @@
-// One CPU decode step of a Llama-family stack in one call: umakit's fused decode (see ../native.py).
+// One CPU decode step of a Llama-family stack in one call, for one sequence or a batch of them (one token a
+// row): umakit's fused decode (see ../native.py).
 //
 // The eager step dispatches some 65 small ops per layer from Python, each a
 // few microseconds, which is a third of a step on a 135M model. Here each
@@ -34,48 +35,73 @@ void rms_norm_inplace(float* x, const float* w, int64_t n, double eps) {
   for (int64_t i = 0; i < n; ++i) x[i] = w[i] * (x[i] * r);
 }
 
-Tensor bf16_input(const float* x, int64_t n, int64_t reps) {
-  Tensor out = at::empty({1, n * reps}, at::TensorOptions().dtype(at::kBFloat16));
-  BFloat16* o = out.data_ptr<BFloat16>();
-  for (int64_t i = 0; i < n; ++i) o[i] = BFloat16(x[i]);
-  for (int64_t k = 1; k < reps; ++k) std::copy(o, o + n, o + k * n);
+// Rows of n floats (row r at x + r * stride) as bfloat16, each row written `reps` times side by side.
+Tensor bf16_input(const float* x, int64_t rows, int64_t n, int64_t stride, int64_t reps) {
+  Tensor out = at::empty({rows, n * reps}, at::TensorOptions().dtype(at::kBFloat16));
+  for (int64_t r = 0; r < rows; ++r) {
+    BFloat16* o = out.data_ptr<BFloat16>() + r * n * reps;
+    for (int64_t i = 0; i < n; ++i) o[i] = BFloat16(x[r * stride + i]);
+    for (int64_t k = 1; k < reps; ++k) std::copy(o, o + n, o + k * n);
+  }
   return out;
 }
 
 Tensor int4_mm(const Tensor& x, const Tensor& packed, int64_t group, const Tensor& sz) {
-  return at::_weight_int4pack_mm_for_cpu(x, packed, group, sz);  // (1, N) bfloat16
+  return at::_weight_int4pack_mm_for_cpu(x, packed, group, sz);  // (rows, N) bfloat16
 }
 
-// Layers [0, L) of one token at `pos`; returns the hidden state (1, 1, H) before the final norm.
-// Per layer l: norms[2l] (input), norms[2l+1] (post-attention); packed/sz/groups/splits[4l + j] for
-// j = qkv, o, gate_up, down; qkv_bias[l] and qk_norms[2l], [2l+1] when given (else empty lists).
-Tensor decode_layers(const Tensor& x_in, const Tensor& inv_freq, int64_t pos, Tensor k_cache, Tensor v_cache,
-                     at::TensorList norms, at::TensorList qk_norms, at::TensorList packed, at::TensorList sz,
-                     at::IntArrayRef groups, at::IntArrayRef splits, at::TensorList qkv_bias, int64_t nh,
-                     int64_t nkv, int64_t hd, double eps, double scale, int64_t window) {
+// Layers [0, L) of one token per row, row b at positions[b]; returns the hidden states (B, 1, H) before the
+// final norm. The cache is (L, R, nkv, capacity, hd) with R >= B: a single sequence's (R = 1) or a batch's,
+// whose row b is sequence b. Per layer l: norms[2l] (input), norms[2l+1] (post-attention);
+// packed/sz/groups/splits[4l + j] for j = qkv, o, gate_up, down; qkv_bias[l] and qk_norms[2l], [2l+1] when
+// given (else empty lists).
+Tensor decode_layers(const Tensor& x_in, const Tensor& inv_freq, at::IntArrayRef positions, Tensor k_cache,
+                     Tensor v_cache, at::TensorList norms, at::TensorList qk_norms, at::TensorList packed,
+                     at::TensorList sz, at::IntArrayRef groups, at::IntArrayRef splits, at::TensorList qkv_bias,
+                     int64_t nh, int64_t nkv, int64_t hd, double eps, double scale, int64_t window) {
   TORCH_CHECK(x_in.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat, "float32 activations only");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the cache must be contiguous");
-  const int64_t L = k_cache.size(0), capacity = k_cache.size(3), H = x_in.size(-1);
-  TORCH_CHECK(pos >= 0 && pos < capacity, "position ", pos, " is outside the cache of ", capacity);
+  TORCH_CHECK(k_cache.dim() == 5 && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "the cache must be contiguous, (layers, rows, kv heads, capacity, head dim)");
+  const int64_t L = k_cache.size(0), R = k_cache.size(1), capacity = k_cache.size(3), H = x_in.size(-1);
+  const int64_t B = static_cast<int64_t>(positions.size());
+  TORCH_CHECK(B >= 1 && B <= R && x_in.numel() == B * H, B, " rows of ", H, " expected in a cache of ", R);
   TORCH_CHECK(static_cast<int64_t>(packed.size()) == 4 * L && static_cast<int64_t>(norms.size()) == 2 * L,
               "weights for ", L, " layers expected");
-  Tensor x = x_in.reshape({1, H}).contiguous().clone();
-  float* xp = x.data_ptr<float>();
-  const int64_t half = hd / 2, heads = nh + 2 * nkv;
-  const int64_t start = window > 0 ? std::max<int64_t>(0, pos + 1 - window) : 0;
-  const int64_t span = pos + 1 - start;
-
-  // RoPE at `pos`, as rope_cos_sin computes it: float32 angles, sin's first half negated.
-  std::vector<float> cos_(hd), sin_(hd);
-  const float* inv = inv_freq.data_ptr<float>();
-  for (int64_t i = 0; i < half; ++i) {
-    const float f = static_cast<float>(pos) * inv[i];
-    cos_[i] = cos_[i + half] = std::cos(f);
-    sin_[i] = -std::sin(f);
-    sin_[i + half] = std::sin(f);
+  int64_t longest = 0;
+  for (int64_t p : positions) {
+    TORCH_CHECK(p >= 0 && p < capacity, "position ", p, " is outside the cache of ", capacity);
+    longest = std::max(longest, p + 1);
   }
+  Tensor x = x_in.reshape({B, H}).contiguous().clone();
+  float* xp = x.data_ptr<float>();
+  const int64_t half = hd / 2, heads = nh + 2 * nkv, row_stride = nkv * capacity * hd;
+
+  // RoPE at each row's position, as rope_cos_sin computes it: float32 angles, sin's first half negated.
+  std::vector<float> cos_(B * hd), sin_(B * hd);
+  const float* inv = inv_freq.data_ptr<float>();
+  for (int64_t b = 0; b < B; ++b) {
+    float *c = cos_.data() + b * hd, *s = sin_.data() + b * hd;
+    for (int64_t i = 0; i < half; ++i) {
+      const float f = static_cast<float>(positions[b]) * inv[i];
+      c[i] = c[i + half] = std::cos(f);
+      s[i] = -std::sin(f);
+      s[i + half] = std::sin(f);
+    }
+  }
+  // One row: its keys [start, position] by narrowing. Several: the longest row's span, each row masked to its
+  // own keys (and window), as the eager batched step does.
+  auto first_key = [&](int64_t p) { return window > 0 ? std::max<int64_t>(0, p + 1 - window) : int64_t(0); };
+  c10::optional<Tensor> mask;
+  if (B > 1) {
+    Tensor m = at::empty({B, 1, 1, longest}, at::TensorOptions().dtype(at::kBool));
+    bool* mp = m.data_ptr<bool>();
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t t = 0; t < longest; ++t) mp[b * longest + t] = t >= first_key(positions[b]) && t <= positions[b];
+    mask = m;
+  }
+  const int64_t start = B > 1 ? 0 : first_key(positions[0]), span = longest - start;
   std::vector<float> head(hd), rotated(hd);
-  Tensor q = at::empty({1, nkv, nh / nkv, hd}, x.options());
+  Tensor q = at::empty({B, nkv, nh / nkv, hd}, x.options());
   float* qp = q.data_ptr<float>();
   const c10::optional<double> attn_scale = scale > 0 ? c10::optional<double>(scale) : c10::nullopt;
 
@@ -83,61 +109,73 @@ Tensor decode_layers(const Tensor& x_in, const Tensor& inv_freq, int64_t pos, Te
     const int64_t j = 4 * l;
     // attention
     const int64_t rq = splits[j] ? 2 : 1;
-    Tensor xb = at::empty({1, H * rq}, at::TensorOptions().dtype(at::kBFloat16));
-    rms_norm_bf16(xp, norms[2 * l].data_ptr<float>(), H, eps, xb.data_ptr<BFloat16>(), rq);
+    Tensor xb = at::empty({B, H * rq}, at::TensorOptions().dtype(at::kBFloat16));
+    for (int64_t b = 0; b < B; ++b)
+      rms_norm_bf16(xp + b * H, norms[2 * l].data_ptr<float>(), H, eps, xb.data_ptr<BFloat16>() + b * H * rq, rq);
     Tensor qkv = int4_mm(xb, packed[j], groups[j], sz[j]);
-    const BFloat16* y = qkv.data_ptr<BFloat16>();
     const float* bias = qkv_bias.empty() ? nullptr : qkv_bias[l].data_ptr<float>();
-    float* kl = k_cache[l].data_ptr<float>();  // (1, nkv, capacity, hd)
+    float* kl = k_cache[l].data_ptr<float>();  // (R, nkv, capacity, hd)
     float* vl = v_cache[l].data_ptr<float>();
-    for (int64_t h = 0; h < heads; ++h) {
-      for (int64_t i = 0; i < hd; ++i) {
-        const float v = static_cast<float>(y[h * hd + i]);
-        head[i] = bias ? v + bias[h * hd + i] : v;
+    for (int64_t b = 0; b < B; ++b) {
+      const BFloat16* y = qkv.data_ptr<BFloat16>() + b * heads * hd;
+      const float *c = cos_.data() + b * hd, *s = sin_.data() + b * hd;
+      const int64_t pos = positions[b];
+      for (int64_t h = 0; h < heads; ++h) {
+        for (int64_t i = 0; i < hd; ++i) {
+          const float v = static_cast<float>(y[h * hd + i]);
+          head[i] = bias ? v + bias[h * hd + i] : v;
+        }
+        if (h >= nh + nkv) {  // values: stored as they are
+          std::copy(head.begin(), head.end(), vl + b * row_stride + ((h - nh - nkv) * capacity + pos) * hd);
+          continue;
+        }
+        if (!qk_norms.empty())
+          rms_norm_inplace(head.data(), qk_norms[2 * l + (h < nh ? 0 : 1)].data_ptr<float>(), hd, eps);
+        for (int64_t i = 0; i < hd; ++i) rotated[i] = head[i] * c[i] + head[(i + half) % hd] * s[i];
+        float* dst = h < nh ? qp + (b * nh + h) * hd : kl + b * row_stride + ((h - nh) * capacity + pos) * hd;
+        std::copy(rotated.begin(), rotated.end(), dst);
       }
-      if (h >= nh + nkv) {  // values: stored as they are
-        std::copy(head.begin(), head.end(), vl + ((h - nh - nkv) * capacity + pos) * hd);
-        continue;
-      }
-      if (!qk_norms.empty()) rms_norm_inplace(head.data(), qk_norms[2 * l + (h < nh ? 0 : 1)].data_ptr<float>(), hd, eps);
-      for (int64_t i = 0; i < hd; ++i) rotated[i] = head[i] * cos_[i] + head[(i + half) % hd] * sin_[i];
-      float* dst = h < nh ? qp + h * hd : kl + ((h - nh) * capacity + pos) * hd;
-      std::copy(rotated.begin(), rotated.end(), dst);
     }
     // One query per head at one position: each kv group's queries ride the time axis.
-    Tensor keys = k_cache[l].narrow(2, start, span), values = v_cache[l].narrow(2, start, span);
-    Tensor out = at::scaled_dot_product_attention(q, keys, values, {}, 0.0, false, attn_scale).contiguous();
+    Tensor keys = k_cache[l].narrow(0, 0, B).narrow(2, start, span);
+    Tensor values = v_cache[l].narrow(0, 0, B).narrow(2, start, span);
+    Tensor out = at::scaled_dot_product_attention(q, keys, values, mask, 0.0, false, attn_scale).contiguous();
     const int64_t ro = splits[j + 1] ? 2 : 1;
-    Tensor o = int4_mm(bf16_input(out.data_ptr<float>(), nh * hd, ro), packed[j + 1], groups[j + 1], sz[j + 1]);
+    Tensor o = int4_mm(bf16_input(out.data_ptr<float>(), B, nh * hd, nh * hd, ro), packed[j + 1], groups[j + 1],
+                       sz[j + 1]);
     const BFloat16* op = o.data_ptr<BFloat16>();
-    for (int64_t i = 0; i < H; ++i) xp[i] += static_cast<float>(op[i]);
+    for (int64_t i = 0; i < B * H; ++i) xp[i] += static_cast<float>(op[i]);
 
     // MLP
     const int64_t rg = splits[j + 2] ? 2 : 1;
-    Tensor hb = at::empty({1, H * rg}, at::TensorOptions().dtype(at::kBFloat16));
-    rms_norm_bf16(xp, norms[2 * l + 1].data_ptr<float>(), H, eps, hb.data_ptr<BFloat16>(), rg);
+    Tensor hb = at::empty({B, H * rg}, at::TensorOptions().dtype(at::kBFloat16));
+    for (int64_t b = 0; b < B; ++b)
+      rms_norm_bf16(xp + b * H, norms[2 * l + 1].data_ptr<float>(), H, eps, hb.data_ptr<BFloat16>() + b * H * rg,
+                    rg);
     Tensor gu = int4_mm(hb, packed[j + 2], groups[j + 2], sz[j + 2]);
     const int64_t inter = gu.size(1) / 2, rd = splits[j + 3] ? 2 : 1;
-    const BFloat16* g = gu.data_ptr<BFloat16>();
-    Tensor act = at::empty({1, inter * rd}, at::TensorOptions().dtype(at::kBFloat16));
-    BFloat16* a = act.data_ptr<BFloat16>();
-    for (int64_t i = 0; i < inter; ++i) {
-      const float gate = static_cast<float>(g[i]), up = static_cast<float>(g[inter + i]);
-      a[i] = BFloat16(gate / (1.0f + std::exp(-gate)) * up);
+    Tensor act = at::empty({B, inter * rd}, at::TensorOptions().dtype(at::kBFloat16));
+    for (int64_t b = 0; b < B; ++b) {
+      const BFloat16* g = gu.data_ptr<BFloat16>() + b * 2 * inter;
+      BFloat16* a = act.data_ptr<BFloat16>() + b * inter * rd;
+      for (int64_t i = 0; i < inter; ++i) {
+        const float gate = static_cast<float>(g[i]), up = static_cast<float>(g[inter + i]);
+        a[i] = BFloat16(gate / (1.0f + std::exp(-gate)) * up);
+      }
+      if (rd == 2) std::copy(a, a + inter, a + inter);
     }
-    if (rd == 2) std::copy(a, a + inter, a + inter);
     Tensor d = int4_mm(act, packed[j + 3], groups[j + 3], sz[j + 3]);
     const BFloat16* dp = d.data_ptr<BFloat16>();
-    for (int64_t i = 0; i < H; ++i) xp[i] += static_cast<float>(dp[i]);
+    for (int64_t i = 0; i < B * H; ++i) xp[i] += static_cast<float>(dp[i]);
   }
-  return x.view({1, 1, H});
+  return x.view({B, 1, H});
 }
 
 }  // namespace
 
 TORCH_LIBRARY(umakit, m) {
-  m.def("decode_layers(Tensor x, Tensor inv_freq, int pos, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor[] norms, "
-        "Tensor[] qk_norms, Tensor[] packed, Tensor[] sz, int[] groups, int[] splits, Tensor[] qkv_bias, int nh, "
-        "int nkv, int hd, float eps, float scale, int window) -> Tensor");
+  m.def("decode_layers(Tensor x, Tensor inv_freq, int[] positions, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+        "Tensor[] norms, Tensor[] qk_norms, Tensor[] packed, Tensor[] sz, int[] groups, int[] splits, "
+        "Tensor[] qkv_bias, int nh, int nkv, int hd, float eps, float scale, int window) -> Tensor");
   m.impl("decode_layers", c10::DispatchKey::CPU, TORCH_FN(decode_layers));
 }
