@@ -182,3 +182,47 @@ def test_sampled_requests_with_their_own_settings_share_steps(model, loop):
     a, b, c = (text_and_tokens(r)[1] for r in results)
     assert a == b  # the same seed, the same tokens, whatever else runs in the batch
     assert c == model.generate(PROMPTS[1], raw=True, max_tokens=12, temperature=0).tokens
+
+
+def test_run_serves_in_the_calling_thread_until_told(model, monkeypatch):
+    """`run` (what `umakit serve` uses): the worker in this thread, requests from another one."""
+    import threading
+
+    s = Scheduler(model, SchedulerSettings())
+    real = type(model.engine).batch_decoder
+    stepped_in, ready, results = set(), [], []
+
+    def spying(engine):
+        decoder = real(engine)
+        step = decoder.step
+        decoder.step = lambda: stepped_in.add(threading.current_thread()) or step()
+        return decoder
+
+    def client():
+        other = asyncio.new_event_loop()
+        try:
+            results.append(run_all(other, [s.submit(request(model, PROMPTS[1], 6), other)]))
+        finally:
+            other.close()
+
+    thread = threading.Thread(target=client)
+    monkeypatch.setattr(type(model.engine), "batch_decoder", spying)
+    s.run(ready=lambda: ready.append(s.healthy) or thread.start(), until=lambda: ready and not thread.is_alive())
+    thread.join(timeout=60)
+    assert ready == [True]  # called once, with the worker taking requests
+    (events,) = results[0]
+    text, tokens, _ = text_and_tokens(events)
+    want = model.generate(PROMPTS[1], raw=True, max_tokens=6, temperature=0)
+    assert (text, tokens) == (want.text, want.tokens)
+    assert stepped_in == {threading.current_thread()}
+
+
+def test_run_raises_when_the_worker_cannot_start(model, monkeypatch):
+    def broken(engine):
+        raise RuntimeError("no decoder today")
+
+    monkeypatch.setattr(type(model.engine), "batch_decoder", broken)
+    ready = []
+    with pytest.raises(RuntimeError, match="no decoder today"):
+        Scheduler(model, SchedulerSettings()).run(ready=lambda: ready.append(1))
+    assert ready == []

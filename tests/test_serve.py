@@ -7,6 +7,8 @@ and dtype: a request decoded in a batch of 16 must give exactly what a lone `mod
 
 from __future__ import annotations
 
+import json
+import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -14,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from conftest import requires_default_model
 from serve_helpers import ServerProcess, asgi_calls, assert_error, read_metrics, served
 
 openai = pytest.importorskip("openai")
@@ -411,3 +414,35 @@ def test_request_timeout_is_a_504(local, name):
         assert_error(r, 504)
     finally:
         scheduler.stop()
+
+
+@requires_default_model
+@pytest.mark.parametrize("sig, returncode", [("SIGINT", 130), ("SIGTERM", -15)])
+def test_a_signal_lets_the_streams_in_flight_finish_then_exits(tmp_path, sig, returncode):
+    """Ctrl-C or `kill` mid-reply: no new connections, the reply streaming finishes whole, then the process
+    ends as the signal says (130 and one `Interrupted.` for Ctrl-C; killed by SIGTERM for SIGTERM)."""
+    import umakit
+
+    srv = ServerProcess(umakit.resolve_model(None), ["--peak-bandwidth", PEAK], tmp_path / "log")
+    try:
+        srv.wait_healthy()
+        name = httpx.get(f"{srv.url}/v1/models").json()["data"][0]["id"]
+        # greedy counting never ends by itself: 300 tokens are still streaming when the signal lands
+        payload = {"model": name, "prompt": "1, 2, 3, 4, 5, 6, 7, 8,", "max_tokens": 300, "temperature": 0,
+                   "stream": True, "stream_options": {"include_usage": True}}
+        chunks = []
+        with httpx.stream("POST", f"{srv.url}/v1/completions", json=payload, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    chunks.append(line[len("data: "):])
+                if len(chunks) == 4:
+                    srv.proc.send_signal(getattr(signal, sig))
+        assert srv.proc.wait(timeout=30) == returncode
+    finally:
+        srv.stop()
+    assert chunks[-1] == "[DONE]"
+    finish = [c["choices"][0]["finish_reason"] for c in map(json.loads, chunks[:-1]) if c["choices"]]
+    assert finish[-1] == "length" and json.loads(chunks[-2])["usage"]["completion_tokens"] == 300
+    log = (tmp_path / "log").read_text()
+    assert "Traceback" not in log and "completion=300" in log
+    assert log.strip().endswith("Interrupted.") == (sig == "SIGINT")

@@ -5,8 +5,10 @@ from __future__ import annotations
 import ipaddress
 import json
 import logging
+import signal
 import socket
 import sys
+import threading
 
 import click
 
@@ -71,14 +73,44 @@ def serve_cmd(model, host, port, api_key, max_concurrency, max_queue, prompt_cac
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off"))
     try:
         with m.engine.wired():
-            scheduler.start()
-            if not scheduler.healthy:
-                raise click.ClickException("the generation worker did not start; see the log above")
-            _banner(m, sock.getsockname()[1], host, api_key)
-            server.run(sockets=[sock])
+            _run(server, sock, scheduler, lambda: _banner(m, sock.getsockname()[1], host, api_key))
     finally:
         scheduler.stop()
         sock.close()
+
+
+def _run(server, sock: socket.socket, scheduler, banner) -> None:
+    """HTTP on a thread, the engine's worker in this, the main, thread (`umakit.serve.scheduler` says why).
+
+    The first SIGINT or SIGTERM stops taking connections and lets the requests in flight finish, as
+    uvicorn does in its own main thread; a second SIGINT cuts them off. Then the first signal is raised
+    again with its own handler, so the process ends as that signal says.
+    """
+    http = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="umakit-http", daemon=True)
+    caught: list[int] = []
+
+    def on_signal(sig, frame):
+        caught.append(sig)
+        if server.should_exit and sig == signal.SIGINT:
+            server.force_exit = True
+        server.should_exit = True
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        http.start()
+        try:
+            scheduler.run(ready=banner, until=lambda: not http.is_alive())
+        except Exception as e:
+            raise click.ClickException(f"the generation worker did not start ({type(e).__name__}: {e})") from e
+        finally:
+            server.should_exit = True
+            http.join(timeout=30)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if not caught:  # nothing asked it to stop
+        raise click.ClickException("the HTTP server stopped; see the log above")
+    signal.raise_signal(caught[0])
 
 
 def _bind(host: str, port: int) -> socket.socket:
