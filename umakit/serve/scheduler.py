@@ -145,7 +145,7 @@ class Scheduler:
         """
         self._stopping = False
         self._thread = threading.current_thread()
-        self._supervise(ready, until or (lambda: False))
+        self._supervise(ready or (lambda: None), until or (lambda: False))  # a `ready`: failing to start raises
 
     def stop(self) -> None:
         with self._lock:
