@@ -19,6 +19,7 @@ from umakit.backends.torch import fused, native
 from umakit.quantize import quantize
 from umakit.sampling import SamplingParams
 
+from conftest import requires_default_model
 from tiny import make_tiny_model
 
 TEXT = "It is a truth universally acknowledged, that a single man in possession of a good fortune"
@@ -134,6 +135,53 @@ def test_fused_batch_step_gives_the_eager_batch_steps_logits(quantized, family, 
         assert_close(fast.reshape(-1, fast.shape[-1]), slow.reshape(-1, slow.shape[-1]))
 
 
+@pytest.mark.parametrize("family, bits, overrides", [
+    ("llama", 8, {}),
+    ("qwen2", 4, {}),
+    ("qwen3", 4, {}),
+    ("mistral", 4, {"sliding_window": 8}),
+])
+def test_tokens_of_one_sequence_and_rows_of_a_batch_get_their_single_steps_bits(quantized, family, bits, overrides,
+                                                                               monkeypatch):
+    """`logits` of T tokens (a speculative verification) and a batch step, row for row, bit for bit as the
+    decode steps each row would have had alone: so speculation accepts what plain decoding picks, and a batch
+    row is its lone run."""
+    model = umakit.load(quantized(family, bits, **overrides), backend="torch", device="cpu", dtype="bfloat16")
+    engine = model.engine
+    ids = model.tokenizer.encode(TEXT)
+    calls = []
+    real = fused.FusedDecoder.__call__
+    monkeypatch.setattr(fused.FusedDecoder, "__call__", lambda self, t, c: calls.append(t.numel()) or real(self, t, c))
+    cache, alone = engine.make_cache(), engine.make_cache()
+    engine.prefill(ids[:9], cache)
+    engine.prefill(ids[:9], alone)
+    block = ids[9:9 + 7]  # crosses the mistral window
+    together = engine.logits(block, cache)
+    steps = np.concatenate([engine.logits([t], alone) for t in block])
+    assert calls == [7] + [1] * 7 and np.array_equal(together, steps)
+    assert cache.offset == alone.offset == 16
+    prompts = [ids[:5], ids[:19], ids[3:14]]
+    rows = batch_logits(engine, prompts, 4, eager=False)  # (steps, B, V)
+    for b, p in enumerate(prompts):
+        single = engine.make_cache()
+        engine.prefill(p, single)
+        fed = [p[(step * 7 + b) % len(p)] for step in range(4)]
+        assert np.array_equal(rows[:, b], np.concatenate([engine.logits([t], single) for t in fed])), b
+
+
+@requires_default_model
+def test_speculation_on_the_cpu_default_gives_plain_decodings_text(monkeypatch):
+    """On the built-in model's int4 default, greedy prompt lookup once gave other text than plain decoding
+    on two of these prompts: its verification ran the eager multi-token forward, plain decoding the fused step."""
+    model = umakit.load(backend="torch", device="cpu")
+    assert model.engine._fused is not None, native.reason()
+    for prompt in ("What are three good habits for learning a new language? Explain each briefly.",
+                   "Describe a walk through a forest in autumn."):
+        plain = model.generate(prompt, max_tokens=128, temperature=0)
+        spec = model.generate(prompt, max_tokens=128, temperature=0, prompt_lookup=True)
+        assert spec.tokens == plain.tokens and spec.text == plain.text, prompt
+
+
 def test_the_batch_decoder_runs_on_the_fused_step(quantized, monkeypatch):
     """Rows that join and leave mid-run: each step goes through the fused rows call, and the greedy tokens
     match those of a single-sequence run of the same prompt."""
@@ -183,7 +231,7 @@ def test_generation_runs_on_the_fused_step(quantized, monkeypatch):
     calls = []
     real = fused.FusedDecoder.__call__
     monkeypatch.setattr(fused.FusedDecoder, "__call__", lambda self, t, c: calls.append(1) or real(self, t, c))
-    assert len(take(model, 12)) == 12 and len(calls) == 11  # every step after the first token's
+    assert len(take(model, 12)) == 12 and len(calls) == 12  # every step, the first token's too
 
 
 def test_a_hooked_layer_runs_eagerly(quantized):

@@ -180,8 +180,10 @@ class TorchEngine:
         cache = cache if cache is not None else self.make_cache()
         with torch.inference_mode():
             ids = torch.tensor(list(tokens), device=self.torch_device)
-            if len(ids) == 1 and self._graphs is None:  # one token: the decode step generation runs (fused on CPU)
-                return self._decode(ids, cache).float().cpu().numpy()
+            if self._fused is not None and self._fused.applies() and len(ids) < quant.DENSE_ROWS:
+                # Each row the bits of its own decode step, the one generation runs: a speculative
+                # verification accepts exactly what plain decoding would pick, and a score is a reply's.
+                return self._fused(ids, cache).float().cpu().numpy()
             return self._forward(ids, cache)[0].float().cpu().numpy()
 
     def prefill(self, tokens: Sequence[int], cache: StaticKVCache) -> None:
@@ -212,7 +214,10 @@ class TorchEngine:
         recent = torch.tensor(recent, dtype=torch.long, device=self.torch_device)[None]  # (1, n)
         with torch.inference_mode():
             self.prefill(prompt[:-1], cache)
-            logits = self._forward(torch.tensor(prompt[-1:], device=self.torch_device), cache)[:, -1]  # (1, V)
+            last = torch.tensor(prompt[-1:], device=self.torch_device)
+            # the first token from the step the others come from (the fused one on CPU), as a batch row's and a
+            # speculative run's do; a CUDA graph is captured on later steps
+            logits = self._decode(last, cache) if self._graphs is None else self._forward(last, cache)[:, -1]
         if self.device == "cuda":
             host = torch.empty(1, dtype=torch.long, pin_memory=True)
         while True:

@@ -70,19 +70,23 @@ class FusedDecoder:
         """False once a module it bypasses carries a hook (a sharded engine's all-reduce): those run eagerly."""
         return not any(self.hooks)
 
-    def __call__(self, token: torch.Tensor, cache) -> torch.Tensor:
-        """Logits (1, V) of ``token`` (1,) appended to ``cache``."""
-        cache.reserve(1)
-        logits = self._layers(token.view(1, 1), [cache.offset], cache.k, cache.v)
-        cache.advance(1)
+    def __call__(self, tokens: torch.Tensor, cache) -> torch.Tensor:
+        """Logits (T, V) of ``tokens`` (T,) appended to a single-sequence ``cache``, each row the bits its own
+        one-token step gives (so a verification of T proposed tokens is T decode steps, in one call)."""
+        n = tokens.numel()
+        cache.reserve(n)
+        start = cache.offset
+        logits = self._layers(tokens.view(n, 1), list(range(start, start + n)), [0] * n, cache.k, cache.v)
+        cache.advance(n)
         return logits
 
     def rows(self, tokens: torch.Tensor, positions: list[int], cache) -> torch.Tensor:
         """Logits (B, V) of one token per row, ``tokens`` (B, 1), row b at ``positions[b]`` of a `BatchKVCache`
-        (reserved for them), as `Transformer.decode_rows` computes them."""
-        return self._layers(tokens, positions, cache.k, cache.v)
+        (reserved for them), as `Transformer.decode_rows` computes them and as each row's own step would."""
+        return self._layers(tokens, positions, [], cache.k, cache.v)
 
-    def _layers(self, tokens: torch.Tensor, positions: list[int], k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _layers(self, tokens: torch.Tensor, positions: list[int], rows: list[int], k: torch.Tensor,
+                v: torch.Tensor) -> torch.Tensor:
         x = self.model._embed(tokens)
-        x = torch.ops.umakit.decode_layers(x, self.inv_freq, positions, k, v, *self.weights, *self.shape)
+        x = torch.ops.umakit.decode_layers(x, self.inv_freq, positions, rows, k, v, *self.weights, *self.shape)
         return self.model._head(x)[:, -1]

@@ -1,5 +1,6 @@
-// One CPU decode step of a Llama-family stack in one call, for one sequence or a batch of them (one token a
-// row): umakit's fused decode (see ../native.py).
+// CPU decode steps of a Llama-family stack in one call: one token of one sequence, one token of each of a
+// batch's, or a few consecutive tokens of one sequence (a speculative verification), each row bit for bit as
+// its own step would be: umakit's fused decode (see ../native.py).
 //
 // The eager step dispatches some 65 small ops per layer from Python, each a
 // few microseconds, which is a third of a step on a 135M model. Here each
@@ -35,42 +36,38 @@ void rms_norm_inplace(float* x, const float* w, int64_t n, double eps) {
   for (int64_t i = 0; i < n; ++i) x[i] = w[i] * (x[i] * r);
 }
 
-// Rows of n floats (row r at x + r * stride) as bfloat16, each row written `reps` times side by side.
-Tensor bf16_input(const float* x, int64_t rows, int64_t n, int64_t stride, int64_t reps) {
-  Tensor out = at::empty({rows, n * reps}, at::TensorOptions().dtype(at::kBFloat16));
-  for (int64_t r = 0; r < rows; ++r) {
-    BFloat16* o = out.data_ptr<BFloat16>() + r * n * reps;
-    for (int64_t i = 0; i < n; ++i) o[i] = BFloat16(x[r * stride + i]);
-    for (int64_t k = 1; k < reps; ++k) std::copy(o, o + n, o + k * n);
-  }
-  return out;
-}
-
 Tensor int4_mm(const Tensor& x, const Tensor& packed, int64_t group, const Tensor& sz) {
   return at::_weight_int4pack_mm_for_cpu(x, packed, group, sz);  // (rows, N) bfloat16
 }
 
-// Layers [0, L) of one token per row, row b at positions[b]; returns the hidden states (B, 1, H) before the
-// final norm. The cache is (L, R, nkv, capacity, hd) with R >= B: a single sequence's (R = 1) or a batch's,
-// whose row b is sequence b. Per layer l: norms[2l] (input), norms[2l+1] (post-attention);
-// packed/sz/groups/splits[4l + j] for j = qkv, o, gate_up, down; qkv_bias[l] and qk_norms[2l], [2l+1] when
-// given (else empty lists).
-Tensor decode_layers(const Tensor& x_in, const Tensor& inv_freq, at::IntArrayRef positions, Tensor k_cache,
-                     Tensor v_cache, at::TensorList norms, at::TensorList qk_norms, at::TensorList packed,
-                     at::TensorList sz, at::IntArrayRef groups, at::IntArrayRef splits, at::TensorList qkv_bias,
-                     int64_t nh, int64_t nkv, int64_t hd, double eps, double scale, int64_t window) {
+// Layers [0, L) of one token per row, row b at positions[b] of cache row cache_rows[b] (empty: b); returns
+// the hidden states (B, 1, H) before the final norm. The cache is (L, R, nkv, capacity, hd): a single
+// sequence's (R = 1; several rows are then consecutive tokens of it, each seeing the ones before) or a
+// batch's. Every row is computed exactly as it would be alone, in a step of its own: torch's int4 kernel
+// gives each row of a matrix the bits it gives that row alone, and each row's attention is its own call over
+// its own keys. So a batch reproduces its sequences' single steps, and T tokens of one sequence the T steps.
+// Per layer l: norms[2l] (input), norms[2l+1] (post-attention); packed/sz/groups/splits[4l + j] for
+// j = qkv, o, gate_up, down; qkv_bias[l] and qk_norms[2l], [2l+1] when given (else empty lists).
+Tensor decode_layers(const Tensor& x_in, const Tensor& inv_freq, at::IntArrayRef positions,
+                     at::IntArrayRef cache_rows, Tensor k_cache, Tensor v_cache, at::TensorList norms,
+                     at::TensorList qk_norms, at::TensorList packed, at::TensorList sz, at::IntArrayRef groups,
+                     at::IntArrayRef splits, at::TensorList qkv_bias, int64_t nh, int64_t nkv, int64_t hd,
+                     double eps, double scale, int64_t window) {
   TORCH_CHECK(x_in.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat, "float32 activations only");
   TORCH_CHECK(k_cache.dim() == 5 && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "the cache must be contiguous, (layers, rows, kv heads, capacity, head dim)");
   const int64_t L = k_cache.size(0), R = k_cache.size(1), capacity = k_cache.size(3), H = x_in.size(-1);
   const int64_t B = static_cast<int64_t>(positions.size());
-  TORCH_CHECK(B >= 1 && B <= R && x_in.numel() == B * H, B, " rows of ", H, " expected in a cache of ", R);
+  TORCH_CHECK(B >= 1 && x_in.numel() == B * H, B, " rows of ", H, " expected");
+  TORCH_CHECK(cache_rows.empty() || static_cast<int64_t>(cache_rows.size()) == B, "one cache row per row");
   TORCH_CHECK(static_cast<int64_t>(packed.size()) == 4 * L && static_cast<int64_t>(norms.size()) == 2 * L,
               "weights for ", L, " layers expected");
-  int64_t longest = 0;
-  for (int64_t p : positions) {
-    TORCH_CHECK(p >= 0 && p < capacity, "position ", p, " is outside the cache of ", capacity);
-    longest = std::max(longest, p + 1);
+  std::vector<int64_t> row(B);
+  for (int64_t b = 0; b < B; ++b) {
+    row[b] = cache_rows.empty() ? b : cache_rows[b];
+    TORCH_CHECK(row[b] >= 0 && row[b] < R, "cache row ", row[b], " is outside the cache's ", R);
+    TORCH_CHECK(positions[b] >= 0 && positions[b] < capacity, "position ", positions[b], " is outside the cache of ",
+                capacity);
   }
   Tensor x = x_in.reshape({B, H}).contiguous().clone();
   float* xp = x.data_ptr<float>();
@@ -88,18 +85,6 @@ Tensor decode_layers(const Tensor& x_in, const Tensor& inv_freq, at::IntArrayRef
       s[i + half] = std::sin(f);
     }
   }
-  // One row: its keys [start, position] by narrowing. Several: the longest row's span, each row masked to its
-  // own keys (and window), as the eager batched step does.
-  auto first_key = [&](int64_t p) { return window > 0 ? std::max<int64_t>(0, p + 1 - window) : int64_t(0); };
-  c10::optional<Tensor> mask;
-  if (B > 1) {
-    Tensor m = at::empty({B, 1, 1, longest}, at::TensorOptions().dtype(at::kBool));
-    bool* mp = m.data_ptr<bool>();
-    for (int64_t b = 0; b < B; ++b)
-      for (int64_t t = 0; t < longest; ++t) mp[b * longest + t] = t >= first_key(positions[b]) && t <= positions[b];
-    mask = m;
-  }
-  const int64_t start = B > 1 ? 0 : first_key(positions[0]), span = longest - start;
   std::vector<float> head(hd), rotated(hd);
   Tensor q = at::empty({B, nkv, nh / nkv, hd}, x.options());
   float* qp = q.data_ptr<float>();
@@ -126,23 +111,34 @@ Tensor decode_layers(const Tensor& x_in, const Tensor& inv_freq, at::IntArrayRef
           head[i] = bias ? v + bias[h * hd + i] : v;
         }
         if (h >= nh + nkv) {  // values: stored as they are
-          std::copy(head.begin(), head.end(), vl + b * row_stride + ((h - nh - nkv) * capacity + pos) * hd);
+          std::copy(head.begin(), head.end(), vl + row[b] * row_stride + ((h - nh - nkv) * capacity + pos) * hd);
           continue;
         }
         if (!qk_norms.empty())
           rms_norm_inplace(head.data(), qk_norms[2 * l + (h < nh ? 0 : 1)].data_ptr<float>(), hd, eps);
         for (int64_t i = 0; i < hd; ++i) rotated[i] = head[i] * c[i] + head[(i + half) % hd] * s[i];
-        float* dst = h < nh ? qp + (b * nh + h) * hd : kl + b * row_stride + ((h - nh) * capacity + pos) * hd;
+        float* dst = h < nh ? qp + (b * nh + h) * hd : kl + row[b] * row_stride + ((h - nh) * capacity + pos) * hd;
         std::copy(rotated.begin(), rotated.end(), dst);
       }
     }
-    // One query per head at one position: each kv group's queries ride the time axis.
-    Tensor keys = k_cache[l].narrow(0, 0, B).narrow(2, start, span);
-    Tensor values = v_cache[l].narrow(0, 0, B).narrow(2, start, span);
-    Tensor out = at::scaled_dot_product_attention(q, keys, values, mask, 0.0, false, attn_scale).contiguous();
+    // Each row alone: one query per head at its position, each kv group's queries riding the time axis, over
+    // its keys [first, position]. All the rows' keys and values are written by now (the tokens of one
+    // sequence see each other's).
     const int64_t ro = splits[j + 1] ? 2 : 1;
-    Tensor o = int4_mm(bf16_input(out.data_ptr<float>(), B, nh * hd, nh * hd, ro), packed[j + 1], groups[j + 1],
-                       sz[j + 1]);
+    Tensor attn = at::empty({B, nh * hd * ro}, at::TensorOptions().dtype(at::kBFloat16));
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t first = window > 0 ? std::max<int64_t>(0, positions[b] + 1 - window) : 0;
+      const int64_t span = positions[b] + 1 - first;
+      Tensor keys = k_cache[l].narrow(0, row[b], 1).narrow(2, first, span);
+      Tensor values = v_cache[l].narrow(0, row[b], 1).narrow(2, first, span);
+      Tensor out = at::scaled_dot_product_attention(q.narrow(0, b, 1), keys, values, {}, 0.0, false, attn_scale)
+                       .contiguous();
+      const float* op = out.data_ptr<float>();
+      BFloat16* dst = attn.data_ptr<BFloat16>() + b * nh * hd * ro;
+      for (int64_t i = 0; i < nh * hd; ++i) dst[i] = BFloat16(op[i]);
+      if (ro == 2) std::copy(dst, dst + nh * hd, dst + nh * hd);
+    }
+    Tensor o = int4_mm(attn, packed[j + 1], groups[j + 1], sz[j + 1]);
     const BFloat16* op = o.data_ptr<BFloat16>();
     for (int64_t i = 0; i < B * H; ++i) xp[i] += static_cast<float>(op[i]);
 
@@ -174,8 +170,8 @@ Tensor decode_layers(const Tensor& x_in, const Tensor& inv_freq, at::IntArrayRef
 }  // namespace
 
 TORCH_LIBRARY(umakit, m) {
-  m.def("decode_layers(Tensor x, Tensor inv_freq, int[] positions, Tensor(a!) k_cache, Tensor(b!) v_cache, "
-        "Tensor[] norms, Tensor[] qk_norms, Tensor[] packed, Tensor[] sz, int[] groups, int[] splits, "
-        "Tensor[] qkv_bias, int nh, int nkv, int hd, float eps, float scale, int window) -> Tensor");
+  m.def("decode_layers(Tensor x, Tensor inv_freq, int[] positions, int[] cache_rows, Tensor(a!) k_cache, "
+        "Tensor(b!) v_cache, Tensor[] norms, Tensor[] qk_norms, Tensor[] packed, Tensor[] sz, int[] groups, "
+        "int[] splits, Tensor[] qkv_bias, int nh, int nkv, int hd, float eps, float scale, int window) -> Tensor");
   m.impl("decode_layers", c10::DispatchKey::CPU, TORCH_FN(decode_layers));
 }
