@@ -1,12 +1,14 @@
 """The CPU decode step in one C++ call (native.py builds it): the eager step's math without its ~65 ops a layer.
 
 `FusedDecoder` serves the same calls as the eager step and the CUDA graph
-(logits of one token appended to the cache) and as the eager batched step
-(`rows`: one token for each row of a batch cache) for the models it covers: the
-Llama family (llama, mistral, qwen2's q/k/v biases, qwen3's q/k norms) with
-every projection on torch's int4 kernels and float32 activations, which is
-the CPU default for 4- and 8-bit checkpoints (convert.py). Anything else,
-and every step where the library cannot be built (native.py), runs the eager model.
+(logits of one token appended to the cache, or of a few: a speculative
+verification) and as the eager batched step (`rows`: one token for each row
+of a batch cache), every row exactly as its own one-token step would compute
+it, for the models it covers: the Llama family (llama, mistral, qwen2's
+q/k/v biases, qwen3's q/k norms) with every projection on torch's int4
+kernels and float32 activations, which is the CPU default for 4- and 8-bit
+checkpoints (convert.py). Anything else, and every step where the library
+cannot be built (native.py), runs the eager model.
 """
 
 from __future__ import annotations
