@@ -1,6 +1,7 @@
-"""CPU engines on the default model, in one run: decode, prefill, start-up, bytes per token and perplexity.
+"""CPU engines on the default model (or ``--model`` GGUF), in one run: decode, prefill, start-up, bytes per token and perplexity.
 
     python benchmarks/cpu_engines.py [--tokens 128] [--repeat 3] [--threads 2] [--ppl-tokens 4096] [--corpus wiki]
+    python benchmarks/cpu_engines.py --model other.gguf --ppl-tokens 0 --engines torch-auto llama.cpp
 
 Every measurement runs in a fresh process, the engines in rotation (so a
 burst of load from elsewhere hits each alike), and the median of the repeats
@@ -82,7 +83,7 @@ def worker_umakit(args, t0: float) -> dict:
     from umakit.sampling import SamplingParams
 
     backend, dtype = UMAKIT[args.worker]
-    model = umakit.load(None, backend=backend, device="cpu", dtype=dtype)
+    model = umakit.load(args.mlx_path, backend=backend, device="cpu", dtype=dtype)
     engine = model.engine
     ids = model.tokenizer.encode(PROMPT)
     stream = engine.generate_tokens(ids, engine.make_cache(), SamplingParams(temperature=0))
@@ -234,6 +235,8 @@ def main() -> None:
     ap.add_argument("--ppl-mlx", action="store_true", help="score the MLX engines' perplexity too (slow on CPU)")
     ap.add_argument("--engines", nargs="*", default=list(ENGINES), choices=ENGINES)
     ap.add_argument("--llama-python", default=LLAMA_PYTHON, help="a python with llama-cpp-python installed")
+    ap.add_argument("--model", help="a GGUF to measure instead of the built-in one (imported once, outside the "
+                                    "timings; perplexity means little on random weights: --ppl-tokens 0)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--gguf", help=argparse.SUPPRESS)
     ap.add_argument("--t0", type=float, help=argparse.SUPPRESS)
@@ -250,8 +253,9 @@ def main() -> None:
     notes = []
     from umakit.default_model import packaged_gguf
 
-    args.mlx_path = str(umakit.resolve_model(None))  # imports the packaged GGUF on first use, outside the timings
-    gguf = str(packaged_gguf())
+    # the import (umakit's and mlx-lm's input), made on first use, outside the timings
+    args.mlx_path = str(umakit.resolve_model(args.model))
+    gguf = args.model or str(packaged_gguf())
     from umakit.backends.torch import native
 
     if not native.ensure():  # built once per machine, outside the timed start-ups
@@ -263,7 +267,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         ppl = None
         if args.ppl_tokens:
-            tokenizer = umakit.load(None, backend="torch", device="cpu", dtype="float32").tokenizer
+            tokenizer = umakit.load(args.mlx_path, backend="torch", device="cpu", dtype="float32").tokenizer
             ids = tokenizer.encode(load_corpus(args.corpus))[:args.ppl_tokens]
             ppl = str(Path(tmp) / "ids.json")
             Path(ppl).write_text(json.dumps(ids))
@@ -277,16 +281,16 @@ def main() -> None:
                     print(f"  {e}: decode {out['decode']:.1f} tok/s, prefill {out['prefill']:.0f} tok/s, "
                           f"first token {out['first']:.2f} s", file=sys.stderr)
         load_after = os.getloadavg()
-    table = render(runs, args, load_before, load_after, notes)
+    table = render(runs, args, Path(gguf).name, load_before, load_after, notes)
     print(table)
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(table + "\n")
 
 
-def render(runs: dict[str, list[dict]], args, load_before, load_after, notes: list[str]) -> str:
+def render(runs: dict[str, list[dict]], args, model: str, load_before, load_after, notes: list[str]) -> str:
     ref = next((rs[0] for e, rs in runs.items() if e == "torch-float32" and rs), {})
     lines = [
-        f"CPU engines on the default model (SmolLM2-135M-Instruct Q4_1 GGUF), {time.strftime('%Y-%m-%d')}: "
+        f"CPU engines on {model}, {time.strftime('%Y-%m-%d')}: "
         f"{args.tokens} new tokens greedy, median of {args.repeat} runs, each in its own process, in rotation; "
         f"{args.threads} threads each.",
         f"Machine: {platform.machine()} {platform.processor() or ''}, {os.cpu_count()} CPUs, load average "
