@@ -279,15 +279,18 @@ def test_disconnect_frees_the_row_and_spares_the_others(server, client, local, n
                                            stream=True)
         result["text"] = "".join(c.choices[0].delta.content or "" for c in r)
 
-    payload = {"model": name, "messages": user("Talk for a long time"), "max_tokens": 400, "temperature": 0,
-               "stream": True}
+    # a reply that runs to its cap (checked): the disconnect lands while it is being made (its 400 tokens
+    # take this tiny model about 0.15 s; "Talk for a long time" ended after 19, before the client left)
+    long = user("Tell me everything you know")
+    assert local.generate(messages=long, max_tokens=400, temperature=0).finish_reason == "length"
+    payload = {"model": name, "messages": long, "max_tokens": 400, "temperature": 0, "stream": True}
     with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=payload,
                       headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as r:
         lines = r.iter_lines()
         assert next(lines).startswith("data: ")
         thread = threading.Thread(target=other)
         thread.start()
-        for _ in range(6):
+        for _ in range(3):
             next(lines)
     # the long stream is closed here, after a few tokens of its 400
     deadline = time.monotonic() + 10
@@ -342,12 +345,14 @@ def test_bounded_load_loses_nothing(server, client, name):
 
 
 def test_queue_full_gets_429_with_retry_after(tight_server, name):
-    """One row and one queue slot: of 8 requests sent at once, the ones beyond those two are refused."""
+    """One row and one queue slot: of 8 requests sent at once, the ones beyond those two are refused (each
+    runs to its 400 tokens, so none is done before the last arrives)."""
     start = threading.Barrier(8)
 
     def post(_):
         start.wait()
-        return raw(tight_server, "/v1/chat/completions", {"model": name, "messages": user("Go on"),
+        return raw(tight_server, "/v1/chat/completions", {"model": name,
+                                                          "messages": user("Tell me everything you know"),
                                                           "max_tokens": 400, "temperature": 0}, key=None)
 
     with ThreadPoolExecutor(8) as pool:
