@@ -413,9 +413,13 @@ def test_worker_failure_is_a_500_with_the_reason_then_it_restarts(local, name, m
 
 
 def test_request_timeout_is_a_504(local, name):
+    # greedy, and a reply that runs to its cap (checked): a sampled one may end at its first token, before
+    # the worker looks at the clock
+    assert local.generate("Once upon a time", raw=True, max_tokens=400, temperature=0).finish_reason == "length"
     scheduler, app = served(local, request_timeout_s=1e-3)
     try:
-        r, = asgi_calls(app, [("POST", "/v1/completions", {"model": name, "prompt": "The quick", "max_tokens": 400})])
+        r, = asgi_calls(app, [("POST", "/v1/completions", {"model": name, "prompt": "Once upon a time",
+                                                            "max_tokens": 400, "temperature": 0})])
         assert_error(r, 504)
     finally:
         scheduler.stop()
