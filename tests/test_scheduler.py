@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -207,7 +208,9 @@ def test_run_serves_in_the_calling_thread_until_told(model, monkeypatch):
 
     thread = threading.Thread(target=client)
     monkeypatch.setattr(type(model.engine), "batch_decoder", spying)
-    s.run(ready=lambda: ready.append(s.healthy) or thread.start(), until=lambda: ready and not thread.is_alive())
+    deadline = time.monotonic() + 60  # bounded, whatever goes wrong
+    s.run(ready=lambda: ready.append(s.healthy) or thread.start(),
+          until=lambda: (ready and not thread.is_alive()) or time.monotonic() > deadline)
     thread.join(timeout=60)
     assert ready == [True]  # called once, with the worker taking requests
     (events,) = results[0]
