@@ -180,10 +180,11 @@ class TorchEngine:
         cache = cache if cache is not None else self.make_cache()
         with torch.inference_mode():
             ids = torch.tensor(list(tokens), device=self.torch_device)
-            if self._fused is not None and self._fused.applies() and len(ids) < quant.DENSE_ROWS:
+            fused = self._fusing()
+            if fused is not None and len(ids) < quant.DENSE_ROWS:
                 # Each row the bits of its own decode step, the one generation runs: a speculative
                 # verification accepts exactly what plain decoding would pick, and a score is a reply's.
-                return self._fused(ids, cache).float().cpu().numpy()
+                return fused(ids, cache).float().cpu().numpy()
             return self._forward(ids, cache)[0].float().cpu().numpy()
 
     def prefill(self, tokens: Sequence[int], cache: StaticKVCache) -> None:
@@ -243,16 +244,21 @@ class TorchEngine:
     def _decode(self, token: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
         if self._graphs is not None:
             return self._graphs(token, cache)
-        if self._fused is not None and self._fused.applies():
-            return self._fused(token, cache)
-        return self._forward(token, cache)[:, -1]
+        fused = self._fusing()
+        return fused(token, cache) if fused is not None else self._forward(token, cache)[:, -1]
 
     def _decode_rows(self, tokens: torch.Tensor, positions: list[int], cache, span: int) -> torch.Tensor:
         """Logits (B, V) of one token a row of a batch cache (`TorchBatchDecoder`), row b at ``positions[b]``."""
-        if self._fused is not None and self._fused.applies():
-            return self._fused.rows(tokens, positions, cache)
+        fused = self._fusing()
+        if fused is not None:
+            return fused.rows(tokens, positions, cache)
         where = torch.tensor(positions, dtype=torch.long, device=self.torch_device)
         return self.model.decode_rows(tokens, where, cache, span)
+
+    def _fusing(self) -> FusedDecoder | None:
+        """The fused CPU step where it is on and applies now (no hook on a layer it would bypass)."""
+        fused = self._fused
+        return fused if fused is not None and fused.applies() else None
 
     def _resident_tensor_bytes(self) -> Iterator[tuple[str, int]]:
         """(name, bytes) of every weight held on the device for good (streamed layers excluded)."""
@@ -289,7 +295,7 @@ class TorchEngine:
             routed += self.experts_streamer.host_bytes
         a = self.args
         execution = describe_execution(self.model)
-        if self._fused is not None and self._fused.applies():
+        if self._fusing() is not None:
             execution += "; fused decode step"
         return common.weight_info(by_cat, self._params, a.vocab_size, self.kv_bytes_per_token(),
                                   self.quantization, execution,
