@@ -50,6 +50,35 @@ def torch_models(tiny_dir):
 
 
 @pytest.fixture(scope="session")
+def quantized(tmp_path_factory):
+    """``quantized(family, bits)`` -> a tiny checkpoint quantized by umakit in groups of 32, its biases random
+    (transformers initialises them to zero, where a dropped bias would not show); the default recipe keeps
+    some layers at 8 bits, which the torch engine's int4 kernels run as two nibble planes."""
+    made = {}
+
+    def get(family: str, bits: int = 4, **overrides):
+        import torch
+        from safetensors.torch import load_file, save_file
+
+        from umakit.quantize import quantize
+
+        key = (family, bits, tuple(sorted(overrides.items())))
+        if key not in made:
+            src = make_tiny_model(family, tmp_path_factory.mktemp(family), **overrides)
+            tensors = load_file(src / "model.safetensors")
+            gen = torch.Generator().manual_seed(1)
+            for name, t in tensors.items():
+                if name.endswith(".bias"):
+                    tensors[name] = torch.randn(t.shape, generator=gen, dtype=torch.float32).to(t.dtype)
+            save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+            made[key] = tmp_path_factory.mktemp(f"{family}-q{bits}") / "q"
+            quantize(src, made[key], bits=bits, group_size=32)
+        return made[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def tiny_model(tiny_dir):
     """A loaded tiny llama on the MLX backend (float32 on CPU)."""
     import umakit

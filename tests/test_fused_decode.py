@@ -7,54 +7,22 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 import umakit
-from umakit.backends.torch import fused, native
-from umakit.quantize import quantize
+from umakit.backends.torch import fused, light, native
 from umakit.sampling import SamplingParams
 
 from conftest import requires_default_model
-from tiny import make_tiny_model
 
 TEXT = "It is a truth universally acknowledged, that a single man in possession of a good fortune"
 # Both steps round the kernels' inputs to bfloat16 (8 significant bits), from float32 values that may
 # differ in their last bits (a norm's sum, an exp), so a rounding may differ here and there. On the
 # tiny models the two agree exactly here; a sign of RoPE flipped moves logits by 1-2% of the largest.
 RELATIVE = 0.005
-
-
-@pytest.fixture(scope="module")
-def quantized(tmp_path_factory):
-    """``quantized(family, bits)`` -> a tiny checkpoint quantized by umakit (the default recipe keeps some
-    layers at 8 bits, which run as two nibble planes)."""
-    made = {}
-
-    def get(family: str, bits: int = 4, **overrides):
-        key = (family, bits, tuple(sorted(overrides.items())))
-        if key not in made:
-            src = make_tiny_model(family, tmp_path_factory.mktemp(family), **overrides)
-            randomize_biases(src / "model.safetensors")
-            made[key] = tmp_path_factory.mktemp(f"{family}-q{bits}") / "q"
-            quantize(src, made[key], bits=bits, group_size=32)
-        return made[key]
-
-    return get
-
-
-def randomize_biases(path: Path) -> None:
-    """transformers initialises biases to zero, where a dropped bias would not show."""
-    tensors = load_file(path)
-    gen = torch.Generator().manual_seed(1)
-    for name, t in tensors.items():
-        if name.endswith(".bias"):
-            tensors[name] = torch.randn(t.shape, generator=gen, dtype=torch.float32).to(t.dtype)
-    save_file(tensors, path, metadata={"format": "pt"})
 
 
 def teacher_forced(model, ids: list[int], eager: bool) -> np.ndarray:
@@ -324,7 +292,7 @@ def test_two_processes_share_one_build_and_a_third_reuses_it(tmp_path):
             for _ in range(2)]
     results = [json.loads(p.communicate(timeout=600)[0]) for p in both]
     assert all(r["ok"] for r in results), results
-    built = list((tmp_path / "native").iterdir())
+    built = [p for p in (tmp_path / "native").iterdir() if p.is_dir()]  # beside them: light.py's record
     assert len(built) == 1 and [p.name for p in built[0].iterdir()] == [native.LIBRARY]  # no temps, no second
     stamp = (built[0] / native.LIBRARY).stat().st_mtime_ns
     again = json.loads(subprocess.run([sys.executable, "-c", BUILD], env=env, capture_output=True, text=True,
@@ -336,10 +304,12 @@ def test_a_changed_source_or_torch_builds_elsewhere(monkeypatch, tmp_path):
     cxx = native.compiler() or "/usr/bin/c++"
     monkeypatch.setenv("UMAKIT_NATIVE_DIR", str(tmp_path))
     first = native.library_dir(cxx)
-    changed = tmp_path / "fused_decode.cpp"
-    changed.write_text(Path(native.SOURCE).read_text() + "\n// changed\n")
-    monkeypatch.setattr(native, "SOURCE", changed)
-    assert native.library_dir(cxx) != first
-    monkeypatch.setattr(native, "SOURCE", Path(native.__file__).with_name("csrc") / "fused_decode.cpp")
+    for i, source in enumerate(light.SOURCES):
+        changed = tmp_path / source.name
+        changed.write_text(source.read_text() + "\n// changed\n")
+        with monkeypatch.context() as m:
+            m.setattr(light, "SOURCES", light.SOURCES[:i] + (changed,) + light.SOURCES[i + 1:])
+            assert native.library_dir(cxx) != first
+    assert native.library_dir(cxx) == first
     monkeypatch.setattr(torch, "__version__", "0.0.0")
     assert native.library_dir(cxx) != first

@@ -105,8 +105,18 @@ def test_piped_mode_is_deterministic_and_plain():
     assert all(o.returncode == 0 for o in outs), outs[0].stderr
     assert outs[0].stdout == outs[1].stdout
     replies = outs[0].stdout.split("\n\n")
-    assert "Paris" in replies[0] and "Berlin" in replies[1]
+    assert replies[0] == first_reply("What is the capital of France?") and "Berlin" in replies[1]
     assert "\x1b[" not in outs[0].stdout and outs[0].stderr == ""  # no colours, no footers
+
+
+def first_reply(line: str) -> str:
+    """What `umakit generate` answers ``line`` greedily: a chat's first reply, as the chat renders it.
+
+    (The built-in model's greedy answer to the capital of France sits on a near tie of "The" and "L"
+    in the CPU default's bfloat16 kernel inputs, so the test does not ask for "Paris".)"""
+    out = subprocess.run([EXE, "generate", "-p", line, "--temp", "0", "--max-tokens", "24"], capture_output=True,
+                         text=True, timeout=300, check=True)
+    return out.stdout.rstrip("\n")
 
 
 def test_chat_with_most_layers_streamed_from_host_memory():
@@ -126,7 +136,8 @@ def test_piped_bad_line_fails_alone():
         "Error: line 2 of the input is not UTF-8 text: byte 0xff at offset 0 (invalid start byte); "
         "convert it to UTF-8 first"]
     replies = out.stdout.decode().split("\n\n")
-    assert "Paris" in replies[0] and "Berlin" in replies[1]  # the lines after the bad one still ran
+    # the lines before and after the bad one ran
+    assert replies[0] == first_reply("What is the capital of France?") and "Berlin" in replies[1]
 
 
 def test_sigterm_or_a_closed_terminal_saves_the_conversation_first(tmp_path):

@@ -308,6 +308,7 @@ def load(
     gpu_layers: int | None = None,
     vram_budget: int | str | None = None,
     parallel: str | None = None,
+    light_start: bool = False,
 ) -> Model:
     """Load a model directory, Hub repo id, .gguf file, or (None) the built-in default.
 
@@ -322,6 +323,9 @@ def load(
     stream the remaining layers from host memory on every step (torch backend;
     on a CPU the copies are host copies, see umakit/offload.py). ``parallel`` ("tensor" or "pipeline"), under
     mlx.launch: this rank's shard of the model; rank 0 gets the Model, the other ranks follow it, then exit.
+    ``light_start``: where an earlier load of this checkpoint kept what it needs, start the engine without
+    importing its framework (the torch engine on CPU: umakit/backends/torch/light.py; the same tokens, and the
+    rest of the engine loads on first use of anything it does not run), for a one-shot command's first token.
     """
     t0 = time.perf_counter()
     offload = gpu_layers is not None or vram_budget is not None
@@ -334,8 +338,8 @@ def load(
                                                        config_compat.architecture(ckpt.config))
     tokenizer = Tokenizer(path, ckpt.config, extra_eos_ids=checkpoint.generation_eos_ids(path, ckpt.config))
     engine = backends.load_engine(
-        engine_name, ckpt, parallel=parallel, device=device, dtype=dtype, progress=progress, quantize=quantize,
-        gpu_layers=gpu_layers, vram_budget=vram_budget)
+        engine_name, ckpt, parallel=parallel, light_start=light_start, needs=needs, device=device, dtype=dtype,
+        progress=progress, quantize=quantize, gpu_layers=gpu_layers, vram_budget=vram_budget)
     info = load_info(engine, checkpoint.display_name(ckpt.path), path, time.perf_counter() - t0,
                       sum(f.stat().st_size for f in ckpt.files))
     if choice_note:  # why "auto" passed over its first engine, shown with the load's warnings

@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 from ..errors import BackendUnavailableError, InvalidArgumentError, UnsupportedModelError
 
-from .base import EngineSpec
+from .base import BATCH, EngineSpec
 from .mlx import SPEC as _MLX
 from .torch import SPEC as _TORCH
 
@@ -148,9 +148,18 @@ def parallel_backend(backend: str, parallel: str | None) -> str:
     return backend_for(backend, parallel)
 
 
-def load_engine(name: str, ckpt, *, parallel: str | None = None, **options):
+def load_engine(name: str, ckpt, *, parallel: str | None = None, light_start: bool = False,
+                needs: frozenset[str] = frozenset(), **options):
     """``engine_class(name).from_checkpoint(ckpt, **options)``; with ``parallel`` ("tensor" or "pipeline"),
-    the model sharded across the ranks of the launcher's run (`umakit.backends.distributed.load`)."""
+    the model sharded across the ranks of the launcher's run (`umakit.backends.distributed.load`).
+    ``light_start``: first try the engine's light start (its spec's), for a run that needs no batch."""
+    spec = ENGINES[name]
+    plain = all(options.get(k) is None for k in ("quantize", "gpu_layers", "vram_budget"))
+    if light_start and spec.light_start and parallel is None and plain and BATCH not in needs:
+        module, function = spec.light_start.split(":")
+        engine = getattr(importlib.import_module(module), function)(ckpt, **options)
+        if engine is not None:
+            return engine
     if parallel is None:
         return engine_class(name).from_checkpoint(ckpt, **options)
     from .distributed import load

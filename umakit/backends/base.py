@@ -52,6 +52,9 @@ class EngineSpec:
     architectures: tuple[str, ...] = ()
     finds_architecture: Callable[[str], bool] | None = None
     architectures_source: str = ""  # for messages: what finds them ("mlx-lm has a model file for")
+    # "module:function" that may start the engine without importing its dependency: called as
+    # from_checkpoint is (no quantize/offload options), it returns an Engine, or None to load the engine
+    light_start: str = ""
 
     def runs(self, model_type: str | None) -> bool:
         """Whether the engine has code for ``model_type`` (None, not known yet: assume so)."""

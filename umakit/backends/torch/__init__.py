@@ -11,7 +11,7 @@ ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "mixtral",
 
 SPEC = EngineSpec(name="torch", module="umakit.backends.torch.engine", cls="TorchEngine", dependency="torch",
                   extra="umakit[cuda]", devices=("cuda", "cpu"), features=frozenset({BATCH, OFFLOAD}),
-                  architectures=ARCHITECTURES)
+                  architectures=ARCHITECTURES, light_start="umakit.backends.torch.light:start")
 
 
 def __getattr__(name):

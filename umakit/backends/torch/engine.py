@@ -29,8 +29,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import resource
-import sys
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -53,6 +51,7 @@ from .loader import (CUDA_CACHE_TOKENS, SAFETENSORS_FLOATS, build_model, check_f
 from .model import ModelArgs
 from .expert_stream import ExpertStreamer, plan_expert_offload
 from .fused import FusedDecoder, covers
+from .light import FUSED_PREFILL_ROWS
 from .offload import LayerStreamer
 from .packed_cache import PackedCache
 from .sampling import make_sampler
@@ -81,8 +80,13 @@ class TorchEngine:
         # CPU int4 kernels: the packing of a quantized checkpoint, kept from its first load (packed_cache.py)
         int4 = device == "cpu" and target == torch.bfloat16 and ckpt.config.get("quantization")
         packed = PackedCache.for_checkpoint(ckpt.path, ckpt.files) if int4 else None
-        return cls(ckpt.config, shapes, lambda: stream_checkpoint(ckpt, staging, progress), device, target,
-                   gpu_layers, vram_budget, packed)
+        engine = cls(ckpt.config, shapes, lambda: stream_checkpoint(ckpt, staging, progress), device, target,
+                     gpu_layers, vram_budget, packed)
+        if packed is not None and engine._fusing() is not None:
+            from . import light_form  # what a later start without torch reads (light.py)
+
+            light_form.write(engine, packed.path, ckpt, dtype)
+        return engine
 
     @classmethod
     def synthetic(cls, config: dict, *, device: str, dtype: str = "auto", bits: int | None = None,
@@ -191,6 +195,11 @@ class TorchEngine:
         """Run ``tokens`` into ``cache``; the head is skipped."""
         ids = torch.tensor(list(tokens), dtype=torch.long, device=self.torch_device)
         with torch.inference_mode():
+            fused = self._fusing()
+            if fused is not None and 0 < len(ids) < FUSED_PREFILL_ROWS:
+                # rows of the fused step: faster than the eager forward's dequantizing below ~100 tokens, and
+                # what a start without torch runs (light.py)
+                return fused.prefill(ids, cache)
             for i in range(0, len(ids), PREFILL_CHUNK):
                 chunk = ids[i:i + PREFILL_CHUNK]
                 positions = torch.arange(cache.offset, cache.offset + len(chunk), device=self.torch_device)
@@ -329,19 +338,13 @@ class TorchEngine:
     def reset_peak_memory(self) -> None:
         if self.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        elif sys.platform == "linux":
-            with contextlib.suppress(OSError):  # resets VmHWM; some sandboxes forbid it
-                with open("/proc/self/clear_refs", "w") as f:
-                    f.write("5")
+        else:
+            common.reset_process_peak_memory()
 
     def peak_memory(self) -> int:
         """Peak device memory on CUDA; on CPU the process's peak resident memory."""
         if self.device == "cuda":
             return torch.cuda.max_memory_allocated()
-        with contextlib.suppress(OSError, ValueError, StopIteration):
-            with open("/proc/self/status") as f:
-                return int(next(line for line in f if line.startswith("VmHWM:")).split()[1]) * 1024
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return peak if sys.platform == "darwin" else peak * 1024
+        return common.process_peak_memory()
 
 

@@ -82,6 +82,17 @@ class FusedDecoder:
         cache.advance(n)
         return logits
 
+    def prefill(self, tokens: torch.Tensor, cache) -> None:
+        """``tokens`` (T,) appended to a single-sequence ``cache`` as T decode steps would write them, without the
+        head."""
+        n = tokens.numel()
+        cache.reserve(n)
+        start = cache.offset
+        x = self.model._embed(tokens.view(n, 1))
+        torch.ops.umakit.decode_layers(x, self.inv_freq, list(range(start, start + n)), [0] * n, cache.k, cache.v,
+                                       *self.weights, *self.shape)
+        cache.advance(n)
+
     def rows(self, tokens: torch.Tensor, positions: list[int], cache) -> torch.Tensor:
         """Logits (B, V) of one token per row, ``tokens`` (B, 1), row b at ``positions[b]`` of a `BatchKVCache`
         (reserved for them), as `Transformer.decode_rows` computes them and as each row's own step would."""

@@ -29,9 +29,8 @@ import torch
 
 from ...errors import BusyError, WriteError
 from ...fsutil import atomic_dir, atomic_file
-from ...home import home_dir
+from .light import SOURCES, native_base, record_library, sources_digest
 
-SOURCE = Path(__file__).with_name("csrc") / "fused_decode.cpp"
 LIBRARY = "umakit_fused.so"
 BUILD_TIMEOUT_S = 600.0  # also how long a process waits for another one's build
 FLAGS = ("-O3", "-shared", "-fPIC", "-std=c++17", "-w")
@@ -54,17 +53,16 @@ def command(cxx: str, out: Path) -> list[str]:
     x86 = platform.machine() in ("x86_64", "AMD64")
     arch = _AVX2_FLAGS if x86 and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") else ()
     return [cxx, *FLAGS, *arch, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-I{root / 'include'}",
-            f"-I{root / 'include' / 'torch' / 'csrc' / 'api' / 'include'}", str(SOURCE), "-o", str(out),
+            f"-I{root / 'include' / 'torch' / 'csrc' / 'api' / 'include'}", *map(str, SOURCES), "-o", str(out),
             f"-L{root / 'lib'}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{root / 'lib'}"]
 
 
 def library_dir(cxx: str) -> Path:
     """Where the build of this source, torch and compile command lives."""
-    key = hashlib.sha256(SOURCE.read_bytes())
+    key = hashlib.sha256(sources_digest().encode())
     key.update(torch.__version__.encode())
     key.update(" ".join(command(cxx, Path(LIBRARY))).encode())
-    base = Path(os.environ["UMAKIT_NATIVE_DIR"]) if os.environ.get("UMAKIT_NATIVE_DIR") else home_dir("native")
-    return base / key.hexdigest()[:16]
+    return native_base() / key.hexdigest()[:16]
 
 
 def ensure() -> bool:
@@ -101,6 +99,7 @@ def _ensure() -> tuple[bool, str]:
         torch.ops.load_library(str(where / LIBRARY))
     except (OSError, RuntimeError) as e:
         return False, f"cannot load {where / LIBRARY}: {e}"
+    record_library(where / LIBRARY, torch.__version__)  # for a later start without torch (light.py)
     return True, ""
 
 

@@ -15,7 +15,6 @@ layers are repacked, as without a cache.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 from pathlib import Path
 
 import torch
@@ -24,10 +23,8 @@ from safetensors.torch import save
 
 from ...errors import WriteError
 from ...fsutil import atomic_file
-from ...home import home_dir
+from .cache_key import SUFFIX, packed_path
 
-FORMAT_VERSION = 2  # bump when Int4PackLinear's packed form or the file layout changes (2: 64-byte aligned data)
-SUFFIX = ".safetensors"
 ALIGNMENT = 64  # bytes: torch's CPU allocator's, and AVX-512's loads
 
 
@@ -46,16 +43,8 @@ class PackedCache:
     @classmethod
     def for_checkpoint(cls, checkpoint_dir: Path, files: list[Path]) -> "PackedCache | None":
         """The cache of the checkpoint at ``checkpoint_dir`` as its ``files`` are now; None where none can be kept."""
-        where = hashlib.sha256(str(Path(checkpoint_dir).resolve()).encode()).hexdigest()[:12]
-        key = hashlib.sha256(f"{FORMAT_VERSION} {torch.__version__}".encode())
-        try:
-            for f in sorted(files):
-                stat = f.stat()
-                key.update(f"{f.name} {stat.st_size} {stat.st_mtime_ns}".encode())
-            folder = home_dir("packed")
-        except (OSError, WriteError):
-            return None
-        return cls(folder / f"{where}-{key.hexdigest()[:16]}{SUFFIX}")
+        path = packed_path(checkpoint_dir, files, torch.__version__)
+        return None if path is None else cls(path)
 
     def get(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(packed, scales_and_zeros) of the layer at module path ``name``, if stored."""

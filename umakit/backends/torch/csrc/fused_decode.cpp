@@ -14,6 +14,8 @@
 #include <cmath>
 #include <vector>
 
+#include "fused_decode.h"
+
 namespace {
 
 using at::BFloat16;
@@ -48,6 +50,10 @@ Tensor int4_mm(const Tensor& x, const Tensor& packed, int64_t group, const Tenso
 // its own keys. So a batch reproduces its sequences' single steps, and T tokens of one sequence the T steps.
 // Per layer l: norms[2l] (input), norms[2l+1] (post-attention); packed/sz/groups/splits[4l + j] for
 // j = qkv, o, gate_up, down; qkv_bias[l] and qk_norms[2l], [2l+1] when given (else empty lists).
+}  // namespace
+
+namespace umakit {
+
 Tensor decode_layers(const Tensor& x_in, const Tensor& inv_freq, at::IntArrayRef positions,
                      at::IntArrayRef cache_rows, Tensor k_cache, Tensor v_cache, at::TensorList norms,
                      at::TensorList qk_norms, at::TensorList packed, at::TensorList sz, at::IntArrayRef groups,
@@ -167,11 +173,11 @@ Tensor decode_layers(const Tensor& x_in, const Tensor& inv_freq, at::IntArrayRef
   return x.view({B, 1, H});
 }
 
-}  // namespace
+}  // namespace umakit
 
 TORCH_LIBRARY(umakit, m) {
   m.def("decode_layers(Tensor x, Tensor inv_freq, int[] positions, int[] cache_rows, Tensor(a!) k_cache, "
         "Tensor(b!) v_cache, Tensor[] norms, Tensor[] qk_norms, Tensor[] packed, Tensor[] sz, int[] groups, "
         "int[] splits, Tensor[] qkv_bias, int nh, int nkv, int hd, float eps, float scale, int window) -> Tensor");
-  m.impl("decode_layers", c10::DispatchKey::CPU, TORCH_FN(decode_layers));
+  m.impl("decode_layers", c10::DispatchKey::CPU, TORCH_FN(umakit::decode_layers));
 }
