@@ -12,12 +12,15 @@ as real ones; there is no 0.5B GGUF offline.
 
 Each model is imported into umakit once first (``umakit import``, outside the
 timings, as a user's first run does), then every measurement is a fresh
-process, the two engines in rotation, median of ``--repeat``: umakit's
+process, the engines in rotation, median of ``--repeat``: umakit's
 ``umakit generate -m FILE.gguf -p PROMPT --max-tokens 8 --temp 0`` until the
-first byte of its reply on stdout, and a llama-cpp-python process (``--llama-python``,
-a separate venv; see cpu_engines.py) that loads the file and evaluates the
-prompt until its first token. Prints a markdown table and writes it to
-benchmarks/out/start_up.md.
+first byte of its reply on stdout (as it starts: light, see
+umakit/backends/torch/light.py; and with ``UMAKIT_NO_LIGHT=1``, the full
+engine), and a llama-cpp-python process (``--llama-python``, a separate venv;
+see cpu_engines.py) that loads the file and evaluates a prompt until its first
+token: the same token ids umakit's chat template makes of PROMPT (the same
+work), and PROMPT's own few tokens (what earlier versions of this script
+timed). Prints a markdown table and writes it to benchmarks/out/start_up.md.
 """
 
 from __future__ import annotations
@@ -46,7 +49,8 @@ import sys, time
 t0 = float(sys.argv[3])
 from llama_cpp import Llama
 llm = Llama(sys.argv[1], n_threads=int(sys.argv[2]), n_ctx=512, verbose=False)
-llm.eval(llm.tokenize(sys.argv[4].encode()))
+ids = sys.argv[4]
+llm.eval([int(t) for t in ids.split(",")] if ids else llm.tokenize(sys.argv[5].encode()))
 llm.sample(top_k=1, temp=0)
 print(time.time() - t0)
 """
@@ -114,10 +118,12 @@ def write_qwen05_f16(path: Path, tokenizer_from: Path) -> None:
     w.close()
 
 
-def umakit_first_token(gguf_file: Path, threads: int) -> float:
+def umakit_first_token(gguf_file: Path, threads: int, light: bool = True) -> float:
     """Seconds from spawning `umakit generate` to the first byte of its reply on stdout."""
     umakit = Path(sys.executable).with_name("umakit")
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    if not light:
+        env["UMAKIT_NO_LIGHT"] = "1"
     t0 = time.time()
     p = subprocess.Popen([str(umakit), "generate", "-m", str(gguf_file), "-p", PROMPT, "--max-tokens", "8",
                           "--temp", "0"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
@@ -129,10 +135,18 @@ def umakit_first_token(gguf_file: Path, threads: int) -> float:
     return took
 
 
-def llama_first_token(llama_python: str, gguf_file: Path, threads: int) -> float:
-    run = subprocess.run([llama_python, "-c", LLAMA_WORKER, str(gguf_file), str(threads), repr(time.time()), PROMPT],
-                         capture_output=True, text=True, check=True)
+def llama_first_token(llama_python: str, gguf_file: Path, threads: int, ids: list[int] | None) -> float:
+    """llama-cpp-python's start to first token, evaluating ``ids`` (None: PROMPT, tokenized by llama.cpp)."""
+    run = subprocess.run([llama_python, "-c", LLAMA_WORKER, str(gguf_file), str(threads), repr(time.time()),
+                          ",".join(map(str, ids or [])), PROMPT], capture_output=True, text=True, check=True)
     return float(run.stdout.strip().splitlines()[-1])
+
+
+def chat_ids(gguf_file: Path) -> list[int]:
+    """The token ids `umakit generate` feeds for PROMPT: its chat template's."""
+    import umakit
+
+    return umakit.load(gguf_file, light_start=True).encode(PROMPT)
 
 
 def main() -> None:
@@ -157,24 +171,32 @@ def main() -> None:
             subprocess.run([args.llama_python, "-c", QUANTIZE, str(f16), str(qwen), str(Q4_1), str(Q8_0)], check=True)
             f16.unlink()
         models = {"SmolLM2-135M-Instruct Q4_1 (built-in)": builtin, "Qwen2.5-0.5B shapes, Q4_1 (random)": qwen}
-        for path in models.values():  # the one-time import, as a first run does, outside the timings
+        for path in models.values():  # the one-time import and first load, as a first run does, outside the timings
             umakit_first_token(path, args.threads)
-        times: dict[str, dict[str, list[float]]] = {m: {"umakit": [], "llama.cpp": []} for m in models}
+        ids = {name: chat_ids(path) for name, path in models.items()}
+        runs = {"umakit": lambda p, n: umakit_first_token(p, args.threads),
+                "umakit, full engine": lambda p, n: umakit_first_token(p, args.threads, light=False),
+                "llama.cpp, same tokens": lambda p, n: llama_first_token(args.llama_python, p, args.threads, ids[n]),
+                "llama.cpp, raw prompt": lambda p, n: llama_first_token(args.llama_python, p, args.threads, None)}
+        times: dict[str, dict[str, list[float]]] = {m: {r: [] for r in runs} for m in models}
         load = os.getloadavg()[0]
         for _ in range(args.repeat):
             for name, path in models.items():
-                times[name]["umakit"].append(umakit_first_token(path, args.threads))
-                times[name]["llama.cpp"].append(llama_first_token(args.llama_python, path, args.threads))
-                print(f"  {name}: umakit {times[name]['umakit'][-1]:.2f} s, llama.cpp "
-                      f"{times[name]['llama.cpp'][-1]:.2f} s", file=sys.stderr)
+                for run, timed in runs.items():
+                    times[name][run].append(timed(path, name))
+                print(f"  {name}: " + ", ".join(f"{r} {t[-1]:.2f} s" for r, t in times[name].items()),
+                      file=sys.stderr)
         sizes = {name: path.stat().st_size for name, path in models.items()}
     lines = [f"Process start to first token, one-shot, {time.strftime('%Y-%m-%d')}: median of {args.repeat}, "
              f"each run a fresh process, in rotation; {args.threads} threads; load average {load:.1f} at the start.",
-             "", "| model | GGUF size | umakit generate (cached import) | llama-cpp-python | umakit / llama.cpp |",
-             "|---|---:|---:|---:|---:|"]
+             "", "| model | GGUF size | prompt tokens | umakit generate (cached import) | llama-cpp-python, the same "
+             "tokens | umakit / llama.cpp | umakit, full engine (`UMAKIT_NO_LIGHT=1`) | llama-cpp-python, the raw "
+             "prompt's tokens |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for name, t in times.items():
-        u, l = statistics.median(t["umakit"]), statistics.median(t["llama.cpp"])
-        lines.append(f"| {name} | {sizes[name] / 1e6:.0f} MB | {u:.2f} s | {l:.2f} s | {u / l:.1f}x |")
+        m = {r: statistics.median(v) for r, v in t.items()}
+        lines.append(f"| {name} | {sizes[name] / 1e6:.0f} MB | {len(ids[name])} | {m['umakit']:.2f} s | "
+                     f"{m['llama.cpp, same tokens']:.2f} s | {m['umakit'] / m['llama.cpp, same tokens']:.2f}x | "
+                     f"{m['umakit, full engine']:.2f} s | {m['llama.cpp, raw prompt']:.2f} s |")
     table = "\n".join(lines)
     print(table)
     OUT.parent.mkdir(parents=True, exist_ok=True)

@@ -481,26 +481,26 @@ def test_default_model_missing_package_names_the_command(monkeypatch, tmp_path):
 
 def test_default_model_fast_path_does_not_parse(monkeypatch, tmp_path):
     import umakit.default_model as dm
-    import umakit.gguf.cache as cache
+    import umakit.gguf.reader as reader
 
     monkeypatch.setenv("UMAKIT_HOME", str(tmp_path / "home"))
     target = tmp_path / "home" / "models" / dm.DEFAULT_MODEL_NAME
     import_gguf(write_gguf(tmp_path / "m.gguf"), target)
-    monkeypatch.setattr(cache, "open_gguf", lambda *a: pytest.fail("parsed a GGUF"))
+    monkeypatch.setattr(reader, "open_gguf", lambda *a: pytest.fail("parsed a GGUF"))
     monkeypatch.setattr(dm, "packaged_gguf", lambda: pytest.fail("looked for the package"))
     assert dm.default_model_dir() == target
 
 
 def test_cached_import_reuses_and_refreshes(monkeypatch, tmp_path):
-    import umakit.gguf.cache as cache
+    import umakit.gguf.reader as reader
 
     src = write_gguf(tmp_path / "m.gguf")
     first = cached_import(src)
     assert first.parent == Path(os.environ["UMAKIT_HOME"]) / "models" / "gguf"
-    real_open = cache.open_gguf
-    monkeypatch.setattr(cache, "open_gguf", lambda *a: pytest.fail("parsed a GGUF"))
+    real_open = reader.open_gguf
+    monkeypatch.setattr(reader, "open_gguf", lambda *a: pytest.fail("parsed a GGUF"))
     assert cached_import(src) == first
-    monkeypatch.setattr(cache, "open_gguf", real_open)
+    monkeypatch.setattr(reader, "open_gguf", real_open)
     write_gguf(src, seed=1)  # a changed file is imported again
     os.utime(src, ns=(1, 1))
     assert cached_import(src) != first

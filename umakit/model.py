@@ -16,11 +16,12 @@ from .hardware import DeviceInfo, detect_local
 from .load_info import LoadInfo, load_info
 from .offload import StreamedRun
 from .sampling import DEFAULT_MAX_TOKENS, SamplingParams, sampling_params
-from .speculative import SpeculativeDecoder
 from .tokenizer import Message, Tokenizer
 
 if TYPE_CHECKING:
     import numpy as np
+
+    from .speculative import SpeculativeDecoder
 
 
 class Model:

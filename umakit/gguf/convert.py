@@ -9,7 +9,6 @@ nothing behind.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from dataclasses import dataclass, field
@@ -19,16 +18,15 @@ from typing import NamedTuple
 import numpy as np
 
 from ..affine import quantization_block
-from ..checkpoint_writer import WEIGHTS_FILE, fill_model_dir, write_model_dir
+from ..checkpoint_writer import fill_model_dir, write_model_dir
 from ..fsutil import check_destination, check_not_inside, check_writable
 from ..errors import UnsupportedModelError
 from . import quants
 from .arch import ArchSpec, map_names, qk_row_order, spec_for
+from .finished import IMPORT_FORMAT, is_complete  # noqa: F401 (is_complete: part of this module's API)
 from .reader import GGUFFile, open_gguf, sha256_file
 from .tokenizer import TokenizerFiles, build_tokenizer, dumps
 
-# Bump when the output layout changes: cached imports of an older format are then redone.
-IMPORT_FORMAT = 1
 
 
 class LossyTensor(NamedTuple):
@@ -241,15 +239,3 @@ def import_gguf(path: str | os.PathLike, out_dir: str | os.PathLike, force: bool
     c = _convert(plan)
     written = write_model_dir(out_dir, c.arrays, c.config_text, files=c.files, sharded=False, force=force)
     return _report(plan, c, Path(out_dir), written, start)
-
-
-def is_complete(model_dir: Path) -> bool:
-    """Whether ``model_dir`` holds a finished import (cheap: no file is parsed but config.json)."""
-    needed = ("config.json", WEIGHTS_FILE, "tokenizer.json", "tokenizer_config.json")
-    if not all((model_dir / f).is_file() for f in needed):
-        return False
-    try:
-        meta = json.loads((model_dir / "config.json").read_text())["umakit"]
-        return meta["source"] == "gguf" and meta["import_format"] == IMPORT_FORMAT
-    except (OSError, ValueError, KeyError, TypeError):
-        return False

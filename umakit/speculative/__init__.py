@@ -9,9 +9,12 @@ A feature module above the engines: it uses only the declared protocol
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ..errors import InvalidArgumentError
-from .decoder import SpeculativeDecoder, SpeculativeStats
-from .proposers import DraftModel, PromptLookup
+
+if TYPE_CHECKING:
+    from .decoder import SpeculativeDecoder
 
 DEFAULT_DRAFT_TOKENS = 4  # with a draft model: each proposed token costs a draft step
 DEFAULT_LOOKUP_TOKENS = 8  # with prompt lookup: proposals are free, only verification costs
@@ -21,6 +24,19 @@ MAX_NGRAM = 8
 
 __all__ = ["DEFAULT_DRAFT_TOKENS", "DEFAULT_LOOKUP_TOKENS", "DEFAULT_NGRAM", "DraftModel", "MAX_DRAFT_TOKENS",
            "MAX_NGRAM", "PromptLookup", "SpeculativeDecoder", "SpeculativeStats", "check_draft", "speculator"]
+
+
+def __getattr__(name):
+    """The decoder and proposers, imported on use (numpy): the CLI reads this module's limits on every start."""
+    if name in ("SpeculativeDecoder", "SpeculativeStats"):
+        from . import decoder
+
+        return getattr(decoder, name)
+    if name in ("DraftModel", "PromptLookup"):
+        from . import proposers
+
+        return getattr(proposers, name)
+    raise AttributeError(name)
 
 
 def speculator(target, *, draft=None, prompt_lookup: bool = False, draft_tokens: int | None = None,
@@ -37,6 +53,9 @@ def speculator(target, *, draft=None, prompt_lookup: bool = False, draft_tokens:
         if draft_tokens is not None or ngram is not None:
             raise InvalidArgumentError("--draft-tokens and --ngram need --draft MODEL or --prompt-lookup")
         return None
+    from .decoder import SpeculativeDecoder
+    from .proposers import DraftModel, PromptLookup
+
     default = DEFAULT_DRAFT_TOKENS if draft is not None else DEFAULT_LOOKUP_TOKENS
     k = _in_range("draft_tokens", default if draft_tokens is None else draft_tokens, 1, MAX_DRAFT_TOKENS)
     vocab = int(target.engine.config.get("vocab_size") or target.tokenizer.vocab_size)

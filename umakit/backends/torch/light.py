@@ -441,7 +441,8 @@ class _CarryingDecoder:
 
 
 def _torch_engine():
-    from .engine import TorchEngine
+    """The full engine's class, through the registry (it imports torch)."""
+    from .. import engine_class
 
-    return TorchEngine
+    return engine_class(SPEC.name)
 
