@@ -200,3 +200,29 @@ def umakit_bin():
     from pathlib import Path
 
     return Path(sys.executable).with_name("umakit")
+
+
+INTERRUPTED = """
+import json, os, signal, sys, threading
+import umakit
+m = umakit.load(sys.argv[1], backend="torch", device="cpu", dtype="bfloat16", light_start=True)
+engine = m.engine
+assert "torch" not in sys.modules
+threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT)).start()  # amid importing torch
+try:
+    engine.torch_engine()
+    out = "not interrupted"
+except KeyboardInterrupt:
+    out = "interrupted"
+print(json.dumps({"out": out, "full": engine._full is not None, "rows": len(engine.logits(list(range(3, 45))))}))
+"""
+
+
+def test_ctrl_c_while_the_full_engine_loads_comes_after_it(quantized):
+    """An import of torch cut short cannot be retried in that process: a chat that hands over to the full engine
+    and gets Ctrl-C then must still have an engine afterwards."""
+    path = quantized("llama")
+    load_both(path)
+    run = subprocess.run([sys.executable, "-c", INTERRUPTED, str(path)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout) == {"out": "interrupted", "full": True, "rows": 42}

@@ -27,6 +27,8 @@ import ctypes
 import hashlib
 import json
 import os
+import signal
+import threading
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -287,7 +289,8 @@ class LightEngine:
     def torch_engine(self):
         """The full `TorchEngine` of the same checkpoint (imports torch on first use)."""
         if self._full is None:
-            self._full = _torch_engine().from_checkpoint(self._ckpt, device="cpu", dtype=self._requested)
+            with _sigint_held():
+                self._full = _torch_engine().from_checkpoint(self._ckpt, device="cpu", dtype=self._requested)
         return self._full
 
     def _carried(self, cache):
@@ -438,6 +441,23 @@ class _CarryingDecoder:
 
     def context_tokens(self) -> int:
         return self._decoder.context_tokens()
+
+
+@contextlib.contextmanager
+def _sigint_held():
+    """Ctrl-C held back until the block ends, then delivered: an import of torch cut short cannot be retried in
+    the same process (its C extension is half registered), and a chat carries on after a Ctrl-C."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught = []
+    previous = signal.signal(signal.SIGINT, lambda *_: caught.append(True))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if caught:
+            signal.raise_signal(signal.SIGINT)
 
 
 def _torch_engine():

@@ -6,7 +6,6 @@
 // steps, the cache's growth), so a run here gives the engine's bits: the same tokens for the same seed.
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
-#include <ATen/Parallel.h>
 #include <c10/core/InferenceMode.h>
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -170,8 +169,6 @@ const char* umakit_light_cpu_capability() {
   capability = at::get_cpu_capability();
   return capability.c_str();
 }
-
-int umakit_light_threads() { return at::get_num_threads(); }
 
 // A model over `n` tensors, tensor i the bytes at offsets[i] of file file_of[i] (mapped read-only), of dtype
 // dtypes[i] and shape shapes[4i .. 4i + ndims[i]). Their order, and that of `ints` and `floats`: light.py's
