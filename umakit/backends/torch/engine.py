@@ -85,7 +85,10 @@ class TorchEngine:
         if packed is not None and engine._fusing() is not None:
             from . import light_form  # what a later start without torch reads (light.py)
 
-            light_form.write(engine, packed.path, ckpt, dtype)
+            # every --dtype that loads this same form, whichever one this load was asked for
+            asked = [d for d in ("auto", "bfloat16")
+                     if compute_dtype(d, floats, device, ckpt.config.get("quantization")) == target]
+            light_form.write(engine, packed.path, ckpt, sorted({dtype, *asked}))
         return engine
 
     @classmethod

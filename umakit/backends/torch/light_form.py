@@ -33,9 +33,9 @@ from .packed_cache import _aligned_file
 from .quant import Int4PackLinear, QuantizedEmbedding
 
 
-def write(engine, packed_file: Path, ckpt: Checkpoint, requested_dtype: str) -> bool:
+def write(engine, packed_file: Path, ckpt: Checkpoint, dtypes: list[str]) -> bool:
     """Write the light file of ``engine`` (a CPU TorchEngine whose fused step is on) unless it exists; whether
-    one is there now."""
+    one is there now. ``dtypes``: the ``--dtype`` values that load this form."""
     path = light_path(packed_file)
     if path.exists():
         return True
@@ -47,7 +47,7 @@ def write(engine, packed_file: Path, ckpt: Checkpoint, requested_dtype: str) -> 
         return False
     stored, manifest = form
     manifest.update(format=LIGHT_FORMAT, torch=torch.__version__, dtype=engine.dtype,
-                    dtypes=sorted({requested_dtype, engine.dtype}),
+                    dtypes=dtypes,
                     cpu_capability=torch.backends.cpu.get_cpu_capability(),
                     weight_info=dataclasses.asdict(engine.weight_info()))
     try:
