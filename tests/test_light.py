@@ -228,3 +228,15 @@ def test_ctrl_c_while_the_full_engine_loads_comes_after_it(quantized):
     run = subprocess.run([sys.executable, "-c", INTERRUPTED, str(path)], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert json.loads(run.stdout) == {"out": "interrupted", "full": True, "rows": 42}
+
+
+def test_a_stale_or_damaged_light_file_is_written_again(quantized):
+    path = quantized("llama")
+    load_both(path)
+    kept = light_file(path)
+    for damage in (b"not a safetensors file", kept.read_bytes().replace(b'\\"format\\": 1', b'\\"format\\": 0')):
+        kept.write_bytes(damage)
+        assert isinstance(umakit.load(path, backend="torch", device="cpu", dtype="bfloat16",
+                                      light_start=True).engine, TorchEngine)  # passed over, and written again
+        assert isinstance(umakit.load(path, backend="torch", device="cpu", dtype="bfloat16",
+                                      light_start=True).engine, light.LightEngine)

@@ -124,10 +124,16 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 
 def read_header(path: Path) -> tuple[dict, int]:
-    """A safetensors file's header (its tensors and ``__metadata__``) and where its data starts."""
+    """A safetensors file's header (its tensors and ``__metadata__``) and where its data starts; ValueError for
+    a file that is not one."""
     with open(path, "rb") as f:
         n = int.from_bytes(f.read(8), "little")
-        return json.loads(f.read(n)), 8 + n
+        if not 2 <= n <= min(os.fstat(f.fileno()).st_size - 8, 100 << 20):
+            raise ValueError(f"{path} is not a safetensors file")
+        header = json.loads(f.read(n))
+    if not isinstance(header, dict):
+        raise ValueError(f"{path} is not a safetensors file")
+    return header, 8 + n
 
 
 def start(ckpt: Checkpoint, *, device: str, dtype: str = "auto", **_options) -> "LightEngine | None":
@@ -145,18 +151,18 @@ def start(ckpt: Checkpoint, *, device: str, dtype: str = "auto", **_options) -> 
         manifest = json.loads(header.get("__metadata__", {}).get(METADATA_KEY, "null"))
     except (OSError, ValueError):
         return None
-    if not manifest or manifest.get("format") != LIGHT_FORMAT or manifest.get("torch") != version:
+    if not isinstance(manifest, dict) or manifest.get("format") != LIGHT_FORMAT or manifest.get("torch") != version:
         return None
-    if dtype not in manifest["dtypes"]:
+    if dtype not in manifest.get("dtypes", ()):
         return None
     lib = _library(version)
     if lib is None or lib.umakit_light_cpu_capability().decode() != manifest["cpu_capability"]:
         return None
     try:
         files, tensors = _tensors(manifest, packed, ckpt)
-    except (OSError, ValueError, KeyError):
+        handle = _open(lib, files, tensors, manifest["shape"])
+    except (OSError, ValueError, KeyError, TypeError, IndexError):  # a file another version left: not ours
         return None
-    handle = _open(lib, files, tensors, manifest["shape"])
     return None if handle is None else LightEngine(ckpt, dtype, manifest, lib, handle)
 
 

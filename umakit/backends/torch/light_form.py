@@ -26,7 +26,7 @@ from ...checkpoint import Checkpoint
 from ...errors import WriteError
 from ...fsutil import atomic_file
 from .cache_key import light_path
-from .light import LIGHT_FORMAT, METADATA_KEY
+from .light import LIGHT_FORMAT, METADATA_KEY, read_header
 from .loader import _sanitize
 from .model import RMSNorm
 from .packed_cache import _aligned_file
@@ -37,7 +37,7 @@ def write(engine, packed_file: Path, ckpt: Checkpoint, dtypes: list[str]) -> boo
     """Write the light file of ``engine`` (a CPU TorchEngine whose fused step is on) unless it exists; whether
     one is there now. ``dtypes``: the ``--dtype`` values that load this form."""
     path = light_path(packed_file)
-    if path.exists():
+    if _current(path, dtypes):
         return True
     fused, model = engine._fusing(), engine.model
     if fused is None or not packed_file.exists():
@@ -56,6 +56,19 @@ def write(engine, packed_file: Path, ckpt: Checkpoint, dtypes: list[str]) -> boo
     except WriteError:
         return False
     return True
+
+
+def _current(path: Path, dtypes: list[str]) -> bool:
+    """Whether ``path`` holds a light file this umakit, torch and CPU read, for these ``dtypes`` (else it is
+    written again: an older format, a damaged file or another machine's would be passed over forever)."""
+    try:
+        header, _ = read_header(path)
+        manifest = json.loads(header["__metadata__"][METADATA_KEY])
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return (manifest.get("format") == LIGHT_FORMAT and manifest.get("torch") == torch.__version__
+            and manifest.get("cpu_capability") == torch.backends.cpu.get_cpu_capability()
+            and set(dtypes) <= set(manifest.get("dtypes", ())))
 
 
 def _form(engine, fused, model, packed_file: Path, ckpt: Checkpoint):
