@@ -1,8 +1,8 @@
-"""The fused CPU decode step's C++ library (csrc/fused_decode.cpp): built once per machine, loaded in a millisecond.
+"""The fused CPU decode step's C++ library (csrc/fused_decode.cpp, and light.cpp: its C entry points): built once per machine.
 
 The library is compiled with the system's C++ compiler against the installed
-torch (about 8 s here) into ``$UMAKIT_HOME/native/<key>/``, where the key
-hashes the source, torch's version and the compile command, so a new umakit
+torch (about 14 s here, both sources) into ``$UMAKIT_HOME/native/<key>/``, where the key
+hashes the sources, torch's version and the compile command, so a new umakit
 or torch builds afresh and never loads a stale library. The first engine that
 needs it builds it, once (`make setup` does it ahead); a second process that
 finds the build under way waits for it. The build is synchronous on purpose:
