@@ -240,3 +240,17 @@ def test_a_stale_or_damaged_light_file_is_written_again(quantized):
                                       light_start=True).engine, TorchEngine)  # passed over, and written again
         assert isinstance(umakit.load(path, backend="torch", device="cpu", dtype="bfloat16",
                                       light_start=True).engine, light.LightEngine)
+
+
+def test_past_the_caches_first_growth_and_the_engines_limits_alike(quantized):
+    """Across 256 positions the cache grows (cache.py's GROW_STEP, mirrored in light.cpp); the light engine's
+    limits of its own (logits rows, prefill rows) are the engine's."""
+    from umakit.backends.torch import cache, quant
+
+    assert light.LOGIT_ROWS == quant.DENSE_ROWS and cache.GROW_STEP == 256  # light.cpp's constants
+    full, lite = load_both(quantized("llama"))
+    ids = full.tokenizer.encode(TEXT)[:20]
+    assert take(lite.engine, ids, 300, SAMPLED, seed=2) == take(full.engine, ids, 300, SAMPLED, seed=2)
+    cache_ = lite.engine.make_cache()
+    lite.engine.prefill((ids * 20)[:light.FUSED_PREFILL_ROWS - 1], cache_)
+    assert lite.engine._full is None and cache_.offset == light.FUSED_PREFILL_ROWS - 1
