@@ -100,7 +100,9 @@ def test_a_light_engine_declares_the_protocol_and_hands_batches_over(quantized):
     ids = full.tokenizer.encode(TEXT)
     held = g.make_cache()
     g.prefill(ids[:7], held)  # a light cache, carried over when the batch decoder takes it
-    assert g._full is None and held.offset == 7 and held.nbytes > 0
+    like = full.engine.make_cache()
+    full.engine.prefill(ids[:7], like)
+    assert g._full is None and held.offset == 7 and held.nbytes == like.nbytes > 0
     decoder = g.batch_decoder()
     assert isinstance(decoder, base.BatchDecoder)
     decoder.add([base.BatchRow(0, ids[:12], GREEDY, cache=held), base.BatchRow(1, ids[:5], GREEDY)])
