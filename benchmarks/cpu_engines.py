@@ -16,7 +16,9 @@ weights, mlx-community's layout).
 
 Columns: decode tok/s (greedy, ``--tokens`` new tokens after a short prompt),
 prefill tok/s of a 512-token prompt, seconds from process start to the first
-token of a one-shot generation (the import already cached), weight bytes read
+token of a one-shot generation (the import already cached; umakit's in a
+process of its own, started as `umakit generate` starts it, without torch where
+it can: umakit/backends/torch/light.py), weight bytes read
 per token, the bandwidth that implies, and perplexity on the first
 ``--ppl-tokens`` tokens of the Austen corpus (or ``--corpus wiki``, the
 Wikipedia leads), in windows of 512 each scored from its second token (one
@@ -73,6 +75,20 @@ def stepwise(logits_of_one, chunk: list[int]):
     import numpy as np
 
     return np.stack([np.asarray(logits_of_one(t, i == 0), dtype=np.float32).reshape(-1) for i, t in enumerate(chunk)])
+
+
+def worker_first_token(args, t0: float) -> dict:
+    """Start to first token as `umakit generate` starts (light: without importing torch, where an earlier load
+    kept its file; threads from OMP_NUM_THREADS, which run_worker sets)."""
+    import umakit
+    from umakit.sampling import SamplingParams
+
+    backend, dtype = UMAKIT[args.worker]
+    model = umakit.load(args.mlx_path, backend=backend, device="cpu", dtype=dtype, light_start=True)
+    engine = model.engine
+    stream = engine.generate_tokens(model.tokenizer.encode(PROMPT), engine.make_cache(), SamplingParams(temperature=0))
+    next(stream)
+    return dict(first=time.time() - t0)
 
 
 def worker_umakit(args, t0: float) -> dict:
@@ -213,16 +229,21 @@ def worker_mlx_lm(args, t0: float) -> dict:
 
 
 # -- the driver ----------------------------------------------------------------------
-def run_worker(engine: str, args, gguf: str, ppl: str | None) -> dict | None:
+def run_worker(engine: str, args, gguf: str, ppl: str | None, first_only: bool = False) -> dict | None:
     python = args.llama_python if engine == "llama.cpp" else sys.executable
     cmd = [python, __file__, "--worker", engine, "--tokens", str(args.tokens), "--threads", str(args.threads),
            "--gguf", gguf, "--mlx-path", args.mlx_path or "", "--t0", repr(time.time())]
     cmd += (["--ppl", ppl] if ppl else []) + (["--ppl-mlx"] if args.ppl_mlx else [])
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    cmd += ["--first-only"] if first_only else []
+    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
     if done.returncode:
         print(f"  {engine} failed:\n{done.stderr[-2000:]}", file=sys.stderr)
         return None
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    if engine in UMAKIT and not first_only:  # the start as `umakit generate` makes it, in a process of its own
+        start = run_worker(engine, args, gguf, None, first_only=True)
+        out["first_whole_engine"], out["first"] = out["first"], start["first"] if start else float("nan")
+    return out
 
 
 def main() -> None:
@@ -242,9 +263,11 @@ def main() -> None:
     ap.add_argument("--t0", type=float, help=argparse.SUPPRESS)
     ap.add_argument("--ppl", help=argparse.SUPPRESS)
     ap.add_argument("--mlx-path", help=argparse.SUPPRESS)
+    ap.add_argument("--first-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         fn = {"llama.cpp": worker_llama, "hf": worker_hf, "mlx-lm": worker_mlx_lm}.get(args.worker, worker_umakit)
+        fn = worker_first_token if args.first_only else fn
         print(json.dumps(fn(args, args.t0)))
         return
 
