@@ -75,31 +75,28 @@ class FusedDecoder:
     def __call__(self, tokens: torch.Tensor, cache) -> torch.Tensor:
         """Logits (T, V) of ``tokens`` (T,) appended to a single-sequence ``cache``, each row the bits its own
         one-token step gives (so a verification of T proposed tokens is T decode steps, in one call)."""
-        n = tokens.numel()
-        cache.reserve(n)
-        start = cache.offset
-        logits = self._layers(tokens.view(n, 1), list(range(start, start + n)), [0] * n, cache.k, cache.v)
-        cache.advance(n)
-        return logits
+        return self._append(tokens, cache, head=True)
 
     def prefill(self, tokens: torch.Tensor, cache) -> None:
         """``tokens`` (T,) appended to a single-sequence ``cache`` as T decode steps would write them, without the
         head."""
-        n = tokens.numel()
-        cache.reserve(n)
-        start = cache.offset
-        x = self.model._embed(tokens.view(n, 1))
-        torch.ops.umakit.decode_layers(x, self.inv_freq, list(range(start, start + n)), [0] * n, cache.k, cache.v,
-                                       *self.weights, *self.shape)
-        cache.advance(n)
+        self._append(tokens, cache, head=False)
 
     def rows(self, tokens: torch.Tensor, positions: list[int], cache) -> torch.Tensor:
         """Logits (B, V) of one token per row, ``tokens`` (B, 1), row b at ``positions[b]`` of a `BatchKVCache`
         (reserved for them), as `Transformer.decode_rows` computes them and as each row's own step would."""
         return self._layers(tokens, positions, [], cache.k, cache.v)
 
+    def _append(self, tokens: torch.Tensor, cache, head: bool) -> torch.Tensor | None:
+        n = tokens.numel()
+        cache.reserve(n)
+        start = cache.offset
+        out = self._layers(tokens.view(n, 1), list(range(start, start + n)), [0] * n, cache.k, cache.v, head)
+        cache.advance(n)
+        return out
+
     def _layers(self, tokens: torch.Tensor, positions: list[int], rows: list[int], k: torch.Tensor,
-                v: torch.Tensor) -> torch.Tensor:
+                v: torch.Tensor, head: bool = True) -> torch.Tensor | None:
         x = self.model._embed(tokens)
         x = torch.ops.umakit.decode_layers(x, self.inv_freq, positions, rows, k, v, *self.weights, *self.shape)
-        return self.model._head(x)[:, -1]
+        return self.model._head(x)[:, -1] if head else None

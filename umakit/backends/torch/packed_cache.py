@@ -65,6 +65,8 @@ class PackedCache:
                 f.write(_aligned_file(save({k: v.contiguous() for k, v in layers.items()})))
         except WriteError:
             return  # a cache: the next load repacks
+        # older keys' packings go, and so does any light start's file (light_form.py) beside them or this one:
+        # it refers to tensors of the packing it was written with
         prefix = self.path.name.split("-")[0] + "-"
         for old in self.path.parent.glob(f"{prefix}*{SUFFIX}"):
             if old != self.path:
