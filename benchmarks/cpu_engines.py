@@ -17,8 +17,7 @@ weights, mlx-community's layout).
 Columns: decode tok/s (greedy, ``--tokens`` new tokens after a short prompt),
 prefill tok/s of a 512-token prompt, seconds from process start to the first
 token of a one-shot generation (the import already cached; umakit's in a
-process of its own, started as `umakit generate` starts it, without torch where
-it can: umakit/backends/torch/light.py), weight bytes read
+process of its own, started as `umakit generate` starts it), weight bytes read
 per token, the bandwidth that implies, and perplexity on the first
 ``--ppl-tokens`` tokens of the Austen corpus (or ``--corpus wiki``, the
 Wikipedia leads), in windows of 512 each scored from its second token (one
@@ -78,13 +77,12 @@ def stepwise(logits_of_one, chunk: list[int]):
 
 
 def worker_first_token(args, t0: float) -> dict:
-    """Start to first token as `umakit generate` starts (light: without importing torch, where an earlier load
-    kept its file; threads from OMP_NUM_THREADS, which run_worker sets)."""
+    """Start to first token as `umakit generate` starts (threads from OMP_NUM_THREADS, which run_worker sets)."""
     import umakit
     from umakit.sampling import SamplingParams
 
     backend, dtype = UMAKIT[args.worker]
-    model = umakit.load(args.mlx_path, backend=backend, device="cpu", dtype=dtype, light_start=True)
+    model = umakit.load(args.mlx_path, backend=backend, device="cpu", dtype=dtype)
     engine = model.engine
     stream = engine.generate_tokens(model.tokenizer.encode(PROMPT), engine.make_cache(), SamplingParams(temperature=0))
     next(stream)

@@ -14,9 +14,7 @@ Each model is imported into umakit once first (``umakit import``, outside the
 timings, as a user's first run does), then every measurement is a fresh
 process, the engines in rotation, median of ``--repeat``: umakit's
 ``umakit generate -m FILE.gguf -p PROMPT --max-tokens 8 --temp 0`` until the
-first byte of its reply on stdout (as it starts: light, see
-umakit/backends/torch/light.py; and with ``UMAKIT_NO_LIGHT=1``, the full
-engine), and a llama-cpp-python process (``--llama-python``, a separate venv;
+first byte of its reply on stdout, and a llama-cpp-python process (``--llama-python``, a separate venv;
 see cpu_engines.py) that loads the file and evaluates a prompt until its first
 token: the same token ids umakit's chat template makes of PROMPT (the same
 work), and PROMPT's own few tokens (what earlier versions of this script
@@ -118,12 +116,10 @@ def write_qwen05_f16(path: Path, tokenizer_from: Path) -> None:
     w.close()
 
 
-def umakit_first_token(gguf_file: Path, threads: int, light: bool = True) -> float:
+def umakit_first_token(gguf_file: Path, threads: int) -> float:
     """Seconds from spawning `umakit generate` to the first byte of its reply on stdout."""
     umakit = Path(sys.executable).with_name("umakit")
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    if not light:
-        env["UMAKIT_NO_LIGHT"] = "1"
     t0 = time.time()
     p = subprocess.Popen([str(umakit), "generate", "-m", str(gguf_file), "-p", PROMPT, "--max-tokens", "8",
                           "--temp", "0"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
@@ -146,7 +142,7 @@ def chat_ids(gguf_file: Path) -> list[int]:
     """The token ids `umakit generate` feeds for PROMPT: its chat template's."""
     import umakit
 
-    return umakit.load(gguf_file, light_start=True).encode(PROMPT)
+    return umakit.load(gguf_file).encode(PROMPT)
 
 
 def main() -> None:
@@ -175,7 +171,6 @@ def main() -> None:
             umakit_first_token(path, args.threads)
         ids = {name: chat_ids(path) for name, path in models.items()}
         runs = {"umakit": lambda p, n: umakit_first_token(p, args.threads),
-                "umakit, full engine": lambda p, n: umakit_first_token(p, args.threads, light=False),
                 "llama.cpp, same tokens": lambda p, n: llama_first_token(args.llama_python, p, args.threads, ids[n]),
                 "llama.cpp, raw prompt": lambda p, n: llama_first_token(args.llama_python, p, args.threads, None)}
         times: dict[str, dict[str, list[float]]] = {m: {r: [] for r in runs} for m in models}
@@ -190,13 +185,13 @@ def main() -> None:
     lines = [f"Process start to first token, one-shot, {time.strftime('%Y-%m-%d')}: median of {args.repeat}, "
              f"each run a fresh process, in rotation; {args.threads} threads; load average {load:.1f} at the start.",
              "", "| model | GGUF size | prompt tokens | umakit generate (cached import) | llama-cpp-python, the same "
-             "tokens | umakit / llama.cpp | umakit, full engine (`UMAKIT_NO_LIGHT=1`) | llama-cpp-python, the raw "
-             "prompt's tokens |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "tokens | umakit / llama.cpp | llama-cpp-python, the raw prompt's tokens |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
     for name, t in times.items():
         m = {r: statistics.median(v) for r, v in t.items()}
         lines.append(f"| {name} | {sizes[name] / 1e6:.0f} MB | {len(ids[name])} | {m['umakit']:.2f} s | "
                      f"{m['llama.cpp, same tokens']:.2f} s | {m['umakit'] / m['llama.cpp, same tokens']:.2f}x | "
-                     f"{m['umakit, full engine']:.2f} s | {m['llama.cpp, raw prompt']:.2f} s |")
+                     f"{m['llama.cpp, raw prompt']:.2f} s |")
     table = "\n".join(lines)
     print(table)
     OUT.parent.mkdir(parents=True, exist_ok=True)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import umakit
-from umakit.backends.torch import fused, light, native
+from umakit.backends.torch import fused, native
 from umakit.sampling import SamplingParams
 
 from conftest import requires_default_model
@@ -237,28 +237,42 @@ def fresh_state(monkeypatch, tmp_path):
     return tmp_path / "native"
 
 
+needs_compiler = pytest.mark.skipif(native.compiler() is None, reason="no C++ compiler here")
+
+
+@needs_compiler
 def test_a_failing_compiler_leaves_its_log_and_no_library(fresh_state, monkeypatch, tmp_path):
-    failing = tmp_path / "cxx"
-    failing.write_text("#!/bin/sh\necho 'fatal error: no such header' >&2\nexit 3\n")
+    """A compiler that answers --version but fails to compile: its words kept in build.log, no library."""
+    real, failing = native.compiler(), tmp_path / "cxx"
+    failing.write_text(f'#!/bin/sh\n[ "$1" = "--version" ] && exec {real} --version\n'
+                       "echo 'fatal error: no such header' >&2\nexit 3\n")
     failing.chmod(0o755)
     monkeypatch.setenv("CXX", str(failing))
     assert native.ensure() is False
-    assert "the C++ build failed (exit status 3)" in native.reason()
-    logs = list(fresh_state.glob("*.log"))
-    assert len(logs) == 1 and "fatal error: no such header" in logs[0].read_text()
-    assert [p for p in fresh_state.iterdir() if p.suffix != ".log"] == []  # no library, no temp dir
+    assert "the C++ build failed" in native.reason()
+    (log,) = fresh_state.glob(f"*/{native.LOG}")
+    assert "fatal error: no such header" in log.read_text() and str(log) in native.reason()
+    assert not list(fresh_state.glob(f"*/{native.NAME}*.so"))
     monkeypatch.setitem(native._state, "ready", None)  # the next start does not compile again
-    failing.write_text("#!/bin/sh\ntouch " + str(tmp_path / "ran") + "\nexit 3\n")
-    assert native.ensure() is False and "failed earlier" in native.reason() and str(logs[0]) in native.reason()
+    failing.write_text(f'#!/bin/sh\n[ "$1" = "--version" ] && exec {real} --version\n'
+                       f"touch {tmp_path / 'ran'}\nexit 3\n")
+    assert native.ensure() is False and "failed earlier" in native.reason() and str(log) in native.reason()
     assert not (tmp_path / "ran").exists()
-    logs[0].unlink()  # removed: it tries again
+    log.unlink()  # removed: the next start tries again
     monkeypatch.setitem(native._state, "ready", None)
+    from torch.utils import cpp_extension  # a start is a new process: cpp_extension's memory of this build goes
+
+    monkeypatch.setattr(cpp_extension.JIT_EXTENSION_VERSIONER, "entries", {})
     assert native.ensure() is False and (tmp_path / "ran").exists()
 
 
-def test_no_compiler_and_the_switch_off_are_reasons(fresh_state, monkeypatch):
+def test_no_compiler_no_ninja_and_the_switch_off_are_reasons(fresh_state, monkeypatch):
     monkeypatch.setenv("CXX", "/nonexistent/c++")
     assert native.ensure() is False and "no C++ compiler" in native.reason()
+    monkeypatch.delenv("CXX")
+    monkeypatch.setitem(native._state, "ready", None)
+    monkeypatch.setattr(native, "_ninja_dir", lambda: None)
+    assert native.ensure() is False and native.reason() == "ninja is missing: pip install ninja"
     monkeypatch.setitem(native._state, "ready", None)
     monkeypatch.setenv("UMAKIT_NO_NATIVE", "1")
     assert native.ensure() is False and native.reason() == "UMAKIT_NO_NATIVE is set"
@@ -284,32 +298,34 @@ print(json.dumps({"ok": ok, "reason": native.reason(), "s": time.perf_counter() 
 """
 
 
-@pytest.mark.skipif(native.compiler() is None, reason="no C++ compiler here")
+@needs_compiler
 def test_two_processes_share_one_build_and_a_third_reuses_it(tmp_path):
+    """cpp_extension's lock: one compiles, the other waits for it; a later start loads the library as is."""
     env = {**os.environ, "UMAKIT_NATIVE_DIR": str(tmp_path / "native")}
     env.pop("UMAKIT_NO_NATIVE", None)
     both = [subprocess.Popen([sys.executable, "-c", BUILD], env=env, stdout=subprocess.PIPE, text=True)
             for _ in range(2)]
     results = [json.loads(p.communicate(timeout=600)[0]) for p in both]
     assert all(r["ok"] for r in results), results
-    built = [p for p in (tmp_path / "native").iterdir() if p.is_dir()]  # beside them: light.py's record
-    assert len(built) == 1 and [p.name for p in built[0].iterdir()] == [native.LIBRARY]  # no temps, no second
-    stamp = (built[0] / native.LIBRARY).stat().st_mtime_ns
+    (built,) = [p for p in (tmp_path / "native").iterdir() if p.is_dir()]
+    (library,) = built.glob(f"{native.NAME}*.so")
+    assert library.name == f"{native.NAME}.so" and not (built / "lock").exists()  # one build, no second
+    stamp = library.stat().st_mtime_ns
     again = json.loads(subprocess.run([sys.executable, "-c", BUILD], env=env, capture_output=True, text=True,
                                       check=True).stdout)
-    assert again["ok"] and (built[0] / native.LIBRARY).stat().st_mtime_ns == stamp  # loaded, not rebuilt
+    assert again["ok"] and library.stat().st_mtime_ns == stamp  # loaded, not rebuilt
 
 
-def test_a_changed_source_or_torch_builds_elsewhere(monkeypatch, tmp_path):
+def test_a_changed_source_torch_or_compiler_builds_elsewhere(monkeypatch, tmp_path):
     cxx = native.compiler() or "/usr/bin/c++"
     monkeypatch.setenv("UMAKIT_NATIVE_DIR", str(tmp_path))
-    first = native.library_dir(cxx)
-    for i, source in enumerate(light.SOURCES):
-        changed = tmp_path / source.name
-        changed.write_text(source.read_text() + "\n// changed\n")
-        with monkeypatch.context() as m:
-            m.setattr(light, "SOURCES", light.SOURCES[:i] + (changed,) + light.SOURCES[i + 1:])
-            assert native.library_dir(cxx) != first
-    assert native.library_dir(cxx) == first
+    first = native.build_dir(cxx)
+    changed = tmp_path / native.SOURCE.name
+    changed.write_text(native.SOURCE.read_text() + "\n// changed\n")
+    with monkeypatch.context() as m:
+        m.setattr(native, "SOURCE", changed)
+        assert native.build_dir(cxx) != first
+    assert native.build_dir(cxx) == first
+    assert native.build_dir("/usr/bin/clang++") != first
     monkeypatch.setattr(torch, "__version__", "0.0.0")
-    assert native.library_dir(cxx) != first
+    assert native.build_dir(cxx) != first

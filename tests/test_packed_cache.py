@@ -7,7 +7,7 @@ import pytest
 from safetensors import safe_open
 
 import umakit
-from umakit.backends.torch import cache_key, packed_cache, quant
+from umakit.backends.torch import packed_cache, quant
 from umakit.quantize import quantize
 
 from tiny import make_tiny_model
@@ -43,8 +43,8 @@ def ids(text):
 
 
 def packings(home):
-    """The packings kept, without the light start's files beside them."""
-    return [p for p in home.iterdir() if not p.name.endswith(cache_key.LIGHT_SUFFIX)]
+    """The packings kept."""
+    return list(home.iterdir())
 
 
 def load(path):
@@ -72,15 +72,15 @@ def test_the_stored_packing_is_mapped_at_the_kernels_alignment(checkpoint, home)
 
 def test_a_changed_checkpoint_is_repacked_and_its_old_packing_removed(checkpoint, home, repacks, tmp_path):
     load(checkpoint)
-    before = set(home.iterdir())  # the packing and the light start's file beside it (light_form.py)
-    assert len(before) == 2
+    before = set(home.iterdir())
+    assert len(before) == 1
     weights = next(checkpoint.glob("*.safetensors"))
     stat = weights.stat()
     os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
     made = len(repacks)
     load(checkpoint)
     after = set(home.iterdir())
-    assert len(repacks) > made and len(after) == 2 and not after & before
+    assert len(repacks) > made and len(after) == 1 and not after & before
 
 
 def test_a_damaged_packing_is_ignored_and_rewritten(checkpoint, home, repacks):
@@ -98,7 +98,7 @@ def test_a_damaged_packing_is_ignored_and_rewritten(checkpoint, home, repacks):
 def test_a_new_packing_format_or_torch_reads_elsewhere(checkpoint, home, monkeypatch):
     files = list(checkpoint.iterdir())
     first = packed_cache.PackedCache.for_checkpoint(checkpoint, files).path
-    monkeypatch.setattr(cache_key, "FORMAT_VERSION", cache_key.FORMAT_VERSION + 1)
+    monkeypatch.setattr(packed_cache, "FORMAT_VERSION", packed_cache.FORMAT_VERSION + 1)
     assert packed_cache.PackedCache.for_checkpoint(checkpoint, files).path != first
     monkeypatch.setattr(packed_cache.torch, "__version__", "0.0.0")
     assert packed_cache.PackedCache.for_checkpoint(checkpoint, files).path != first

@@ -13,16 +13,16 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from .checkpoint import resolve as resolve_model
-from .checkpoint import size_on_disk as checkpoint_size
-from .errors import UmakitError
-from .sampling import SamplingParams
+from umakit.checkpoint import resolve as resolve_model
+from umakit.checkpoint import size_on_disk as checkpoint_size
+from umakit.errors import UmakitError
+from umakit.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from .chat import ChatSession, ChatSettings
-    from .generation import Chunk, GenerationResult, GenerationStats
-    from .gguf import ImportReport, import_gguf
-    from .model import Model, load, load_synthetic
+    from umakit.chat import ChatSession, ChatSettings
+    from umakit.generation import Chunk, GenerationResult, GenerationStats
+    from umakit.gguf import ImportReport, import_gguf
+    from umakit.model import Model, load, load_synthetic
 
 # public name -> the module that defines it, imported when the name is first read
 _LAZY = {

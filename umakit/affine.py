@@ -24,7 +24,7 @@ def bits_per_weight(bits: int, group_size: int, scale_bytes: int = 2) -> float:
     ``scale_bytes`` each: 4-bit, group 64, fp16 scale+bias -> 4 + 32/64 = 4.5.
     """
     if bits <= 0 or group_size <= 0 or scale_bytes <= 0:
-        from .errors import InvalidArgumentError
+        from umakit.errors import InvalidArgumentError
 
         raise InvalidArgumentError(
             f"bits, group size and scale bytes must be positive (got {bits}, {group_size}, {scale_bytes})"

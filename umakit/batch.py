@@ -18,11 +18,11 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterator, Sequence
 
-from .backends.base import BatchRow
-from . import validate
-from .errors import InvalidArgumentError, UmakitError
-from .generation import DecodeRow, GenerationResult
-from .sampling import DEFAULT_MAX_TOKENS, SamplingParams
+from umakit.backends.base import BatchRow
+from umakit import validate
+from umakit.errors import InvalidArgumentError, UmakitError
+from umakit.generation import DecodeRow, GenerationResult
+from umakit.sampling import DEFAULT_MAX_TOKENS, SamplingParams
 
 DEFAULT_BATCH_SIZE = 8
 KV_BLOCK = 256  # batch caches grow in blocks of this many positions

@@ -15,9 +15,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import InvalidArgumentError
-from .fsutil import AppendFile, atomic_file, writing
-from .generation import GenerationResult
+from umakit.errors import InvalidArgumentError
+from umakit.fsutil import AppendFile, atomic_file, writing
+from umakit.generation import GenerationResult
 
 
 @dataclass

@@ -20,14 +20,14 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
-from . import validate
-from .affine import KV_BITS
-from .errors import InvalidArgumentError, UmakitError
-from .fsutil import atomic_file
-from .generation import Chunk, GenerationStats
-from .home import home_dir
-from .sampling import DEFAULT_MAX_TOKENS, SamplingParams
-from .shapes import INTERRUPT_PREFILL_CHUNK, PREFILL_CHUNK
+from umakit import validate
+from umakit.affine import KV_BITS
+from umakit.errors import InvalidArgumentError, UmakitError
+from umakit.fsutil import atomic_file
+from umakit.generation import Chunk, GenerationStats
+from umakit.home import home_dir
+from umakit.sampling import DEFAULT_MAX_TOKENS, SamplingParams
+from umakit.shapes import INTERRUPT_PREFILL_CHUNK, PREFILL_CHUNK
 
 CUT_MARK = " [cut]"  # appended to a reply the user interrupted
 TRANSCRIPT_VERSION = 1

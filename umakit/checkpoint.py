@@ -16,8 +16,8 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import config_compat
-from .errors import CheckpointError, ConfigError, ModelNotFoundError
+from umakit import config_compat
+from umakit.errors import CheckpointError, ConfigError, ModelNotFoundError
 
 # Bytes per element of the safetensors dtypes we accept.
 DTYPE_BYTES = {
@@ -70,7 +70,7 @@ def resolve(model: str | os.PathLike | None) -> Path:
     ``HF_HUB_OFFLINE`` is set).
     """
     if model is None:
-        from .default_model import default_model_dir
+        from umakit.default_model import default_model_dir
 
         return default_model_dir()
     text = os.fspath(model)
@@ -79,9 +79,9 @@ def resolve(model: str | os.PathLike | None) -> Path:
         return path
     if path.is_file():
         if path.suffix == ".gguf":
-            from .fsutil import writing
-            from .gguf import cached_import
-            from .home import home_dir
+            from umakit.fsutil import writing
+            from umakit.gguf import cached_import
+            from umakit.home import home_dir
 
             cache = home_dir("models", "gguf")  # an unusable $UMAKIT_HOME is one clear error
             with writing(cache):  # so is a full disk or a read-only cache mid-import

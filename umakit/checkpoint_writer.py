@@ -16,7 +16,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Mapping
 
-from .fsutil import atomic_dir
+from umakit.fsutil import atomic_dir
 
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .affine import DEFAULT_GROUP_SIZE, FLOAT_BITS
-from .errors import InvalidArgumentError
-from .hardware import lookup_device
-from .offload import ROUTED_EXPERTS
-from .plan import DEFAULT_KV_BITS, REFERENCE_DEVICES, WEIGHT_BITS, plan_model
+from umakit.affine import DEFAULT_GROUP_SIZE, FLOAT_BITS
+from umakit.errors import InvalidArgumentError
+from umakit.hardware import lookup_device
+from umakit.offload import ROUTED_EXPERTS
+from umakit.plan import DEFAULT_KV_BITS, REFERENCE_DEVICES, WEIGHT_BITS, plan_model
 
 
 @dataclass

@@ -12,7 +12,7 @@ names; what a config states itself is never overwritten.
 
 from __future__ import annotations
 
-from .errors import UnsupportedModelError
+from umakit.errors import UnsupportedModelError
 
 SLIDING, FULL = "sliding_attention", "full_attention"  # transformers' layer_types values
 GEMMA3 = ("gemma3", "gemma3_text")

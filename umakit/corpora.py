@@ -25,9 +25,9 @@ import zipfile
 import zlib
 from pathlib import Path
 
-from .errors import InvalidArgumentError, UmakitError
-from .fsutil import atomic_file
-from .home import umakit_home
+from umakit.errors import InvalidArgumentError, UmakitError
+from umakit.fsutil import atomic_file
+from umakit.home import umakit_home
 
 FETCH_COMMAND = "umakit corpora fetch"  # named in errors; the command lives in umakit/cli/corpora_cmd.py
 AUSTEN_PACKAGE = "r-cran-janeaustenr"

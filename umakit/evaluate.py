@@ -18,7 +18,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .errors import InvalidArgumentError
+from umakit.errors import InvalidArgumentError
 
 DEFAULT_WINDOW = 512  # stride defaults to the window: non-overlapping windows
 DEFAULT_CHUNK = 256  # tokens fed to the cache per step by kv_perplexity

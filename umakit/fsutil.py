@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from .errors import BusyError, InvalidArgumentError, WriteError
+from umakit.errors import BusyError, InvalidArgumentError, WriteError
 
 TEMP_SUFFIX = ".tmp"
 LOCK_SUFFIX = ".lock"

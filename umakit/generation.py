@@ -13,14 +13,14 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator, Sequence
 
-from .backends.base import Engine, KVCache
-from .offload import ROUTED_EXPERTS
-from .roofline import OffloadStats, RooflineStats
-from .sampling import SamplingParams
-from .tokenizer import StreamingDetokenizer, Tokenizer
+from umakit.backends.base import Engine, KVCache
+from umakit.offload import ROUTED_EXPERTS
+from umakit.roofline import OffloadStats, RooflineStats
+from umakit.sampling import SamplingParams
+from umakit.tokenizer import StreamingDetokenizer, Tokenizer
 
 if TYPE_CHECKING:
-    from .speculative import SpeculativeStats
+    from umakit.speculative import SpeculativeStats
 
 FINISH_STOP = "stop"  # an end-of-sequence token
 FINISH_LENGTH = "length"  # max_tokens reached

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .errors import WriteError
+from umakit.errors import WriteError
 
 DEFAULT_HOME = Path("~/.cache/umakit")
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .backends.base import Engine, WeightInfo
-from .hardware import memory_warnings
-from .offload import OffloadPlan
+from umakit.backends.base import Engine, WeightInfo
+from umakit.hardware import memory_warnings
+from umakit.offload import OffloadPlan
 
 
 @dataclass

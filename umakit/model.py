@@ -6,22 +6,22 @@ import os
 import time
 from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
-from . import backends, checkpoint, config_compat, roofline, speculative, validate
-from .affine import DEFAULT_GROUP_SIZE
-from .backends.base import OFFLOAD, QUANTIZE, Engine, KVCache
-from .errors import InvalidArgumentError, UmakitError
-from .batch import DEFAULT_BATCH_SIZE, BatchRun, BatchStream, generate_batch, stream_batch
-from .generation import Chunk, GenerationResult, collect, stream_generate
-from .hardware import DeviceInfo, detect_local
-from .load_info import LoadInfo, load_info
-from .offload import StreamedRun
-from .sampling import DEFAULT_MAX_TOKENS, SamplingParams, sampling_params
-from .tokenizer import Message, Tokenizer
+from umakit import backends, checkpoint, config_compat, roofline, speculative, validate
+from umakit.affine import DEFAULT_GROUP_SIZE
+from umakit.backends.base import OFFLOAD, QUANTIZE, Engine, KVCache
+from umakit.errors import InvalidArgumentError, UmakitError
+from umakit.batch import DEFAULT_BATCH_SIZE, BatchRun, BatchStream, generate_batch, stream_batch
+from umakit.generation import Chunk, GenerationResult, collect, stream_generate
+from umakit.hardware import DeviceInfo, detect_local
+from umakit.load_info import LoadInfo, load_info
+from umakit.offload import StreamedRun
+from umakit.sampling import DEFAULT_MAX_TOKENS, SamplingParams, sampling_params
+from umakit.tokenizer import Message, Tokenizer
 
 if TYPE_CHECKING:
     import numpy as np
 
-    from .speculative import SpeculativeDecoder
+    from umakit.speculative import SpeculativeDecoder
 
 
 class Model:
@@ -309,7 +309,6 @@ def load(
     gpu_layers: int | None = None,
     vram_budget: int | str | None = None,
     parallel: str | None = None,
-    light_start: bool = False,
 ) -> Model:
     """Load a model directory, Hub repo id, .gguf file, or (None) the built-in default.
 
@@ -324,9 +323,6 @@ def load(
     stream the remaining layers from host memory on every step (torch backend;
     on a CPU the copies are host copies, see umakit/offload.py). ``parallel`` ("tensor" or "pipeline"), under
     mlx.launch: this rank's shard of the model; rank 0 gets the Model, the other ranks follow it, then exit.
-    ``light_start``: where an earlier load of this checkpoint kept what it needs, start the engine without
-    importing its framework (the torch engine on CPU: umakit/backends/torch/light.py; the same tokens, and the
-    rest of the engine loads on first use of anything it does not run), for a one-shot command's first token.
     """
     t0 = time.perf_counter()
     offload = gpu_layers is not None or vram_budget is not None
@@ -339,7 +335,7 @@ def load(
                                                        config_compat.architecture(ckpt.config))
     tokenizer = Tokenizer(path, ckpt.config, extra_eos_ids=checkpoint.generation_eos_ids(path, ckpt.config))
     engine = backends.load_engine(
-        engine_name, ckpt, parallel=parallel, light_start=light_start, needs=needs, device=device, dtype=dtype,
+        engine_name, ckpt, parallel=parallel, device=device, dtype=dtype,
         progress=progress, quantize=quantize, gpu_layers=gpu_layers, vram_budget=vram_budget)
     info = load_info(engine, checkpoint.display_name(ckpt.path), path, time.perf_counter() - t0,
                       sum(f.stat().st_size for f in ckpt.files))
@@ -367,7 +363,7 @@ def load_synthetic(
     ``bits`` (4 or 8) quantizes it in groups of ``group_size``. It has no
     tokenizer: use the token-level API (`Model.engine`, `Model.stream_tokens`).
     """
-    from .plan import load_preset
+    from umakit.plan import load_preset
 
     t0 = time.perf_counter()
     offload = gpu_layers is not None or vram_budget is not None

@@ -34,8 +34,8 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Sequence
 
-from .errors import DoesNotFitError, InvalidArgumentError
-from .shapes import KV_RESERVE_TOKENS, ModelShape, kv_cache_bytes, working_bytes
+from umakit.errors import DoesNotFitError, InvalidArgumentError
+from umakit.shapes import KV_RESERVE_TOKENS, ModelShape, kv_cache_bytes, working_bytes
 
 RING_SLOTS = 3  # device buffers for streamed layers: one computing, two in flight
 WHOLE_LAYERS = "layers"  # offloaded layers stream whole, every expert included

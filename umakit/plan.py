@@ -22,18 +22,18 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Sequence
 
-from .affine import DEFAULT_GROUP_SIZE, FLOAT_BITS, GROUP_SIZES, KV_BITS, describe
-from .config_compat import architecture
-from .errors import InvalidArgumentError
-from .hardware import GiB, DeviceInfo, detect_local, lookup_device
-from .offload import (ROUTED_EXPERTS, WHOLE_LAYERS, LayerBytes, OffloadPlan, expected_active_experts, plan_experts,
+from umakit.affine import DEFAULT_GROUP_SIZE, FLOAT_BITS, GROUP_SIZES, KV_BITS, describe
+from umakit.config_compat import architecture
+from umakit.errors import InvalidArgumentError
+from umakit.hardware import GiB, DeviceInfo, detect_local, lookup_device
+from umakit.offload import (ROUTED_EXPERTS, WHOLE_LAYERS, LayerBytes, OffloadPlan, expected_active_experts, plan_experts,
                       plan_layers, reserve_tokens, reserved_bytes)
-from .plan_config import (DEFAULT_PRESET, PRESET_DIR, list_presets, load_config,  # noqa: F401 (plan's API)
+from umakit.plan_config import (DEFAULT_PRESET, PRESET_DIR, list_presets, load_config,  # noqa: F401 (plan's API)
                           load_preset, resolve_config)
-from .plan_weights import CATEGORIES, checkpoint_bits, count_weights, recipe_bits, stored_bits
-from .roofline import offload_ceiling_tps
-from .shapes import FLOAT_BYTES, ModelShape, kv_cache_bytes, kv_layer_bytes_per_token, working_bytes
-from .shapes import PREFILL_CHUNK  # noqa: F401 (re-exported: plan reports the chunk it sizes)
+from umakit.plan_weights import CATEGORIES, checkpoint_bits, count_weights, recipe_bits, stored_bits
+from umakit.roofline import offload_ceiling_tps
+from umakit.shapes import FLOAT_BYTES, ModelShape, kv_cache_bytes, kv_layer_bytes_per_token, working_bytes
+from umakit.shapes import PREFILL_CHUNK  # noqa: F401 (re-exported: plan reports the chunk it sizes)
 
 DEFAULT_CONTEXT = 8192
 DEFAULT_PLAN_BITS = None  # a checkpoint's own quantization block, else unquantized 16-bit weights
@@ -172,7 +172,7 @@ def plan_model(
     ``embed_bits`` says otherwise. ``vram_budget`` (bytes) caps what a discrete GPU may
     hold, as ``--vram-budget`` does when running.
     """
-    from .quantize.recipes import DEFAULT_RECIPE, get_recipe
+    from umakit.quantize.recipes import DEFAULT_RECIPE, get_recipe
 
     _check(bits, embed_bits, group_size, kv_bits, context, batch)
     if recipe is not None:
@@ -269,8 +269,8 @@ def engine_placement(plan: Plan) -> str:
 
 def offload_engines(model_type: str) -> tuple[str, ...]:
     """Engines that stream weights from host memory on a GPU and run ``model_type`` (`config_compat.architecture`)."""
-    from .backends import ENGINES
-    from .backends.base import OFFLOAD
+    from umakit.backends import ENGINES
+    from umakit.backends.base import OFFLOAD
 
     return tuple(name for name, spec in ENGINES.items()
                  if OFFLOAD in spec.features and "cuda" in spec.devices and spec.runs(model_type))

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .default_model import DEFAULT_MODEL_NAME
-from .errors import ConfigError, InvalidArgumentError, ModelNotFoundError
-from .home import umakit_home
+from umakit.default_model import DEFAULT_MODEL_NAME
+from umakit.errors import ConfigError, InvalidArgumentError, ModelNotFoundError
+from umakit.home import umakit_home
 
 PRESET_DIR = Path(__file__).parent / "presets"
 DEFAULT_PRESET = "smollm2-135m"

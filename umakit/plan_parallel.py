@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import InvalidArgumentError
-from .hardware import DeviceInfo
-from .plan import PCIE_EFFECTIVE_GBPS, Plan
+from umakit.errors import InvalidArgumentError
+from umakit.hardware import DeviceInfo
+from umakit.plan import PCIE_EFFECTIVE_GBPS, Plan
 
 ACTIVATION_BYTES = 2  # the hidden state crosses the link in the GPU's half precision
 UMAKIT_MESSAGES = 2  # per token: rank 0's "next step" message and the sampled token's broadcast (one hop each)

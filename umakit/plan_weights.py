@@ -21,10 +21,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from .affine import FLOAT_BITS, MODE, bits_per_weight
-from .errors import ConfigError, UnsupportedModelError
-from .offload import LayerBytes
-from .shapes import FLOAT_BYTES, ModelShape
+from umakit.affine import FLOAT_BITS, MODE, bits_per_weight
+from umakit.errors import ConfigError, UnsupportedModelError
+from umakit.offload import LayerBytes
+from umakit.shapes import FLOAT_BYTES, ModelShape
 
 CATEGORIES = ("embedding", "attention", "mlp", "head", "norms")
 _PREFIXES = ("language_model.",)  # multimodal checkpoints nest the text model here
@@ -160,7 +160,7 @@ def recipe_bits(bits: int, group_size: int, recipe: str, n_blocks: int, embed_bi
     ``embed_bits`` sets the embedding and head instead."""
     choose = None
     if bits != FLOAT_BITS:
-        from .quantize.recipes import Layer, get_recipe
+        from umakit.quantize.recipes import Layer, get_recipe
 
         r = get_recipe(recipe)
         choose = lambda m: r.bits_for(Layer(m.path, m.kind, m.block, n_blocks), bits)  # noqa: E731

@@ -11,8 +11,8 @@ import math
 import dataclasses
 from dataclasses import dataclass
 
-from .affine import FLOAT_BITS, KV_BITS, KV_GROUP_SIZE
-from .errors import InvalidArgumentError
+from umakit.affine import FLOAT_BITS, KV_BITS, KV_GROUP_SIZE
+from umakit.errors import InvalidArgumentError
 
 GB = 1e9
 

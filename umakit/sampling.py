@@ -16,7 +16,7 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass, replace
 
-from . import validate
+from umakit import validate
 
 DEFAULT_MAX_TOKENS = 512
 DEFAULT_TEMPERATURE = 0.7

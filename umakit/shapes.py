@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .affine import KV_GROUP_SIZE
-from .errors import ConfigError, UnsupportedModelError
-from .roofline import kv_bytes_per_token
+from umakit.affine import KV_GROUP_SIZE
+from umakit.errors import ConfigError, UnsupportedModelError
+from umakit.roofline import kv_bytes_per_token
 
 PREFILL_CHUNK = 512  # tokens per prefill chunk, every engine: bounds attention memory on long prompts
 # The first chunk of a prefill that Ctrl-C may stop (the chat): small enough that a CPU finishes it in

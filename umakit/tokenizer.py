@@ -13,7 +13,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Sequence
 
-from .errors import TokenizerError
+from umakit.errors import TokenizerError
 
 Message = dict  # {"role": ..., "content": ...}
 

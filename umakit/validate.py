@@ -15,7 +15,7 @@ import numbers
 import os
 from pathlib import Path
 
-from .errors import InvalidArgumentError
+from umakit.errors import InvalidArgumentError
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 

@@ -14,11 +14,11 @@ import shutil
 import sys
 from typing import NamedTuple
 
-from ..errors import BackendUnavailableError, InvalidArgumentError, UnsupportedModelError
+from umakit.errors import BackendUnavailableError, InvalidArgumentError, UnsupportedModelError
 
-from .base import BATCH, EngineSpec
-from .mlx import SPEC as _MLX
-from .torch import SPEC as _TORCH
+from umakit.backends.base import EngineSpec
+from umakit.backends.mlx import SPEC as _MLX
+from umakit.backends.torch import SPEC as _TORCH
 
 ENGINES: dict[str, EngineSpec] = {s.name: s for s in (_MLX, _TORCH)}
 SHORTHANDS = {"cuda": ("torch", "cuda"), "metal": ("mlx", "metal")}
@@ -143,26 +143,17 @@ def _auto(device: str | None, needs: frozenset[str], model_type: str | None) -> 
 
 def parallel_backend(backend: str, parallel: str | None) -> str:
     """The engine "auto" means for a run sharded across ranks (``parallel``): the launcher's."""
-    from .distributed import backend_for
+    from umakit.backends.distributed import backend_for
 
     return backend_for(backend, parallel)
 
 
-def load_engine(name: str, ckpt, *, parallel: str | None = None, light_start: bool = False,
-                needs: frozenset[str] = frozenset(), **options):
+def load_engine(name: str, ckpt, *, parallel: str | None = None, **options):
     """``engine_class(name).from_checkpoint(ckpt, **options)``; with ``parallel`` ("tensor" or "pipeline"),
-    the model sharded across the ranks of the launcher's run (`umakit.backends.distributed.load`).
-    ``light_start``: first try the engine's light start (its spec's), for a run that needs no batch."""
-    spec = ENGINES[name]
-    plain = all(options.get(k) is None for k in ("quantize", "gpu_layers", "vram_budget"))
-    if light_start and spec.light_start and parallel is None and plain and BATCH not in needs:
-        module, function = spec.light_start.split(":")
-        engine = getattr(importlib.import_module(module), function)(ckpt, **options)
-        if engine is not None:
-            return engine
+    the model sharded across the ranks of the launcher's run (`umakit.backends.distributed.load`)."""
     if parallel is None:
         return engine_class(name).from_checkpoint(ckpt, **options)
-    from .distributed import load
+    from umakit.backends.distributed import load
 
     return load(name, parallel, ckpt, **options)
 

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from typing import (TYPE_CHECKING, Any, Callable, ClassVar, Iterable, Iterator, Mapping, Protocol, Sequence,
                     runtime_checkable)
 
-from ..offload import OffloadPlan
-from ..sampling import SamplingParams
-from ..shapes import PREFILL_CHUNK  # tokens per prefill chunk, every engine and plan: bounds attention memory
+from umakit.offload import OffloadPlan
+from umakit.sampling import SamplingParams
+from umakit.shapes import PREFILL_CHUNK  # tokens per prefill chunk, every engine and plan: bounds attention memory
 
 if TYPE_CHECKING:
     import numpy as np
@@ -52,9 +52,6 @@ class EngineSpec:
     architectures: tuple[str, ...] = ()
     finds_architecture: Callable[[str], bool] | None = None
     architectures_source: str = ""  # for messages: what finds them ("mlx-lm has a model file for")
-    # "module:function" that may start the engine without importing its dependency: called as
-    # from_checkpoint is (no quantize/offload options), it returns an Engine, or None to load the engine
-    light_start: str = ""
 
     def runs(self, model_type: str | None) -> bool:
         """Whether the engine has code for ``model_type`` (None, not known yet: assume so)."""
@@ -132,7 +129,7 @@ class BatchRow:
     logprobs: int | None = None
 
     def __post_init__(self):
-        from ..errors import InvalidArgumentError
+        from umakit.errors import InvalidArgumentError
 
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise InvalidArgumentError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
@@ -289,7 +286,7 @@ class Engine(Protocol):
 
 def refuse_options(spec: EngineSpec, **options) -> None:
     """Raise for options given to an engine whose spec lacks their feature."""
-    from ..errors import InvalidArgumentError
+    from umakit.errors import InvalidArgumentError
 
     needs = {"quantize": QUANTIZE, "gpu_layers": OFFLOAD, "vram_budget": OFFLOAD}
     for key, value in options.items():

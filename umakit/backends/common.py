@@ -13,9 +13,9 @@ import resource
 import sys
 from typing import Mapping, Sequence
 
-from .. import affine
-from ..errors import CheckpointError
-from .base import WeightInfo
+from umakit import affine
+from umakit.errors import CheckpointError
+from umakit.backends.base import WeightInfo
 
 
 def category(name: str) -> str:

@@ -7,7 +7,7 @@
 - `speculative`: plain against speculative decoding of one copy-heavy prompt.
 """
 
-from .measure import (
+from umakit.bench.measure import (
     CONTEXT_PROBE_TOKENS,
     DEFAULT_BATCH,
     DEFAULT_GEN_TOKENS,
@@ -23,8 +23,8 @@ from .measure import (
     run_offload_sweep,
     sweep_gpu_layers,
 )
-from .plots import ceiling_curve, modelled_sweep, plot_records, plot_sweep
-from .records import (
+from umakit.bench.plots import ceiling_curve, modelled_sweep, plot_records, plot_sweep
+from umakit.bench.records import (
     RECORD_VERSION,
     BenchRecord,
     ContextPoint,
@@ -34,7 +34,7 @@ from .records import (
     load_record,
     write_record,
 )
-from .speculative import check_speculative_settings, run_speculative_bench
+from umakit.bench.speculative import check_speculative_settings, run_speculative_bench
 
 __all__ = [
     "CONTEXT_PROBE_TOKENS",

@@ -16,11 +16,11 @@ import time
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Callable
 
-from ..backends.base import BATCH, QUANTIZED_KV, BatchRow
-from ..errors import DoesNotFitError, InvalidArgumentError
-from ..roofline import measure_decode
-from ..sampling import SamplingParams
-from .records import (
+from umakit.backends.base import BATCH, QUANTIZED_KV, BatchRow
+from umakit.errors import DoesNotFitError, InvalidArgumentError
+from umakit.roofline import measure_decode
+from umakit.sampling import SamplingParams
+from umakit.bench.records import (
     BenchRecord,
     ContextPoint,
     Run,
@@ -33,8 +33,8 @@ from .records import (
 )
 
 if TYPE_CHECKING:
-    from ..hardware import DeviceInfo
-    from ..model import Model
+    from umakit.hardware import DeviceInfo
+    from umakit.model import Model
 
 GREEDY = SamplingParams(temperature=0)
 DEFAULT_PROMPT_TOKENS = 512

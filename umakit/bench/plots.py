@@ -7,9 +7,9 @@ share of layers streamed, with the modelled two-link ceiling.
 
 from __future__ import annotations
 
-from ..errors import InvalidArgumentError
-from ..fsutil import atomic_file
-from ..roofline import GB, offload_ceiling_tps
+from umakit.errors import InvalidArgumentError
+from umakit.fsutil import atomic_file
+from umakit.roofline import GB, offload_ceiling_tps
 
 
 def ceiling_curve(record: dict, contexts: list[int]) -> list[float]:

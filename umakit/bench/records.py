@@ -15,8 +15,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..errors import InvalidArgumentError
-from ..fsutil import atomic_file
+from umakit.errors import InvalidArgumentError
+from umakit.fsutil import atomic_file
 
 RECORD_VERSION = 1
 VERSIONED_PACKAGES = ("umakit", "mlx", "mlx-lm", "torch")

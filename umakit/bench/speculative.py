@@ -13,9 +13,9 @@ import statistics
 import time
 from dataclasses import asdict, replace
 
-from ..errors import InvalidArgumentError
-from .measure import GREEDY, WARMUP_TOKENS, BenchSettings, Progress
-from .records import BenchRecord, Run, machine_dict, model_dict, summarize, timestamp, versions_dict
+from umakit.errors import InvalidArgumentError
+from umakit.bench.measure import GREEDY, WARMUP_TOKENS, BenchSettings, Progress
+from umakit.bench.records import BenchRecord, Run, machine_dict, model_dict, summarize, timestamp, versions_dict
 
 PASSAGE = (
     "Decoding one token reads every weight of the model once, so a machine that moves eight hundred gigabytes "

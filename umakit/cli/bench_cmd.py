@@ -15,8 +15,8 @@ from umakit.bench import (
     DEFAULT_WARMUP,
 )
 
-from .format import size
-from .options import (
+from umakit.cli.format import size
+from umakit.cli.options import (
     QUANTIZE_BITS,
     echo_warnings,
     kv_bits_option,

@@ -22,7 +22,7 @@ from umakit import crashlog, validate
 from umakit.chat import ChatSession, Stopped, TurnInfo
 from umakit.errors import InvalidArgumentError, UmakitError
 
-from .format import decode_line, size
+from umakit.cli.format import decode_line, size
 
 HELP = """\
 /help               this list

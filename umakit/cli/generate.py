@@ -7,8 +7,8 @@ import sys
 
 import click
 
-from .format import stats_line
-from .options import (
+from umakit.cli.format import stats_line
+from umakit.cli.options import (
     SAMPLING_KEYS,
     follow_unless_leader,
     kv_bits_option,
@@ -52,7 +52,7 @@ def generate(model, prompt, system, raw, stop, kv_bits, as_json, max_tokens, see
     prompt = validate.decode_utf8(sys.stdin.buffer.read(), "stdin") if prompt == "-" else validate.text(prompt, "--prompt")
     system = None if system is None else validate.text(system, "--system")
     stop = tuple(validate.text(s, "--stop") for s in stop)
-    m = load_model(model, parallel=parallel, light_start=True, **load)
+    m = load_model(model, parallel=parallel, **load)
     m.device_info  # the stats line needs it: a probe whose cache cannot be written fails here, before any reply
     chunks = m.stream(prompt, system=system, raw=raw, max_tokens=max_tokens, stop=stop, seed=seed, kv_bits=kv_bits,
                       draft=load_draft(m, draft), draft_tokens=draft_tokens, prompt_lookup=prompt_lookup, ngram=ngram,

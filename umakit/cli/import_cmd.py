@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from .format import size
+from umakit.cli.format import size
 
 
 @click.command("import")

@@ -16,7 +16,7 @@ from umakit.sampling import (
     DEFAULT_TOP_P,
 )
 
-from .format import size
+from umakit.cli.format import size
 
 
 QUANTIZE_BITS = (DEFAULT_BITS, HIGH_BITS)  # the widths --quantize offers: on load, only the common two

@@ -11,7 +11,7 @@ from umakit.affine import DEFAULT_GROUP_SIZE, FLOAT_BITS
 from umakit.offload import WHOLE_LAYERS, parse_size
 from umakit.quantize.recipes import DEFAULT_RECIPE, RECIPES
 
-from .parallel_plan import parallel_dict, parallel_lines, parallel_plans
+from umakit.cli.parallel_plan import parallel_dict, parallel_lines, parallel_plans
 
 
 @click.command("plan")

@@ -10,7 +10,7 @@ import click
 from umakit.affine import BITS, DEFAULT_BITS, DEFAULT_GROUP_SIZE, GROUP_SIZES
 from umakit.quantize.recipes import DEFAULT_RECIPE, RECIPES
 
-from .format import size
+from umakit.cli.format import size
 
 
 @click.command("quantize")

@@ -6,9 +6,9 @@ import sys
 
 import click
 
-from .chat_ui import Repl
-from .format import size
-from .options import (
+from umakit.cli.chat_ui import Repl
+from umakit.cli.format import size
+from umakit.cli.options import (
     SAMPLING_KEYS,
     follow_unless_leader,
     kv_bits_option,
@@ -47,7 +47,7 @@ def run(model, system, max_context, kv_bits, stats, max_tokens, seed, backend, d
                 needs=kv_needs(kv_bits), gpu_layers=gpu_layers, vram_budget=vram_budget)
     follow_unless_leader(parallel, model, **load)  # a follower reads no input
     tty = sys.stdin.isatty() and sys.stdout.isatty()
-    m = load_model(model, show_progress=tty, parallel=parallel, light_start=True, **load)
+    m = load_model(model, show_progress=tty, parallel=parallel, **load)
     settings = ChatSettings(system=system, max_tokens=max_tokens, max_context=max_context, kv_bits=kv_bits, seed=seed,
                             sampling=umakit.SamplingParams(**{k: sampling[k] for k in SAMPLING_KEYS}))
     speculator = m.speculator(draft=load_draft(m, draft), draft_tokens=draft_tokens, prompt_lookup=prompt_lookup,

@@ -16,8 +16,8 @@ from umakit.backends.base import BATCH
 from umakit.serve import DEFAULT_HOST, DEFAULT_MAX_BODY_BYTES, DEFAULT_PORT
 from umakit.serve.types import SchedulerSettings
 
-from .format import size
-from .options import follow_unless_leader, load_model, model_options, offload_options, parallel_option
+from umakit.cli.format import size
+from umakit.cli.options import follow_unless_leader, load_model, model_options, offload_options, parallel_option
 
 API_KEY_ENV = "UMAKIT_API_KEY"
 

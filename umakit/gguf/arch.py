@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CheckpointError, UnsupportedModelError
-from .reader import GGUFFile
+from umakit.errors import CheckpointError, UnsupportedModelError
+from umakit.gguf.reader import GGUFFile
 
 _GLOBAL = {
     "token_embd": "model.embed_tokens",

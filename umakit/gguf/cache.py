@@ -13,18 +13,18 @@ import os
 import shutil
 from pathlib import Path
 
-from ..errors import ModelNotFoundError
-from ..fsutil import new_temp_dir
-from ..home import umakit_home
-from .finished import is_complete
+from umakit.errors import ModelNotFoundError
+from umakit.fsutil import new_temp_dir
+from umakit.home import umakit_home
+from umakit.gguf.finished import is_complete
 
 
 def import_once(gguf_path: Path, target: Path) -> Path:
     """Return ``target``, importing ``gguf_path`` into it first unless it holds a finished import."""
     if is_complete(target):
         return target
-    from .convert import plan_import, write_import
-    from .reader import open_gguf
+    from umakit.gguf.convert import plan_import, write_import
+    from umakit.gguf.reader import open_gguf
 
     plan = plan_import(open_gguf(gguf_path))
     tmp = new_temp_dir(target)

@@ -17,15 +17,15 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..affine import quantization_block
-from ..checkpoint_writer import fill_model_dir, write_model_dir
-from ..fsutil import check_destination, check_not_inside, check_writable
-from ..errors import UnsupportedModelError
-from . import quants
-from .arch import ArchSpec, map_names, qk_row_order, spec_for
-from .finished import IMPORT_FORMAT, is_complete  # noqa: F401 (is_complete: part of this module's API)
-from .reader import GGUFFile, open_gguf, sha256_file
-from .tokenizer import TokenizerFiles, build_tokenizer, dumps
+from umakit.affine import quantization_block
+from umakit.checkpoint_writer import fill_model_dir, write_model_dir
+from umakit.fsutil import check_destination, check_not_inside, check_writable
+from umakit.errors import UnsupportedModelError
+from umakit.gguf import quants
+from umakit.gguf.arch import ArchSpec, map_names, qk_row_order, spec_for
+from umakit.gguf.finished import IMPORT_FORMAT, is_complete  # noqa: F401 (is_complete: part of this module's API)
+from umakit.gguf.reader import GGUFFile, open_gguf, sha256_file
+from umakit.gguf.tokenizer import TokenizerFiles, build_tokenizer, dumps
 
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..checkpoint_writer import WEIGHTS_FILE
+from umakit.checkpoint_writer import WEIGHTS_FILE
 
 # Bump when the output layout changes: cached imports of an older format are then redone.
 IMPORT_FORMAT = 1

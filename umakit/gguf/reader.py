@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointError, ModelNotFoundError, UnsupportedModelError
+from umakit.errors import CheckpointError, ModelNotFoundError, UnsupportedModelError
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)

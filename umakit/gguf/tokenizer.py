@@ -19,8 +19,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from ..errors import TokenizerError, UnsupportedModelError
-from .reader import GGUFFile
+from umakit.errors import TokenizerError, UnsupportedModelError
+from umakit.gguf.reader import GGUFFile
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED = 1, 2, 3, 4
 

@@ -6,8 +6,8 @@ table), `local` (this machine, what is free on it, what fits, and the per-machin
 The names other modules use are re-exported here.
 """
 
-from .chips import CHIPS, ChipSpec, DeviceInfo, DeviceSpec, GiB, default_working_set, find_chip, lookup_device
-from .local import (
+from umakit.hardware.chips import CHIPS, ChipSpec, DeviceInfo, DeviceSpec, GiB, default_working_set, find_chip, lookup_device
+from umakit.hardware.local import (
     CACHE_FILE,
     CACHE_VERSION,
     CPU_KV_FRACTION,
@@ -20,7 +20,7 @@ from .local import (
     vm_stat_available,
     wired_limit_advice_mb,
 )
-from .metal import metal_device_info, metal_working_set
+from umakit.hardware.metal import metal_device_info, metal_working_set
 
 __all__ = [
     "CACHE_FILE", "CACHE_VERSION", "CHIPS", "CPU_KV_FRACTION", "ChipSpec", "DeviceInfo", "DeviceSpec", "GiB",

@@ -11,7 +11,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from ..errors import InvalidArgumentError
+from umakit.errors import InvalidArgumentError
 
 GiB = 1 << 30
 

@@ -16,11 +16,11 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-from ..errors import BackendUnavailableError, InvalidArgumentError
-from ..home import umakit_home
-from . import probes
-from .chips import DeviceInfo, default_working_set, find_chip
-from .metal import metal_working_set
+from umakit.errors import BackendUnavailableError, InvalidArgumentError
+from umakit.home import umakit_home
+from umakit.hardware import probes
+from umakit.hardware.chips import DeviceInfo, default_working_set, find_chip
+from umakit.hardware.metal import metal_working_set
 
 CACHE_FILE = "hardware.json"
 CACHE_VERSION = 1

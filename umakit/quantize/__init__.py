@@ -15,8 +15,8 @@ The pipeline's names load on first use: importing it here would pull the whole
 model layer into every engine that imports `recipes`.
 """
 
-from ..affine import BITS, DEFAULT_BITS, DEFAULT_GROUP_SIZE, GROUP_SIZES, HIGH_BITS, MODE
-from .recipes import (
+from umakit.affine import BITS, DEFAULT_BITS, DEFAULT_GROUP_SIZE, GROUP_SIZES, HIGH_BITS, MODE
+from umakit.quantize.recipes import (
     DEFAULT_RECIPE,
     EDGE_BLOCKS,
     RECIPES,
@@ -29,7 +29,7 @@ from .recipes import (
     quantize_model,
     quantized_layers,
 )
-from .tensor import QuantizedTensor, check_bits, dequantize_tensor, error_bound, quantize_tensor
+from umakit.quantize.tensor import QuantizedTensor, check_bits, dequantize_tensor, error_bound, quantize_tensor
 
 _PIPELINE = ("QuantizeReport", "quantize")
 
@@ -43,7 +43,7 @@ __all__ = [
 
 def __getattr__(name: str):
     if name in _PIPELINE:
-        from . import pipeline
+        from umakit.quantize import pipeline
 
         return getattr(pipeline, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

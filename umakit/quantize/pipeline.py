@@ -15,15 +15,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .. import checkpoint, checkpoint_writer
-from ..affine import DEFAULT_BITS, DEFAULT_GROUP_SIZE
-from ..backends.base import WeightInfo
-from ..errors import CheckpointError, InvalidArgumentError
-from ..fsutil import check_destination, check_not_inside, check_writable
-from ..evaluate import PerplexityResult, perplexity
-from ..model import load
-from .recipes import DEFAULT_RECIPE, get_recipe
-from .tensor import check_bits
+from umakit import checkpoint, checkpoint_writer
+from umakit.affine import DEFAULT_BITS, DEFAULT_GROUP_SIZE
+from umakit.backends.base import WeightInfo
+from umakit.errors import CheckpointError, InvalidArgumentError
+from umakit.fsutil import check_destination, check_not_inside, check_writable
+from umakit.evaluate import PerplexityResult, perplexity
+from umakit.model import load
+from umakit.quantize.recipes import DEFAULT_RECIPE, get_recipe
+from umakit.quantize.tensor import check_bits
 
 
 @dataclass

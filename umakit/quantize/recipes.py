@@ -15,9 +15,9 @@ from typing import Callable
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..affine import DEFAULT_BITS, DEFAULT_GROUP_SIZE, HIGH_BITS, MODE, quantization_block
-from ..errors import InvalidArgumentError
-from .tensor import check_bits
+from umakit.affine import DEFAULT_BITS, DEFAULT_GROUP_SIZE, HIGH_BITS, MODE, quantization_block
+from umakit.errors import InvalidArgumentError
+from umakit.quantize.tensor import check_bits
 
 DEFAULT_RECIPE = "default"
 EDGE_BLOCKS = 2  # the mixed recipe keeps this many first and last blocks' sensitive layers at HIGH_BITS

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ..affine import BITS, DEFAULT_BITS, DEFAULT_GROUP_SIZE, GROUP_SIZES, MODE
-from ..errors import InvalidArgumentError
+from umakit.affine import BITS, DEFAULT_BITS, DEFAULT_GROUP_SIZE, GROUP_SIZES, MODE
+from umakit.errors import InvalidArgumentError
 
 _ROUNDING = {mx.float32: 2.0**-23, mx.float16: 2.0**-10, mx.bfloat16: 2.0**-7}  # two unit roundoffs
 

@@ -19,9 +19,9 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .app import make_app
-    from .scheduler import QueueFull, Scheduler
-    from .types import SchedulerSettings
+    from umakit.serve.app import make_app
+    from umakit.serve.scheduler import QueueFull, Scheduler
+    from umakit.serve.types import SchedulerSettings
 
 DEFAULT_HOST = "127.0.0.1"  # loopback: binding anything else without an API key draws a warning
 DEFAULT_PORT = 8080

@@ -25,12 +25,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from . import DEFAULT_MAX_BODY_BYTES
-from .protocol import (APIError, ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatDelta,
+from umakit.serve import DEFAULT_MAX_BODY_BYTES
+from umakit.serve.protocol import (APIError, ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatDelta,
                        ChatMessageOut, ChatRequest, Completion, CompletionChoice, CompletionRequest, UsageInfo,
                        chat_logprobs, completion_logprobs, generation_request, parse_request)
-from .scheduler import QueueFull
-from .types import ErrorEvent, FinalEvent, SchedulerSettings, TokenEvent
+from umakit.serve.scheduler import QueueFull
+from umakit.serve.types import ErrorEvent, FinalEvent, SchedulerSettings, TokenEvent
 
 log = logging.getLogger("umakit.serve")
 

@@ -15,9 +15,9 @@ from typing import Literal, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from ..errors import InvalidArgumentError, UmakitError
-from ..sampling import DEFAULT_MAX_TOKENS, SamplingParams
-from .types import GenerationRequest, Usage
+from umakit.errors import InvalidArgumentError, UmakitError
+from umakit.sampling import DEFAULT_MAX_TOKENS, SamplingParams
+from umakit.serve.types import GenerationRequest, Usage
 
 MAX_STOP = 4  # stop strings per request, as OpenAI allows
 MAX_TOP_LOGPROBS = 20

@@ -35,11 +35,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..backends.base import BatchRow
-from ..errors import UmakitError
-from ..generation import FINISH_STOP, DecodeRow
-from .prompt_cache import PromptCache
-from .types import ErrorEvent, FinalEvent, GenerationRequest, SchedulerSettings, TokenEvent, Usage
+from umakit.backends.base import BatchRow
+from umakit.errors import UmakitError
+from umakit.generation import FINISH_STOP, DecodeRow
+from umakit.serve.prompt_cache import PromptCache
+from umakit.serve.types import ErrorEvent, FinalEvent, GenerationRequest, SchedulerSettings, TokenEvent, Usage
 
 log = logging.getLogger("umakit.serve")
 IDLE_WAIT_S = 0.05  # how long an idle worker sleeps between looks at the queue

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..sampling import SamplingParams
+from umakit.sampling import SamplingParams
 
 
 @dataclass

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..errors import InvalidArgumentError
+from umakit.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
-    from .decoder import SpeculativeDecoder
+    from umakit.speculative.decoder import SpeculativeDecoder
 
 DEFAULT_DRAFT_TOKENS = 4  # with a draft model: each proposed token costs a draft step
 DEFAULT_LOOKUP_TOKENS = 8  # with prompt lookup: proposals are free, only verification costs
@@ -29,11 +29,11 @@ __all__ = ["DEFAULT_DRAFT_TOKENS", "DEFAULT_LOOKUP_TOKENS", "DEFAULT_NGRAM", "Dr
 def __getattr__(name):
     """The decoder and proposers, imported on use (numpy): the CLI reads this module's limits on every start."""
     if name in ("SpeculativeDecoder", "SpeculativeStats"):
-        from . import decoder
+        from umakit.speculative import decoder
 
         return getattr(decoder, name)
     if name in ("DraftModel", "PromptLookup"):
-        from . import proposers
+        from umakit.speculative import proposers
 
         return getattr(proposers, name)
     raise AttributeError(name)
@@ -53,8 +53,8 @@ def speculator(target, *, draft=None, prompt_lookup: bool = False, draft_tokens:
         if draft_tokens is not None or ngram is not None:
             raise InvalidArgumentError("--draft-tokens and --ngram need --draft MODEL or --prompt-lookup")
         return None
-    from .decoder import SpeculativeDecoder
-    from .proposers import DraftModel, PromptLookup
+    from umakit.speculative.decoder import SpeculativeDecoder
+    from umakit.speculative.proposers import DraftModel, PromptLookup
 
     default = DEFAULT_DRAFT_TOKENS if draft is not None else DEFAULT_LOOKUP_TOKENS
     k = _in_range("draft_tokens", default if draft_tokens is None else draft_tokens, 1, MAX_DRAFT_TOKENS)

@@ -27,9 +27,9 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from ..errors import InvalidArgumentError
-from ..sampling import SamplingParams, seed_or_random
-from .distribution import draw, greedy_token, probabilities
+from umakit.errors import InvalidArgumentError
+from umakit.sampling import SamplingParams, seed_or_random
+from umakit.speculative.distribution import draw, greedy_token, probabilities
 
 POOR_ACCEPTANCE = 0.3  # below this running acceptance rate, speculation pauses
 FIRST_PAUSE = 4  # target steps of the first pause; each pause after a poor run doubles, up to MAX_PAUSE

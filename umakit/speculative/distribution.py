@@ -15,7 +15,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..sampling import SamplingParams
+from umakit.sampling import SamplingParams
 
 
 def penalized(logits: np.ndarray, recent: Sequence[int], penalty: float) -> np.ndarray:

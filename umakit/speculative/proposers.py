@@ -12,8 +12,8 @@ from typing import Sequence
 
 import numpy as np
 
-from ..sampling import SamplingParams
-from .distribution import draw, greedy_token, probabilities
+from umakit.sampling import SamplingParams
+from umakit.speculative.distribution import draw, greedy_token, probabilities
 
 
 class PromptLookup:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-from ...errors import InvalidArgumentError, UmakitError
+from umakit.errors import InvalidArgumentError, UmakitError
 
 TENSOR = "tensor"
 PIPELINE = "pipeline"
@@ -62,7 +62,7 @@ def load(engine_name: str, parallel: str, ckpt, **options):
         raise DistributedError(f"--parallel {parallel} on the {engine_name} backend needs several ranks: start the "
                                f"command with {want}, e.g. `{example} generate ... --parallel {parallel}`")
     if engine_name == "torch":
-        from .torch_engine import start
+        from umakit.backends.distributed.torch_engine import start
     else:
-        from .mlx_engine import start
+        from umakit.backends.distributed.mlx_engine import start
     return start(ckpt, parallel, **options)

@@ -13,9 +13,9 @@ import time
 
 import mlx.core as mx
 
-from . import COLLECTIVE_TIMEOUT_S, DistributedError
-from .messages import MessageChannel
-from .watchdog import lost, lost_message
+from umakit.backends.distributed import COLLECTIVE_TIMEOUT_S, DistributedError
+from umakit.backends.distributed.messages import MessageChannel
+from umakit.backends.distributed.watchdog import lost, lost_message
 
 
 class Channel(MessageChannel):

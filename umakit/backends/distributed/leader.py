@@ -22,10 +22,10 @@ from dataclasses import asdict
 from importlib import metadata
 from typing import ClassVar, Iterable, Iterator, Sequence
 
-from ...sampling import SamplingParams, seed_or_random
-from ..base import BatchRow, EngineSpec, WeightInfo
-from . import TENSOR, DistributedError
-from .watchdog import stop_on_sigterm
+from umakit.sampling import SamplingParams, seed_or_random
+from umakit.backends.base import BatchRow, EngineSpec, WeightInfo
+from umakit.backends.distributed import TENSOR, DistributedError
+from umakit.backends.distributed.watchdog import stop_on_sigterm
 
 
 def _fingerprint(ckpt) -> bytes:

@@ -10,8 +10,8 @@ import contextlib
 import json
 from contextlib import contextmanager
 
-from . import COLLECTIVE_TIMEOUT_S, DistributedError
-from .watchdog import Watchdog, lost, lost_message
+from umakit.backends.distributed import COLLECTIVE_TIMEOUT_S, DistributedError
+from umakit.backends.distributed.watchdog import Watchdog, lost, lost_message
 
 HEADER = 256  # bytes of the first collective: the length, then a short message whole (most are)
 

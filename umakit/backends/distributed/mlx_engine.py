@@ -16,14 +16,14 @@ from typing import Sequence
 
 import mlx.core as mx
 
-from ...errors import InvalidArgumentError, UnsupportedModelError
-from ..base import BATCH, QUANTIZED_KV, EngineSpec
+from umakit.errors import InvalidArgumentError, UnsupportedModelError
+from umakit.backends.base import BATCH, QUANTIZED_KV, EngineSpec
 # The MLX engine, extended (this package wraps engines; nothing under backends/mlx imports it back).
-from ..mlx.engine import DTYPES, MLXEngine
-from . import MODES, PIPELINE, TENSOR, DistributedError
-from .channel import Channel
-from .leader import LeaderEngine, check_same_everywhere, lead_or_follow, per_token_collectives, timed
-from .mlx_pipeline import own_pipeline, pipeline
+from umakit.backends.mlx.engine import DTYPES, MLXEngine
+from umakit.backends.distributed import MODES, PIPELINE, TENSOR, DistributedError
+from umakit.backends.distributed.channel import Channel
+from umakit.backends.distributed.leader import LeaderEngine, check_same_everywhere, lead_or_follow, per_token_collectives, timed
+from umakit.backends.distributed.mlx_pipeline import own_pipeline, pipeline
 
 SPEC = EngineSpec(name="mlx", module=__name__, cls="MLXLeader", dependency="mlx", extra="umakit",
                   devices=("metal", "cpu"), features=frozenset({QUANTIZED_KV, BATCH}))

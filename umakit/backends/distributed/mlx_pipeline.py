@@ -14,7 +14,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..mlx.mlx_lm_import import import_mlx_lm
+from umakit.backends.mlx.mlx_lm_import import import_mlx_lm
 
 # Decoder stacks whose inner module is embed -> one causal mask -> layers -> norm, every layer full attention.
 OWN_PIPELINE = ("llama", "mistral", "qwen2", "qwen3")

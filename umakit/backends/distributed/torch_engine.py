@@ -14,13 +14,13 @@ import os
 import torch
 import torch.distributed as dist
 
-from ...errors import InvalidArgumentError, UnsupportedModelError
-from ..base import BATCH, EngineSpec
-from ..torch.engine import TorchEngine
-from ..torch.loader import SAFETENSORS_FLOATS, compute_dtype
-from . import PIPELINE, TENSOR, DistributedError
-from .leader import LeaderEngine, check_same_everywhere, lead_or_follow, per_token_collectives, timed
-from .torch_channel import TorchChannel
+from umakit.errors import InvalidArgumentError, UnsupportedModelError
+from umakit.backends.base import BATCH, EngineSpec
+from umakit.backends.torch.engine import TorchEngine
+from umakit.backends.torch.loader import SAFETENSORS_FLOATS, compute_dtype
+from umakit.backends.distributed import PIPELINE, TENSOR, DistributedError
+from umakit.backends.distributed.leader import LeaderEngine, check_same_everywhere, lead_or_follow, per_token_collectives, timed
+from umakit.backends.distributed.torch_channel import TorchChannel
 
 SPEC = EngineSpec(name="torch", module=__name__, cls="TorchLeader", dependency="torch", extra="umakit[cuda]",
                   devices=("cuda", "cpu"), features=frozenset({BATCH}))

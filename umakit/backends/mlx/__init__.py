@@ -4,8 +4,8 @@ Importing this package imports no mlx: the registry reads `SPEC` here and
 imports `engine` only when the engine is chosen.
 """
 
-from ..base import BATCH, EXPORT, QUANTIZE, QUANTIZED_KV, EngineSpec
-from .architectures import mlx_lm_runs
+from umakit.backends.base import BATCH, EXPORT, QUANTIZE, QUANTIZED_KV, EngineSpec
+from umakit.backends.mlx.architectures import mlx_lm_runs
 
 SPEC = EngineSpec(name="mlx", module="umakit.backends.mlx.engine", cls="MLXEngine", dependency="mlx",
                   extra="umakit", devices=("metal", "cpu"), features=frozenset({QUANTIZED_KV, BATCH, QUANTIZE, EXPORT}),
@@ -14,7 +14,7 @@ SPEC = EngineSpec(name="mlx", module="umakit.backends.mlx.engine", cls="MLXEngin
 
 def __getattr__(name):
     if name == "MLXEngine":
-        from .engine import MLXEngine
+        from umakit.backends.mlx.engine import MLXEngine
 
         return MLXEngine
     raise AttributeError(name)

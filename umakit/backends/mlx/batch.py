@@ -20,13 +20,13 @@ from typing import Iterable, Sequence
 
 import mlx.core as mx
 
-from ...errors import InvalidArgumentError, UnsupportedModelError
-from ..base import PREFILL_CHUNK, BatchRow
-from ...hardware import cpu_kv_budget, metal_working_set
-from ...sampling import seed_or_random
-from .cache import MLXCache
-from .mlx_lm_import import import_mlx_lm
-from .sampling import apply_repetition_penalty, make_sampler
+from umakit.errors import InvalidArgumentError, UnsupportedModelError
+from umakit.backends.base import PREFILL_CHUNK, BatchRow
+from umakit.hardware import cpu_kv_budget, metal_working_set
+from umakit.sampling import seed_or_random
+from umakit.backends.mlx.cache import MLXCache
+from umakit.backends.mlx.mlx_lm_import import import_mlx_lm
+from umakit.backends.mlx.sampling import apply_repetition_penalty, make_sampler
 
 _cache = import_mlx_lm("models.cache")
 BatchKVCache, BatchRotatingKVCache = _cache.BatchKVCache, _cache.BatchRotatingKVCache

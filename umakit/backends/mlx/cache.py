@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...affine import KV_BITS, KV_GROUP_SIZE
-from ...errors import InvalidArgumentError
-from .mlx_lm_import import import_mlx_lm
+from umakit.affine import KV_BITS, KV_GROUP_SIZE
+from umakit.errors import InvalidArgumentError
+from umakit.backends.mlx.mlx_lm_import import import_mlx_lm
 
 _cache = import_mlx_lm("models.cache")
 KVCache, QuantizedKVCache, make_prompt_cache = _cache.KVCache, _cache.QuantizedKVCache, _cache.make_prompt_cache

@@ -20,7 +20,7 @@ from types import ModuleType
 def _register_lazy_package() -> None:
     spec = importlib.util.find_spec("mlx_lm")
     if spec is None:  # pragma: no cover - declared dependency
-        from ...errors import BackendUnavailableError
+        from umakit.errors import BackendUnavailableError
 
         raise BackendUnavailableError("the mlx backend needs mlx-lm: pip install mlx-lm")
     package: ModuleType = importlib.util.module_from_spec(spec)

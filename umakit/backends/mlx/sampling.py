@@ -6,7 +6,7 @@ from typing import Callable
 
 import mlx.core as mx
 
-from ...sampling import SamplingParams
+from umakit.sampling import SamplingParams
 
 Sampler = Callable[[mx.array, mx.array, mx.array], mx.array]
 

@@ -35,7 +35,7 @@ def _metal_calls() -> tuple[Callable[[int], int], Callable[[], int], Callable[[]
     wait for the GPU, and give freed buffers back (they would stay cached and wired)."""
     import mlx.core as mx
 
-    from ...hardware import metal_working_set
+    from umakit.hardware import metal_working_set
 
     return mx.set_wired_limit, metal_working_set, mx.synchronize, mx.clear_cache
 

@@ -4,19 +4,19 @@ Importing this package imports no torch: the registry reads `SPEC` here and
 imports `engine` only when the engine is chosen.
 """
 
-from ..base import BATCH, OFFLOAD, EngineSpec
+from umakit.backends.base import BATCH, OFFLOAD, EngineSpec
 
 # The model types backends/torch/model.py runs (config.json's, of the language model).
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "mixtral", "qwen3_moe")
 
 SPEC = EngineSpec(name="torch", module="umakit.backends.torch.engine", cls="TorchEngine", dependency="torch",
                   extra="umakit[cuda]", devices=("cuda", "cpu"), features=frozenset({BATCH, OFFLOAD}),
-                  architectures=ARCHITECTURES, light_start="umakit.backends.torch.light:start")
+                  architectures=ARCHITECTURES)
 
 
 def __getattr__(name):
     if name == "TorchEngine":
-        from .engine import TorchEngine
+        from umakit.backends.torch.engine import TorchEngine
 
         return TorchEngine
     raise AttributeError(name)

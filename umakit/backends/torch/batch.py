@@ -20,12 +20,12 @@ from typing import Iterable, Sequence
 
 import torch
 
-from ...errors import InvalidArgumentError
-from ..base import BatchRow
-from ...hardware import cpu_kv_budget
-from .cache import GROW_STEP, StaticKVCache
-from ...sampling import seed_or_random
-from .sampling import apply_repetition_penalty, make_sampler
+from umakit.errors import InvalidArgumentError
+from umakit.backends.base import BatchRow
+from umakit.hardware import cpu_kv_budget
+from umakit.backends.torch.cache import GROW_STEP, StaticKVCache
+from umakit.sampling import seed_or_random
+from umakit.backends.torch.sampling import apply_repetition_penalty, make_sampler
 
 
 class BatchKVCache:

@@ -11,7 +11,7 @@ from typing import Protocol
 
 import torch
 
-from ...errors import InvalidArgumentError
+from umakit.errors import InvalidArgumentError
 
 GROW_STEP = 256  # capacity grows in multiples of this many tokens
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .kernels import TritonAffineLinear, triton_kernel
-from .moe import Experts
-from .quant import Concat, Fp16Linear, Int4PackLinear, QuantizedLinear, concat, dense
+from umakit.backends.torch.kernels import TritonAffineLinear, triton_kernel
+from umakit.backends.torch.moe import Experts
+from umakit.backends.torch.quant import Concat, Fp16Linear, Int4PackLinear, QuantizedLinear, concat, dense
 
 # torch's CPU capabilities (torch.backends.cpu.get_cpu_capability()) whose int4 kernels beat FBGEMM's float16 ones
 INT4_CAPABILITIES = ("AVX512",)

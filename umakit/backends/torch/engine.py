@@ -34,28 +34,27 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 
-from ...checkpoint import Checkpoint
-from ...errors import BackendUnavailableError, InvalidArgumentError
-from ...offload import RING_SLOTS
-from ...roofline import kv_bytes_per_token
-from ...sampling import SamplingParams, seed_or_random
-from .. import common
-from ..base import PREFILL_CHUNK, WeightInfo, refuse_options
-from . import SPEC, native, quant
-from .batch import TorchBatchDecoder
-from .cache import GROW_STEP, StaticKVCache
-from .convert import activation_dtype, describe_execution
-from .kernels import GraphDecoder
-from .loader import (CUDA_CACHE_TOKENS, SAFETENSORS_FLOATS, build_model, check_fits, compute_dtype, layer_of,
+from umakit.checkpoint import Checkpoint
+from umakit.errors import BackendUnavailableError, InvalidArgumentError
+from umakit.offload import RING_SLOTS
+from umakit.roofline import kv_bytes_per_token
+from umakit.sampling import SamplingParams, seed_or_random
+from umakit.backends import common
+from umakit.backends.base import PREFILL_CHUNK, WeightInfo, refuse_options
+from umakit.backends.torch import SPEC, native, quant
+from umakit.backends.torch.batch import TorchBatchDecoder
+from umakit.backends.torch.cache import GROW_STEP, StaticKVCache
+from umakit.backends.torch.convert import activation_dtype, describe_execution
+from umakit.backends.torch.kernels import GraphDecoder
+from umakit.backends.torch.loader import (CUDA_CACHE_TOKENS, SAFETENSORS_FLOATS, build_model, check_fits, compute_dtype, layer_of,
                      named_tensors, plan_offload, stream_checkpoint)
-from .model import ModelArgs
-from .expert_stream import ExpertStreamer, plan_expert_offload
-from .fused import FusedDecoder, covers
-from .light import FUSED_PREFILL_ROWS
-from .offload import LayerStreamer
-from .packed_cache import PackedCache
-from .sampling import make_sampler
-from .synthetic import random_tensors, synthetic_shapes
+from umakit.backends.torch.model import ModelArgs
+from umakit.backends.torch.expert_stream import ExpertStreamer, plan_expert_offload
+from umakit.backends.torch.fused import FusedDecoder, covers
+from umakit.backends.torch.offload import LayerStreamer
+from umakit.backends.torch.packed_cache import PackedCache
+from umakit.backends.torch.sampling import make_sampler
+from umakit.backends.torch.synthetic import random_tensors, synthetic_shapes
 
 
 class TorchEngine:
@@ -80,16 +79,8 @@ class TorchEngine:
         # CPU int4 kernels: the packing of a quantized checkpoint, kept from its first load (packed_cache.py)
         int4 = device == "cpu" and target == torch.bfloat16 and ckpt.config.get("quantization")
         packed = PackedCache.for_checkpoint(ckpt.path, ckpt.files) if int4 else None
-        engine = cls(ckpt.config, shapes, lambda: stream_checkpoint(ckpt, staging, progress), device, target,
-                     gpu_layers, vram_budget, packed)
-        if packed is not None and engine._fusing() is not None:
-            from . import light_form  # what a later start without torch reads (light.py)
-
-            # every --dtype that loads this same form, whichever one this load was asked for
-            asked = [d for d in ("auto", "bfloat16")
-                     if compute_dtype(d, floats, device, ckpt.config.get("quantization")) == target]
-            light_form.write(engine, packed.path, ckpt, sorted({dtype, *asked}))
-        return engine
+        return cls(ckpt.config, shapes, lambda: stream_checkpoint(ckpt, staging, progress), device, target,
+                   gpu_layers, vram_budget, packed)
 
     @classmethod
     def synthetic(cls, config: dict, *, device: str, dtype: str = "auto", bits: int | None = None,
@@ -198,11 +189,6 @@ class TorchEngine:
         """Run ``tokens`` into ``cache``; the head is skipped."""
         ids = torch.tensor(list(tokens), dtype=torch.long, device=self.torch_device)
         with torch.inference_mode():
-            fused = self._fusing()
-            if fused is not None and 0 < len(ids) < FUSED_PREFILL_ROWS:
-                # rows of the fused step: faster than the eager forward's dequantizing below ~100 tokens, and
-                # what a start without torch runs (light.py)
-                return fused.prefill(ids, cache)
             for i in range(0, len(ids), PREFILL_CHUNK):
                 chunk = ids[i:i + PREFILL_CHUNK]
                 positions = torch.arange(cache.offset, cache.offset + len(chunk), device=self.torch_device)

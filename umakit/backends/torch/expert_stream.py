@@ -20,10 +20,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from ...errors import InvalidArgumentError
-from ...offload import (ROUTED_EXPERTS, LayerBytes, OffloadPlan, StreamCounters, parse_size, plan_experts,
+from umakit.errors import InvalidArgumentError
+from umakit.offload import (ROUTED_EXPERTS, LayerBytes, OffloadPlan, StreamCounters, parse_size, plan_experts,
                         reserved_bytes, streamed_bytes_per_token)
-from .moe import Experts, expert_slot
+from umakit.backends.torch.moe import Experts, expert_slot
 
 TENSORS = ("weight", "scales", "biases")
 

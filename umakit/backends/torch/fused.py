@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from .model import MLP, RMSNorm, Transformer
-from .quant import Int4PackLinear
+from umakit.backends.torch.model import MLP, RMSNorm, Transformer
+from umakit.backends.torch.quant import Int4PackLinear
 
 
 def covers(model: Transformer) -> bool:
@@ -79,7 +79,9 @@ class FusedDecoder:
 
     def prefill(self, tokens: torch.Tensor, cache) -> None:
         """``tokens`` (T,) appended to a single-sequence ``cache`` as T decode steps would write them, without the
-        head."""
+        head. The engine prefills with its forward pass instead (benchmarks/prefill_rows.py compares the two:
+        rows are faster below ~100 tokens, but their bfloat16-rounded inputs moved the built-in model's first
+        answer off float32's)."""
         self._append(tokens, cache, head=False)
 
     def rows(self, tokens: torch.Tensor, positions: list[int], cache) -> torch.Tensor:

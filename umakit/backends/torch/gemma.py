@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ...config_compat import FULL, SLIDING
-from ...errors import UnsupportedModelError
+from umakit.config_compat import FULL, SLIDING
+from umakit.errors import UnsupportedModelError
 
 
 def gemma_fields(c: dict) -> dict:

@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...errors import BackendUnavailableError
-from .quant import QuantizedLinear, dequantize
+from umakit.errors import BackendUnavailableError
+from umakit.backends.torch.quant import QuantizedLinear, dequantize
 
 SPAN_MIN = 256  # smallest attention span of a captured decode step; spans double from here
 MAX_GRAPHS = 8  # captured graphs kept per engine (spans of the caches in use)

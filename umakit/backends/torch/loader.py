@@ -16,17 +16,17 @@ import numpy as np
 import torch
 from torch import nn
 
-from ...affine import BITS, GROUP_SIZES
-from ...checkpoint import Checkpoint
-from ...errors import CheckpointError, DoesNotFitError, InvalidArgumentError
-from ...offload import RING_SLOTS, OffloadPlan, parse_size, plan_layers, reserved_bytes
-from ...shapes import KV_RESERVE_TOKENS
-from ..common import check_weights
-from . import quant
-from .convert import convert_model, cpu_auto_dtype
-from .model import ModelArgs, Transformer, fuse_projections, rope_inv_freq
-from .moe import Experts, expert_slot, stacked_shapes
-from .packed_cache import PackedCache
+from umakit.affine import BITS, GROUP_SIZES
+from umakit.checkpoint import Checkpoint
+from umakit.errors import CheckpointError, DoesNotFitError, InvalidArgumentError
+from umakit.offload import RING_SLOTS, OffloadPlan, parse_size, plan_layers, reserved_bytes
+from umakit.shapes import KV_RESERVE_TOKENS
+from umakit.backends.common import check_weights
+from umakit.backends.torch import quant
+from umakit.backends.torch.convert import convert_model, cpu_auto_dtype
+from umakit.backends.torch.model import ModelArgs, Transformer, fuse_projections, rope_inv_freq
+from umakit.backends.torch.moe import Experts, expert_slot, stacked_shapes
+from umakit.backends.torch.packed_cache import PackedCache
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 SAFETENSORS_FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}

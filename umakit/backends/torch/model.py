@@ -17,11 +17,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...config_compat import SLIDING, normalized, text_config
-from ...errors import UnsupportedModelError
-from . import ARCHITECTURES as SUPPORTED
-from .gemma import GemmaRMSNorm, gemma_fields, softcap
-from .moe import SparseMoE, moe_fields
+from umakit.config_compat import SLIDING, normalized, text_config
+from umakit.errors import UnsupportedModelError
+from umakit.backends.torch import ARCHITECTURES as SUPPORTED
+from umakit.backends.torch.gemma import GemmaRMSNorm, gemma_fields, softcap
+from umakit.backends.torch.moe import SparseMoE, moe_fields
 
 ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 

@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...errors import UnsupportedModelError
-from .quant import dequantize
+from umakit.errors import UnsupportedModelError
+from umakit.backends.torch.quant import dequantize
 
 # HF per-expert projection names -> mlx-lm's stacked ones
 _PROJECTIONS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj",

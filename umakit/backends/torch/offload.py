@@ -26,7 +26,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from ...offload import WHOLE_LAYERS, LayerBytes, streamed_bytes_per_token
+from umakit.offload import WHOLE_LAYERS, LayerBytes, streamed_bytes_per_token
 
 ALIGN = 64  # bytes: every tensor view starts on a 64-byte boundary of its slot
 

@@ -15,17 +15,35 @@ layers are repacked, as without a cache.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save
 
-from ...errors import WriteError
-from ...fsutil import atomic_file
-from .cache_key import SUFFIX, packed_path
+from umakit.errors import WriteError
+from umakit.fsutil import atomic_file
+from umakit.home import home_dir
 
 ALIGNMENT = 64  # bytes: torch's CPU allocator's, and AVX-512's loads
+FORMAT_VERSION = 2  # bump when Int4PackLinear's packed form or the file layout changes (2: 64-byte aligned data)
+SUFFIX = ".safetensors"
+
+
+def packed_path(checkpoint_dir: Path, files: list[Path], torch_version: str) -> Path | None:
+    """The packing's file for the checkpoint at ``checkpoint_dir`` as its ``files`` are now; None where none can be
+    kept."""
+    where = hashlib.sha256(str(Path(checkpoint_dir).resolve()).encode()).hexdigest()[:12]
+    key = hashlib.sha256(f"{FORMAT_VERSION} {torch_version}".encode())
+    try:
+        for f in sorted(files):
+            stat = f.stat()
+            key.update(f"{f.name} {stat.st_size} {stat.st_mtime_ns}".encode())
+        folder = home_dir("packed")
+    except (OSError, WriteError):
+        return None
+    return folder / f"{where}-{key.hexdigest()[:16]}{SUFFIX}"
 
 
 class PackedCache:
@@ -65,8 +83,7 @@ class PackedCache:
                 f.write(_aligned_file(save({k: v.contiguous() for k, v in layers.items()})))
         except WriteError:
             return  # a cache: the next load repacks
-        # older keys' packings go, and so does any light start's file (light_form.py) beside them or this one:
-        # it refers to tensors of the packing it was written with
+        # older keys' packings of the same checkpoint go
         prefix = self.path.name.split("-")[0] + "-"
         for old in self.path.parent.glob(f"{prefix}*{SUFFIX}"):
             if old != self.path:

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...affine import BITS
+from umakit.affine import BITS
 
 
 # -- pure functions -------------------------------------------------------------

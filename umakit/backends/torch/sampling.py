@@ -10,7 +10,7 @@ from typing import Callable
 
 import torch
 
-from ...sampling import SamplingParams
+from umakit.sampling import SamplingParams
 
 Sampler = Callable[[torch.Tensor, torch.Tensor, torch.Generator], torch.Tensor]
 

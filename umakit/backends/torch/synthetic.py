@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .gemma import GemmaRMSNorm
-from .model import ModelArgs, RMSNorm, Transformer
-from .moe import Experts
+from umakit.backends.torch.gemma import GemmaRMSNorm
+from umakit.backends.torch.model import ModelArgs, RMSNorm, Transformer
+from umakit.backends.torch.moe import Experts
 
 
 def synthetic_shapes(config: dict, bits: int | None, group_size: int) -> tuple[dict, dict[str, tuple]]:

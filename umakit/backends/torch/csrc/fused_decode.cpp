@@ -14,8 +14,6 @@
 #include <cmath>
 #include <vector>
 
-#include "fused_decode.h"
-
 namespace {
 
 using at::BFloat16;
