@@ -79,7 +79,7 @@ def stepwise(logits_of_one, chunk: list[int]):
 def worker_first_token(args, t0: float) -> dict:
     """Start to first token as `umakit generate` starts (threads from OMP_NUM_THREADS, which run_worker sets)."""
     import umakit
-    from umakit.sampling import SamplingParams
+    from umakit.generate.sampling import SamplingParams
 
     backend, dtype = UMAKIT[args.worker]
     model = umakit.load(args.mlx_path, backend=backend, device="cpu", dtype=dtype)
@@ -94,7 +94,7 @@ def worker_umakit(args, t0: float) -> dict:
 
     torch.set_num_threads(args.threads)
     import umakit
-    from umakit.sampling import SamplingParams
+    from umakit.generate.sampling import SamplingParams
 
     backend, dtype = UMAKIT[args.worker]
     model = umakit.load(args.mlx_path, backend=backend, device="cpu", dtype=dtype)
@@ -270,17 +270,17 @@ def main() -> None:
         return
 
     import umakit
-    from umakit.corpora import load_corpus
+    from umakit.evaluate.corpora import load_corpus
     notes = []
-    from umakit.default_model import packaged_gguf
+    from umakit.checkpoint.default import packaged_gguf
 
     # the import (umakit's and mlx-lm's input), made on first use, outside the timings
     args.mlx_path = str(umakit.resolve_model(args.model))
     gguf = args.model or str(packaged_gguf())
-    from umakit.backends.torch import native
+    from umakit.backends.torch.cpu import build
 
-    if not native.ensure():  # built once per machine, outside the timed start-ups
-        notes.append(f"the fused CPU decode step is off ({native.reason()}): torch-CPU decodes eagerly")
+    if not build.ensure():  # built once per machine, outside the timed start-ups
+        notes.append(f"the fused CPU decode step is off ({build.reason()}): torch-CPU decodes eagerly")
     engines = list(args.engines)
     if "llama.cpp" in engines and not Path(args.llama_python).exists():
         engines.remove("llama.cpp")

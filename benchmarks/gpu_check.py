@@ -127,7 +127,7 @@ def _num(value, spec: str) -> str:
 
 def check_kernels(report: Report, quick: bool) -> None:
     from umakit.backends.torch import quant
-    from umakit.backends.torch.convert import cuda_linear
+    from umakit.backends.torch.quant.forms import cuda_linear
 
     shapes = [(4096, 4096), (1000, 576), (14336, 4096), (4096, 14336), (1536, 576)]
     for bits in (4, 8, 2):
@@ -157,9 +157,10 @@ def check_kernels(report: Report, quick: bool) -> None:
 
 def check_tuning_configs(report: Report, quick: bool) -> None:
     """The Triton matvec at each config the autotuner may pick, on a shape with N and K tails."""
-    from umakit.backends.torch import kernels, quant
+    from umakit.backends.torch.cuda import matvec
+    from umakit.backends.torch import quant
 
-    if kernels.triton_kernel() is None:
+    if matvec.triton_kernel() is None:
         report.check("triton matvec configs", False, "triton is not installed: pip install triton")
         return
     rows, cols, group = 1000, 576, 64  # 1000 rows: no multiple of 16 or 32; 576: of neither BLOCK_K 256 nor 512
@@ -168,17 +169,17 @@ def check_tuning_configs(report: Report, quick: bool) -> None:
         s, b = s.half().contiguous(), b.half().contiguous()
         x = torch.randn(cols, device="cuda").half()
         want = quant.dequantize(packed, s, b, bits, group) @ x.float()
-        worst = max(((kernels.affine_matvec(x, packed.view(torch.int32), s, b, bits, group, bn, bk).float() - want)
-                     .abs().max() / want.abs().max()).item() for bn, bk, _ in kernels.TUNING_CONFIGS)
+        worst = max(((matvec.affine_matvec(x, packed.view(torch.int32), s, b, bits, group, bn, bk).float() - want)
+                     .abs().max() / want.abs().max()).item() for bn, bk, _ in matvec.TUNING_CONFIGS)
         limit = 2**-9
-        report.check(f"triton matvec {bits}-bit g{group} float16, all {len(kernels.TUNING_CONFIGS)} configs",
+        report.check(f"triton matvec {bits}-bit g{group} float16, all {len(matvec.TUNING_CONFIGS)} configs",
                      worst <= limit, f"max error {worst:.1e} of max |y| (limit {limit:.1e})")
 
 
 def small_tensors(bits: int | None, seed: int = 0):
     """A small random llama on the CPU: (config, shapes, tensors), quantized in MLX's layout when ``bits``."""
     from umakit.backends.torch import quant
-    from umakit.backends.torch.model import ModelArgs
+    from umakit.backends.torch.model.llama import ModelArgs
 
     config = dict(SMALL)
     if bits:
@@ -214,7 +215,7 @@ def _linear_shapes(args) -> dict:
 
 def greedy(engine, prompt, n, eager: bool = False):
     """The first ``n`` greedy tokens; ``eager`` runs decode steps without the CUDA graphs (as offload does)."""
-    from umakit.sampling import SamplingParams
+    from umakit.generate.sampling import SamplingParams
 
     with engine.eager() if eager else contextlib.nullcontext():
         stream = engine.generate_tokens(prompt, engine.make_cache(), SamplingParams(temperature=0))
@@ -284,7 +285,7 @@ def check_default_model(report: Report) -> object | None:
 
 def decode_rate(engine, tokens: int, repeat: int) -> tuple[float, float]:
     """Median (decode, prefill) tok/s of ``repeat`` greedy runs of ``tokens`` tokens from `PROMPT`."""
-    from umakit.sampling import SamplingParams
+    from umakit.generate.sampling import SamplingParams
 
     decode, prefill = [], []
     for i in range(repeat + 1):  # the first run captures the graphs and tunes the kernels
@@ -364,7 +365,7 @@ def measure(report: Report, name: str, engine, tokens: int, repeat: int, peak_gb
 def llama_tensors(config: dict, seed: int = 0) -> dict[str, torch.Tensor]:
     """Random bfloat16 weights of a llama ``config`` in host memory, named as in a checkpoint, so that umakit
     and transformers load the same ones. Drawn on the GPU: much faster than on the CPU at 8B weights."""
-    from umakit.backends.torch.model import ModelArgs
+    from umakit.backends.torch.model.llama import ModelArgs
 
     args = ModelArgs.from_config(config)
     g = torch.Generator(device="cuda").manual_seed(seed)
@@ -380,7 +381,7 @@ def llama_tensors(config: dict, seed: int = 0) -> dict[str, torch.Tensor]:
 def offload_row(name: str, weights: str, engine, tokens: int, peak_gbps: float, link_gbps: float) -> dict:
     """Decode tok/s of an offloaded engine against its ceiling: resident bytes (weights and the KV cache at
     mid-run) from VRAM, streamed bytes over the host-to-device link."""
-    from umakit.roofline import offload_ceiling
+    from umakit.plan.roofline import offload_ceiling
 
     info = engine.weight_info()
     tps, _ = decode_rate(engine, tokens, 1)

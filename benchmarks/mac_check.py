@@ -32,7 +32,7 @@ Checked only on a Mac (here), the Metal-only lines:
 - umakit/hardware/metal.py: `mx.device_info(mx.gpu)` has
   max_recommended_working_set_size and memory_size, without the deprecation
   warning of `mx.metal.device_info`;
-- umakit/backends/mlx/batch.py `kv_budget_bytes` on Metal: 0.7 x (working set
+- umakit/backends/mlx/batch_decoder.py `kv_budget_bytes` on Metal: 0.7 x (working set
   minus weights), printed here;
 - umakit/backends/mlx/engine.py on Metal: auto dtype picks a half type, the
   float64 cast on the CPU stream, cast_predicate's float32 parameters on the

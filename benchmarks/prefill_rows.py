@@ -73,7 +73,7 @@ def main() -> None:
     exact = umakit.load(args.model, backend="torch", device="cpu", dtype="float32").engine
     hows = ("eager", "fused rows")
 
-    from umakit.corpora import load_corpus
+    from umakit.evaluate.corpora import load_corpus
 
     ids = model.tokenizer.encode(load_corpus("austen", max_chars=400_000))
     rng = random.Random(args.seed)

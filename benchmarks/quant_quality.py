@@ -7,7 +7,7 @@ For each model: a float source (a model that is already quantized, like the
 built-in Q4_1 import, is dequantized to float16 first), then one quantized
 copy per --configs entry, written by `umakit.quantize.quantize`. Perplexity is
 on the first --tokens tokens of the Austen and Wikipedia corpora (fetch them
-with `python -m umakit.corpora fetch`), windows of 512. Decode speed is MLX's.
+with `python -m umakit.evaluate.corpora fetch`), windows of 512. Decode speed is MLX's.
 The KV-cache rows feed --kv-tokens tokens through a float, 8-bit and 4-bit
 cache (MLX) and time decoding at that context.
 
@@ -27,10 +27,11 @@ import time
 from pathlib import Path
 
 import umakit
-from umakit import checkpoint, checkpoint_writer
-from umakit.generation import collect
-from umakit.corpora import load_corpus
-from umakit.evaluate import kv_perplexity, perplexity
+from umakit import checkpoint
+from umakit.checkpoint import writer as checkpoint_writer
+from umakit.generate.stream import collect
+from umakit.evaluate.corpora import load_corpus
+from umakit.evaluate.perplexity import kv_perplexity, perplexity
 from umakit.quantize.pipeline import quantize
 from umakit.quantize.recipes import dequantize_model, quantized_layers
 

@@ -30,7 +30,7 @@ from pathlib import Path
 import httpx
 
 import umakit
-from umakit.default_model import packaged_gguf
+from umakit.checkpoint.default import packaged_gguf
 
 OUT = Path(__file__).parent / "out" / "serve_load.md"
 QUESTIONS = [

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 import umakit
-from umakit.corpora import fetch, load_corpus
+from umakit.evaluate.corpora import fetch, load_corpus
 
 OUT = Path(__file__).parent / "out" / "speculative.md"
 CODE = '''def moving_average(values, window):

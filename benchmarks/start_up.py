@@ -154,7 +154,7 @@ def main() -> None:
     args = ap.parse_args()
     if not Path(args.llama_python).exists():
         sys.exit(f"no {args.llama_python}: llama-cpp-python is the peer here (see cpu_engines.py's docstring)")
-    from umakit.default_model import packaged_gguf
+    from umakit.checkpoint.default import packaged_gguf
 
     builtin = packaged_gguf()
     with tempfile.TemporaryDirectory() as tmp:

@@ -7,7 +7,7 @@ import pytest
 
 from tiny import FAMILIES, make_tiny_model
 
-# The fused CPU decode step's C++ build (umakit/backends/torch/native.py) is kept across test runs, so
+# The fused CPU decode step's C++ build (umakit/backends/torch/cpu/build.py) is kept across test runs, so
 # only the first run on a machine compiles it; every test process, subprocesses included, finds it here.
 ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("UMAKIT_NATIVE_DIR", str(ROOT / ".pytest_cache" / "umakit-native"))
@@ -16,9 +16,9 @@ os.environ.setdefault("UMAKIT_NATIVE_DIR", str(ROOT / ".pytest_cache" / "umakit-
 def pytest_sessionstart(session):
     """Build (or load) that library before any test times anything."""
     if importlib.util.find_spec("torch") is not None:
-        from umakit.backends.torch import native
+        from umakit.backends.torch.cpu import build
 
-        native.ensure()
+        build.ensure()
 
 
 @pytest.fixture(scope="session")

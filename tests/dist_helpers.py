@@ -61,9 +61,9 @@ def default_model_dir() -> Path:
     import pytest
 
     from umakit import checkpoint
-    from umakit.default_model import DEFAULT_MODEL_NAME
+    from umakit.checkpoint.default import DEFAULT_MODEL_NAME
     from umakit.errors import UmakitError
-    from umakit.home import DEFAULT_HOME
+    from umakit.core.home import DEFAULT_HOME
 
     default = DEFAULT_HOME.expanduser() / "models" / DEFAULT_MODEL_NAME
     if (default / "config.json").exists():

@@ -6,7 +6,7 @@ import numpy as np
 def mlx_sample(logits: np.ndarray, recent: np.ndarray, params, seed: int) -> np.ndarray:
     import mlx.core as mx
 
-    from umakit.backends.mlx.sampling import make_sampler
+    from umakit.backends.mlx.sampler import make_sampler
 
     out = make_sampler(params)(mx.array(logits), mx.array(recent.astype(np.uint32)), mx.random.key(seed))
     return np.array(out)
@@ -15,7 +15,7 @@ def mlx_sample(logits: np.ndarray, recent: np.ndarray, params, seed: int) -> np.
 def torch_sample(logits: np.ndarray, recent: np.ndarray, params, seed: int) -> np.ndarray:
     import torch
 
-    from umakit.backends.torch.sampling import make_sampler
+    from umakit.backends.torch.sampler import make_sampler
 
     generator = torch.Generator().manual_seed(seed)
     out = make_sampler(params)(torch.from_numpy(logits), torch.from_numpy(recent.astype(np.int64)), generator)

@@ -7,10 +7,10 @@ import pytest
 
 import umakit
 from umakit.backends.base import BatchDecoder, BatchRow
-from umakit.backends.mlx.batch import MLXBatchDecoder
-from umakit.batch import BatchRequest, generate_batch, plan_batch_size, stream_batch
+from umakit.backends.mlx.batch_decoder import MLXBatchDecoder
+from umakit.generate.batch import BatchRequest, generate_batch, plan_batch_size, stream_batch
 from umakit.errors import InvalidArgumentError, UnsupportedModelError
-from umakit.sampling import SamplingParams
+from umakit.generate.sampling import SamplingParams
 
 # Very different lengths: one token to a few hundred (the tiny models hold 512).
 PROMPTS = [
@@ -233,7 +233,7 @@ def test_on_error_skips_bad_prompts_and_keeps_the_callers_indices(models):
 def test_unsupported_cache_layers_are_refused_clearly(models, monkeypatch):
     from umakit.backends.mlx.cache import QuantizedKVCache
 
-    import umakit.backends.mlx.batch as mlx_batch
+    import umakit.backends.mlx.batch_decoder as mlx_batch
 
     model = models("llama")
     monkeypatch.setattr(mlx_batch, "make_prompt_cache", lambda m: [QuantizedKVCache() for _ in m.layers])

@@ -114,8 +114,8 @@ def test_resume_skips_done_ids_and_cuts_a_torn_line(tiny_dir, tmp_path):
 
 
 def test_the_note_is_printed_when_the_batch_size_is_lowered(tiny_dir, tiny_model, tmp_path, monkeypatch):
-    from umakit.backends.mlx.batch import MLXBatchDecoder
-    from umakit.backends.torch.batch import TorchBatchDecoder
+    from umakit.backends.mlx.batch_decoder import MLXBatchDecoder
+    from umakit.backends.torch.batch_decoder import TorchBatchDecoder
 
     kv = tiny_model.info.weights.kv_bytes_per_token
     for decoder in (MLXBatchDecoder, TorchBatchDecoder):  # "auto" may pick either engine
@@ -149,7 +149,7 @@ def test_a_killed_run_resumes_with_each_id_exactly_once(tiny_dir, tmp_path):
 
 
 def test_each_result_is_on_disk_as_soon_as_it_is_written(tmp_path):
-    from umakit.batch_io import ResultWriter
+    from umakit.generate.batch_io import ResultWriter
 
     path = tmp_path / "out.jsonl"
     with ResultWriter(path) as w:

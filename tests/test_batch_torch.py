@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from umakit.backends.base import BatchDecoder, BatchRow
-from umakit.backends.torch.batch import TorchBatchDecoder
-from umakit.sampling import SamplingParams
+from umakit.backends.torch.batch_decoder import TorchBatchDecoder
+from umakit.generate.sampling import SamplingParams
 
 from test_batch import MAX_TOKENS, PROMPTS, batched_prompts, sequential
 

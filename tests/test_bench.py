@@ -82,7 +82,7 @@ def test_bad_record_is_a_clear_error(tmp_path):
 def test_synthetic_model_has_the_real_shapes(tiny_model):
     from mlx.utils import tree_flatten
 
-    from umakit.model import load_synthetic
+    from umakit.api import load_synthetic
 
     synthetic = load_synthetic(tiny_model.engine.config, backend="mlx")
     real = {k: v.shape for k, v in tree_flatten(tiny_model.engine.model.parameters())}
@@ -93,7 +93,7 @@ def test_synthetic_model_has_the_real_shapes(tiny_model):
 
 
 def test_synthetic_preset_matches_the_real_default_model_size():
-    from umakit.model import load_synthetic
+    from umakit.api import load_synthetic
 
     model = load_synthetic("smollm2-135m", backend="mlx", bits=8)
     assert model.info.weights.params == 134_515_008  # SmolLM2-135M's parameter count

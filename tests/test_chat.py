@@ -5,10 +5,10 @@ import json
 
 import pytest
 
-from umakit.chat import CUT_MARK, ChatSession, ChatSettings, common_prefix
+from umakit.generate.chat import CUT_MARK, ChatSession, ChatSettings, common_prefix
 from umakit.errors import InvalidArgumentError
-from umakit.sampling import SamplingParams
-from umakit.tokenizer import Tokenizer
+from umakit.generate.sampling import SamplingParams
+from umakit.checkpoint.tokenizer import Tokenizer
 
 GREEDY = SamplingParams(temperature=0)
 
@@ -248,7 +248,7 @@ def test_error_in_prefill_takes_the_message_back(engine_model, monkeypatch):
 
 
 def test_stopped_load_keeps_the_conversation(engine_model, tmp_path):
-    from umakit.chat import Stopped
+    from umakit.generate.chat import Stopped
 
     src = session(engine_model)
     turn(src, LONG)
@@ -281,7 +281,7 @@ class ClockEngine:
     (0.5, [16, 8, 4, 2] + [1] * 1536),  # a very slow one shrinks them to single tokens
 ])
 def test_prefill_chunks_grow_only_on_fast_devices(monkeypatch, seconds, expected):
-    from umakit import chat
+    from umakit.generate import chat
 
     clock = [0.0]
     monkeypatch.setattr(chat.time, "perf_counter", lambda: clock[0])

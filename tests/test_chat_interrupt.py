@@ -18,9 +18,9 @@ import pytest
 import pty_helpers
 from conftest import requires_default_model
 from pty_helpers import PROMPT, say
-from umakit.chat import ChatSession, ChatSettings
+from umakit.generate.chat import ChatSession, ChatSettings
 from umakit.cli import chat_ui
-from umakit.sampling import SamplingParams
+from umakit.generate.sampling import SamplingParams
 
 WORDS = "apple river stone cloud music paper garden window silver orange".split()
 

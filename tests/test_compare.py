@@ -8,7 +8,7 @@ from click.testing import CliRunner
 
 from umakit.cli.main import main
 from umakit.bench import load_record
-from umakit.compare import compare, limiting_link
+from umakit.bench.compare import compare, limiting_link
 from umakit.errors import InvalidArgumentError
 
 FIXTURES = Path(__file__).parent / "fixtures"

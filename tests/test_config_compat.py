@@ -2,7 +2,7 @@
 
 import pytest
 
-from umakit import config_compat as cc
+from umakit.checkpoint import config as cc
 from umakit.errors import UnsupportedModelError
 
 S, F = cc.SLIDING, cc.FULL

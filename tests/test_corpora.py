@@ -11,10 +11,10 @@ import zlib
 import pytest
 from click.testing import CliRunner
 
-from umakit import corpora
+from umakit.evaluate import corpora
 from umakit.cli.main import main
-from umakit.corpora import AUSTEN_BOOKS, CorpusError, load_corpus, read_lazyload_db, unserialize
-from umakit.home import umakit_home
+from umakit.evaluate.corpora import AUSTEN_BOOKS, CorpusError, load_corpus, read_lazyload_db, unserialize
+from umakit.core.home import umakit_home
 
 REAL_CORPORA = umakit_home() / "corpora"  # read at import, before the tests' isolated UMAKIT_HOME
 

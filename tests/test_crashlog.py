@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import requires_default_model
-from umakit import crashlog
+from umakit.cli import crashlog
 from umakit.cli import main as cli_main
 from umakit.errors import InvalidArgumentError
 

@@ -5,7 +5,7 @@ import pytest
 
 import umakit
 from conftest import requires_default_model
-from umakit.sampling import SamplingParams
+from umakit.generate.sampling import SamplingParams
 
 pytestmark = [pytest.mark.slow, requires_default_model]
 

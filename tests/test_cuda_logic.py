@@ -7,7 +7,7 @@
   by the CPU ops behind a decoder of the CUDA op's documented input layout.
 - the offload copy stream: `LayerStreamer`'s CUDA branch against simulated
   streams and events that run queued work in the most hostile order allowed.
-- no Triton: the kernels module imports and declines cleanly.
+- no Triton: the matvec module imports and declines cleanly.
 What stays GPU-only is listed in benchmarks/gpu_check.py's docstring.
 """
 
@@ -19,12 +19,13 @@ import torch
 from torch import nn
 
 import umakit
-from umakit.backends.torch import kernels, quant
+from umakit.backends.torch.cuda import matvec
+from umakit.backends.torch import quant
 from umakit.backends.torch.cache import StaticKVCache
-from umakit.backends.torch.kernels import MAX_GRAPHS, SPAN_MIN, GraphDecoder
-from umakit.backends.torch.offload import LayerStreamer
+from umakit.backends.torch.cuda.graphs import MAX_GRAPHS, SPAN_MIN, GraphDecoder
+from umakit.backends.torch.offload.layers import LayerStreamer
 from umakit.errors import BackendUnavailableError
-from umakit.sampling import SamplingParams
+from umakit.generate.sampling import SamplingParams
 
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 301]
 
@@ -278,11 +279,11 @@ def test_copy_stream_events_order_every_copy_and_read(monkeypatch, copies_first)
 
 
 # -- without Triton -------------------------------------------------------------------------
-def test_without_triton_the_kernels_module_declines(monkeypatch):
+def test_without_triton_the_matvec_module_declines(monkeypatch):
     monkeypatch.setitem(sys.modules, "triton", None)  # import triton raises ImportError
-    assert kernels._kernels.__wrapped__() is None
-    monkeypatch.setattr(kernels, "_kernels", kernels._kernels.__wrapped__)
-    assert kernels.triton_kernel() is None
+    assert matvec._kernels.__wrapped__() is None
+    monkeypatch.setattr(matvec, "_kernels", matvec._kernels.__wrapped__)
+    assert matvec.triton_kernel() is None
     w = torch.zeros(4, 8, dtype=torch.int32)
     with pytest.raises(BackendUnavailableError, match="needs Triton"):
-        kernels.affine_matvec(torch.zeros(64), w, torch.ones(4, 1), torch.zeros(4, 1), 4, 64, 16, 128)
+        matvec.affine_matvec(torch.zeros(64), w, torch.ones(4, 1), torch.zeros(4, 1), 4, 64, 16, 128)

@@ -14,10 +14,11 @@ import typing
 import numpy as np
 import pytest
 
-from umakit import backends, checkpoint
+from umakit import backends
+from umakit import checkpoint
 from umakit.backends import base
 from umakit.errors import InvalidArgumentError
-from umakit.sampling import SamplingParams
+from umakit.generate.sampling import SamplingParams
 from tiny import make_tiny_model
 
 GREEDY = SamplingParams(temperature=0)

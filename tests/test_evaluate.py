@@ -8,7 +8,7 @@ from click.testing import CliRunner
 
 import umakit
 from umakit.errors import InvalidArgumentError
-from umakit.evaluate import kv_perplexity, nll_sum, perplexity, windows
+from umakit.evaluate.perplexity import kv_perplexity, nll_sum, perplexity, windows
 
 TOKENS = [int(t) for t in np.random.RandomState(0).randint(5, 512, 300)]
 
@@ -153,7 +153,7 @@ def test_cli_eval(tiny_dir, tmp_path):
     assert out["tokens"] == expected.tokens and out["ppl"] == pytest.approx(expected.ppl, rel=1e-6)
     result = CliRunner().invoke(eval_cmd, args + ["--kv-bits", "float", "--max-tokens", "64"])
     assert result.exit_code == 0 and "perplexity " in result.output and "on 63 tokens" in result.output
-    from umakit.corpora import corpus_path
+    from umakit.evaluate.corpora import corpus_path
 
     corpus_path("austen").parent.mkdir(parents=True, exist_ok=True)
     corpus_path("austen").write_text(text.read_text())

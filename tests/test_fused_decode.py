@@ -1,5 +1,5 @@
 """The fused CPU decode step (torch engine, fused.py): the eager step's logits for every family it covers;
-its one-time C++ build (native.py): shared, waited for, refused cleanly, never half-installed."""
+its one-time C++ build (cpu/build.py): shared, waited for, refused cleanly, never half-installed."""
 
 import contextlib
 import itertools
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import umakit
-from umakit.backends.torch import fused, native
-from umakit.sampling import SamplingParams
+from umakit.backends.torch.cpu import build, fused
+from umakit.generate.sampling import SamplingParams
 
 from conftest import requires_default_model
 
@@ -54,7 +54,7 @@ def assert_close(fast: np.ndarray, slow: np.ndarray) -> None:
 ])
 def test_fused_step_gives_the_eager_steps_logits(quantized, family, bits, overrides):
     model = umakit.load(quantized(family, bits, **overrides), backend="torch", device="cpu", dtype="bfloat16")
-    assert model.engine._fused is not None, native.reason()
+    assert model.engine._fused is not None, build.reason()
     assert "fused decode step" in model.info.weights.quantization
     ids = model.tokenizer.encode(TEXT)[:40]
     assert len(ids) > 20
@@ -64,7 +64,7 @@ def test_fused_step_gives_the_eager_steps_logits(quantized, family, bits, overri
 def batch_logits(engine, prompts: list[list[int]], steps: int, eager: bool) -> np.ndarray:
     """Logits (steps, B, V) of a batch cache's rows, prefilled with ``prompts`` (lengths apart), each then fed
     ``steps`` tokens one step at a time; the cache keeps a spare row, as one does after a row leaves."""
-    from umakit.backends.torch.batch import BatchKVCache
+    from umakit.backends.torch.batch_decoder import BatchKVCache
 
     a = engine.args
     cache = BatchKVCache(a.num_hidden_layers, a.num_key_value_heads, a.head_dim, a.max_position_embeddings,
@@ -94,7 +94,7 @@ def batch_logits(engine, prompts: list[list[int]], steps: int, eager: bool) -> n
 def test_fused_batch_step_gives_the_eager_batch_steps_logits(quantized, family, bits, overrides):
     model = umakit.load(quantized(family, bits, **overrides), backend="torch", device="cpu", dtype="bfloat16")
     engine = model.engine
-    assert engine._fused is not None, native.reason()
+    assert engine._fused is not None, build.reason()
     ids = model.tokenizer.encode(TEXT)
     prompts = [ids[:5], ids[:19], ids[3:14]]
     for rows in (prompts, prompts[1:2]):  # several rows (masked keys), one row (its keys narrowed)
@@ -142,7 +142,7 @@ def test_speculation_on_the_cpu_default_gives_plain_decodings_text(monkeypatch):
     """On the built-in model's int4 default, greedy prompt lookup once gave other text than plain decoding
     on two of these prompts: its verification ran the eager multi-token forward, plain decoding the fused step."""
     model = umakit.load(backend="torch", device="cpu")
-    assert model.engine._fused is not None, native.reason()
+    assert model.engine._fused is not None, build.reason()
     for prompt in ("What are three good habits for learning a new language? Explain each briefly.",
                    "Describe a walk through a forest in autumn."):
         plain = model.generate(prompt, max_tokens=128, temperature=0)
@@ -230,57 +230,57 @@ def test_what_the_fused_step_does_not_cover_runs_eagerly(quantized, family, dtyp
 # -- the build ---------------------------------------------------------------------
 @pytest.fixture
 def fresh_state(monkeypatch, tmp_path):
-    """native's per-process answer forgotten, and an empty build cache."""
-    monkeypatch.setitem(native._state, "ready", None)
-    monkeypatch.setitem(native._state, "reason", "")
+    """build's per-process answer forgotten, and an empty build cache."""
+    monkeypatch.setitem(build._state, "ready", None)
+    monkeypatch.setitem(build._state, "reason", "")
     monkeypatch.setenv("UMAKIT_NATIVE_DIR", str(tmp_path / "native"))
     return tmp_path / "native"
 
 
-needs_compiler = pytest.mark.skipif(native.compiler() is None, reason="no C++ compiler here")
+needs_compiler = pytest.mark.skipif(build.compiler() is None, reason="no C++ compiler here")
 
 
 @needs_compiler
 def test_a_failing_compiler_leaves_its_log_and_no_library(fresh_state, monkeypatch, tmp_path):
     """A compiler that answers --version but fails to compile: its words kept in build.log, no library."""
-    real, failing = native.compiler(), tmp_path / "cxx"
+    real, failing = build.compiler(), tmp_path / "cxx"
     failing.write_text(f'#!/bin/sh\n[ "$1" = "--version" ] && exec {real} --version\n'
                        "echo 'fatal error: no such header' >&2\nexit 3\n")
     failing.chmod(0o755)
     monkeypatch.setenv("CXX", str(failing))
-    assert native.ensure() is False
-    assert "the C++ build failed" in native.reason()
-    (log,) = fresh_state.glob(f"*/{native.LOG}")
-    assert "fatal error: no such header" in log.read_text() and str(log) in native.reason()
-    assert not list(fresh_state.glob(f"*/{native.NAME}*.so"))
-    monkeypatch.setitem(native._state, "ready", None)  # the next start does not compile again
+    assert build.ensure() is False
+    assert "the C++ build failed" in build.reason()
+    (log,) = fresh_state.glob(f"*/{build.LOG}")
+    assert "fatal error: no such header" in log.read_text() and str(log) in build.reason()
+    assert not list(fresh_state.glob(f"*/{build.NAME}*.so"))
+    monkeypatch.setitem(build._state, "ready", None)  # the next start does not compile again
     failing.write_text(f'#!/bin/sh\n[ "$1" = "--version" ] && exec {real} --version\n'
                        f"touch {tmp_path / 'ran'}\nexit 3\n")
-    assert native.ensure() is False and "failed earlier" in native.reason() and str(log) in native.reason()
+    assert build.ensure() is False and "failed earlier" in build.reason() and str(log) in build.reason()
     assert not (tmp_path / "ran").exists()
     log.unlink()  # removed: the next start tries again
-    monkeypatch.setitem(native._state, "ready", None)
+    monkeypatch.setitem(build._state, "ready", None)
     from torch.utils import cpp_extension  # a start is a new process: cpp_extension's memory of this build goes
 
     monkeypatch.setattr(cpp_extension.JIT_EXTENSION_VERSIONER, "entries", {})
-    assert native.ensure() is False and (tmp_path / "ran").exists()
+    assert build.ensure() is False and (tmp_path / "ran").exists()
 
 
 def test_no_compiler_no_ninja_and_the_switch_off_are_reasons(fresh_state, monkeypatch):
     monkeypatch.setenv("CXX", "/nonexistent/c++")
-    assert native.ensure() is False and "no C++ compiler" in native.reason()
+    assert build.ensure() is False and "no C++ compiler" in build.reason()
     monkeypatch.delenv("CXX")
-    monkeypatch.setitem(native._state, "ready", None)
-    monkeypatch.setattr(native, "_ninja_dir", lambda: None)
-    assert native.ensure() is False and native.reason() == "ninja is missing: pip install ninja"
-    monkeypatch.setitem(native._state, "ready", None)
+    monkeypatch.setitem(build._state, "ready", None)
+    monkeypatch.setattr(build, "_ninja_dir", lambda: None)
+    assert build.ensure() is False and build.reason() == "ninja is missing: pip install ninja"
+    monkeypatch.setitem(build._state, "ready", None)
     monkeypatch.setenv("UMAKIT_NO_NATIVE", "1")
-    assert native.ensure() is False and native.reason() == "UMAKIT_NO_NATIVE is set"
+    assert build.ensure() is False and build.reason() == "UMAKIT_NO_NATIVE is set"
 
 
 def test_without_the_library_the_engine_says_so_and_runs_eagerly(quantized, monkeypatch):
-    monkeypatch.setitem(native._state, "ready", False)
-    monkeypatch.setitem(native._state, "reason", "no C++ compiler: set CXX, or install g++ or clang++")
+    monkeypatch.setitem(build._state, "ready", False)
+    monkeypatch.setitem(build._state, "reason", "no C++ compiler: set CXX, or install g++ or clang++")
     model = umakit.load(quantized("llama"), backend="torch", device="cpu", dtype="bfloat16")
     assert model.engine._fused is None
     assert any("run eagerly" in w and "no C++ compiler" in w for w in model.info.warnings)
@@ -291,10 +291,10 @@ def test_without_the_library_the_engine_says_so_and_runs_eagerly(quantized, monk
 
 BUILD = """
 import json, sys, time
-from umakit.backends.torch import native
+from umakit.backends.torch.cpu import build
 t = time.perf_counter()
-ok = native.ensure()
-print(json.dumps({"ok": ok, "reason": native.reason(), "s": time.perf_counter() - t}))
+ok = build.ensure()
+print(json.dumps({"ok": ok, "reason": build.reason(), "s": time.perf_counter() - t}))
 """
 
 
@@ -308,8 +308,8 @@ def test_two_processes_share_one_build_and_a_third_reuses_it(tmp_path):
     results = [json.loads(p.communicate(timeout=600)[0]) for p in both]
     assert all(r["ok"] for r in results), results
     (built,) = [p for p in (tmp_path / "native").iterdir() if p.is_dir()]
-    (library,) = built.glob(f"{native.NAME}*.so")
-    assert library.name == f"{native.NAME}.so" and not (built / "lock").exists()  # one build, no second
+    (library,) = built.glob(f"{build.NAME}*.so")
+    assert library.name == f"{build.NAME}.so" and not (built / "lock").exists()  # one build, no second
     stamp = library.stat().st_mtime_ns
     again = json.loads(subprocess.run([sys.executable, "-c", BUILD], env=env, capture_output=True, text=True,
                                       check=True).stdout)
@@ -317,15 +317,15 @@ def test_two_processes_share_one_build_and_a_third_reuses_it(tmp_path):
 
 
 def test_a_changed_source_torch_or_compiler_builds_elsewhere(monkeypatch, tmp_path):
-    cxx = native.compiler() or "/usr/bin/c++"
+    cxx = build.compiler() or "/usr/bin/c++"
     monkeypatch.setenv("UMAKIT_NATIVE_DIR", str(tmp_path))
-    first = native.build_dir(cxx)
-    changed = tmp_path / native.SOURCE.name
-    changed.write_text(native.SOURCE.read_text() + "\n// changed\n")
+    first = build.build_dir(cxx)
+    changed = tmp_path / build.SOURCE.name
+    changed.write_text(build.SOURCE.read_text() + "\n// changed\n")
     with monkeypatch.context() as m:
-        m.setattr(native, "SOURCE", changed)
-        assert native.build_dir(cxx) != first
-    assert native.build_dir(cxx) == first
-    assert native.build_dir("/usr/bin/clang++") != first
+        m.setattr(build, "SOURCE", changed)
+        assert build.build_dir(cxx) != first
+    assert build.build_dir(cxx) == first
+    assert build.build_dir("/usr/bin/clang++") != first
     monkeypatch.setattr(torch, "__version__", "0.0.0")
-    assert native.build_dir(cxx) != first
+    assert build.build_dir(cxx) != first

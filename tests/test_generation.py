@@ -2,8 +2,8 @@
 
 import pytest
 
-from umakit.generation import FINISH_LENGTH, FINISH_STOP, FINISH_STOP_STRING, StopStringFilter
-from umakit.tokenizer import StreamingDetokenizer
+from umakit.generate.stream import FINISH_LENGTH, FINISH_STOP, FINISH_STOP_STRING, StopStringFilter
+from umakit.checkpoint.tokenizer import StreamingDetokenizer
 
 TEXT = "The quick brown fox 🚀 jumps\nover 東京 — Ünïcödé ✓\n\n  indented\tand tabbed  "
 
@@ -106,8 +106,8 @@ def test_unknown_option_is_an_error(tiny_model):
 
 
 def test_stats_are_composed_and_their_json_is_flat():
-    from umakit.generation import STATS_KEYS, GenerationStats
-    from umakit.roofline import OffloadStats, RooflineStats
+    from umakit.generate.stream import STATS_KEYS, GenerationStats
+    from umakit.plan.roofline import OffloadStats, RooflineStats
 
     s = GenerationStats(prompt_tokens=3, generated_tokens=5, decode_tps=50.0)
     flat = s.to_dict()

@@ -21,8 +21,8 @@ from gguf import GGMLQuantizationType as T
 from gguf import quants as gguf_quants
 
 from umakit.errors import CheckpointError, InvalidArgumentError, ModelNotFoundError, UnsupportedModelError
-from umakit.gguf import cached_import, import_gguf, import_once
-from umakit.gguf.convert import IMPORT_FORMAT
+from umakit.checkpoint.gguf import cached_import, import_gguf, import_once
+from umakit.checkpoint.gguf.convert import IMPORT_FORMAT
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -194,7 +194,7 @@ def reverse_permute(w, n_head):
 
 
 def hf_name_of(name, arch):
-    from umakit.gguf.arch import SPECS
+    from umakit.checkpoint.gguf.arch import SPECS
 
     return SPECS[arch].rename(name)
 
@@ -471,7 +471,7 @@ def test_cli_errors_are_one_line(cli, tmp_path):
 
 
 def test_default_model_missing_package_names_the_command(monkeypatch, tmp_path):
-    import umakit.default_model as dm
+    import umakit.checkpoint.default as dm
 
     monkeypatch.setenv("UMAKIT_HOME", str(tmp_path / "home"))  # not imported there yet, whatever ran before
     monkeypatch.setattr(dm, "PACKAGE", "umakit_no_such_package_for_tests")
@@ -480,8 +480,8 @@ def test_default_model_missing_package_names_the_command(monkeypatch, tmp_path):
 
 
 def test_default_model_fast_path_does_not_parse(monkeypatch, tmp_path):
-    import umakit.default_model as dm
-    import umakit.gguf.reader as reader
+    import umakit.checkpoint.default as dm
+    import umakit.checkpoint.gguf.reader as reader
 
     monkeypatch.setenv("UMAKIT_HOME", str(tmp_path / "home"))
     target = tmp_path / "home" / "models" / dm.DEFAULT_MODEL_NAME
@@ -492,7 +492,7 @@ def test_default_model_fast_path_does_not_parse(monkeypatch, tmp_path):
 
 
 def test_cached_import_reuses_and_refreshes(monkeypatch, tmp_path):
-    import umakit.gguf.reader as reader
+    import umakit.checkpoint.gguf.reader as reader
 
     src = write_gguf(tmp_path / "m.gguf")
     first = cached_import(src)
@@ -526,7 +526,7 @@ def test_stale_or_partial_cache_is_redone(tmp_path, damage):
 RACE = """
 import sys
 from pathlib import Path
-from umakit.gguf import import_once
+from umakit.checkpoint.gguf import import_once
 print(import_once(Path(sys.argv[1]), Path(sys.argv[2])))
 """
 

@@ -8,7 +8,7 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 from gguf import quants as gguf_quants
 
-from umakit.gguf import quants
+from umakit.checkpoint.gguf import quants
 
 ROWS, COLS = 8, 512
 # Types the gguf package can quantize: real quantizer output, as llama.cpp would write it.

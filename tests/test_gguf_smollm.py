@@ -37,7 +37,7 @@ TEXTS = PROMPTS + [
 @pytest.fixture(scope="module")
 def smol(tmp_path_factory):
     """(gguf path, imported dir, seconds the first import took), via default_model_dir()."""
-    import umakit.default_model as dm
+    import umakit.checkpoint.default as dm
 
     try:
         gguf_path = dm.packaged_gguf()
@@ -85,7 +85,7 @@ def test_tensors_equal_gguf_dequantization(smol):
     import gguf
     from gguf import quants as gguf_quants
 
-    from umakit.gguf.arch import llama_name
+    from umakit.checkpoint.gguf.arch import llama_name
 
     gguf_path, model_dir, _ = smol
     config = json.loads((model_dir / "config.json").read_text())

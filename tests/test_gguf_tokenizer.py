@@ -11,8 +11,8 @@ import gguf
 import pytest
 from tokenizers import Tokenizer
 
-from umakit.gguf.reader import open_gguf
-from umakit.gguf.tokenizer import build_tokenizer
+from umakit.checkpoint.gguf.reader import open_gguf
+from umakit.checkpoint.gguf.vocab import build_tokenizer
 
 CORPUS = (
     "The quick brown fox jumps over the lazy dog. Paris is the capital of France. "
@@ -140,7 +140,7 @@ def byte_level_vocab(pre_split):
 
 @pytest.mark.parametrize("pre", ["qwen2", "llama-bpe"])
 def test_byte_level_regex_pre_tokenizers(tmp_path, pre):
-    from umakit.gguf.tokenizer import _REGEX_PRE
+    from umakit.checkpoint.gguf.vocab import _REGEX_PRE
 
     trained, tokens, types, merges = byte_level_vocab(_REGEX_PRE[pre])
     path = write_tokenizer_gguf(tmp_path / "t.gguf", "qwen2", "gpt2", tokens, types, merges=merges, pre=pre,

@@ -7,8 +7,8 @@ import pytest
 import umakit
 from test_gguf_import import EXACT_LAYERS, IDS, hf_forward, write_gguf
 from gguf import GGMLQuantizationType as T
-from umakit.gguf import import_gguf
-from umakit.gguf.arch import SPECS
+from umakit.checkpoint.gguf import import_gguf
+from umakit.checkpoint.gguf.arch import SPECS
 
 
 @pytest.mark.parametrize("arch", sorted(SPECS))

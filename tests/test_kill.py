@@ -24,7 +24,7 @@ import proc_helpers
 # Runs the CLI with its writers stopping half-way, as a crash during a write would leave them.
 STALL = """
 import os, sys, time
-import umakit.checkpoint_writer as writer, umakit.fsutil as fsutil
+import umakit.checkpoint.writer as writer, umakit.core.fsutil as fsutil
 from umakit.cli.main import COMMANDS, main
 
 real_save, real_write = writer._save, fsutil.AppendFile.write
@@ -86,7 +86,7 @@ def _batch_registered(monkeypatch):
 
 def test_import_killed_mid_write_then_again(tmp_path):
     from test_gguf_import import write_gguf
-    from umakit.gguf import import_gguf
+    from umakit.checkpoint.gguf import import_gguf
 
     src = write_gguf(tmp_path / "m.gguf")
     out = tmp_path / "out"
@@ -131,7 +131,7 @@ def test_batch_killed_mid_line_then_again(tiny_dir, tmp_path):
 
 def test_sweep_removes_only_what_dead_writers_left(tmp_path):
     """A live pid's temp is kept (it may be mid-write); a dead pid's, and a pid-less one past its age, go."""
-    from umakit import fsutil
+    from umakit.core import fsutil
 
     out = tmp_path / "out"
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -153,7 +153,7 @@ def test_sweep_removes_only_what_dead_writers_left(tmp_path):
 
 
 def test_a_second_writer_of_one_place_is_refused(tmp_path):
-    from umakit import fsutil
+    from umakit.core import fsutil
     from umakit.errors import WriteError
 
     out = tmp_path / "o.jsonl"

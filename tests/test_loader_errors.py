@@ -224,7 +224,7 @@ def test_both_engines_report_a_broken_checkpoint_alike(ckpt, case):
 def test_the_engine_checks_a_checkpoint_it_is_handed(ckpt):
     """An engine given a `Checkpoint` directly (not through `umakit.load`) runs the same validation."""
     from umakit.backends.mlx.engine import MLXEngine
-    from umakit.checkpoint import Checkpoint, open_checkpoint
+    from umakit.checkpoint.files import Checkpoint, open_checkpoint
 
     good = open_checkpoint(ckpt)
     bad = Checkpoint(good.path, {**good.config, "vocab_size": 0}, good.files, good.tensors)

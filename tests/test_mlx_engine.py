@@ -7,7 +7,7 @@ import pytest
 
 import umakit
 from umakit.backends.mlx import engine as mlx_engine
-from umakit.sampling import SamplingParams
+from umakit.generate.sampling import SamplingParams
 
 
 def test_auto_dtype_follows_the_matrices_not_the_count_of_float32_norms():

@@ -1,6 +1,6 @@
 """What a mixture-of-experts run reports: the bytes a decode token reads (only the experts it is routed to),
 and, streaming routed experts from host memory, the expert bytes copied per token and the device cache's
-hit rate (umakit/offload.py StreamCounters -> roofline.OffloadStats -> GenerationStats -> the stats line)."""
+hit rate (umakit/plan/placement.py StreamCounters -> roofline.OffloadStats -> GenerationStats -> the stats line)."""
 
 import pytest
 
@@ -10,7 +10,7 @@ from umakit.backends import common
 from umakit.cli.format import stats_line
 from umakit.errors import UnsupportedModelError
 from umakit.hardware import probes as hw_probes
-from umakit.offload import ROUTED_EXPERTS, StreamCounters, reserved_bytes
+from umakit.plan.placement import ROUTED_EXPERTS, StreamCounters, reserved_bytes
 
 PER_TOKEN, EXPERTS = 2, 4  # tests/tiny.py's MoE configs
 
@@ -100,7 +100,7 @@ def test_routed_share_reads_each_familys_expert_counts():
 
 
 def test_load_synthetic_picks_an_engine_that_runs_the_architecture(monkeypatch, tiny_dir):
-    from umakit.checkpoint import read_config
+    from umakit.checkpoint.files import read_config
 
     config = read_config(tiny_dir("mixtral"))
     assert umakit.load_synthetic(config, device="cpu").info.backend == "torch"
@@ -115,8 +115,8 @@ def test_load_synthetic_picks_an_engine_that_runs_the_architecture(monkeypatch, 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
 def test_plan_predicts_the_engines_moe_split(tiny_dir, family):
     """`umakit plan` at the engine's KV reserve makes the torch engine's split, byte for byte (16-bit weights)."""
-    from umakit import plan as P
-    from umakit.checkpoint import read_config
+    from umakit.plan import planner as P
+    from umakit.checkpoint.files import read_config
     from umakit.hardware import lookup_device
 
     path = tiny_dir(family)

@@ -13,7 +13,7 @@ from tiny import make_tiny_model
 from umakit import hardware
 from umakit.hardware import probes as hw_probes
 from umakit.errors import InvalidArgumentError
-from umakit.offload import RING_SLOTS, parse_size, plan_layers
+from umakit.plan.placement import RING_SLOTS, parse_size, plan_layers
 
 LAYERS = 5  # more layers than ring slots, and not a multiple of them: the ring wraps mid-pass
 TOKENS = [1, 17, 33, 2, 99, 5, 64, 7, 8, 120, 3]
@@ -162,9 +162,9 @@ def test_budget_on_the_engine_and_its_errors(deep_dir):
 
 
 def test_the_engine_reserves_kv_as_plan_counts_it(deep_dir):
-    from umakit.backends.torch.loader import CUDA_CACHE_TOKENS
-    from umakit.offload import reserve_tokens, reserved_bytes
-    from umakit.shapes import KV_RESERVE_TOKENS
+    from umakit.backends.torch.load.loader import CUDA_CACHE_TOKENS
+    from umakit.plan.placement import reserve_tokens, reserved_bytes
+    from umakit.plan.shapes import KV_RESERVE_TOKENS
 
     m = umakit.load(deep_dir, backend="torch", device="cpu", dtype="float32", gpu_layers=1)
     assert CUDA_CACHE_TOKENS == KV_RESERVE_TOKENS  # one constant: the cache a GPU starts with is what is reserved
@@ -260,7 +260,7 @@ def test_offload_sweep_writes_json_and_plot(llama_deep, tmp_path):
 
 
 def test_bench_with_offloaded_layers_is_labelled_pcie_by_compare(llama_deep, tmp_path):
-    from umakit.compare import limiting_link
+    from umakit.bench.compare import limiting_link
 
     out = tmp_path / "b.json"
     r = CliRunner().invoke(umakit.cli.main.main, [
@@ -282,9 +282,9 @@ def test_offload_sweep_refuses_what_it_cannot_do(llama_deep):
 
 
 def test_a_model_too_big_for_free_vram_is_refused_with_the_flag_that_streams_it(deep_dir):
-    from umakit.backends.torch.loader import check_fits, plan_offload
-    from umakit.backends.torch.model import ModelArgs
-    from umakit.checkpoint import open_checkpoint
+    from umakit.backends.torch.load.loader import check_fits, plan_offload
+    from umakit.backends.torch.model.llama import ModelArgs
+    from umakit.checkpoint.files import open_checkpoint
 
     import torch
 

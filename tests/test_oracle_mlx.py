@@ -6,7 +6,7 @@ import torch
 
 import umakit
 from conftest import ALL_FAMILIES
-from umakit.sampling import SamplingParams
+from umakit.generate.sampling import SamplingParams
 
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 301, 12, 64, 128, 77, 31, 200, 11]
 GREEDY = SamplingParams(temperature=0)

@@ -7,7 +7,7 @@ import torch
 import umakit
 from conftest import ALL_FAMILIES
 from umakit.errors import InvalidArgumentError, UnsupportedModelError
-from umakit.sampling import SamplingParams
+from umakit.generate.sampling import SamplingParams
 
 FAMILIES = ALL_FAMILIES  # every tiny family: gemma3 (sliding and global layers), mixtral and qwen3_moe (2 of 4 experts)
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 301, 12, 64, 128, 77, 31, 200, 11]
@@ -100,7 +100,7 @@ def test_half_precision_on_cpu_is_close(tiny_dir, dtype, tolerance):
 
 def test_unsupported_model_type_names_the_supported_ones(tiny_dir, tmp_path):
     from umakit.backends.torch.engine import TorchEngine
-    from umakit.checkpoint import open_checkpoint
+    from umakit.checkpoint.files import open_checkpoint
 
     path = _edited(tiny_dir("llama"), tmp_path / "phi3", model_type="phi3")
     with pytest.raises(UnsupportedModelError, match="supported: llama, mistral, qwen2, qwen3, gemma3_text, mixtral, "
@@ -130,7 +130,7 @@ def test_kv_bits_is_refused(pair):
 @pytest.mark.parametrize("family", ["llama", "mistral"])
 def test_static_decode_step_equals_eager(tiny_dir, family):
     """The CUDA-graph decode step (fixed attention span under a mask), run eagerly on CPU."""
-    from umakit.backends.torch.kernels import GraphDecoder
+    from umakit.backends.torch.cuda.graphs import GraphDecoder
 
     model = umakit.load(tiny_dir(family), backend="torch", device="cpu", dtype="float32")
     step = GraphDecoder(model.engine.model, capture=False)

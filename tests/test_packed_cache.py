@@ -7,7 +7,8 @@ import pytest
 from safetensors import safe_open
 
 import umakit
-from umakit.backends.torch import packed_cache, quant
+from umakit.backends.torch.load import packed as packed_cache
+from umakit.backends.torch import quant
 from umakit.quantize import quantize
 
 from tiny import make_tiny_model

@@ -8,12 +8,12 @@ import pytest
 from click.testing import CliRunner
 
 import umakit.cli.main
-from umakit import plan as P
+from umakit.plan import planner as P
 from umakit.errors import ConfigError, InvalidArgumentError, ModelNotFoundError
 from umakit.hardware import GiB, DeviceInfo, lookup_device
-from umakit.offload import RING_SLOTS, ROUTED_EXPERTS, WHOLE_LAYERS, reserved_bytes
-from umakit.roofline import offload_ceiling_tps
-from umakit.shapes import KV_RESERVE_TOKENS
+from umakit.plan.placement import RING_SLOTS, ROUTED_EXPERTS, WHOLE_LAYERS, reserved_bytes
+from umakit.plan.roofline import offload_ceiling_tps
+from umakit.plan.shapes import KV_RESERVE_TOKENS
 
 PRESETS = ["deepseek-v3", "gemma-3-12b", "gemma-3-1b", "gemma-3-27b", "gemma-3-4b", "llama-2-13b", "llama-2-70b",
            "llama-2-7b", "llama-3-70b", "llama-3-8b", "llama-3.1-405b", "llama-3.1-70b", "llama-3.1-8b",
@@ -337,7 +337,7 @@ def test_cli_errors_are_one_line(run, args, message):
 
 
 def test_a_vram_budget_caps_the_gpu_and_plans_the_split_the_engine_uses():
-    from umakit.offload import plan_layers
+    from umakit.plan.placement import plan_layers
 
     budget = 3 * 2**30  # "3GB" on the command line: memory sizes are binary, as cards are sold
     p = plan("llama-3-8b", bits=4, context=4096, devices=[lookup_device("RTX 4090 24GB")], vram_budget=budget)
@@ -392,7 +392,7 @@ def test_cli_offload_names_the_engine_and_each_placement(run):
 def test_plan_recommends_only_engines_that_run_the_architecture(monkeypatch):
     """The offload split names the engines whose spec runs the language model's architecture."""
     from umakit import backends
-    from umakit.config_compat import architecture
+    from umakit.checkpoint.config import architecture
 
     config = P.load_preset("gemma-3-4b")
     p = plan("gemma-3-4b", devices=[lookup_device("RTX 3060 8GB")])
@@ -408,7 +408,7 @@ def test_plan_recommends_only_engines_that_run_the_architecture(monkeypatch):
 
 
 def test_no_model_plans_the_built_in_model_as_imported(run, tmp_path, monkeypatch):
-    from umakit.default_model import DEFAULT_MODEL_NAME
+    from umakit.checkpoint.default import DEFAULT_MODEL_NAME
 
     monkeypatch.setenv("UMAKIT_HOME", str(tmp_path))
     assert P.resolve_config()[0] == P.DEFAULT_PRESET  # not imported yet: the preset's shapes

@@ -7,8 +7,8 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from umakit import plan as P
-from umakit import plan_parallel as PP
+from umakit.plan import planner as P
+from umakit.plan import parallel as PP
 from umakit.cli.main import main
 from umakit.errors import InvalidArgumentError
 

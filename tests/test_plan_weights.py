@@ -5,9 +5,16 @@ import importlib
 
 import pytest
 
-from umakit import plan as P
-from umakit.offload import ROUTED_EXPERTS, WHOLE_LAYERS, LayerBytes, expected_active_experts, plan_experts, \
-    plan_layers, streamed_bytes_per_token
+from umakit.plan import planner as P
+from umakit.plan.placement import (
+    ROUTED_EXPERTS,
+    WHOLE_LAYERS,
+    LayerBytes,
+    expected_active_experts,
+    plan_experts,
+    plan_layers,
+    streamed_bytes_per_token,
+)
 
 BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=10000.0, head_dim=16)

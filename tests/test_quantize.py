@@ -302,7 +302,7 @@ def test_checkpoint_errors_are_one_line(q4, tiny_dir, tmp_path):
 
 
 def test_large_checkpoints_are_sharded_with_an_index(q4, tiny_dir, tmp_path, monkeypatch):
-    from umakit import checkpoint_writer
+    from umakit.checkpoint import writer as checkpoint_writer
 
     monkeypatch.setattr(checkpoint_writer, "MAX_SHARD_BYTES", 40_000)
     r = q.quantize(tiny_dir("llama"), tmp_path / "sharded")

@@ -2,9 +2,9 @@
 
 import pytest
 
-from umakit.affine import bits_per_weight
+from umakit.core.affine import bits_per_weight
 from umakit.errors import InvalidArgumentError
-from umakit.roofline import decode_roofline, kv_bytes_per_token, offload_ceiling_tps
+from umakit.plan.roofline import decode_roofline, kv_bytes_per_token, offload_ceiling_tps
 
 GiB = 1 << 30
 LLAMA2_7B = dict(num_layers=32, num_kv_heads=32, head_dim=128)
@@ -79,7 +79,7 @@ def test_offload_ceiling():
 def test_measure_decode_reads_the_rest_from_vram_and_never_a_negative_amount():
     from types import SimpleNamespace
 
-    from umakit.roofline import measure_decode
+    from umakit.plan.roofline import measure_decode
 
     dev = SimpleNamespace(peak_bandwidth_gbps=100.0, name="gpu", bandwidth_source="published", pcie_h2d_gbps=10.0)
     r, o = measure_decode(1e9, 4e8, 1e3, 1000, 2.0, dev, placement="experts", hit_rate=0.25)
@@ -96,9 +96,9 @@ def test_measure_decode_reads_the_rest_from_vram_and_never_a_negative_amount():
 
 def test_a_sharded_run_reports_the_link_share_of_each_step():
     from umakit.cli.format import stats_line
-    from umakit.generation import GenerationStats
+    from umakit.generate.stream import GenerationStats
     from umakit.hardware import DeviceInfo
-    from umakit.roofline import measure_decode
+    from umakit.plan.roofline import measure_decode
 
     dev = DeviceInfo(name="test", kind="cpu", memory_bytes=0, peak_bandwidth_gbps=100.0, bandwidth_source="user")
     r, _ = measure_decode(1e9, 0, 0, 0, 20.0, dev, comm_s_per_token=0.01)  # 20 steps/s, 10 ms each on the link

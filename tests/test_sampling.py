@@ -5,7 +5,7 @@ import pytest
 
 from samplers import BACKENDS
 from umakit.errors import InvalidArgumentError
-from umakit.sampling import SamplingParams
+from umakit.generate.sampling import SamplingParams
 
 V = 50
 NO_RECENT = np.zeros((1, 0), dtype=np.int64)

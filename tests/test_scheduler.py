@@ -8,7 +8,7 @@ import time
 import pytest
 
 import umakit
-from umakit.sampling import SamplingParams
+from umakit.generate.sampling import SamplingParams
 from umakit.serve.scheduler import QueueFull, Scheduler
 from umakit.serve.types import ErrorEvent, FinalEvent, GenerationRequest, SchedulerSettings, TokenEvent
 

@@ -14,8 +14,8 @@ import umakit
 from conftest import requires_default_model
 from tiny import make_tiny_model
 from umakit.errors import InvalidArgumentError
-from umakit.sampling import SamplingParams
-from umakit.speculative import distribution
+from umakit.generate.sampling import SamplingParams
+from umakit.generate.speculative import distribution
 
 # Repetitive text, so prompt lookup finds n-grams to copy; the tiny models continue it in their own way.
 PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over"
@@ -127,7 +127,7 @@ def test_cache_after_rejections_holds_exactly_the_committed_text(pair, backend):
 def test_numpy_distribution_matches_the_engine_samplers(pair):
     import torch
 
-    from umakit.backends.torch.sampling import make_sampler
+    from umakit.backends.torch.sampler import make_sampler
 
     target, _ = pair("torch", "llama")
     logits = target.logits(target.encode(PROMPT, raw=True))[-1]

@@ -7,7 +7,7 @@ import torch
 
 import umakit
 from test_batch import MAX_TOKENS, PROMPTS, batched_prompts, sequential
-from umakit.sampling import SamplingParams
+from umakit.generate.sampling import SamplingParams
 
 FAMILIES = ["gemma3", "mixtral", "qwen3_moe"]
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 301, 12, 64, 128, 77, 31, 200, 11]
@@ -26,7 +26,7 @@ def test_greedy_batch_equals_sequential(torch_models, family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_static_decode_step_equals_eager(torch_models, family):
     """The CUDA-graph decode step (fixed span under a mask, experts gathered), run eagerly on CPU."""
-    from umakit.backends.torch.kernels import GraphDecoder
+    from umakit.backends.torch.cuda.graphs import GraphDecoder
 
     model = torch_models(family)
     step = GraphDecoder(model.engine.model, capture=False)
@@ -73,7 +73,7 @@ def test_routing_uses_more_than_one_expert_per_token(torch_models):
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
 def test_moe_offload_copies_only_the_picked_experts(torch_models, tiny_dir, family):
     """Routed experts of the streamed layer live in host memory; a decode step copies the 2 of 4 it picked."""
-    from umakit.offload import ROUTED_EXPERTS
+    from umakit.plan.placement import ROUTED_EXPERTS
 
     m = umakit.load(tiny_dir(family), backend="torch", device="cpu", dtype="float32", gpu_layers=1)
     plan, streamer = m.engine.offload, m.engine.experts_streamer

@@ -10,7 +10,9 @@ import torch
 import torch.nn.functional as F
 
 import umakit
-from umakit.backends.torch import convert, quant
+from umakit.backends.torch import quant
+from umakit.backends.torch.crossover import DENSE_ROWS
+from umakit.backends.torch.quant import forms
 
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 301, 12, 64, 128, 77, 31, 200, 11]
 
@@ -60,7 +62,7 @@ def test_execution_forms_equal_dequantize_then_matmul(bits, rows, cols, group_si
     reference = m.dequantized(torch.float32)
     model = torch.nn.Module()
     model.layer = m
-    convert.convert_model(model, torch.device("cpu"), dtype)
+    forms.convert_model(model, torch.device("cpu"), dtype)
     run = model.layer
     if dtype == torch.bfloat16 and rows % 16 == 0:
         assert isinstance(run, quant.Int4PackLinear)
@@ -168,9 +170,9 @@ def test_auto_on_cpu_takes_the_fastest_form_of_the_machine(quantized_dir, monkey
 ])
 def test_cpu_auto_dtype_takes_int4_kernels_only_for_4_and_8_bits(quantization, expected, monkeypatch):
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
-    assert convert.cpu_auto_dtype(quantization) == expected
+    assert forms.cpu_auto_dtype(quantization) == expected
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
-    assert convert.cpu_auto_dtype(quantization) == "auto"
+    assert forms.cpu_auto_dtype(quantization) == "auto"
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -186,7 +188,7 @@ def test_int4_kernels_take_float32_inputs_and_return_float32(bits, rows, cols, g
         eye = torch.eye(cols, dtype=torch.bfloat16)
         seen = run.op(torch.cat([eye, eye], -1) if run.split else eye, run.packed, group_size, run.scales_and_zeros)
         torch.testing.assert_close(run.dequantized(0, rows).float(), seen.float().T, rtol=2**-7, atol=1e-6)
-    for tokens in (1, 7, quant.DENSE_ROWS + 3):
+    for tokens in (1, 7, DENSE_ROWS + 3):
         x = torch.randn(2, tokens, cols)
         got = run(x)
         want = F.linear(x, want_weight, m.bias)

@@ -19,7 +19,9 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton", reason="the Triton kernel tests need triton (Linux x86_64: pip install -e '.[test]')")
 
-from umakit.backends.torch import convert, kernels, quant  # noqa: E402
+from umakit.backends.torch import quant
+from umakit.backends.torch.quant import forms
+from umakit.backends.torch.cuda import matvec  # noqa: E402
 
 N, K = 97, 384  # N: not a multiple of any BLOCK_N; K: of every group size but not of BLOCK_K 256 or 512
 BITS = (2, 4, 8)
@@ -39,7 +41,7 @@ def layer(bits: int, group: int, dtype=torch.float32, rows: int = N, cols: int =
 
 
 def matvec(m: quant.QuantizedLinear, x: torch.Tensor, block_n: int, block_k: int) -> torch.Tensor:
-    return kernels.affine_matvec(x, m.weight.view(torch.int32), m.scales, m.biases, m.bits, m.group_size,
+    return matvec.affine_matvec(x, m.weight.view(torch.int32), m.scales, m.biases, m.bits, m.group_size,
                                  block_n, block_k)
 
 
@@ -53,18 +55,18 @@ def run_cases() -> dict:
             m = layer(bits, group)
             x = torch.randn(K, generator=torch.Generator().manual_seed(1))
             want = m.dequantized(torch.float32) @ x
-            for block_n, block_k, _ in kernels.TUNING_CONFIGS:
+            for block_n, block_k, _ in matvec.TUNING_CONFIGS:
                 out[f"tuning-{bits}-{group}-{block_n}x{block_k}"] = matvec(m, x, block_n, block_k), want
         for dtype in HALF:
             m = layer(bits, 64, dtype)
             x = torch.randn(K, generator=torch.Generator().manual_seed(1)).to(dtype)
-            out[f"half-{bits}-{dtype}"] = matvec(m, x, *kernels.FIXED_BLOCKS), m.dequantized(torch.float32) @ x.float()
+            out[f"half-{bits}-{dtype}"] = matvec(m, x, *matvec.FIXED_BLOCKS), m.dequantized(torch.float32) @ x.float()
     m = layer(4, 32, rows=5, cols=96)
     x = torch.randn(96)
     out["wide-block"] = matvec(m, x, 16, 512), m.dequantized(torch.float32) @ x
     for name, dtype in DTYPES.items():
         m = layer(8, 64, dtype, bias=True)
-        run = kernels.TritonAffineLinear(m, dtype)
+        run = matvec.TritonAffineLinear(m, dtype)
         for tokens in (1, 7):
             x = torch.randn(1, tokens, K).to(dtype)  # (B, T, K)
             w, b = m.dequantized(torch.float32), m.bias.float()
@@ -103,7 +105,7 @@ def assert_matches(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, si
 @pytest.mark.parametrize("group", GROUPS)
 def test_every_tuning_config_equals_dequantize_then_matmul(results, bits, group):
     """N and K tails: 97 rows are no multiple of any BLOCK_N, 384 columns of neither BLOCK_K 256 nor 512."""
-    for block_n, block_k, _ in kernels.TUNING_CONFIGS:
+    for block_n, block_k, _ in matvec.TUNING_CONFIGS:
         assert_matches(*results[f"tuning-{bits}-{group}-{block_n}x{block_k}"], torch.float32)
 
 
@@ -135,4 +137,4 @@ def test_linear_layer_one_token_fused_and_many_dequantized(results, dtype, token
 ])
 def test_cuda_forms_chosen_with_triton_installed(bits, dtype, kind):
     m = layer(bits, 64, torch.float16, rows=96, cols=256)
-    assert type(convert.cuda_linear(m, dtype)).__name__ == kind
+    assert type(forms.cuda_linear(m, dtype)).__name__ == kind

@@ -12,7 +12,7 @@ import pytest
 
 import umakit
 from umakit import hardware
-from umakit.backends.mlx import batch as mlx_batch
+from umakit.backends.mlx import batch_decoder as mlx_batch
 from umakit.backends.mlx import wiring
 from umakit.bench.measure import BenchSettings, run_bench
 from umakit.hardware import GiB, DeviceInfo, local

@@ -13,47 +13,37 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from umakit.checkpoint import resolve as resolve_model
-from umakit.checkpoint import size_on_disk as checkpoint_size
+from umakit.checkpoint.files import resolve as resolve_model
+from umakit.checkpoint.files import size_on_disk as checkpoint_size
 from umakit.errors import UmakitError
-from umakit.sampling import SamplingParams
+from umakit.generate.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from umakit.chat import ChatSession, ChatSettings
-    from umakit.generation import Chunk, GenerationResult, GenerationStats
-    from umakit.gguf import ImportReport, import_gguf
-    from umakit.model import Model, load, load_synthetic
+    from umakit.api import LoadInfo, Model, load, load_synthetic
+    from umakit.checkpoint.gguf import ImportReport, import_gguf
+    from umakit.generate.batch import BatchRun, BatchStats, BatchStream
+    from umakit.generate.chat import ChatSession, ChatSettings
+    from umakit.generate.stream import Chunk, GenerationResult, GenerationStats
 
 # public name -> the module that defines it, imported when the name is first read
 _LAZY = {
-    "ChatSession": ".chat",
-    "ChatSettings": ".chat",
-    "Chunk": ".generation",
-    "GenerationResult": ".generation",
-    "GenerationStats": ".generation",
-    "ImportReport": ".gguf",
-    "import_gguf": ".gguf",
-    "Model": ".model",
-    "load": ".model",
-    "load_synthetic": ".model",
+    "BatchRun": "umakit.generate.batch",
+    "BatchStats": "umakit.generate.batch",
+    "BatchStream": "umakit.generate.batch",
+    "ChatSession": "umakit.generate.chat",
+    "ChatSettings": "umakit.generate.chat",
+    "Chunk": "umakit.generate.stream",
+    "GenerationResult": "umakit.generate.stream",
+    "GenerationStats": "umakit.generate.stream",
+    "ImportReport": "umakit.checkpoint.gguf",
+    "import_gguf": "umakit.checkpoint.gguf",
+    "LoadInfo": "umakit.api",
+    "Model": "umakit.api",
+    "load": "umakit.api",
+    "load_synthetic": "umakit.api",
 }
 
-__all__ = [
-    "ChatSession",
-    "ChatSettings",
-    "checkpoint_size",
-    "resolve_model",
-    "Chunk",
-    "GenerationResult",
-    "GenerationStats",
-    "ImportReport",
-    "import_gguf",
-    "Model",
-    "SamplingParams",
-    "UmakitError",
-    "load",
-    "load_synthetic",
-]
+__all__ = sorted({*_LAZY, "checkpoint_size", "resolve_model", "SamplingParams", "UmakitError"})
 __version__ = "0.1.0"
 
 
@@ -61,7 +51,7 @@ def __getattr__(name: str):
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'umakit' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
+    value = getattr(importlib.import_module(module), name)
     globals()[name] = value  # later reads skip this function
     return value
 

@@ -48,4 +48,4 @@ class WriteError(UmakitError, OSError):
 
 
 class BusyError(WriteError):
-    """Another umakit process holds the lock of the place to write (`umakit.fsutil.locked`)."""
+    """Another umakit process holds the lock of the place to write (`umakit.core.fsutil.locked`)."""

@@ -64,7 +64,7 @@ def choose(backend: str = "auto", device: str | None = None, needs: frozenset[st
     """Choose the engine and device from the user's words, the features asked for and the architecture.
 
     ``needs`` names features (`umakit.backends.base.FEATURES`) and ``model_type``
-    the checkpoint's architecture (`umakit.config_compat.architecture`; None:
+    the checkpoint's architecture (`umakit.checkpoint.config.architecture`; None:
     not known yet). "auto" takes the first engine, in the machine's order of
     preference, that is installed and can do both; an explicit backend that
     cannot is refused with the one that can.

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from typing import (TYPE_CHECKING, Any, Callable, ClassVar, Iterable, Iterator, Mapping, Protocol, Sequence,
                     runtime_checkable)
 
-from umakit.offload import OffloadPlan
-from umakit.sampling import SamplingParams
-from umakit.shapes import PREFILL_CHUNK  # tokens per prefill chunk, every engine and plan: bounds attention memory
+from umakit.plan.placement import OffloadPlan
+from umakit.generate.sampling import SamplingParams
+from umakit.plan.shapes import PREFILL_CHUNK  # tokens per prefill chunk, every engine and plan: bounds attention memory
 
 if TYPE_CHECKING:
     import numpy as np
@@ -47,7 +47,7 @@ class EngineSpec:
     extra: str  # the pip extra that installs it
     devices: tuple[str, ...]  # preferred first
     features: frozenset[str]
-    # The model types (the language model's, `umakit.config_compat.architecture`) it runs: a fixed list,
+    # The model types (the language model's, `umakit.checkpoint.config.architecture`) it runs: a fixed list,
     # or, where empty, whatever ``finds_architecture`` finds without importing the engine.
     architectures: tuple[str, ...] = ()
     finds_architecture: Callable[[str], bool] | None = None
@@ -147,7 +147,7 @@ class BatchRow:
 class BatchDecoder(Protocol):
     """Rows join with `add`, advance together with `step`, and leave with `remove`.
 
-    umakit's scheduler (`umakit.batch`) owns the queue, the slots, detokenizing,
+    umakit's scheduler (`umakit.generate.batch`) owns the queue, the slots, detokenizing,
     stop strings and statistics; a decoder only holds the rows' KV caches and
     advances all of them with one forward pass per step.
     """
@@ -219,7 +219,7 @@ class Engine(Protocol):
     @classmethod
     def from_checkpoint(
         cls,
-        ckpt,  # umakit.checkpoint.Checkpoint
+        ckpt,  # umakit.checkpoint.files.Checkpoint
         *,
         device: str,
         dtype: str = "auto",

@@ -13,7 +13,7 @@ import resource
 import sys
 from typing import Mapping, Sequence
 
-from umakit import affine
+from umakit.core import affine
 from umakit.errors import CheckpointError
 from umakit.backends.base import WeightInfo
 

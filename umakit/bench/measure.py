@@ -5,7 +5,7 @@ tokens greedily, ignoring end-of-sequence so every run does the same work.
 Clocks are read after the token is on the host (the engine's token iterator
 synchronises). Every run takes a `umakit.Model` and uses only the declared
 engine protocol; its roofline and offload figures come from
-`umakit.roofline.measure_decode` (through `Model.measure_decode`), the one
+`umakit.plan.roofline.measure_decode` (through `Model.measure_decode`), the one
 place that arithmetic lives.
 """
 
@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Callable
 
 from umakit.backends.base import BATCH, QUANTIZED_KV, BatchRow
 from umakit.errors import DoesNotFitError, InvalidArgumentError
-from umakit.roofline import measure_decode
-from umakit.sampling import SamplingParams
+from umakit.plan.roofline import measure_decode
+from umakit.generate.sampling import SamplingParams
 from umakit.bench.records import (
     BenchRecord,
     ContextPoint,
@@ -34,7 +34,7 @@ from umakit.bench.records import (
 
 if TYPE_CHECKING:
     from umakit.hardware import DeviceInfo
-    from umakit.model import Model
+    from umakit.api import Model
 
 GREEDY = SamplingParams(temperature=0)
 DEFAULT_PROMPT_TOKENS = 512

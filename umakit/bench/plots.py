@@ -8,8 +8,8 @@ share of layers streamed, with the modelled two-link ceiling.
 from __future__ import annotations
 
 from umakit.errors import InvalidArgumentError
-from umakit.fsutil import atomic_file
-from umakit.roofline import GB, offload_ceiling_tps
+from umakit.core.fsutil import atomic_file
+from umakit.plan.roofline import GB, offload_ceiling_tps
 
 
 def ceiling_curve(record: dict, contexts: list[int]) -> list[float]:

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from umakit.errors import InvalidArgumentError
-from umakit.fsutil import atomic_file
+from umakit.core.fsutil import atomic_file
 
 RECORD_VERSION = 1
 VERSIONED_PACKAGES = ("umakit", "mlx", "mlx-lm", "torch")

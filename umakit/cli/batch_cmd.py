@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from umakit.backends.base import BATCH
-from umakit.batch import DEFAULT_BATCH_SIZE
+from umakit.generate.batch import DEFAULT_BATCH_SIZE
 
 from umakit.cli.options import (SAMPLING_KEYS, follow_unless_leader, load_model, model_options, offload_options, parallel_option,
                       sampling_options)
@@ -79,8 +79,9 @@ class Progress:
 def batch_cmd(model, input_path, output_path, batch_size, system, raw, stop, max_tokens, seed, backend, device, dtype,
               peak_bandwidth, gpu_layers, vram_budget, parallel, **sampling):
     """Generate a reply to every prompt of a JSON Lines file, in batches."""
-    from umakit import batch_io, fsutil, validate
-    from umakit.sampling import SamplingParams
+    from umakit.generate import batch_io
+    from umakit.core import fsutil, validate
+    from umakit.generate.sampling import SamplingParams
 
     load = dict(backend=backend, device=device, dtype=dtype, peak_bandwidth=peak_bandwidth, needs={BATCH},
                 gpu_layers=gpu_layers, vram_budget=vram_budget)
@@ -96,7 +97,7 @@ def batch_cmd(model, input_path, output_path, batch_size, system, raw, stop, max
 
 
 def _run(model, input_path, output_path, batch_size, raw, settings, load_kwargs) -> None:
-    from umakit import batch, batch_io
+    from umakit.generate import batch, batch_io
     from umakit.errors import InvalidArgumentError
 
     items, errors = batch_io.read_items(input_path)  # duplicate ids stop here, before anything runs
@@ -140,7 +141,7 @@ def _run(model, input_path, output_path, batch_size, raw, settings, load_kwargs)
 
 def _report(errors, output_path) -> None:
     """Each skipped line on stderr, in input order, and in the errors file beside the output."""
-    from umakit import batch_io
+    from umakit.generate import batch_io
 
     errors.sort(key=lambda e: e.line)
     for e in errors:

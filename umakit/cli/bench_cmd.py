@@ -71,7 +71,7 @@ def bench(model, prompt_tokens, gen_tokens, repeat, warmup, batch, kv_bits, cont
           device, dtype, peak_bandwidth, gpu_layers, vram_budget, parallel):
     """Measure TTFT, prefill and decode speed, achieved GB/s and % of peak bandwidth."""
     from umakit import bench as lib
-    from umakit.fsutil import check_writable
+    from umakit.core.fsutil import check_writable
 
     if probe:
         click.echo(_probe(device))
@@ -146,7 +146,7 @@ def _loader(model, synthetic, bits, backend, device, dtype, peak_bandwidth, need
     from umakit.bench import layer_count
 
     if synthetic:
-        from umakit.plan import load_preset
+        from umakit.plan.planner import load_preset
 
         def load(**offload):
             m = umakit.load_synthetic(synthetic, backend=backend, device=device, dtype=dtype,
@@ -156,7 +156,7 @@ def _loader(model, synthetic, bits, backend, device, dtype, peak_bandwidth, need
             return m
 
         return load, lambda: layer_count(load_preset(synthetic))
-    from umakit.plan import load_config
+    from umakit.plan.planner import load_config
 
     path = umakit.resolve_model(model)  # once: a sweep loads it again per step
 

@@ -18,8 +18,9 @@ from pathlib import Path
 
 import click
 
-from umakit import crashlog, validate
-from umakit.chat import ChatSession, Stopped, TurnInfo
+from umakit.cli import crashlog
+from umakit.core import validate
+from umakit.generate.chat import ChatSession, Stopped, TurnInfo
 from umakit.errors import InvalidArgumentError, UmakitError
 
 from umakit.cli.format import decode_line, size
@@ -325,7 +326,7 @@ def _enable_line_editing() -> bool:
         import readline
     except ImportError:  # Windows without pyreadline
         return False
-    from umakit.home import home_dir
+    from umakit.core.home import home_dir
 
     try:
         history = str(home_dir() / "chat_history")

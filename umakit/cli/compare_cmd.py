@@ -12,8 +12,8 @@ import click
 def compare_cmd(records, devices, plot):
     """Compare `umakit bench --json` RECORDS (same model and bits) with the plan's predicted ceilings."""
     from umakit.bench import load_record, plot_records
-    from umakit.compare import compare
-    from umakit.plan import REFERENCE_DEVICES
+    from umakit.bench.compare import compare
+    from umakit.plan.planner import REFERENCE_DEVICES
 
     data = [load_record(p) for p in records]
     columns = compare(data, tuple(devices) or REFERENCE_DEVICES)

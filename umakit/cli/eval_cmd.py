@@ -7,9 +7,9 @@ from pathlib import Path
 
 import click
 
-from umakit.affine import KV_BITS
-from umakit.corpora import CORPORA, DEFAULT_TOKENS, FETCH_COMMAND
-from umakit.evaluate import DEFAULT_CHUNK, DEFAULT_WINDOW
+from umakit.core.affine import KV_BITS
+from umakit.evaluate.corpora import CORPORA, DEFAULT_TOKENS, FETCH_COMMAND
+from umakit.evaluate.perplexity import DEFAULT_CHUNK, DEFAULT_WINDOW
 
 from umakit.cli.options import kv_needs, load_model, model_options
 
@@ -39,14 +39,14 @@ FLOAT_CACHE = "float"  # --kv-bits: one cache in the compute dtype, unquantized
 def eval_cmd(model, text_file, corpus, window, stride, max_tokens, kv_bits, bos_per_window, as_json, backend, device,
              dtype, peak_bandwidth):
     """Perplexity of MODEL (default: the built-in model) on --text FILE or --corpus NAME."""
-    from umakit.corpora import load_corpus
-    from umakit.evaluate import kv_perplexity, perplexity
+    from umakit.evaluate.corpora import load_corpus
+    from umakit.evaluate.perplexity import kv_perplexity, perplexity
 
     if (text_file is None) == (corpus is None):
         raise click.UsageError("give exactly one of --text FILE or --corpus NAME")
     if corpus and max_tokens is None:
         max_tokens = DEFAULT_TOKENS
-    from umakit import validate
+    from umakit.core import validate
 
     # a token is rarely 8 characters: read no more of a corpus than the tokens need
     text = validate.read_text(text_file, "text file") if text_file else load_corpus(corpus, max_chars=8 * max_tokens)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from umakit.offload import ROUTED_EXPERTS
+from umakit.plan.placement import ROUTED_EXPERTS
 
 
 def size(n: float) -> str:

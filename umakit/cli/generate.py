@@ -42,8 +42,8 @@ def generate(model, prompt, system, raw, stop, kv_bits, as_json, max_tokens, see
              peak_bandwidth, gpu_layers, vram_budget, quantize, draft, draft_tokens, prompt_lookup, ngram, parallel,
              **sampling):
     """Generate a reply to one prompt."""
-    from umakit import validate
-    from umakit.generation import collect
+    from umakit.core import validate
+    from umakit.generate.stream import collect
 
     load = dict(backend=backend, device=device, dtype=dtype, peak_bandwidth=peak_bandwidth, quantize=quantize,
                 needs=kv_needs(kv_bits), gpu_layers=gpu_layers, vram_budget=vram_budget)

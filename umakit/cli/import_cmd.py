@@ -13,7 +13,7 @@ from umakit.cli.format import size
 @click.option("--force", is_flag=True, help="Replace the output directory if it exists.")
 def import_cmd(gguf_file, out_dir, force):
     """Convert a GGUF file into a directory `umakit load` serves."""
-    from umakit.gguf import import_gguf
+    from umakit.checkpoint.gguf import import_gguf
 
     report = import_gguf(gguf_file, out_dir, force=force)
     click.echo(f"Wrote {report.out_dir} ({size(report.bytes_written)}) in {report.seconds:.1f} s")

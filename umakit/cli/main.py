@@ -3,7 +3,7 @@
 Subcommands live in their own modules and are imported only when used, so
 `umakit --help` and each command start fast. Library errors become a one-line
 message and exit status 1 here, in one place; any other exception is a bug,
-reported in one line with its traceback logged (`umakit.crashlog`).
+reported in one line with its traceback logged (`umakit.cli.crashlog`).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ class LazyGroup(click.Group):
 
 def internal_error(e: Exception) -> click.ClickException:
     """A bug, not a user's mistake: one line naming it and its log (the traceback too with UMAKIT_DEBUG=1)."""
-    from umakit import crashlog
+    from umakit.cli import crashlog
 
     if crashlog.debug():
         traceback.print_exception(type(e), e, e.__traceback__)

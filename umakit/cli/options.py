@@ -6,8 +6,8 @@ import sys
 
 import click
 
-from umakit.affine import DEFAULT_BITS, DEFAULT_GROUP_SIZE, HIGH_BITS, KV_BITS
-from umakit.sampling import (
+from umakit.core.affine import DEFAULT_BITS, DEFAULT_GROUP_SIZE, HIGH_BITS, KV_BITS
+from umakit.generate.sampling import (
     DEFAULT_MAX_TOKENS,
     DEFAULT_MIN_P,
     DEFAULT_REPETITION_PENALTY,
@@ -62,7 +62,7 @@ def model_options(f):
 
 def _checked(ctx, param, value):
     """The library's check of a sampling flag (click's ranges let nan and inf through)."""
-    from umakit import validate
+    from umakit.core import validate
     from umakit.errors import InvalidArgumentError
 
     try:
@@ -72,7 +72,7 @@ def _checked(ctx, param, value):
 
 
 def _checked_seed(ctx, param, value):
-    from umakit import validate
+    from umakit.core import validate
     from umakit.errors import InvalidArgumentError
 
     try:
@@ -155,7 +155,13 @@ def follow_unless_leader(parallel, model, **load_kwargs) -> None:
 
 def speculative_options(f):
     """--draft, --draft-tokens, --prompt-lookup, --ngram: speculative decoding (lossless)."""
-    from umakit.speculative import DEFAULT_DRAFT_TOKENS, DEFAULT_LOOKUP_TOKENS, DEFAULT_NGRAM, MAX_DRAFT_TOKENS, MAX_NGRAM
+    from umakit.generate.speculative import (
+        DEFAULT_DRAFT_TOKENS,
+        DEFAULT_LOOKUP_TOKENS,
+        DEFAULT_NGRAM,
+        MAX_DRAFT_TOKENS,
+        MAX_NGRAM,
+    )
 
     f = click.option("--ngram", type=click.IntRange(1, MAX_NGRAM), default=None,
                      help=f"With --prompt-lookup: the n-gram to match (default {DEFAULT_NGRAM}).")(f)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from umakit import plan_parallel as PP
+from umakit.plan import parallel as PP
 
 
 def parallel_plans(plan, config: dict, nodes: int | None, link: str | None) -> list:

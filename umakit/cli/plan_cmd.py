@@ -6,9 +6,9 @@ import json
 
 import click
 
-from umakit import plan as P
-from umakit.affine import DEFAULT_GROUP_SIZE, FLOAT_BITS
-from umakit.offload import WHOLE_LAYERS, parse_size
+from umakit.plan import planner as P
+from umakit.core.affine import DEFAULT_GROUP_SIZE, FLOAT_BITS
+from umakit.plan.placement import WHOLE_LAYERS, parse_size
 from umakit.quantize.recipes import DEFAULT_RECIPE, RECIPES
 
 from umakit.cli.parallel_plan import parallel_dict, parallel_lines, parallel_plans
@@ -37,7 +37,7 @@ from umakit.cli.parallel_plan import parallel_dict, parallel_lines, parallel_pla
               help="Cap a GPU's memory for the model, as when running with it: 8GB is 8x10^9 bytes, 8GiB 8x2^30.")
 @click.option("--nodes", type=int, default=None,
               help="Plan tensor and pipeline parallel over this many of each device (2 or more).")
-@click.option("--link", default=None, help="With --nodes: what joins them (see umakit.plan_parallel.LINKS).")
+@click.option("--link", default=None, help="With --nodes: what joins them (see umakit.plan.parallel.LINKS).")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 def plan(model, preset, config_path, bits, recipe, embed_bits, group_size, kv_bits, context, batch, devices,
          peak_bandwidth, vram_budget, nodes, link, as_json):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from umakit.affine import BITS, DEFAULT_BITS, DEFAULT_GROUP_SIZE, GROUP_SIZES
+from umakit.core.affine import BITS, DEFAULT_BITS, DEFAULT_GROUP_SIZE, GROUP_SIZES
 from umakit.quantize.recipes import DEFAULT_RECIPE, RECIPES
 
 from umakit.cli.format import size
@@ -29,7 +29,7 @@ def quantize_cmd(src, dst, bits, group_size, recipe, force, eval_file, as_json):
     """Quantize the float checkpoint SRC (directory or Hub id) into OUTPUT, mlx-lm's layout."""
     from umakit.quantize.pipeline import quantize
 
-    from umakit import validate
+    from umakit.core import validate
 
     text = validate.read_text(eval_file, "text file") if eval_file else None
     r = quantize(src, dst, bits=int(bits), group_size=int(group_size), recipe=recipe, force=force, eval_text=text)

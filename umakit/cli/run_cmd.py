@@ -41,7 +41,7 @@ def run(model, system, max_context, kv_bits, stats, max_tokens, seed, backend, d
         gpu_layers, vram_budget, quantize, draft, draft_tokens, prompt_lookup, ngram, parallel, **sampling):
     """Chat with MODEL (default: the built-in SmolLM2-135M-Instruct)."""
     import umakit
-    from umakit.chat import ChatSession, ChatSettings
+    from umakit.generate.chat import ChatSession, ChatSettings
 
     load = dict(backend=backend, device=device, dtype=dtype, peak_bandwidth=peak_bandwidth, quantize=quantize,
                 needs=kv_needs(kv_bits), gpu_layers=gpu_layers, vram_budget=vram_budget)

@@ -23,7 +23,7 @@ API_KEY_ENV = "UMAKIT_API_KEY"
 
 
 def _size(ctx, param, value):
-    from umakit.offload import parse_size
+    from umakit.plan.placement import parse_size
 
     try:
         return parse_size(value)

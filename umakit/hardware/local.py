@@ -17,7 +17,7 @@ import sys
 from dataclasses import dataclass
 
 from umakit.errors import BackendUnavailableError, InvalidArgumentError
-from umakit.home import umakit_home
+from umakit.core.home import umakit_home
 from umakit.hardware import probes
 from umakit.hardware.chips import DeviceInfo, default_working_set, find_chip
 from umakit.hardware.metal import metal_working_set

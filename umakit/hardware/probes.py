@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from umakit.fsutil import atomic_file
+from umakit.core.fsutil import atomic_file
 
 PROBE_RUNS = 3  # separate runs of a probe; the best is kept
 PROBE_PAUSE_S = 0.1  # between them, so that one burst of other work does not spoil them all

@@ -8,14 +8,14 @@ Two layers, as everywhere in umakit, and a pipeline on top:
   applies it and returns the config.json ``quantization`` block, and
   `apply_on_load` quantizes a loaded model in memory (what engines import);
 - `pipeline`: `quantize` writes a quantized checkpoint through `umakit.load`
-  and `umakit.checkpoint_writer`.
+  and `umakit.checkpoint.writer`.
 
-Bits and group sizes are `umakit.affine`'s (`BITS`, `GROUP_SIZES`).
+Bits and group sizes are `umakit.core.affine`'s (`BITS`, `GROUP_SIZES`).
 The pipeline's names load on first use: importing it here would pull the whole
 model layer into every engine that imports `recipes`.
 """
 
-from umakit.affine import BITS, DEFAULT_BITS, DEFAULT_GROUP_SIZE, GROUP_SIZES, HIGH_BITS, MODE
+from umakit.core.affine import BITS, DEFAULT_BITS, DEFAULT_GROUP_SIZE, GROUP_SIZES, HIGH_BITS, MODE
 from umakit.quantize.recipes import (
     DEFAULT_RECIPE,
     EDGE_BLOCKS,

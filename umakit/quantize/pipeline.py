@@ -3,7 +3,7 @@
 The pipeline only loads and writes: `umakit.load` quantizes on load (the
 engine runs the recipe, `umakit.quantize.recipes`), the engine hands back its
 weights in checkpoint layout (`Engine.export_weights`), and
-`umakit.checkpoint_writer` writes them with config.json and the source's
+`umakit.checkpoint.writer` writes them with config.json and the source's
 tokenizer files. Perplexity before and after is measured on request.
 """
 
@@ -15,13 +15,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from umakit import checkpoint, checkpoint_writer
-from umakit.affine import DEFAULT_BITS, DEFAULT_GROUP_SIZE
+from umakit import checkpoint
+from umakit.checkpoint import writer as checkpoint_writer
+from umakit.core.affine import DEFAULT_BITS, DEFAULT_GROUP_SIZE
 from umakit.backends.base import WeightInfo
 from umakit.errors import CheckpointError, InvalidArgumentError
-from umakit.fsutil import check_destination, check_not_inside, check_writable
-from umakit.evaluate import PerplexityResult, perplexity
-from umakit.model import load
+from umakit.core.fsutil import check_destination, check_not_inside, check_writable
+from umakit.evaluate.perplexity import PerplexityResult, perplexity
+from umakit.api import load
 from umakit.quantize.recipes import DEFAULT_RECIPE, get_recipe
 from umakit.quantize.tensor import check_bits
 

@@ -2,9 +2,9 @@
 
 `plan_quantization` asks a `Recipe` for the bits of every quantizable layer;
 `quantize_model` applies the plan in place with ``nn.quantize`` and returns the
-config.json ``quantization`` block mlx-lm writes (`umakit.affine.quantization_block`);
+config.json ``quantization`` block mlx-lm writes (`umakit.core.affine.quantization_block`);
 `apply_on_load` is what an engine runs to quantize a freshly loaded float model.
-Engines import this module: it depends only on mlx, the errors and `umakit.affine`.
+Engines import this module: it depends only on mlx, the errors and `umakit.core.affine`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Callable
 import mlx.core as mx
 import mlx.nn as nn
 
-from umakit.affine import DEFAULT_BITS, DEFAULT_GROUP_SIZE, HIGH_BITS, MODE, quantization_block
+from umakit.core.affine import DEFAULT_BITS, DEFAULT_GROUP_SIZE, HIGH_BITS, MODE, quantization_block
 from umakit.errors import InvalidArgumentError
 from umakit.quantize.tensor import check_bits
 

@@ -2,7 +2,7 @@
 
 `quantize_tensor` / `dequantize_tensor` are thin wrappers over MLX's own
 ``mx.quantize`` / ``mx.dequantize``; `error_bound` states how far a round trip
-may move each element. Widths and group sizes are `umakit.affine`'s.
+may move each element. Widths and group sizes are `umakit.core.affine`'s.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from umakit.affine import BITS, DEFAULT_BITS, DEFAULT_GROUP_SIZE, GROUP_SIZES, MODE
+from umakit.core.affine import BITS, DEFAULT_BITS, DEFAULT_GROUP_SIZE, GROUP_SIZES, MODE
 from umakit.errors import InvalidArgumentError
 
 _ROUNDING = {mx.float32: 2.0**-23, mx.float16: 2.0**-10, mx.bfloat16: 2.0**-7}  # two unit roundoffs

@@ -3,7 +3,7 @@ the response and chunk shapes, and every error body, built in one place (`APIErr
 
 Only the fields umakit supports are declared; the rest are ignored, as
 OpenAI's API ignores what it does not know. Sampling ranges are
-`umakit.sampling.SamplingParams`'s own checks, turned into 400s that name the
+`umakit.generate.sampling.SamplingParams`'s own checks, turned into 400s that name the
 field.
 """
 
@@ -16,7 +16,7 @@ from typing import Literal, Sequence
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from umakit.errors import InvalidArgumentError, UmakitError
-from umakit.sampling import DEFAULT_MAX_TOKENS, SamplingParams
+from umakit.generate.sampling import DEFAULT_MAX_TOKENS, SamplingParams
 from umakit.serve.types import GenerationRequest, Usage
 
 MAX_STOP = 4  # stop strings per request, as OpenAI allows

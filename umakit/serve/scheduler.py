@@ -37,7 +37,7 @@ from typing import Callable
 
 from umakit.backends.base import BatchRow
 from umakit.errors import UmakitError
-from umakit.generation import FINISH_STOP, DecodeRow
+from umakit.generate.stream import FINISH_STOP, DecodeRow
 from umakit.serve.prompt_cache import PromptCache
 from umakit.serve.types import ErrorEvent, FinalEvent, GenerationRequest, SchedulerSettings, TokenEvent, Usage
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from umakit.sampling import SamplingParams
+from umakit.generate.sampling import SamplingParams
 
 
 @dataclass

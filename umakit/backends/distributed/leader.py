@@ -22,7 +22,7 @@ from dataclasses import asdict
 from importlib import metadata
 from typing import ClassVar, Iterable, Iterator, Sequence
 
-from umakit.sampling import SamplingParams, seed_or_random
+from umakit.generate.sampling import SamplingParams, seed_or_random
 from umakit.backends.base import BatchRow, EngineSpec, WeightInfo
 from umakit.backends.distributed import TENSOR, DistributedError
 from umakit.backends.distributed.watchdog import stop_on_sigterm

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from umakit.affine import KV_BITS, KV_GROUP_SIZE
+from umakit.core.affine import KV_BITS, KV_GROUP_SIZE
 from umakit.errors import InvalidArgumentError
 from umakit.backends.mlx.mlx_lm_import import import_mlx_lm
 

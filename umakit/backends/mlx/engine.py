@@ -12,19 +12,20 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from umakit import affine, config_compat
-from umakit.checkpoint import Checkpoint, validate_checkpoint
+from umakit.core import affine
+from umakit.checkpoint import config as config_compat
+from umakit.checkpoint.files import Checkpoint, validate_checkpoint
 from umakit.errors import BackendUnavailableError, CheckpointError, InvalidArgumentError, UnsupportedModelError
 from umakit.quantize.recipes import parse_spec, quantize_model
-from umakit.roofline import kv_bytes_per_token
-from umakit.sampling import SamplingParams, seed_or_random
+from umakit.plan.roofline import kv_bytes_per_token
+from umakit.generate.sampling import SamplingParams, seed_or_random
 from umakit.backends import common
 from umakit.backends.base import PREFILL_CHUNK, WeightInfo, refuse_options
 from umakit.backends.mlx import SPEC, wiring
-from umakit.backends.mlx.batch import MLXBatchDecoder
+from umakit.backends.mlx.batch_decoder import MLXBatchDecoder
 from umakit.backends.mlx.cache import MLXCache
 from umakit.backends.mlx.mlx_lm_import import import_mlx_lm
-from umakit.backends.mlx.sampling import make_sampler
+from umakit.backends.mlx.sampler import make_sampler
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 CLEAR_EVERY = 256  # decode steps between returns of freed buffers to the system (as mlx-lm does)

@@ -6,7 +6,7 @@ imports `engine` only when the engine is chosen.
 
 from umakit.backends.base import BATCH, OFFLOAD, EngineSpec
 
-# The model types backends/torch/model.py runs (config.json's, of the language model).
+# The model types backends/torch/model/llama.py runs (config.json's, of the language model).
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "mixtral", "qwen3_moe")
 
 SPEC = EngineSpec(name="torch", module="umakit.backends.torch.engine", cls="TorchEngine", dependency="torch",

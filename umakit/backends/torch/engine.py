@@ -10,16 +10,16 @@ CPU, float16 ("auto"   float16 weights, float32 inputs and sums (FBGEMM): 2 byte
 CPU, bfloat16 ("auto"  torch's int4 kernels after an exact repack: ~0.6 bytes a
  for 4/8-bit models     weight, bfloat16 kernel inputs, float32 sums, activations and
  where torch's kernels  cache (convert.activation_dtype). On SmolLM2 Q4_1: over 2x
- are AVX-512)           float16's decode (benchmarks/cpu_engines.py); see convert.cpu_auto_dtype.
+ are AVX-512)           float16's decode (benchmarks/cpu_engines.py); see quant/forms.cpu_auto_dtype.
                        For the Llama family a decode step's layers run in one C++
-                       call (fused.py, built once per machine by native.py).
+                       call (cpu/fused.py, built once per machine by cpu/build.py).
 CUDA ("auto": the checkpoint's half type)  tinygemm int4 in bfloat16, otherwise a
                        fused Triton dequantize-matvec; the decode step is a CUDA graph.
 
 With ``gpu_layers``/``vram_budget`` the layers past the resident ones live in
 host memory and stream through a ring of device buffers on every forward
-pass (offload.py here; the split: umakit/offload.py). Loading lives in
-loader.py, synthetic models in synthetic.py, execution forms in convert.py. Streamed layers need
+pass (offload/layers.py here; the split: umakit/plan/placement.py). Loading lives in
+load/loader.py, synthetic models in load/synthetic.py, execution forms in quant/forms.py. Streamed layers need
 execution forms made of plain tensors, so on CPU they run in float32, and
 the decode step runs eagerly (no CUDA graph).
 """
@@ -34,27 +34,39 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 
-from umakit.checkpoint import Checkpoint
+from umakit.checkpoint.files import Checkpoint
 from umakit.errors import BackendUnavailableError, InvalidArgumentError
-from umakit.offload import RING_SLOTS
-from umakit.roofline import kv_bytes_per_token
-from umakit.sampling import SamplingParams, seed_or_random
+from umakit.plan.placement import RING_SLOTS
+from umakit.plan.roofline import kv_bytes_per_token
+from umakit.generate.sampling import SamplingParams, seed_or_random
 from umakit.backends import common
 from umakit.backends.base import PREFILL_CHUNK, WeightInfo, refuse_options
-from umakit.backends.torch import SPEC, native, quant
-from umakit.backends.torch.batch import TorchBatchDecoder
+from umakit.backends.torch import SPEC
+from umakit.backends.torch.cpu import build
+from umakit.backends.torch.crossover import DENSE_ROWS
+from umakit.backends.torch import quant
+from umakit.backends.torch.batch_decoder import TorchBatchDecoder
 from umakit.backends.torch.cache import GROW_STEP, StaticKVCache
-from umakit.backends.torch.convert import activation_dtype, describe_execution
-from umakit.backends.torch.kernels import GraphDecoder
-from umakit.backends.torch.loader import (CUDA_CACHE_TOKENS, SAFETENSORS_FLOATS, build_model, check_fits, compute_dtype, layer_of,
-                     named_tensors, plan_offload, stream_checkpoint)
-from umakit.backends.torch.model import ModelArgs
-from umakit.backends.torch.expert_stream import ExpertStreamer, plan_expert_offload
-from umakit.backends.torch.fused import FusedDecoder, covers
-from umakit.backends.torch.offload import LayerStreamer
-from umakit.backends.torch.packed_cache import PackedCache
-from umakit.backends.torch.sampling import make_sampler
-from umakit.backends.torch.synthetic import random_tensors, synthetic_shapes
+from umakit.backends.torch.quant.forms import activation_dtype, describe_execution
+from umakit.backends.torch.cuda.graphs import GraphDecoder
+from umakit.backends.torch.load.loader import (
+    CUDA_CACHE_TOKENS,
+    SAFETENSORS_FLOATS,
+    build_model,
+    check_fits,
+    compute_dtype,
+    layer_of,
+    named_tensors,
+    plan_offload,
+    stream_checkpoint,
+)
+from umakit.backends.torch.model.llama import ModelArgs
+from umakit.backends.torch.offload.experts import ExpertStreamer, plan_expert_offload
+from umakit.backends.torch.cpu.fused import FusedDecoder, covers
+from umakit.backends.torch.offload.layers import LayerStreamer
+from umakit.backends.torch.load.packed import PackedCache
+from umakit.backends.torch.sampler import make_sampler
+from umakit.backends.torch.load.synthetic import random_tensors, synthetic_shapes
 
 
 class TorchEngine:
@@ -70,13 +82,13 @@ class TorchEngine:
                         quantize: int | dict | None = None, gpu_layers: int | None = None,
                         vram_budget: int | str | None = None) -> "TorchEngine":
         """``gpu_layers`` (keep the first N layers resident) or ``vram_budget`` (bytes, or "24GB") stream the
-        other layers from host memory on every forward pass (see umakit/offload.py)."""
+        other layers from host memory on every forward pass (see umakit/plan/placement.py)."""
         refuse_options(SPEC, quantize=quantize)
         shapes = {k: t.shape for k, t in ckpt.tensors.items()}
         floats = [SAFETENSORS_FLOATS[t.dtype] for t in ckpt.tensors.values() if t.dtype in SAFETENSORS_FLOATS]
         staging = "cpu" if gpu_layers is not None or vram_budget is not None else device
         target = compute_dtype(dtype, floats, device, ckpt.config.get("quantization"))
-        # CPU int4 kernels: the packing of a quantized checkpoint, kept from its first load (packed_cache.py)
+        # CPU int4 kernels: the packing of a quantized checkpoint, kept from its first load (load/packed.py)
         int4 = device == "cpu" and target == torch.bfloat16 and ckpt.config.get("quantization")
         packed = PackedCache.for_checkpoint(ckpt.path, ckpt.files) if int4 else None
         return cls(ckpt.config, shapes, lambda: stream_checkpoint(ckpt, staging, progress), device, target,
@@ -121,7 +133,7 @@ class TorchEngine:
         self.quantization = config.get("quantization")
         self.offload = None  # an OffloadPlan, in bytes as loaded, when layers stream from host memory
         plan = None
-        moe = self.args.num_experts > 0  # offloads its routed experts only (expert_stream.py), never whole layers
+        moe = self.args.num_experts > 0  # offloads its routed experts only (offload/experts.py), never whole layers
         if gpu_layers is not None or vram_budget is not None:
             plan = (plan_expert_offload(self.args, shapes, dtype, gpu_layers, vram_budget, config) if moe
                     else plan_offload(self.args, config, shapes, dtype, gpu_layers, vram_budget))
@@ -150,15 +162,15 @@ class TorchEngine:
                 counters=self.experts_streamer.counters if self.experts_streamer else None)
         # Streamed layers change weights under a graph: run those eagerly.
         self._graphs = GraphDecoder(self.model) if device == "cuda" and not offloaded else None
-        # CPU: the layers of a decode step in one C++ call, where the model is one it covers (fused.py)
-        # and the library builds (once per machine) and loads (native.py).
+        # CPU: the layers of a decode step in one C++ call, where the model is one it covers (cpu/fused.py)
+        # and the library builds (once per machine) and loads (cpu/build.py).
         self._fused = None
         if device == "cpu" and covers(self.model):
-            if native.ensure():
+            if build.ensure():
                 self._fused = FusedDecoder(self.model)
             elif not os.environ.get("UMAKIT_NO_NATIVE"):
                 self.load_notes = (f"decode steps run eagerly, about 1.7x slower: the fused CPU step is "
-                                   f"unavailable ({native.reason()})",)
+                                   f"unavailable ({build.reason()})",)
 
     # -- engine interface -----------------------------------------------------
     def make_cache(self, kv_bits: int | None = None) -> StaticKVCache:
@@ -179,7 +191,7 @@ class TorchEngine:
         with torch.inference_mode():
             ids = torch.tensor(list(tokens), device=self.torch_device)
             fused = self._fusing()
-            if fused is not None and len(ids) < quant.DENSE_ROWS:
+            if fused is not None and len(ids) < DENSE_ROWS:
                 # Each row the bits of its own decode step, the one generation runs: a speculative
                 # verification accepts exactly what plain decoding would pick, and a score is a reply's.
                 return fused(ids, cache).float().cpu().numpy()

@@ -1,0 +1,415 @@
+"""`umakit.load` and the `Model` it returns (with `LoadInfo`, what a load reports): the Python API."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
+
+from umakit import backends
+from umakit import checkpoint
+from umakit.checkpoint import config as config_compat
+from umakit.plan import roofline
+from umakit.generate import speculative
+from umakit.core import validate
+from umakit.core.affine import DEFAULT_GROUP_SIZE
+from umakit.backends.base import OFFLOAD, QUANTIZE, Engine, KVCache, WeightInfo
+from umakit.errors import InvalidArgumentError, UmakitError
+from umakit.generate.batch import DEFAULT_BATCH_SIZE, BatchRun, BatchStream, generate_batch, stream_batch
+from umakit.generate.stream import Chunk, GenerationResult, collect, stream_generate
+from umakit.hardware import DeviceInfo, detect_local, memory_warnings
+from umakit.plan.placement import OffloadPlan, StreamedRun
+from umakit.generate.sampling import DEFAULT_MAX_TOKENS, SamplingParams, sampling_params
+from umakit.checkpoint.tokenizer import Message, Tokenizer
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from umakit.generate.speculative import SpeculativeDecoder
+
+
+@dataclass
+class LoadInfo:
+    name: str
+    path: Path | None  # None for a synthetic model
+    backend: str
+    device: str
+    dtype: str
+    load_s: float
+    size_on_disk: int
+    weights: WeightInfo
+    context_length: int
+    warnings: list[str] = field(default_factory=list)  # e.g. weights near the memory limit
+    offload: OffloadPlan | None = None  # the layer split when layers stream from host memory
+
+
+def load_info(engine: Engine, name: str, path: Path | None, load_s: float, size_on_disk: int) -> LoadInfo:
+    """The `LoadInfo` of ``engine`` as loaded, with its load notes and memory warnings."""
+    cfg = engine.config.get("text_config", engine.config)
+    info = LoadInfo(
+        name=name, path=path, backend=engine.name, device=engine.device, dtype=engine.dtype, load_s=load_s,
+        size_on_disk=size_on_disk, weights=engine.weight_info(),
+        context_length=int(cfg.get("max_position_embeddings") or 0), offload=engine.offload,
+    )
+    # With layers streaming, the device holds only the resident part; the host holds all of it.
+    resident = info.offload.resident_bytes if info.offload and engine.device != "cpu" else info.weights.total_bytes
+    info.warnings = [*engine.load_notes, *memory_warnings(resident, engine.device)]
+    return info
+
+
+class Model:
+    """A loaded model: tokenizer, engine and the measurements around them."""
+
+    def __init__(self, engine: Engine, tokenizer: Tokenizer | None, info: LoadInfo, peak_bandwidth: float | None = None):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.info = info
+        self._peak_bandwidth = peak_bandwidth
+        self._device_info = None
+
+    def __repr__(self) -> str:
+        i = self.info
+        return f"<umakit.Model {i.name} on {i.backend}/{i.device} {i.dtype}, {i.weights.quantization}>"
+
+    # -- prompts ----------------------------------------------------------------
+    def encode(
+        self,
+        prompt: str | None = None,
+        messages: Sequence[Message] | None = None,
+        system: str | None = None,
+        raw: bool = False,
+    ) -> list[int]:
+        """Prompt token ids. A plain prompt is sent as one user message through
+        the chat template unless ``raw`` (or the model has no template)."""
+        if (prompt is None) == (messages is None):
+            raise InvalidArgumentError("give exactly one of prompt or messages")
+        if messages is None:
+            if raw or self.tokenizer.chat_template is None:
+                return self.tokenizer.encode((system + "\n\n" if system else "") + prompt)
+            messages = [{"role": "user", "content": prompt}]
+        if system is not None:
+            messages = [{"role": "system", "content": system}] + [m for m in messages if m.get("role") != "system"]
+        return self.tokenizer.encode_chat(messages)
+
+    # -- generation ---------------------------------------------------------------
+    def stream(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: Sequence[Message] | None = None,
+        system: str | None = None,
+        raw: bool = False,
+        max_tokens: int = DEFAULT_MAX_TOKENS,
+        stop: Sequence[str] | str = (),
+        seed: int | None = None,
+        kv_bits: int | None = None,
+        sampling: SamplingParams | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        min_p: float | None = None,
+        repetition_penalty: float | None = None,
+        repetition_context: int | None = None,
+        draft: Model | str | os.PathLike | None = None,
+        draft_tokens: int | None = None,
+        prompt_lookup: bool = False,
+        ngram: int | None = None,
+    ) -> Iterator[Chunk]:
+        """Yield text chunks as they are generated; the last chunk has the finish reason and stats.
+
+        Give ``prompt`` (a user message, sent through the chat template unless
+        ``raw``) or ``messages`` (``[{"role", "content"}, ...]``). ``stop``
+        strings end the reply and are not emitted; ``seed`` makes sampling
+        reproducible; ``kv_bits`` (4 or 8) quantizes the KV cache. The sampling
+        settings default to ``sampling`` (default `SamplingParams()`), and each
+        named one given here overrides it; ``temperature=0`` is greedy.
+
+        Speculative decoding (lossless: greedy text is unchanged, sampled text
+        keeps its distribution): ``draft`` (a smaller `Model` with the same
+        tokenizer, or its path) or ``prompt_lookup=True`` (candidates copied
+        from the text so far, n-grams of ``ngram`` tokens) propose up to
+        ``draft_tokens`` tokens that one target step verifies.
+        """
+        stop = validate.request(prompt, messages, system, max_tokens, stop)
+        ids = self.encode(prompt, messages, system, raw)
+        return self.stream_tokens(
+            ids, self.make_cache(kv_bits), max_tokens=max_tokens, stop=stop, seed=seed,
+            sampling=sampling_params(sampling, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                                     repetition_penalty=repetition_penalty, repetition_context=repetition_context),
+            speculator=self.speculator(draft=draft, draft_tokens=draft_tokens, prompt_lookup=prompt_lookup,
+                                       ngram=ngram),
+        )
+
+    def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: Sequence[Message] | None = None,
+        system: str | None = None,
+        raw: bool = False,
+        max_tokens: int = DEFAULT_MAX_TOKENS,
+        stop: Sequence[str] | str = (),
+        seed: int | None = None,
+        kv_bits: int | None = None,
+        sampling: SamplingParams | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        min_p: float | None = None,
+        repetition_penalty: float | None = None,
+        repetition_context: int | None = None,
+        draft: Model | str | os.PathLike | None = None,
+        draft_tokens: int | None = None,
+        prompt_lookup: bool = False,
+        ngram: int | None = None,
+    ) -> GenerationResult:
+        """Generate a whole reply: text, token ids, finish reason and stats (parameters as `stream`)."""
+        return collect(self.stream(
+            prompt, messages=messages, system=system, raw=raw, max_tokens=max_tokens, stop=stop, seed=seed,
+            kv_bits=kv_bits, sampling=sampling, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+            repetition_penalty=repetition_penalty, repetition_context=repetition_context, draft=draft,
+            draft_tokens=draft_tokens, prompt_lookup=prompt_lookup, ngram=ngram,
+        ))
+
+    def stream_tokens(
+        self,
+        prompt: Sequence[int],
+        cache: KVCache,
+        *,
+        max_tokens: int = DEFAULT_MAX_TOKENS,
+        stop: Sequence[str] | str = (),
+        seed: int | None = None,
+        history: Sequence[int] = (),
+        sampling: SamplingParams | None = None,
+        speculator: SpeculativeDecoder | None = None,
+    ) -> Iterator[Chunk]:
+        """The token-level entry point: continue ``cache`` with ``prompt`` ids.
+
+        ``history`` is the text already in ``cache``, for the repetition penalty;
+        ``speculator`` (from `Model.speculator`) decodes speculatively.
+        """
+        if max_tokens < 1:
+            raise InvalidArgumentError(f"max_tokens must be at least 1, got {max_tokens}")
+        params = sampling or SamplingParams()
+        limit = self.info.context_length
+        if limit and cache.offset + len(prompt) + max_tokens > limit:
+            max_tokens = max(limit - cache.offset - len(prompt), 0)
+            if max_tokens == 0:
+                raise InvalidArgumentError(
+                    f"the prompt ({cache.offset + len(prompt)} tokens) fills the model's context of {limit} tokens"
+                )
+        stops = [stop] if isinstance(stop, str) else list(stop)
+        kv = self.engine.kv_bytes_per_token(cache.kv_bits)
+        return _wired(self.engine, stream_generate(
+            self.engine, self.tokenizer, prompt, cache, params, max_tokens, stop=stops, seed=seed,
+            history=history, measure=lambda tps, context, streamed=None: self.measure_decode(tps, context, kv,
+                                                                                           streamed),
+            speculator=speculator,
+        ))
+
+    def speculator(self, *, draft: Model | str | os.PathLike | None = None, draft_tokens: int | None = None,
+                   prompt_lookup: bool = False, ngram: int | None = None) -> SpeculativeDecoder | None:
+        """A speculative decoder for this model (None when neither ``draft`` nor ``prompt_lookup`` is given).
+
+        A ``draft`` given as a path is loaded on this model's engine and device, on every
+        call: to generate repeatedly, load it once with `umakit.load` and pass the `Model`.
+        """
+        if isinstance(draft, (str, os.PathLike)):
+            draft = load(draft, backend=self.info.backend, device=self.info.device)
+        return speculative.speculator(self, draft=draft, prompt_lookup=prompt_lookup, draft_tokens=draft_tokens,
+                                      ngram=ngram)
+
+    def generate_batch(
+        self,
+        prompts: Sequence,
+        *,
+        batch_size: int = DEFAULT_BATCH_SIZE,
+        max_tokens: int = DEFAULT_MAX_TOKENS,
+        stop: Sequence[str] | str = (),
+        seed: int | None = None,
+        system: str | None = None,
+        raw: bool = False,
+        sampling: SamplingParams | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        min_p: float | None = None,
+        repetition_penalty: float | None = None,
+        repetition_context: int | None = None,
+    ) -> BatchRun:
+        """One `GenerationResult` per prompt, in order, decoded together (a `umakit.generate.batch.BatchRun`).
+
+        Each prompt is a string, a message list, or a dict with ``prompt`` or
+        ``messages`` plus its own settings (any of the keyword arguments here
+        but ``batch_size``), which override these for that prompt.
+        """
+        return generate_batch(self, prompts, batch_size=batch_size, max_tokens=max_tokens, stop=stop,
+                              seed=seed, system=system, raw=raw, sampling=sampling_params(
+                                  sampling, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                                  repetition_penalty=repetition_penalty, repetition_context=repetition_context))
+
+    def stream_batch(
+        self,
+        prompts: Sequence,
+        *,
+        batch_size: int = DEFAULT_BATCH_SIZE,
+        max_tokens: int = DEFAULT_MAX_TOKENS,
+        stop: Sequence[str] | str = (),
+        seed: int | None = None,
+        system: str | None = None,
+        raw: bool = False,
+        sampling: SamplingParams | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        min_p: float | None = None,
+        repetition_penalty: float | None = None,
+        repetition_context: int | None = None,
+        on_error: Callable[[int, UmakitError], None] | None = None,
+    ) -> BatchStream:
+        """A `umakit.generate.batch.BatchStream`: iterate it for ``(index, result)`` as each prompt finishes
+        (parameters as `generate_batch`).
+
+        With ``on_error(index, error)`` a prompt that cannot be encoded or does
+        not fit is reported there and skipped, and the others still run;
+        without it the first such prompt raises before anything runs.
+        """
+        return stream_batch(self, prompts, batch_size=batch_size, max_tokens=max_tokens, stop=stop, seed=seed,
+                            system=system, raw=raw, sampling=sampling_params(
+                                sampling, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                                repetition_penalty=repetition_penalty, repetition_context=repetition_context),
+                            on_error=on_error)
+
+    def make_cache(self, kv_bits: int | None = None) -> KVCache:
+        """An empty KV cache for this model (``kv_bits`` 4 or 8: quantized, where the engine offers it)."""
+        return self.engine.make_cache(kv_bits=kv_bits)
+
+    def logits(self, tokens: Sequence[int]) -> np.ndarray:
+        """Float32 logits (T, V) of a full forward pass over ``tokens``."""
+        return self.engine.logits(tokens)
+
+    # -- measurements -------------------------------------------------------------
+    @property
+    def device_info(self) -> DeviceInfo:
+        """The local device's facts (peak bandwidth measured once per machine on CPU)."""
+        if self._device_info is None:
+            self._device_info = detect_local(self.info.device, override_gbps=self._peak_bandwidth,
+                                             link=self.info.offload is not None)
+        return self._device_info
+
+    def measure_decode(self, tokens_per_s: float | None, context_tokens: int, kv_bytes_per_token: float | None = None,
+                       streamed: StreamedRun | None = None):
+        """(RooflineStats, OffloadStats or None) of decoding at ``context_tokens`` at ``tokens_per_s``.
+
+        ``streamed``: what the engine's copy counters saw over the run (else the plan's bytes per
+        token, and the device cache's hit rate since load)."""
+        w, plan = self.info.weights, self.engine.offload
+        kv = self.engine.kv_bytes_per_token() if kv_bytes_per_token is None else kv_bytes_per_token
+        if streamed is None:
+            hit = plan.counters.hit_rate if plan is not None and plan.counters is not None else None
+            streamed = StreamedRun(w.streamed_bytes_per_token, hit)
+        where = dict(placement=plan.placement if plan is not None else "", hit_rate=streamed.hit_rate,
+                     comm_s_per_token=w.comm_s_per_token)
+        stats = roofline.measure_decode(w.bytes_per_token, streamed.bytes_per_token, kv, context_tokens,
+                                        tokens_per_s, self.device_info, **where)
+        dev, achieved = self.device_info, stats[0].achieved_gbps
+        if dev.bandwidth_source == "measured" and achieved and achieved > dev.peak_bandwidth_gbps:
+            # the cached probe was taken on a busy machine: measure it again (at least what this run read)
+            self._device_info = detect_local(self.info.device, link=self.info.offload is not None,
+                                             achieved_gbps=achieved)
+            stats = roofline.measure_decode(w.bytes_per_token, streamed.bytes_per_token, kv, context_tokens,
+                                            tokens_per_s, self._device_info, **where)
+        return stats
+
+
+def _wired(engine: Engine, chunks: Iterator[Chunk]) -> Iterator[Chunk]:
+    """``chunks`` consumed under the engine's wiring (held from the first chunk until closed; the
+    CLI's own hold nests around it)."""
+    with engine.wired():
+        yield from chunks
+
+
+def load(
+    model: str | os.PathLike | None = None,
+    *,
+    backend: str = "auto",
+    device: str | None = None,
+    dtype: str = "auto",
+    peak_bandwidth: float | None = None,
+    quantize: int | dict | None = None,
+    needs: frozenset[str] = frozenset(),
+    progress: Callable[[int, int], None] | None = None,
+    gpu_layers: int | None = None,
+    vram_budget: int | str | None = None,
+    parallel: str | None = None,
+) -> Model:
+    """Load a model directory, Hub repo id, .gguf file, or (None) the built-in default.
+
+    ``backend`` is "auto", "mlx", "torch" or "cuda"; ``dtype`` is the compute
+    dtype ("auto": float32 on CPU, the checkpoint's dtype on a GPU).
+    ``quantize`` (e.g. ``4`` or ``{"bits": 4, "group_size": 64, "recipe": "mixed"}``)
+    quantizes a float checkpoint in memory, without writing files (mlx backend).
+    ``needs`` names features the caller will use (``{"kv_bits", "batch"}``), so
+    that "auto" picks an engine that has them. ``progress(bytes_done, bytes_total)``
+    is called as the weights are read. ``gpu_layers`` (keep the first N layers
+    in device memory) or ``vram_budget`` (bytes or "24GB": keep as many as fit)
+    stream the remaining layers from host memory on every step (torch backend;
+    on a CPU the copies are host copies, see umakit/plan/placement.py). ``parallel`` ("tensor" or "pipeline"), under
+    mlx.launch: this rank's shard of the model; rank 0 gets the Model, the other ranks follow it, then exit.
+    """
+    t0 = time.perf_counter()
+    offload = gpu_layers is not None or vram_budget is not None
+    needs = frozenset(needs) | ({QUANTIZE} if quantize is not None else set()) | ({OFFLOAD} if offload else set())
+    backend = backends.parallel_backend(backend, parallel)
+    backends.resolve(backend, device, needs)  # refuse the user's words before fetching or importing a model
+    path = checkpoint.resolve(model)
+    ckpt = checkpoint.open_checkpoint(path)
+    engine_name, device, choice_note = backends.choose(backend, device, needs,
+                                                       config_compat.architecture(ckpt.config))
+    tokenizer = Tokenizer(path, ckpt.config, extra_eos_ids=checkpoint.generation_eos_ids(path, ckpt.config))
+    engine = backends.load_engine(
+        engine_name, ckpt, parallel=parallel, device=device, dtype=dtype,
+        progress=progress, quantize=quantize, gpu_layers=gpu_layers, vram_budget=vram_budget)
+    info = load_info(engine, checkpoint.display_name(ckpt.path), path, time.perf_counter() - t0,
+                      sum(f.stat().st_size for f in ckpt.files))
+    if choice_note:  # why "auto" passed over its first engine, shown with the load's warnings
+        info.warnings.insert(0, choice_note)
+    return Model(engine, tokenizer, info, peak_bandwidth=peak_bandwidth)
+
+
+def load_synthetic(
+    preset: str | dict,
+    *,
+    backend: str = "auto",
+    device: str | None = None,
+    dtype: str = "auto",
+    bits: int | None = None,
+    group_size: int = DEFAULT_GROUP_SIZE,
+    peak_bandwidth: float | None = None,
+    needs: frozenset[str] = frozenset(),
+    gpu_layers: int | None = None,
+    vram_budget: int | str | None = None,
+) -> Model:
+    """A model of random weights in a real architecture's exact shapes, for benchmarks.
+
+    ``preset`` is a built-in preset name (see `umakit plan`) or a config dict;
+    ``bits`` (4 or 8) quantizes it in groups of ``group_size``. It has no
+    tokenizer: use the token-level API (`Model.engine`, `Model.stream_tokens`).
+    """
+    from umakit.plan.planner import load_preset
+
+    t0 = time.perf_counter()
+    offload = gpu_layers is not None or vram_budget is not None
+    needs = frozenset(needs) | ({OFFLOAD} if offload else set())
+    config = load_preset(preset) if isinstance(preset, str) else dict(preset)
+    engine_name, device, choice_note = backends.choose(backend, device, needs, config_compat.architecture(config))
+    engine = backends.engine_class(engine_name).synthetic(
+        config, device=device, dtype=dtype, bits=bits, group_size=group_size, gpu_layers=gpu_layers,
+        vram_budget=vram_budget)
+    name = preset if isinstance(preset, str) else str(config.get("model_type", "synthetic"))
+    info = load_info(engine, name, None, time.perf_counter() - t0, 0)
+    if choice_note:
+        info.warnings.insert(0, choice_note)
+    return Model(engine, None, info, peak_bandwidth=peak_bandwidth)

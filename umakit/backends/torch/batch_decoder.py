@@ -1,0 +1,250 @@
+"""Torch batched decoder: many sequences advanced by one forward pass per step.
+
+All rows share one KV buffer per layer, (rows, nkv, S, hd), rows kept
+contiguous in slots 0..B-1. Each row has its own length, so a decode step
+gives every row its own RoPE position and key mask (`Transformer.decode_rows`)
+and writes its new key and value at its own index. A new row is prefilled
+alone through the engine's single-sequence path and its cache then copied
+into a free slot, so a prefill never writes into a running row's cache (a
+row that brings its own cache is prefilled past it the same way, and `export`
+copies a row's slot back out into a single cache). Each
+row samples with its own settings and its own `torch.Generator`, seeded and
+drawn from as `TorchEngine.generate_tokens` does, so a seeded row reproduces
+a seeded single-sequence run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Iterable, Sequence
+
+import torch
+
+from umakit.errors import InvalidArgumentError
+from umakit.backends.base import BatchRow
+from umakit.hardware import cpu_kv_budget
+from umakit.backends.torch.cache import GROW_STEP, StaticKVCache
+from umakit.generate.sampling import seed_or_random
+from umakit.backends.torch.sampler import apply_repetition_penalty, make_sampler
+
+
+class BatchKVCache:
+    """K and V for all layers, (L, rows, nkv, capacity, hd), written at per-row positions."""
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, max_tokens: int,
+                 dtype: torch.dtype, device: torch.device):
+        self.shape = (layers, kv_heads, head_dim)
+        self.max_tokens = max_tokens
+        self.dtype, self.device = dtype, device
+        self.k = self.v = None
+        self._allocate(0, 0, 0)
+
+    def _allocate(self, rows: int, capacity: int, keep: int) -> None:
+        """New buffers of ``rows`` x ``capacity``, keeping the first ``keep`` positions of the old rows."""
+        L, H, D = self.shape
+        k = torch.zeros(L, rows, H, capacity, D, dtype=self.dtype, device=self.device)
+        v = torch.zeros_like(k)
+        if self.k is not None and keep:
+            n = min(rows, self.rows)
+            k[:, :n, :, :keep] = self.k[:, :n, :, :keep]
+            v[:, :n, :, :keep] = self.v[:, :n, :, :keep]
+        self.k, self.v = k, v
+        self.layers = list(zip(k.unbind(0), v.unbind(0), strict=True))  # per-layer views, made once
+
+    @property
+    def rows(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[3]
+
+    def reserve(self, rows: int, tokens: int, used: int) -> None:
+        """Room for ``rows`` rows of ``tokens`` positions; ``used`` positions hold data now."""
+        if tokens > self.max_tokens:
+            raise InvalidArgumentError(
+                f"{tokens} tokens do not fit the model's context of {self.max_tokens}; shorten the prompt or reply"
+            )
+        if rows <= self.rows and tokens <= self.capacity:
+            return
+        capacity = max(self.capacity, min(-(-tokens // GROW_STEP) * GROW_STEP, self.max_tokens))
+        self._allocate(max(rows, self.rows), capacity, used)
+
+    def put(self, slot: int, single) -> None:
+        """Copy a single-sequence cache's filled positions into row ``slot``."""
+        n = single.offset
+        self.k[:, slot, :, :n] = single.k[:, 0, :, :n]
+        self.v[:, slot, :, :n] = single.v[:, 0, :, :n]
+
+    def get(self, slot: int, n: int, single: StaticKVCache) -> None:
+        """Copy row ``slot``'s first ``n`` positions into an empty single-sequence cache."""
+        single.reserve(n)
+        single.k[:, 0, :, :n] = self.k[:, slot, :, :n]
+        single.v[:, 0, :, :n] = self.v[:, slot, :, :n]
+        single.advance(n)
+
+    def keep(self, slots: list[int], span: int) -> None:
+        """Move rows ``slots`` to the front, in that order (their first ``span`` positions)."""
+        index = torch.tensor(slots, device=self.device)
+        for buf in (self.k, self.v):
+            buf[:, : len(slots), :, :span] = buf[:, :, :, :span].index_select(1, index)
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, span: int):
+        """Store k, v (B, nkv, 1, hd), row b at ``positions[b]``; return the rows' first ``span`` slots."""
+        kc, vc = self.layers[layer]
+        B = k.shape[0]
+        rows = torch.arange(B, device=k.device)
+        kc[rows, :, positions] = k[:, :, 0]  # (B, nkv, hd) at (row b, position b)
+        vc[rows, :, positions] = v[:, :, 0]
+        return kc[:B, :, :span], vc[:B, :, :span]  # (B, nkv, S, hd)
+
+
+class _RowSampler:
+    """One row's sampling state: its sampler, generator and recent tokens (as in `generate_tokens`)."""
+
+    def __init__(self, row: BatchRow, device: torch.device):
+        p = row.sampling
+        self.penalty = p.repetition_penalty != 1.0
+        self.plain = p.greedy and not self.penalty  # a batched argmax serves it
+        self.logprobs = row.logprobs
+        self.factor = p.repetition_penalty
+        # The penalty is applied here, not in the sampler, so that the log-probabilities see it.
+        self.draw = make_sampler(replace(p, repetition_penalty=1.0))
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed_or_random(row.seed))
+        self.window = p.repetition_context
+        recent = list(row.prompt)[-self.window:] if self.penalty else []
+        self.recent = torch.tensor(recent, dtype=torch.long, device=device)[None]  # (1, n)
+
+    def sample(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits (1, V) -> (token (1,), the penalised logits it was drawn from (1, V)).
+
+        Advances the generator and the recent window.
+        """
+        logits = apply_repetition_penalty(logits, self.recent, self.factor)
+        token = self.draw(logits, self.recent, self.generator)
+        if self.penalty:
+            self.recent = torch.cat([self.recent, token[:, None]], dim=1)[:, -self.window:]
+        return token, logits
+
+
+def _figures(token: torch.Tensor, logits: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """token (1,) and the logits (1, V) it was drawn from -> its log-probability (1,) and the n most likely.
+
+    The n come as ids and log-probabilities (1, n), sorted by log-probability, descending.
+    """
+    lp = logits.float().log_softmax(dim=-1)  # (1, V)
+    top = lp.topk(min(n, lp.shape[-1]), dim=-1)  # sorted
+    return lp.gather(-1, token[:, None])[:, 0], top.indices, top.values
+
+
+def _read(figures: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> tuple[float, list[tuple[int, float]]]:
+    chosen, ids, values = figures
+    return chosen.item(), list(zip(ids[0].tolist(), values[0].tolist()))
+
+
+class TorchBatchDecoder:
+    """`umakit.backends.base.BatchDecoder` for `TorchEngine`."""
+
+    def __init__(self, engine):
+        self._engine = engine
+        self._device = engine.torch_device
+        a = engine.args
+        self._cache = BatchKVCache(a.num_hidden_layers, a.num_key_value_heads, a.head_dim,
+                                   a.max_position_embeddings, engine.cache_dtype, self._device)
+        self._ids: list[int] = []  # row i lives in cache slot i
+        self._rows: list[_RowSampler] = []
+        self._lengths: list[int] = []  # positions each row has in the cache
+        self._next: list[int] = []  # the token each row feeds to the next step
+        self._logprobs: dict[int, tuple[float, list[tuple[int, float]]]] = {}  # those of the last step's tokens
+
+    @property
+    def size(self) -> int:
+        return len(self._ids)
+
+    def add(self, rows: Sequence[BatchRow]) -> None:
+        for row in rows:
+            if not row.prompt:
+                raise InvalidArgumentError("a prompt is empty: there is nothing to continue from")
+            if row.cache is not None and not isinstance(row.cache, StaticKVCache):  # BatchRow checked the rest
+                raise InvalidArgumentError("a batch row's cache must come from this engine's make_cache()")
+        used = max(self._lengths, default=0)
+        longest = max([used] + [len(r.prompt) for r in rows])
+        self._cache.reserve(len(self._ids) + len(rows), longest, used)  # one reallocation at most
+        for row in rows:
+            single = row.cache if row.cache is not None else self._engine.make_cache()
+            # All but the last token, as generate_tokens does; a given cache holds a prefix already.
+            self._engine.prefill(row.prompt[single.offset:-1], single)
+            with torch.inference_mode():
+                self._cache.put(len(self._ids), single)
+            self._ids.append(row.id)
+            self._rows.append(_RowSampler(row, self._device))
+            self._lengths.append(single.offset)
+            self._next.append(row.prompt[-1])
+
+    def step(self) -> list[tuple[int, int]]:
+        self._logprobs = {}
+        if not self._ids:
+            return []
+        span = max(self._lengths) + 1
+        self._cache.reserve(len(self._ids), span, span - 1)
+        with torch.inference_mode():
+            tokens = torch.tensor(self._next, dtype=torch.long, device=self._device)[:, None]  # (B, 1)
+            logits = self._engine._decode_rows(tokens, self._lengths, self._cache, span)  # (B, V)
+            picked, figures = self._sample(logits)
+            picked = picked.tolist()  # the one wait for the device; the figures are ready after it
+            self._logprobs = {rid: _read(f) for rid, f in figures.items()}
+        self._lengths = [n + 1 for n in self._lengths]
+        self._next = picked
+        return list(zip(self._ids, picked))
+
+    def _sample(self, logits: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """logits (B, V) -> tokens (B,) and the log-probabilities of the rows that asked."""
+        greedy = logits.argmax(dim=-1)  # serves every plain row at once
+        own = {i: r.sample(logits[i:i + 1]) for i, r in enumerate(self._rows) if not r.plain}  # (token, drawn from)
+        if own:
+            tokens = torch.cat([own[i][0] if i in own else greedy[i:i + 1] for i in range(len(self._rows))])
+        else:
+            tokens = greedy
+        figures = {
+            self._ids[i]: _figures(*(own[i] if i in own else (greedy[i:i + 1], logits[i:i + 1])), r.logprobs)
+            for i, r in enumerate(self._rows) if r.logprobs is not None
+        }
+        return tokens, figures
+
+    def logprobs(self) -> dict[int, tuple[float, list[tuple[int, float]]]]:
+        return dict(self._logprobs)
+
+    def export(self, row_id: int) -> StaticKVCache:
+        # This decoder has not fed the latest token it returned: the copy holds prompt +
+        # returned tokens but the last (all but the prompt's last before the row's first step).
+        if row_id not in self._ids:
+            raise InvalidArgumentError(f"no row {row_id} in the batch")
+        i = self._ids.index(row_id)
+        single = self._engine.make_cache()
+        with torch.inference_mode():
+            self._cache.get(i, self._lengths[i], single)
+        return single
+
+    def remove(self, ids: Iterable[int]) -> None:
+        drop = set(ids)
+        keep = [i for i, rid in enumerate(self._ids) if rid not in drop]
+        if len(keep) == len(self._ids):
+            return
+        if keep and keep != list(range(len(keep))):
+            with torch.inference_mode():
+                self._cache.keep(keep, max(self._lengths[i] for i in keep))
+        self._ids = [self._ids[i] for i in keep]
+        self._rows = [self._rows[i] for i in keep]
+        self._lengths = [self._lengths[i] for i in keep]
+        self._next = [self._next[i] for i in keep]
+
+    def kv_budget_bytes(self) -> int:
+        if self._engine.device == "cuda":
+            free, _ = torch.cuda.mem_get_info()
+            return int(free * 0.9)  # the weights are already resident
+        return cpu_kv_budget()
+
+    def context_tokens(self) -> int:
+        return max(self._lengths, default=0)
+

@@ -1,0 +1,254 @@
+"""Loading the torch engine's model: the checkpoint streamed tensor by tensor into a meta-built model.
+
+The model is built on the meta device, quantized layers are swapped in where
+the checkpoint stores scales (mlx-lm's rule), names and shapes are checked
+before any data is read, tensors are filled in one at a time on the device,
+and quantized layers then take their execution form (quant/forms.py). The
+offload split (which layers stream from host memory) is decided here from the
+checkpoint's tensor sizes, with umakit/plan/placement.py's arithmetic.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from umakit.core.affine import BITS, GROUP_SIZES
+from umakit.checkpoint.files import Checkpoint
+from umakit.errors import CheckpointError, DoesNotFitError, InvalidArgumentError
+from umakit.plan.placement import RING_SLOTS, OffloadPlan, parse_size, plan_layers, reserved_bytes
+from umakit.plan.shapes import KV_RESERVE_TOKENS
+from umakit.backends.common import check_weights
+from umakit.backends.torch import quant
+from umakit.backends.torch.quant.forms import convert_model, cpu_auto_dtype
+from umakit.backends.torch.model.llama import ModelArgs, Transformer, fuse_projections, rope_inv_freq
+from umakit.backends.torch.model.moe import Experts, expert_slot, stacked_shapes
+from umakit.backends.torch.load.packed import PackedCache
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+SAFETENSORS_FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+CUDA_CACHE_TOKENS = KV_RESERVE_TOKENS  # initial KV capacity on CUDA: what the offload budget reserves for
+
+
+def compute_dtype(dtype: str, floats: list, device: str, quantization: dict | None = None) -> torch.dtype:
+    """The requested dtype. "auto" on a CPU is what `convert.cpu_auto_dtype` picks for the checkpoint's
+    ``quantization`` (torch's int4 kernels where they are fastest), else float16 weights with float32
+    math; on CUDA, the checkpoint's half precision."""
+    if dtype != "auto":
+        if dtype not in DTYPES:
+            raise InvalidArgumentError(f"unknown dtype {dtype!r}; choose auto, {', '.join(DTYPES)}")
+        return DTYPES[dtype]
+    if device == "cpu":
+        if cpu_auto_dtype(quantization) == "bfloat16":
+            return torch.bfloat16
+        # Half the bytes of float32 and the same float32 arithmetic (see the table above).
+        return torch.float16 if quant.Fp16Linear.available() else torch.float32
+    halves = [f for f in floats if f != torch.float32]
+    return max(set(halves), key=halves.count) if halves else torch.bfloat16
+
+
+def _quant_spec(path: str, q: dict, tensors) -> dict | None:
+    """mlx-lm's rule: a per-module dict overrides; otherwise quantized iff ``{path}.scales`` exists."""
+    if isinstance(q.get(path), dict):
+        return {k: q[path].get(k, q.get(k)) for k in ("bits", "group_size")}
+    if q.get(path) is False or f"{path}.scales" not in tensors:
+        return None
+    return {"bits": q.get("bits"), "group_size": q.get("group_size")}
+
+
+def _swap_quantized(model: Transformer, q: dict, tensors, dtype: torch.dtype) -> None:
+    for path, module in list(model.named_modules()):
+        if not isinstance(module, (nn.Linear, nn.Embedding, Experts)):
+            continue
+        spec = _quant_spec(path, q, tensors)
+        if spec is None:
+            continue
+        if spec["bits"] not in BITS or spec["group_size"] not in GROUP_SIZES:
+            raise CheckpointError(f"{path}: {spec['bits']}-bit groups of {spec['group_size']} are not supported")
+        try:
+            if isinstance(module, Experts):
+                new = module.quantized(spec["bits"], spec["group_size"], dtype)
+            elif isinstance(module, nn.Embedding):
+                new = quant.QuantizedEmbedding(module.num_embeddings, module.embedding_dim, **spec, dtype=dtype,
+                                               device="meta")
+            else:
+                new = quant.QuantizedLinear(module.in_features, module.out_features, module.bias is not None,
+                                            **spec, device="meta")
+        except ValueError as e:
+            raise CheckpointError(f"{path}: {e}") from e
+        parent, _, attr = path.rpartition(".")
+        setattr(model.get_submodule(parent), attr, new)
+
+
+def _sanitize(name: str) -> str | None:
+    """The model's name for a checkpoint tensor (None: not a weight of this model)."""
+    if "rotary_emb.inv_freq" in name:
+        return None
+    return name
+
+
+def _expected(model: Transformer) -> dict[str, torch.Tensor]:
+    out = dict(model.named_parameters())
+    out.update({k: v for k, v in model.named_buffers() if k != "inv_freq" and v is not None})
+    return out
+
+
+def stream_checkpoint(ckpt: Checkpoint, device: str, progress=None):
+    """Each tensor of the checkpoint in turn, read straight to ``device``.
+
+    ``progress(bytes_done, bytes_total)`` hears about every tensor read.
+    """
+    from safetensors import safe_open
+
+    done, total = 0, ckpt.nbytes
+    for file in ckpt.files:
+        with safe_open(str(file), framework="pt", device=device) as f:
+            for key in f.keys():
+                yield key, f.get_tensor(key)
+                done += ckpt.tensors[key].nbytes
+                if progress:
+                    progress(done, total)
+
+
+def build_model(args: ModelArgs, config: dict, shapes: dict, source, device: torch.device,
+                dtype: torch.dtype, weights: torch.dtype | None = None, offloaded: Sequence[int] = (),
+                host_experts: Sequence[int] = (), packed: PackedCache | None = None) -> Transformer:
+    """Build the model on the meta device, then fill it from ``source`` one tensor at a time.
+
+    ``dtype`` is that of activations and float tensors, ``weights`` that of the
+    linear layers' execution form (default: ``dtype``). The ``offloaded`` layers
+    are read into host memory and converted one at a time on the device (so
+    it never holds two of them), in a form made of plain tensors that can be
+    streamed; the engine then hands them to a `LayerStreamer`. The routed experts of the ``host_experts``
+    layers are read into host memory, for an `ExpertStreamer`. ``packed``: the CPU int4 packing of
+    an earlier load, read instead of repacking, and written when this load made it.
+    """
+    weights = weights or dtype
+    with torch.device("meta"):
+        model = Transformer(args)
+    # transformers' one tensor per expert, checked and held as mlx-lm's stacked (E, ...) ones
+    shapes, sources = stacked_shapes(shapes)
+    _swap_quantized(model, config.get("quantization") or {}, shapes, dtype)
+    keys = {n: k for k in shapes if (n := _sanitize(k)) is not None}
+    names = {n: sources.get(k, k) for n, k in keys.items()}
+    expected = _expected(model)
+    tied = args.tie_word_embeddings or not any(n.startswith("lm_head.") for n in names)
+    if tied:
+        expected = {k: v for k, v in expected.items() if not k.startswith("lm_head.")}
+    check_weights({k: tuple(v.shape) for k, v in expected.items()}, {n: shapes[k] for n, k in keys.items()}, names)
+
+    streamed = frozenset(offloaded)
+    host = torch.device("cpu")
+    for key, t in source:
+        name = _sanitize(key)
+        if name is None:
+            continue
+        slot = expert_slot(name)
+        on_host = layer_of(name) in streamed or (layer_of(name) in host_experts and (slot or ".switch_mlp." in name))
+        target = host if on_host else device
+        if t.is_floating_point() and not name.endswith((".scales", ".biases")):
+            t = t.to(device=target, dtype=dtype)
+        if slot is not None:
+            _assign_expert(model, *slot, t.to(target))
+        else:
+            _assign(model, name, t.to(target))
+
+    embed = model.model.embed_tokens
+    if tied:
+        if isinstance(embed, quant.QuantizedEmbedding):
+            model.lm_head = embed.as_linear()
+        else:
+            model.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False, device="meta")
+            model.lm_head.weight = embed.weight
+    fuse_projections(model, quant.concat)
+    for i in sorted(streamed):
+        block = model.model.layers[i].to(device)
+        convert_model(block, device, weights, tensors_only=lambda path: True)
+        block.to(host)
+    convert_model(model, device, weights, tensors_only=lambda path: layer_of(path) in streamed,
+                  prepacked=packed.get if packed is not None else lambda path: None)
+    if packed is not None:
+        packed.store({f"{path}.{name}": getattr(m, name) for path, m in model.named_modules()
+                      if isinstance(m, quant.Int4PackLinear) for name in ("packed", "scales_and_zeros")})
+    if tied and isinstance(embed, quant.QuantizedEmbedding) and isinstance(model.lm_head, nn.Linear):
+        # The tied head was dequantized: look rows up in it and drop the packed table.
+        model.model.embed_tokens = nn.Embedding.from_pretrained(model.lm_head.weight, freeze=True)
+    model.inv_freq = rope_inv_freq(args).to(device)
+    return model.eval()
+
+
+def layer_of(name: str) -> int | None:
+    """The block index of a tensor or module path ("model.layers.3.mlp..." -> 3), None outside the blocks."""
+    if not name.startswith("model.layers."):
+        return None
+    return int(name.split(".", 3)[2])
+
+
+def check_fits(args: ModelArgs, config: dict, shapes: dict, weights: torch.dtype, free_bytes: int) -> None:
+    """Refuse, before reading any weight, a model that cannot fit the free VRAM whole, naming the flag that streams it."""
+    whole = plan_offload(args, config, shapes, weights, args.num_hidden_layers, None)
+    need = whole.resident_bytes + whole.reserved_bytes
+    if need <= free_bytes:
+        return
+    try:
+        split = plan_offload(args, config, shapes, weights, None, free_bytes)
+        fix = (f"keep {split.gpu_layers} of {args.num_hidden_layers} layers on the GPU and stream the rest: "
+               f"--gpu-layers {split.gpu_layers} (or --vram-budget {free_bytes / 1e9:.0f}GB)")
+    except DoesNotFitError:  # not even with every layer streamed
+        fix = "use a more quantized model (umakit quantize --bits 4)"
+    raise DoesNotFitError(f"the model needs about {need / 1e9:.1f} GB of GPU memory but {free_bytes / 1e9:.1f} GB "
+                          f"is free; {fix}")
+
+
+def plan_offload(args: ModelArgs, config: dict, shapes: dict, weights: torch.dtype, gpu_layers: int | None,
+                  vram_budget) -> OffloadPlan:
+    """Which layers stream, from the checkpoint's tensor sizes in the execution dtype (what CUDA runs).
+
+    The budget also holds what `umakit plan` counts besides weights (`umakit.plan.placement.reserved_bytes`:
+    the KV cache for `KV_RESERVE_TOKENS` tokens, or the model's context if shorter, and a prefill
+    chunk's working memory, 16-bit as on a GPU).
+    """
+    per_layer = [0] * args.num_hidden_layers
+    fixed = 0
+    for name, shape in shapes.items():
+        if (name := _sanitize(name)) is None:
+            continue
+        count = int(np.prod(shape))
+        packed = name.endswith(".weight") and f"{name.removesuffix('.weight')}.scales" in shapes
+        nbytes = count * (4 if packed else 2 if name.endswith((".scales", ".biases")) else weights.itemsize)
+        layer = layer_of(name)
+        if layer is None:
+            fixed += nbytes
+        else:
+            per_layer[layer] += nbytes
+    budget = None if vram_budget is None else parse_size(vram_budget)
+    reserve = reserved_bytes(config)
+    return plan_layers(per_layer, fixed, gpu_layers=gpu_layers, vram_budget=budget, reserved_bytes=reserve,
+                       ring_slots=RING_SLOTS)
+
+
+def _assign(model: nn.Module, name: str, t: torch.Tensor) -> None:
+    path, _, attr = name.rpartition(".")
+    module = model.get_submodule(path)
+    if attr in module._parameters:
+        module._parameters[attr] = nn.Parameter(t, requires_grad=False)
+    else:
+        module._buffers[attr] = t
+
+
+def _assign_expert(model: nn.Module, name: str, expert: int, t: torch.Tensor) -> None:
+    """Copy one expert's tensor into its row of the stacked (E, ...) tensor ``name``, made at the first."""
+    path, _, attr = name.rpartition(".")
+    module = model.get_submodule(path)
+    store = module._parameters if attr in module._parameters else module._buffers
+    if store[attr].is_meta:
+        _assign(model, name, torch.empty(store[attr].shape, dtype=t.dtype, device=t.device))
+    store[attr][expert].copy_(t)
+
+
+def named_tensors(model: nn.Module):
+    yield from model.named_parameters(remove_duplicate=False)
+    yield from ((k, v) for k, v in model.named_buffers(remove_duplicate=False) if k != "inv_freq")

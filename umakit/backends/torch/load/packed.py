@@ -1,0 +1,106 @@
+"""The CPU int4 form of a checkpoint's quantized layers, kept under ``$UMAKIT_HOME/packed/`` for later loads.
+
+Repacking MLX's 4/8-bit groups for torch's int4 kernels (quant.Int4PackLinear)
+is most of a CPU load: 3.0 of 3.65 s for a 0.5B model with an 8-bit table,
+which splits into two nibble planes. The first load writes the packed
+weights and their scales into one safetensors file; later loads read them
+back and skip the repack. The file's name hashes the checkpoint's path, the
+size and modification time of each of its files, torch's version and
+`FORMAT_VERSION`, so a changed checkpoint, torch or packing is never read
+stale; the file of an older key of the same checkpoint is removed when the
+new one is written. A file that cannot be read or written is skipped: the
+layers are repacked, as without a cache.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save
+
+from umakit.errors import WriteError
+from umakit.core.fsutil import atomic_file
+from umakit.core.home import home_dir
+
+ALIGNMENT = 64  # bytes: torch's CPU allocator's, and AVX-512's loads
+FORMAT_VERSION = 2  # bump when Int4PackLinear's packed form or the file layout changes (2: 64-byte aligned data)
+SUFFIX = ".safetensors"
+
+
+def packed_path(checkpoint_dir: Path, files: list[Path], torch_version: str) -> Path | None:
+    """The packing's file for the checkpoint at ``checkpoint_dir`` as its ``files`` are now; None where none can be
+    kept."""
+    where = hashlib.sha256(str(Path(checkpoint_dir).resolve()).encode()).hexdigest()[:12]
+    key = hashlib.sha256(f"{FORMAT_VERSION} {torch_version}".encode())
+    try:
+        for f in sorted(files):
+            stat = f.stat()
+            key.update(f"{f.name} {stat.st_size} {stat.st_mtime_ns}".encode())
+        folder = home_dir("packed")
+    except (OSError, WriteError):
+        return None
+    return folder / f"{where}-{key.hexdigest()[:16]}{SUFFIX}"
+
+
+class PackedCache:
+    """The packed form of one checkpoint's layers: `get` what an earlier load stored, `store` what this one made."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.file = None  # the stored packing, read a layer at a time
+        self.names: set[str] = set()
+        if path.exists():
+            with contextlib.suppress(OSError, SafetensorError):
+                self.file = safe_open(path, framework="pt")
+                self.names = set(self.file.keys())
+
+    @classmethod
+    def for_checkpoint(cls, checkpoint_dir: Path, files: list[Path]) -> "PackedCache | None":
+        """The cache of the checkpoint at ``checkpoint_dir`` as its ``files`` are now; None where none can be kept."""
+        path = packed_path(checkpoint_dir, files, torch.__version__)
+        return None if path is None else cls(path)
+
+    def get(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(packed, scales_and_zeros) of the layer at module path ``name``, if stored."""
+        keys = (f"{name}.packed", f"{name}.scales_and_zeros")
+        if not all(k in self.names for k in keys):
+            return None
+        try:
+            return tuple(_aligned(self.file.get_tensor(k)) for k in keys)
+        except (OSError, SafetensorError):
+            return None
+
+    def store(self, layers: dict[str, torch.Tensor]) -> None:
+        """Write ``layers`` (name -> tensor) as this checkpoint's cache, unless it holds them already."""
+        if not layers or layers.keys() <= self.names:
+            return
+        try:
+            with atomic_file(self.path, "wb") as f:
+                f.write(_aligned_file(save({k: v.contiguous() for k, v in layers.items()})))
+        except WriteError:
+            return  # a cache: the next load repacks
+        # older keys' packings of the same checkpoint go
+        prefix = self.path.name.split("-")[0] + "-"
+        for old in self.path.parent.glob(f"{prefix}*{SUFFIX}"):
+            if old != self.path:
+                with contextlib.suppress(OSError):
+                    old.unlink()
+
+
+def _aligned_file(data: bytes) -> bytes:
+    """A safetensors file whose data starts at a multiple of `ALIGNMENT` (its header padded with spaces, as the
+    format allows), so every tensor whose offset is one too is read in place, at the boundary, from the map."""
+    n = int.from_bytes(data[:8], "little")
+    pad = -(8 + n) % ALIGNMENT
+    return (n + pad).to_bytes(8, "little") + data[8:8 + n] + b" " * pad + data[8 + n:]
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` at a 64-byte boundary, as torch allocates it: the int4 kernel read a packing 15-20% slower
+    off the boundary (measured on the default model). The packing's sizes are multiples of 64 bytes, so
+    from `_aligned_file`'s files this is the mapped tensor itself; otherwise a copy."""
+    return t if t.data_ptr() % ALIGNMENT == 0 else t.clone()

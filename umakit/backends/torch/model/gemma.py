@@ -1,0 +1,63 @@
+"""What gemma3 (``gemma3_text``) does differently from the Llama family, for the torch model.
+
+Sliding-window layers alternate with global ones (``layer_types``), each kind
+with its own RoPE base (``rope_local_base_freq`` for sliding layers, unscaled;
+``rope_theta`` and the rope scaling for global ones); every norm is RMSNorm
+with a (1 + w) weight, four per layer (around attention and around the MLP)
+plus q/k norms; embeddings are scaled by sqrt(hidden); attention scores by
+``query_pre_attn_scalar`` ** -0.5; the MLP is GELU-tanh; the logits may be
+soft-capped. The layer code itself lives in model/llama.py, switched by these fields.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from umakit.checkpoint.config import FULL, SLIDING
+from umakit.errors import UnsupportedModelError
+
+
+def gemma_fields(c: dict) -> dict:
+    """`ModelArgs` fields of a gemma3 config (empty for another family)."""
+    if c["model_type"] != "gemma3_text":
+        return {}
+    if c.get("attn_logit_softcapping"):
+        raise UnsupportedModelError("gemma3 with attn_logit_softcapping is not supported by the torch backend")
+    n = c["num_hidden_layers"]
+    types = c.get("layer_types")
+    if types is None:  # config_compat.normalize writes them; a hand-made config may give the pattern only
+        p = c.get("sliding_window_pattern", 6)
+        types = [FULL if (i + 1) % p == 0 else SLIDING for i in range(n)]
+    if len(types) != n or set(types) - {FULL, SLIDING}:
+        raise UnsupportedModelError(f"layer_types must name {n} layers, each {FULL!r} or {SLIDING!r}")
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    return dict(
+        layer_types=tuple(types),
+        rope_local_theta=float(c.get("rope_local_base_freq", 10000.0)),
+        attn_scale=float(c.get("query_pre_attn_scalar") or head_dim) ** -0.5,
+        embed_scale=float(c["hidden_size"]) ** 0.5,
+        final_logit_softcapping=c.get("final_logit_softcapping") or None,
+        gemma_norms=True,
+        qk_norm=True,
+        tie_word_embeddings=bool(c.get("tie_word_embeddings", True)),
+    )
+
+
+class GemmaRMSNorm(nn.Module):
+    """RMSNorm with weight (1 + w), the product taken in float32 (transformers' Gemma3RMSNorm)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        out = x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + self.eps)
+        return (out * (1.0 + self.weight.float())).to(x.dtype)
+
+
+def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """cap * tanh(logits / cap), or the logits unchanged without a cap."""
+    return logits if not cap else torch.tanh(logits / cap) * cap

@@ -1,0 +1,376 @@
+"""A compact Llama-family transformer (llama, mistral, qwen2, qwen3, gemma3, mixtral, qwen3_moe) in PyTorch.
+
+Parameter names equal the Hugging Face checkpoint's, so loading is a plain
+assignment; `fuse_projections` then joins q/k/v and gate/up into one matmul
+each, which is what runs. The KV cache is passed explicitly to every layer.
+gemma3's differences are switched by fields from model/gemma.py, mixture-of-experts
+layers come from model/moe.py.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from umakit.checkpoint.config import SLIDING, normalized, text_config
+from umakit.errors import UnsupportedModelError
+from umakit.backends.torch import ARCHITECTURES as SUPPORTED
+from umakit.backends.torch.model.gemma import GemmaRMSNorm, gemma_fields, softcap
+from umakit.backends.torch.model.moe import SparseMoE, moe_fields
+
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+@dataclass
+class ModelArgs:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # qwen2: biases on q/k/v only
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False  # qwen3, gemma3: RMSNorm on each head of q and k before RoPE
+    sliding_window: int | None = None  # every layer's, or (with layer_types) the sliding layers'
+    hidden_act: str = "silu"
+    # gemma3 (model/gemma.py):
+    layer_types: tuple[str, ...] = ()  # per layer "sliding_attention" or "full_attention"; (): all alike
+    rope_local_theta: float | None = None  # the sliding layers' RoPE base (unscaled)
+    attn_scale: float | None = None  # None: head_dim ** -0.5
+    embed_scale: float | None = None
+    final_logit_softcapping: float | None = None
+    gemma_norms: bool = False  # (1 + w) RMSNorms, and norms after attention and the MLP too
+    # mixture of experts (model/moe.py):
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    moe_layers: tuple[int, ...] = ()  # the layers whose MLP is sparse
+    ffn_name: str = "mlp"  # the checkpoint's name of a layer's feed-forward module (mixtral: block_sparse_moe)
+
+    def sliding(self, layer: int) -> bool:
+        """Whether ``layer`` attends within the window while others do not (gemma3's sliding layers)."""
+        return bool(self.layer_types) and self.layer_types[layer] == SLIDING
+
+    @classmethod
+    def from_config(cls, config: dict) -> "ModelArgs":
+        """Build from a Hugging Face config.json as is; refuse what this model cannot run."""
+        c = text_config(normalized(config))
+        kind = c["model_type"]
+        if kind not in SUPPORTED:
+            raise UnsupportedModelError(
+                f"model_type {kind!r} is not supported by the torch backend; supported: {', '.join(SUPPORTED)}"
+            )
+        act = c.get("hidden_activation") or c.get("hidden_act") or "silu"
+        if act not in ACTIVATIONS:
+            raise UnsupportedModelError(f"hidden_act {act!r} is not supported; supported: {', '.join(ACTIVATIONS)}")
+        window = c.get("sliding_window")
+        if kind in ("qwen2", "qwen3", "qwen3_moe"):
+            if c.get("use_sliding_window"):
+                raise UnsupportedModelError(f"{kind} with use_sliding_window is not supported by the torch backend")
+            window = None
+        try:
+            heads = c["num_attention_heads"]
+            bias = bool(c.get("attention_bias", False))
+            fields = dict(
+                model_type=kind,
+                vocab_size=c["vocab_size"],
+                hidden_size=c["hidden_size"],
+                intermediate_size=c["intermediate_size"],
+                num_hidden_layers=c["num_hidden_layers"],
+                num_attention_heads=heads,
+                num_key_value_heads=c.get("num_key_value_heads") or heads,
+                head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+                rms_norm_eps=c.get("rms_norm_eps", 1e-6),
+                rope_theta=c.get("rope_theta", 10000.0),
+                rope_scaling=c.get("rope_scaling"),
+                max_position_embeddings=c.get("max_position_embeddings") or 4096,
+                tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+                qkv_bias=bias or kind == "qwen2",
+                o_bias=bias,
+                mlp_bias=bool(c.get("mlp_bias", False)),
+                qk_norm=kind in ("qwen3", "qwen3_moe"),
+                sliding_window=window,
+                hidden_act=act,
+            )
+            return cls(**{**fields, **gemma_fields(c), **moe_fields(c)})
+        except KeyError as e:
+            raise UnsupportedModelError(f"config.json lacks {e.args[0]!r}, which a {kind} model needs") from e
+
+
+# -- RoPE and masks: pure functions ---------------------------------------------
+def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
+    """Inverse frequencies (kinds, head_dim/2), float32: row 0 with the config's rope scaling (global
+    layers), row 1, where the model has sliding layers of their own base, for those."""
+    rows = [_inv_freq(args.head_dim, args.rope_theta, args.rope_scaling)]
+    if args.rope_local_theta is not None:
+        rows.append(_inv_freq(args.head_dim, args.rope_local_theta, None))
+    return torch.stack(rows)
+
+
+def _inv_freq(d: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    # Always on the CPU: under the meta-device context of model building, arange
+    # would import torch._dynamo (about a second).
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float64, device="cpu") / d))
+    s = scaling or {}
+    kind = s.get("rope_type", s.get("type", "default"))
+    if kind == "linear":
+        inv = inv / s["factor"]
+    elif kind == "llama3":
+        low, high = s["low_freq_factor"], s["high_freq_factor"]
+        old = s["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        smooth = (old / wavelen - low) / (high - low)
+        mid = (1 - smooth) * inv / s["factor"] + smooth * inv
+        inv = torch.where(wavelen > old / low, inv / s["factor"], torch.where(wavelen < old / high, inv, mid))
+    elif kind != "default":
+        raise UnsupportedModelError(f"rope_scaling type {kind!r} is not supported; supported: default, linear, llama3")
+    return inv.float()
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
+    """cos and signed sin, each (T, head_dim), for integer ``positions`` (T,).
+
+    transformers rotates pairs (i, i + hd/2): x * cos + cat(-x2, x1) * sin. With
+    the sign folded into the first half of sin, cat(-x2, x1) * sin becomes
+    roll(x) * signed_sin, one op fewer per call.
+    """
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # (T, hd/2)
+    cos, sin = freqs.cos(), freqs.sin()
+    return torch.cat((cos, cos), dim=-1).to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x (B, H, T, hd) in the Hugging Face (non-interleaved) layout."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
+
+
+def attention_mask(positions: torch.Tensor, key_len: int, window: int | None) -> torch.Tensor:
+    """Boolean (T, key_len) mask: query at position p sees keys 0..p (and only the last ``window``)."""
+    keys = torch.arange(key_len, device=positions.device)[None, :]
+    mask = keys <= positions[:, None]
+    if window:
+        mask &= keys > positions[:, None] - window
+    return mask
+
+
+class Step(NamedTuple):
+    """What every layer needs to know about the tokens of one forward call."""
+
+    cos: torch.Tensor  # (T, hd), or (B, 1, 1, hd) when each row has its own position
+    sin: torch.Tensor  # (T, hd), sign folded in (see rope_cos_sin)
+    positions: torch.Tensor  # (T,) int64, or (B,) one per row (`Transformer.decode_rows`)
+    mask: torch.Tensor | None  # (T, S) bool, None when every cached key is visible; (B, 1, 1, S) per row
+    static: int  # 0: attend to the filled cache; else to its first `static` slots under the mask (CUDA graphs)
+    local: tuple | None = None  # (cos, sin, mask) of sliding layers where they differ from the others (gemma3)
+
+
+# -- blocks -----------------------------------------------------------------------
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # transformers' formula (float32 inside); on CPU F.rms_norm is a composite of ~25 ops.
+        x32 = x.float()
+        return self.weight * (x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, a: ModelArgs, layer: int):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = a.num_attention_heads, a.num_key_value_heads, a.head_dim
+        self.scale, self.sliding = a.attn_scale, a.sliding(layer)
+        q, kv = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+        self.q_proj = nn.Linear(a.hidden_size, q, bias=a.qkv_bias)
+        self.k_proj = nn.Linear(a.hidden_size, kv, bias=a.qkv_bias)
+        self.v_proj = nn.Linear(a.hidden_size, kv, bias=a.qkv_bias)
+        self.o_proj = nn.Linear(q, a.hidden_size, bias=a.o_bias)
+        if a.qk_norm:
+            self.q_norm = make_norm(a, self.head_dim)
+            self.k_norm = make_norm(a, self.head_dim)
+        self.qkv_proj = None  # set by fuse_projections
+
+    def forward(self, x, step: Step, cache, layer: int):
+        B, T, _ = x.shape
+        nh, nkv = self.n_heads, self.n_kv
+        cos, sin, mask = step.local if self.sliding and step.local else (step.cos, step.sin, step.mask)
+        qkv = self.qkv_proj(x).view(B, T, nh + 2 * nkv, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k, v = qkv.split([nh, nkv, nkv], dim=2)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=2)
+        else:
+            qk, v = qkv.split([nh + nkv, nkv], dim=2)
+        qk = apply_rope(qk.transpose(1, 2), cos, sin)  # (B, nh+nkv, T, hd): q and k in one go
+        q, k = qk.split([nh, nkv], dim=1)
+        k, v = cache.update(layer, k, v.transpose(1, 2), step.positions, step.static)  # (B, nkv, S, hd)
+        if T == 1:
+            # One query per head, all at the same position: fold each kv group's
+            # queries into the time axis, so the cache is read once per kv head.
+            q = q.reshape(B, nkv, nh // nkv, self.head_dim)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)  # mask (1|B, 1, 1, S)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=nh != nkv)
+            out = out.transpose(1, 2)  # (B, T, nh, hd)
+        return self.o_proj(out.reshape(B, T, nh * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.act = ACTIVATIONS[a.hidden_act]
+        self.gate_proj = nn.Linear(a.hidden_size, a.intermediate_size, bias=a.mlp_bias)
+        self.up_proj = nn.Linear(a.hidden_size, a.intermediate_size, bias=a.mlp_bias)
+        self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=a.mlp_bias)
+        self.gate_up_proj = None  # set by fuse_projections
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+def make_norm(a: ModelArgs, dim: int) -> nn.Module:
+    return GemmaRMSNorm(dim, a.rms_norm_eps) if a.gemma_norms else RMSNorm(dim, a.rms_norm_eps)
+
+
+class Block(nn.Module):
+    def __init__(self, a: ModelArgs, layer: int):
+        super().__init__()
+        self.self_attn = Attention(a, layer)
+        if layer in a.moe_layers:
+            ffn = SparseMoE(a.hidden_size, a.moe_intermediate_size, a.num_experts, a.num_experts_per_tok,
+                            a.norm_topk_prob, ACTIVATIONS[a.hidden_act])
+        else:
+            ffn = MLP(a)
+        self.ffn_name = a.ffn_name if layer in a.moe_layers else "mlp"
+        self.add_module(self.ffn_name, ffn)  # named as the checkpoint names it
+        self.input_layernorm = make_norm(a, a.hidden_size)
+        self.post_attention_layernorm = make_norm(a, a.hidden_size)
+        self.sandwich = a.gemma_norms  # gemma3: norms after attention and the MLP, and before the MLP
+        if self.sandwich:
+            self.pre_feedforward_layernorm = make_norm(a, a.hidden_size)
+            self.post_feedforward_layernorm = make_norm(a, a.hidden_size)
+
+    def forward(self, x, step: Step, cache, layer: int):
+        ffn = self._modules[self.ffn_name]
+        attn = self.self_attn(self.input_layernorm(x), step, cache, layer)
+        if not self.sandwich:
+            h = x + attn
+            return h + ffn(self.post_attention_layernorm(h))
+        h = x + self.post_attention_layernorm(attn)
+        return h + self.post_feedforward_layernorm(ffn(self.pre_feedforward_layernorm(h)))
+
+
+class Inner(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        # _weight skips the random init: on the meta device its normal_ imports torch._dynamo (1.5 s)
+        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size, _weight=torch.empty(a.vocab_size, a.hidden_size))
+        self.layers = nn.ModuleList(Block(a, i) for i in range(a.num_hidden_layers))
+        self.norm = make_norm(a, a.hidden_size)
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model = Inner(args)
+        # A tied head is made at load time from the embedding table (see the engine's loader).
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
+        self.streamer = None  # a LayerStreamer when some layers are offloaded
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache, static: int = 0,
+                head: bool = True) -> torch.Tensor:
+        """Logits (B, T, V) for ``tokens`` (B, T) at ``positions`` (T,), written into ``cache``.
+
+        ``static`` > 0: attend to that many cache slots under a mask built from
+        ``positions`` (a device tensor), so that a decode step has the same shapes
+        at every position (CUDA graphs); the caller advances the cache. Otherwise
+        attend to the filled part only. ``head=False`` skips the output head.
+        """
+        T = tokens.shape[1]
+        if not static:
+            cache.reserve(T)
+        x = self._embed(tokens)
+        # A mask always under a static span or for a prompt; for one new token only past a window.
+        step = self._step(positions, static or cache.offset + T, x.dtype, static > 0 or T > 1, static)
+        x = self._blocks(x, step, cache)
+        if not static:
+            cache.advance(T)
+        return self._head(x) if head else x
+
+    def decode_rows(self, tokens: torch.Tensor, positions: torch.Tensor, cache, span: int) -> torch.Tensor:
+        """Logits (B, V) for one token per row, ``tokens`` (B, 1), each at its own position (B,).
+
+        ``cache`` is a batch cache that writes row b's key at ``positions[b]`` and
+        returns its first ``span`` slots; each row sees its keys up to its position.
+        """
+        x = self._embed(tokens)
+        step = self._step(positions, span, x.dtype, True, span, rows=True)
+        x = self._blocks(x, step, cache)
+        return self._head(x)[:, -1]
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.model.embed_tokens(tokens)
+        scale = self.args.embed_scale
+        # The scale rounded to the activations' dtype, as transformers does; a Python float keeps CUDA graphs simple.
+        return x if scale is None else x * float(torch.tensor(scale, dtype=x.dtype))
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
+        return softcap(self.lm_head(self.model.norm(x)), self.args.final_logit_softcapping)
+
+    def _step(self, positions: torch.Tensor, key_len: int, dtype: torch.dtype, masked: bool, static: int,
+              rows: bool = False) -> Step:
+        """RoPE and masks for tokens at ``positions`` over ``key_len`` keys; ``rows``: one position per row."""
+        a = self.args
+
+        def view(inv_freq: torch.Tensor, window: int | None):
+            cos, sin = rope_cos_sin(inv_freq, positions, dtype)  # (T or B, hd)
+            mask = attention_mask(positions, key_len, window) if masked or (window and key_len > window) else None
+            if rows:  # (B, 1, 1, hd) rotates each row's (B, H, 1, hd) at its position; (B, 1, 1, S) masks its keys
+                return cos[:, None, None], sin[:, None, None], mask[:, None, None]
+            return cos, sin, mask
+
+        if not a.layer_types:  # every layer alike (mistral: all within its window)
+            cos, sin, mask = view(self.inv_freq[0], a.sliding_window)
+            return Step(cos, sin, positions, mask, static)
+        cos, sin, mask = view(self.inv_freq[0], None)
+        return Step(cos, sin, positions, mask, static, local=view(self.inv_freq[-1], a.sliding_window))
+
+    def _blocks(self, x: torch.Tensor, step: Step, cache) -> torch.Tensor:
+        streamer = self.streamer  # offloaded layers' weights arrive through it (offload/layers.py)
+        for i, layer in enumerate(self.model.layers):
+            if streamer is not None:
+                streamer.before(i)
+            x = layer(x, step, cache, i)
+            if streamer is not None:
+                streamer.after(i)
+        return x
+
+
+def fuse_projections(model: Transformer, concat) -> None:
+    """Join q/k/v and gate/up into one linear each; ``concat(modules)`` builds the joined module."""
+    for block in model.model.layers:
+        a, m = block.self_attn, block._modules[block.ffn_name]
+        a.qkv_proj = concat([a.q_proj, a.k_proj, a.v_proj])
+        del a.q_proj, a.k_proj, a.v_proj
+        if isinstance(m, MLP):  # experts stay apart: each token reads only its own
+            m.gate_up_proj = concat([m.gate_proj, m.up_proj])
+            del m.gate_proj, m.up_proj

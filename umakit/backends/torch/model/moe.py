@@ -1,0 +1,180 @@
+"""Mixture-of-experts feed-forward layers (mixtral, qwen3_moe) for the torch model.
+
+A router picks ``top_k`` experts per token; each expert is a gated MLP. The
+experts of one projection are held stacked, as mlx-lm names and stores them
+(``switch_mlp.gate_proj.weight`` (E, out, in), or in MLX's affine layout
+(E, out, in*bits/32) with scales and biases (E, out, in/group): each expert's
+matrix is quantized as a linear layer's is). Checkpoints saved by transformers
+hold one tensor per expert (``experts.3.w1.weight``): the loader stacks them
+(`expert_slot`, `stacked_shapes`).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Callable, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from umakit.errors import UnsupportedModelError
+from umakit.backends.torch.quant.layout import dequantize
+
+# HF per-expert projection names -> mlx-lm's stacked ones
+_PROJECTIONS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj",
+                "gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}
+_EXPERT = re.compile(r"^(.+)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.(weight|scales|biases)$")
+# The module a family's sparse layer is named by in its checkpoints.
+FFN_NAMES = {"mixtral": "block_sparse_moe", "qwen3_moe": "mlp"}
+
+
+def moe_fields(c: dict) -> dict:
+    """`ModelArgs` fields of a mixture-of-experts config (empty for a dense family)."""
+    kind = c["model_type"]
+    if kind not in FFN_NAMES:
+        return {}
+    n = c.get("num_local_experts") or c.get("num_experts")
+    if kind == "qwen3_moe":
+        skip = set(c.get("mlp_only_layers") or ())
+        step = c.get("decoder_sparse_step") or 1
+        layers = tuple(i for i in range(c["num_hidden_layers"]) if i not in skip and (i + 1) % step == 0)
+        inter, renorm = c["moe_intermediate_size"], bool(c.get("norm_topk_prob", False))
+    else:
+        layers, inter, renorm = tuple(range(c["num_hidden_layers"])), c["intermediate_size"], True
+    if not n or not c.get("num_experts_per_tok"):
+        raise UnsupportedModelError(f"config.json of a {kind} model lacks num_local_experts or num_experts_per_tok")
+    return dict(num_experts=n, num_experts_per_tok=c["num_experts_per_tok"], moe_intermediate_size=inter,
+                norm_topk_prob=renorm, moe_layers=layers, ffn_name=FFN_NAMES[kind])
+
+
+def expert_slot(name: str) -> tuple[str, int] | None:
+    """("...switch_mlp.gate_proj.weight", 3) for "...experts.3.w1.weight"; None for any other name."""
+    m = _EXPERT.match(name)
+    if m is None:
+        return None
+    prefix, e, proj, kind = m.groups()
+    return f"{prefix}.switch_mlp.{_PROJECTIONS[proj]}.{kind}", int(e)
+
+
+def stacked_shapes(shapes: Mapping[str, Sequence[int]]) -> tuple[dict[str, tuple], dict[str, str]]:
+    """(name -> shape with per-expert tensors joined as (E, ...), stacked name -> a checkpoint name for messages).
+
+    Experts missing from the checkpoint shorten E, which the shape check then reports.
+    """
+    out: dict[str, tuple] = {}
+    parts: dict[str, dict[int, tuple]] = {}
+    source: dict[str, str] = {}
+    for name, shape in shapes.items():
+        slot = expert_slot(name)
+        if slot is None:
+            out[name] = tuple(shape)
+            continue
+        stacked, e = slot
+        parts.setdefault(stacked, {})[e] = tuple(shape)
+        source.setdefault(stacked, name)
+    for stacked, by_expert in parts.items():
+        first = by_expert[min(by_expert)]
+        same = all(s == first for s in by_expert.values()) and sorted(by_expert) == list(range(len(by_expert)))
+        out[stacked] = (len(by_expert) if same else -1, *first)
+    return out, source
+
+
+class Experts(nn.Module):
+    """The (E, out, in) matrices of one projection of every expert, float or in MLX's affine layout."""
+
+    def __init__(self, n: int, in_features: int, out_features: int, bits: int | None = None,
+                 group_size: int | None = None, dtype=torch.float16, device=None):
+        super().__init__()
+        self.n, self.in_features, self.out_features = n, in_features, out_features
+        self.bits, self.group_size = bits, group_size
+        self.streamer = None  # an ExpertStreamer (offload/experts.py) when the tensors live in host memory
+        if bits is None:
+            self.weight = nn.Parameter(torch.empty(n, out_features, in_features, device=device), requires_grad=False)
+            return
+        if in_features % group_size or (in_features * bits) % 32:
+            raise ValueError(f"cannot quantize {in_features} inputs with {bits} bits in groups of {group_size}")
+        groups = in_features // group_size
+        self.register_buffer("weight", torch.empty(n, out_features, in_features * bits // 32, dtype=torch.uint32,
+                                                   device=device))
+        self.register_buffer("scales", torch.empty(n, out_features, groups, dtype=dtype, device=device))
+        self.register_buffer("biases", torch.empty(n, out_features, groups, dtype=dtype, device=device))
+
+    def quantized(self, bits: int, group_size: int, dtype) -> Experts:
+        """The same projection in MLX's affine layout (on the meta device, to be filled by the loader)."""
+        return Experts(self.n, self.in_features, self.out_features, bits, group_size, dtype, device="meta")
+
+    def matrices(self, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The matrices (len(idx), out, in) of the experts ``idx`` (1-D), in ``dtype``: only those are read."""
+        if self.streamer is not None:
+            rows = self.streamer.rows(self, idx)
+        elif self.bits is None:
+            rows = {"weight": self.weight[idx]}
+        else:
+            rows = {"weight": self.weight[idx], "scales": self.scales[idx], "biases": self.biases[idx]}
+        if self.bits is None:
+            return rows["weight"].to(dtype)
+        k, out = idx.shape[0], self.out_features
+        w = dequantize(rows["weight"].reshape(k * out, -1), rows["scales"].reshape(k * out, -1),
+                       rows["biases"].reshape(k * out, -1), self.bits, self.group_size, dtype)
+        return w.view(k, out, self.in_features)
+
+
+class SwitchMLP(nn.Module):
+    """Every expert's gated MLP: down(act(gate(x)) * up(x)), each projection stacked over experts."""
+
+    def __init__(self, n: int, hidden: int, inter: int, act: Callable):
+        super().__init__()
+        self.gate_proj = Experts(n, hidden, inter)
+        self.up_proj = Experts(n, hidden, inter)
+        self.down_proj = Experts(n, inter, hidden)
+        self.act = act
+
+    def gathered(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """Row i of ``x`` (M, H) through expert ``idx[i]``: (M, H). Reads only the experts picked, no host sync."""
+        g = torch.bmm(self.gate_proj.matrices(idx, x.dtype), x[:, :, None])  # (M, I, 1)
+        u = torch.bmm(self.up_proj.matrices(idx, x.dtype), x[:, :, None])
+        return torch.bmm(self.down_proj.matrices(idx, x.dtype), self.act(g) * u)[:, :, 0]  # (M, H)
+
+    def one(self, x: torch.Tensor, e: int) -> torch.Tensor:
+        """Every row of ``x`` (M, H) through expert ``e``."""
+        idx = torch.tensor([e], device=x.device)
+        gate, up, down = (p.matrices(idx, x.dtype)[0] for p in (self.gate_proj, self.up_proj, self.down_proj))
+        return F.linear(self.act(F.linear(x, gate)) * F.linear(x, up), down)
+
+
+class SparseMoE(nn.Module):
+    """Router and experts of one layer; the router's weights renormalised over the picked experts when
+    ``renormalize`` (mixtral always; qwen3_moe with norm_topk_prob), as transformers does."""
+
+    def __init__(self, hidden: int, inter: int, n: int, top_k: int, renormalize: bool, act: Callable):
+        super().__init__()
+        self.gate = nn.Linear(hidden, n, bias=False)
+        self.switch_mlp = SwitchMLP(n, hidden, inter, act)
+        self.n, self.top_k, self.renormalize = n, top_k, renormalize
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights (N, k) float32, expert ids (N, k)) for tokens ``x`` (N, H)."""
+        probs = F.softmax(self.gate(x).float(), dim=-1)  # (N, E)
+        weights, idx = probs.topk(self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, idx
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])  # (N, H)
+        weights, idx = self.route(flat)
+        N, k = idx.shape
+        if N * k <= self.n:
+            # Decode: gather the picked experts' matrices (graph-capturable: no host sync).
+            y = self.switch_mlp.gathered(flat.repeat_interleave(k, dim=0), idx.reshape(-1))  # (N*k, H)
+            out = (y.view(N, k, -1).float() * weights[..., None]).sum(dim=1)
+            return out.to(x.dtype).view(shape)
+        # Prefill: each expert once, over the tokens routed to it.
+        out = torch.zeros(flat.shape, dtype=torch.float32, device=x.device)
+        for e in torch.unique(idx).tolist():
+            token, slot = torch.where(idx == e)
+            y = self.switch_mlp.one(flat[token], e)
+            out.index_add_(0, token, y.float() * weights[token, slot, None])
+        return out.to(x.dtype).view(shape)

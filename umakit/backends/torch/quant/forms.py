@@ -1,0 +1,133 @@
+"""Which execution form each quantized layer runs as, on each device and dtype.
+
+The checkpoint-layout modules (quant/layout.py) are swapped, once at load, for the
+fastest form that stays within float tolerance of dequantize-then-matmul in
+the compute dtype: torch's int4 kernels, FBGEMM's float16 kernels on x86 CPUs,
+the Triton matvec on CUDA (cuda/matvec.py), or plain dequantized weights. What
+``--dtype auto`` means on CPU is decided here too (`cpu_auto_dtype`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from umakit.backends.torch.cuda.matvec import TritonAffineLinear, triton_kernel
+from umakit.backends.torch.model.moe import Experts
+from umakit.backends.torch.quant.kernels import Fp16Linear, Int4PackLinear, dense
+from umakit.backends.torch.quant.layout import Concat, QuantizedLinear, concat
+
+# torch's CPU capabilities (torch.backends.cpu.get_cpu_capability()) whose int4 kernels beat FBGEMM's float16 ones
+INT4_CAPABILITIES = ("AVX512",)
+
+
+def cuda_linear(m: QuantizedLinear, dtype: torch.dtype) -> nn.Module:
+    """The fastest CUDA form of ``m`` within float tolerance of dequantize-then-matmul in ``dtype``.
+
+    4-bit in bfloat16: torch's tinygemm int4 kernels, after an exact repack.
+    Otherwise (8 or 2 bits, float16 or float32 compute, odd shapes): the Triton
+    kernel (cuda/matvec.py) for decode, dequantize + cuBLAS for prefill.
+    """
+    device = m.weight.device
+    if dtype == torch.bfloat16 and m.bits == 4 and Int4PackLinear.supports(m, device):
+        return Int4PackLinear(m, device)
+    if triton_kernel() is not None and m.bits in (2, 4, 8):
+        return TritonAffineLinear(m, dtype)
+    return dense(m, dtype)
+
+
+def for_execution(m: QuantizedLinear, device: torch.device, dtype: torch.dtype, prepacked=None) -> nn.Module:
+    """The fastest form of ``m`` that stays within float tolerance of dequantize-then-matmul in ``dtype``;
+    ``prepacked``: its int4 packing from an earlier CPU load (load/packed.py)."""
+    if device.type == "cuda":
+        return cuda_linear(m, dtype)
+    if dtype == torch.bfloat16 and Int4PackLinear.supports(m, device):
+        return Int4PackLinear(m, device, prepacked)
+    if dtype == torch.float16 and Fp16Linear.available():
+        return Fp16Linear(m)
+    # A layer the int4 kernels cannot take (a router of 8 experts, 2/3/5/6 bits) meets the float32
+    # activations of a quantized model on CPU (activation_dtype): it runs dequantized in float32.
+    return dense(m, activation_dtype(device, dtype, quantized=True))
+
+
+def activation_dtype(device: torch.device, dtype: torch.dtype, quantized: bool = False) -> torch.dtype:
+    """The dtype of activations and the KV cache when linear layers run in ``dtype``.
+
+    x86 CPUs have no fast half-precision arithmetic, so on CPU the half types
+    name the matmul's weight form only (FBGEMM's float16 weights; for a
+    ``quantized`` checkpoint, torch's int4 kernels, which round only their own
+    inputs to bfloat16) and everything else stays float32. Measured on the
+    default model: the same decode speed as bfloat16 activations within the
+    noise, and its greedy answers kept (bfloat16 throughout turned "The capital
+    of France is Paris." into another reply).
+    """
+    if device.type == "cpu" and dtype == torch.float16 and Fp16Linear.available():
+        return torch.float32
+    if device.type == "cpu" and dtype == torch.bfloat16 and quantized:
+        return torch.float32
+    return dtype
+
+
+def cpu_auto_dtype(quantization: dict | None) -> str:
+    """What ``--dtype auto`` runs as on CPU: "bfloat16" (torch's int4 kernels) where they beat FBGEMM, else "auto".
+
+    Measured on SmolLM2-135M Q4_1 (benchmarks/cpu_engines.py): where torch's
+    kernels are built for AVX-512 the int4 kernels decode ~1.3x faster than
+    FBGEMM's float16 ones, within +0.2% of float32's perplexity; under AVX2
+    they are ~3x slower than FBGEMM, and without 4- or 8-bit layers (float or
+    2/3/5/6-bit checkpoints) bfloat16 would mean dense bfloat16 weights.
+    """
+    bits = {(quantization or {}).get("bits")}
+    bits |= {v.get("bits") for v in (quantization or {}).values() if isinstance(v, dict)}
+    if bits <= {4, 8} and torch.backends.cpu.get_cpu_capability() in INT4_CAPABILITIES:
+        return "bfloat16"
+    return "auto"
+
+
+def convert_model(model: nn.Module, device: torch.device, dtype: torch.dtype, tensors_only=lambda path: False,
+                  prepacked=lambda path: None) -> None:
+    """Swap every loaded `QuantizedLinear` for its execution form (embeddings stay lookups).
+
+    On CPU in float16, every linear layer then holds float16 weights for
+    FBGEMM's float32 kernels (see `Fp16Linear`), except where
+    ``tensors_only(path)``: FBGEMM's packed weights are not tensors, so such
+    layers (streamed ones, see offload/layers.py) run dequantized in float32 instead.
+    ``prepacked(path)`` gives a layer's stored int4 packing, or None.
+    """
+    fp16 = device.type == "cpu" and dtype == torch.float16 and Fp16Linear.available()
+    for path, module in list(model.named_modules()):
+        if isinstance(module, Concat) and fp16 and all(isinstance(m, (QuantizedLinear, nn.Linear)) for m in module.parts):
+            # mixed bits: dequantize each part, then one matmul again
+            parts = [dense(m, torch.float32) if isinstance(m, QuantizedLinear) else m for m in module.parts]
+            _replace(model, path, concat(parts))
+    for path, module in list(model.named_modules()):
+        if type(module) is QuantizedLinear:
+            plain = tensors_only(path) and fp16
+            _replace(model, path, dense(module, torch.float32) if plain
+                     else for_execution(module, device, dtype, prepacked(path)))
+    for path, module in list(model.named_modules()):
+        if isinstance(module, Concat) and all(isinstance(m, nn.Linear) for m in module.parts):
+            _replace(model, path, concat(list(module.parts)))  # mixed bits, all dequantized: one matmul again
+    if fp16:
+        for path, module in list(model.named_modules()):
+            if type(module) is nn.Linear and not tensors_only(path):
+                _replace(model, path, Fp16Linear(module))
+            elif isinstance(module, Experts) and module.bits is None:
+                # as Fp16Linear holds them: float16 weights, float32 math (each picked matrix cast on use)
+                module.weight = nn.Parameter(module.weight.to(torch.float16), requires_grad=False)
+
+
+def _replace(model: nn.Module, path: str, new: nn.Module) -> None:
+    parent, _, attr = path.rpartition(".")
+    setattr(model.get_submodule(parent), attr, new)
+
+
+def describe_execution(model: nn.Module) -> str:
+    kinds = {type(m).__name__ for m in model.modules()}
+    if "Fp16Linear" in kinds:
+        return "runs as float16 weights, float32 math"
+    if "Int4PackLinear" in kinds:
+        return "runs on int4 kernels, bfloat16"
+    if "TritonAffineLinear" in kinds:
+        return "runs on fused dequantize-matmul kernels"
+    return "runs dequantized"

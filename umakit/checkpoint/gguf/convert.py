@@ -1,0 +1,241 @@
+"""Turn a GGUF file into a Hugging Face-style directory in MLX's quantized layout.
+
+`plan_import` reads and checks everything (architecture, tensor names and
+types, tokenizer) before a byte is written; the conversion then runs tensor by
+tensor, and `umakit.checkpoint.writer` writes the result: `write_import` into
+a given directory, `import_gguf` atomically, so a failed import leaves
+nothing behind.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+
+from umakit.core.affine import quantization_block
+from umakit.checkpoint.writer import fill_model_dir, write_model_dir
+from umakit.core.fsutil import check_destination, check_not_inside, check_writable
+from umakit.errors import UnsupportedModelError
+from umakit.checkpoint.gguf import quants
+from umakit.checkpoint.gguf.arch import ArchSpec, map_names, qk_row_order, spec_for
+from umakit.checkpoint.gguf.finished import IMPORT_FORMAT, is_complete  # noqa: F401 (is_complete: part of this module's API)
+from umakit.checkpoint.gguf.reader import GGUFFile, open_gguf, sha256_file
+from umakit.checkpoint.gguf.vocab import TokenizerFiles, build_tokenizer, dumps
+
+
+
+class LossyTensor(NamedTuple):
+    """A tensor with no exact MLX form, re-quantized."""
+
+    name: str  # HF tensor name in the output
+    from_type: str  # GGUF type, e.g. "Q6_K"
+    to_bits: int
+    max_abs_err: float
+
+
+@dataclass
+class ImportReport:
+    """What an import wrote; the CLI prints it."""
+
+    out_dir: Path
+    exact_tensors: int  # converted without any change of value (quantized or float)
+    lossy_tensors: list[LossyTensor]  # re-quantized, with the largest error each
+    bytes_written: int
+    seconds: float
+    warnings: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ImportPlan:
+    """Everything checked and derived from a GGUF before any output is written."""
+
+    gf: GGUFFile
+    spec: ArchSpec
+    names: dict[str, str]  # GGUF name -> HF name
+    config: dict
+    tokenizer: TokenizerFiles
+
+
+def plan_import(gf: GGUFFile) -> ImportPlan:
+    """Check that every part of ``gf`` can be converted; raise before anything is written."""
+    spec = spec_for(gf)
+    names = map_names(gf, spec)
+    unsupported = set()
+    for name in names:
+        t = gf.tensors[name]
+        qtype = t.tensor_type
+        if qtype in quants.FLOAT_TYPES:
+            continue
+        if len(t.shape) != 2:
+            raise UnsupportedModelError(f"{gf.path.name}: quantized tensor {name} is not 2-D")
+        if qtype not in quants.EXACT and not quants.can_dequantize(qtype):
+            unsupported.add(qtype.name)
+    if unsupported:
+        exact = ", ".join(t.name for t in quants.EXACT)
+        raise UnsupportedModelError(
+            f"{gf.path.name}: tensor type {', '.join(sorted(unsupported))} is not supported "
+            f"(exact: F32, F16, BF16, {exact}; others the gguf package can dequantize are re-quantized)"
+        )
+    return ImportPlan(gf, spec, names, spec.config(gf), build_tokenizer(gf))
+
+
+def _float_tensor(t, hf: str, spec: ArchSpec, order: np.ndarray | None):
+    import mlx.core as mx
+
+    data = np.asarray(t.data)
+    if t.tensor_type == quants.T.BF16:
+        data = data.view(np.uint16)
+    if order is not None:
+        data = data[order]
+    arr = mx.array(np.ascontiguousarray(data))
+    if t.tensor_type == quants.T.BF16:
+        arr = arr.view(mx.bfloat16)
+    if spec.norm_offset and hf.endswith("norm.weight"):
+        arr = (arr.astype(mx.float32) - spec.norm_offset).astype(arr.dtype)
+    return arr
+
+
+def _exact(t, order: np.ndarray | None) -> tuple[tuple, int, None]:
+    """Repack a block type that is an affine format already; values do not change."""
+    aff = quants.to_affine(np.asarray(t.data), t.tensor_type, cols=int(t.shape[0]))
+    if order is not None:
+        aff = aff.take_rows(order)
+    dtype = quants.pick_dtype(aff.scales, aff.biases)
+    return (quants.pack(aff.q, aff.bits), aff.scales.astype(dtype), aff.biases.astype(dtype)), aff.bits, None
+
+
+def _requantize(t, order: np.ndarray | None) -> tuple[tuple, int, float]:
+    """Dequantize with the gguf package, re-quantize to MLX; return arrays, bits, max abs error."""
+    import mlx.core as mx
+    from gguf import quants as gguf_quants
+
+    values = gguf_quants.dequantize(np.asarray(t.data), t.tensor_type)  # (rows, cols) float32
+    if order is not None:
+        values = values[order]
+    bits = quants.lossy_bits(t.tensor_type)
+    ref = mx.array(values)
+    w, scales, biases = mx.quantize(ref, group_size=quants.GROUP_SIZE, bits=bits)
+    half = scales.astype(mx.float16), biases.astype(mx.float16)
+    if all(mx.all(mx.isfinite(x)).item() for x in half):
+        scales, biases = half
+    back = mx.dequantize(
+        w, scales.astype(mx.float32), biases.astype(mx.float32), group_size=quants.GROUP_SIZE, bits=bits
+    )
+    err = mx.max(mx.abs(back - ref)).item()
+    mx.eval(w, scales, biases)
+    return (w, scales, biases), bits, float(err)
+
+
+@dataclass
+class _Converted:
+    """A GGUF's tensors in MLX's layout and the files beside them, ready to write."""
+
+    arrays: dict  # HF tensor name -> mx array
+    config_text: str
+    files: dict[str, str]  # tokenizer and generation files by name
+    exact: int
+    lossy: list[LossyTensor]
+
+
+def _convert(plan: ImportPlan) -> _Converted:
+    import mlx.core as mx
+
+    gf, spec, config = plan.gf, plan.spec, plan.config
+    arrays: dict[str, mx.array] = {}
+    quantized: dict[str, tuple[int, int]] = {}  # module path -> (group_size, bits)
+    lossy: list[LossyTensor] = []
+    exact = 0
+    for name, hf in plan.names.items():
+        t = gf.tensors[name]
+        rows = int(t.shape[1]) if len(t.shape) == 2 else int(t.shape[0])  # ne = (cols, rows)
+        order = qk_row_order(hf, rows, config) if spec.permute_qk else None
+        if t.tensor_type in quants.FLOAT_TYPES:
+            arrays[hf] = _float_tensor(t, hf, spec, order)
+            exact += 1
+            continue
+        convert = _exact if t.tensor_type in quants.EXACT else _requantize
+        packed, bits, err = convert(t, order)
+        if err is None:
+            exact += 1
+        else:
+            lossy.append(LossyTensor(hf, t.tensor_type.name, bits, err))
+        module = hf.removesuffix(".weight")
+        for suffix, arr in zip(("weight", "scales", "biases"), packed):
+            arrays[f"{module}.{suffix}"] = mx.array(arr) if isinstance(arr, np.ndarray) else arr
+        quantized[module] = (quants.GROUP_SIZE, bits)
+    files = {
+        "tokenizer_config.json": dumps(plan.tokenizer.tokenizer_config),
+        "generation_config.json": dumps(plan.tokenizer.generation_config),
+        "tokenizer.json": plan.tokenizer.tokenizer_json,
+    }
+    return _Converted(arrays, dumps(_full_config(plan, quantized, lossy)), files, exact, lossy)
+
+
+def _report(plan: ImportPlan, converted: _Converted, out_dir: Path, written: int, start: float) -> ImportReport:
+    return ImportReport(
+        out_dir=out_dir,
+        exact_tensors=converted.exact,
+        lossy_tensors=converted.lossy,
+        bytes_written=written,
+        seconds=time.perf_counter() - start,
+        warnings=list(plan.tokenizer.warnings),
+    )
+
+
+def write_import(plan: ImportPlan, dest: Path) -> ImportReport:
+    """Convert ``plan.gf`` into the existing, empty directory ``dest``."""
+    start = time.perf_counter()
+    c = _convert(plan)
+    written = fill_model_dir(dest, c.arrays, c.config_text, files=c.files, sharded=False)
+    return _report(plan, c, dest, written, start)
+
+
+def _full_config(plan: ImportPlan, quantized: dict, lossy: list[LossyTensor]) -> dict:
+    gf, spec = plan.gf, plan.spec
+    has_bf16 = any(t.tensor_type == quants.T.BF16 for t in gf.tensors.values())
+    config = {
+        "architectures": [spec.hf_class],
+        "model_type": spec.model_type,
+        **plan.config,
+        **plan.tokenizer.special_ids,
+        "torch_dtype": "bfloat16" if has_bf16 or spec.model_type.startswith("gemma") else "float16",
+    }
+    if quantized:
+        q = quantization_block(quantized, layer_mode=False)  # imports have always written entries without "mode"
+        config["quantization"] = q
+        config["quantization_config"] = dict(q)
+    config["umakit"] = {
+        "source": "gguf",
+        "import_format": IMPORT_FORMAT,
+        "file": gf.path.name,
+        "sha256": sha256_file(gf.path),
+        "gguf_version": gf.version,
+        "lossy_tensors": {
+            t.name: {"from": t.from_type, "bits": t.to_bits, "max_abs_err": t.max_abs_err} for t in lossy
+        },
+    }
+    return config
+
+
+def import_gguf(path: str | os.PathLike, out_dir: str | os.PathLike, force: bool = False) -> ImportReport:
+    """Convert the GGUF at ``path`` into a model directory at ``out_dir``.
+
+    Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q5_K tensors convert exactly to MLX
+    affine groups; F32/F16/BF16 stay as they are; any other type is
+    dequantized and re-quantized, and listed in the report with its error.
+    An existing ``out_dir`` is replaced only with ``force``, and only once the
+    new one is complete; a failed import leaves nothing behind.
+    """
+    start = time.perf_counter()  # parsing and checking included
+    plan = plan_import(open_gguf(path))
+    check_destination(out_dir, force)
+    check_not_inside(path, out_dir)  # with --force, replacing a folder that holds the GGUF would destroy it
+    check_writable(out_dir)
+    c = _convert(plan)
+    written = write_model_dir(out_dir, c.arrays, c.config_text, files=c.files, sharded=False, force=force)
+    return _report(plan, c, Path(out_dir), written, start)

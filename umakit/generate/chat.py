@@ -1,0 +1,377 @@
+"""Multi-turn chat with a KV cache kept across turns.
+
+Each turn renders the whole conversation with the model's chat template, finds
+the longest prefix shared with the tokens already in the cache, rewinds the
+cache to it and prefills only the rest. Templates that re-render earlier turns
+differently (or tokenizations that differ from what was generated) simply make
+the shared prefix shorter: the fallback is correct, only slower.
+
+A turn may be stopped at any moment (Ctrl-C): the prefill runs in small chunks
+with ``should_stop`` polled between them, and whatever happens, the cache ends
+holding a prefix of the messages (``cached_ids``), so the next turn is correct.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+from umakit.core import validate
+from umakit.core.affine import KV_BITS
+from umakit.errors import InvalidArgumentError, UmakitError
+from umakit.core.fsutil import atomic_file
+from umakit.generate.stream import Chunk, GenerationStats
+from umakit.core.home import home_dir
+from umakit.generate.sampling import DEFAULT_MAX_TOKENS, SamplingParams
+from umakit.plan.shapes import INTERRUPT_PREFILL_CHUNK, PREFILL_CHUNK
+
+CUT_MARK = " [cut]"  # appended to a reply the user interrupted
+TRANSCRIPT_VERSION = 1
+SESSIONS_DIR = "sessions"  # under $UMAKIT_HOME: transcripts saved when a chat had to end on an error
+DEFAULT_CONTEXT = 4096  # a model that does not say its context length
+MIN_CONTEXT = 16
+ROLES = ("system", "user", "assistant")
+# A prefill chunk that finishes in under this doubles the next one: fast devices soon prefill at
+# full size (small chunks cost prefill speed), while the next chunk, about twice as long, still
+# leaves a Ctrl-C well inside the 0.5 s the chat promises.
+FAST_CHUNK_S = 0.05
+SLOW_CHUNK_S = 0.25  # ... and one slower than this halves the next, down to one token (MLX on a slow CPU)
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest shared prefix of two token lists."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def _never() -> bool:
+    return False
+
+
+def prefill_interruptibly(engine, tokens: Sequence[int], cache, should_stop: Callable[[], bool] = _never) -> int:
+    """Prefill ``tokens`` into ``cache`` chunk by chunk, stopping early once ``should_stop()``; returns how many
+    went in.
+
+    Chunks start at `INTERRUPT_PREFILL_CHUNK` tokens and double (up to `PREFILL_CHUNK`) while
+    each takes under `FAST_CHUNK_S`, or halve (down to 1) while each takes over `SLOW_CHUNK_S`.
+    A device clearly faster or slower than that always gets the same chunks, so the same prompt
+    prefills the same way each time.
+    """
+    done, n = 0, INTERRUPT_PREFILL_CHUNK
+    while done < len(tokens) and not should_stop():
+        part = list(tokens[done:done + n])
+        start = time.perf_counter()
+        engine.prefill(part, cache)
+        done += len(part)
+        elapsed = time.perf_counter() - start
+        if elapsed < FAST_CHUNK_S:
+            n = min(2 * n, PREFILL_CHUNK)
+        elif elapsed > SLOW_CHUNK_S:
+            n = max(1, n // 2)
+    return done
+
+
+@dataclass
+class SessionTotals:
+    turns: int = 0
+    prefilled_tokens: int = 0
+    reused_tokens: int = 0
+    generated_tokens: int = 0
+    dropped_turns: int = 0
+    peak_memory_bytes: int = 0
+
+
+@dataclass
+class TurnInfo:
+    """What the session did before generating (for the UI's one-line notices)."""
+
+    dropped_turns: int = 0  # oldest turns removed to fit the context
+    reused_tokens: int = 0
+    new_tokens: int = 0
+    cancelled: bool = False  # stopped before the reply began: the message was taken back
+
+
+class Stopped(UmakitError):
+    """``should_stop`` ended a `ChatSession.load` before its prefill finished; nothing changed."""
+
+
+@dataclass
+class ChatSettings:
+    """How a session generates; saved with its transcripts."""
+
+    system: str | None = None  # the system prompt, kept when old turns are dropped
+    max_tokens: int = DEFAULT_MAX_TOKENS  # per reply
+    max_context: int | None = None  # None: the model's own context length
+    kv_bits: int | None = None  # 4 or 8: a quantized KV cache; None: the compute dtype
+    seed: int | None = None  # makes every reply's sampling reproducible
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+    def __post_init__(self):
+        # Settings come from CLI flags, /set and transcript files alike: checked here once.
+        if self.system is not None:
+            validate.text(self.system, "system")
+        validate.max_tokens(self.max_tokens)
+        if self.max_context is not None:
+            validate.integer("max_context", self.max_context, MIN_CONTEXT)
+        if self.kv_bits is not None and (isinstance(self.kv_bits, bool) or self.kv_bits not in KV_BITS):
+            raise InvalidArgumentError(f"kv_bits must be 4, 8 or null, got {self.kv_bits!r}")
+        validate.seed(self.seed)
+        if not isinstance(self.sampling, SamplingParams):
+            raise InvalidArgumentError(f"sampling must be SamplingParams, got {type(self.sampling).__name__}")
+
+    def to_dict(self) -> dict:
+        """The JSON form of a transcript's ``settings``."""
+        return asdict(self)  # sampling as a nested dict
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ChatSettings":
+        """Settings from `to_dict`'s form; missing keys keep their defaults, unknown ones are an error."""
+        if not isinstance(data, dict) or not isinstance(data.get("sampling", {}), dict):
+            raise InvalidArgumentError("settings must be an object, with sampling an object")
+        data = dict(data)
+        sampling = data.pop("sampling", {})
+        ours, theirs = {f.name for f in fields(cls)}, {f.name for f in fields(SamplingParams)}
+        unknown = (set(data) - ours) | (set(sampling) - theirs)
+        if unknown:
+            raise InvalidArgumentError(f"unknown setting(s) {', '.join(sorted(unknown))}")
+        return cls(**data, sampling=SamplingParams(**sampling))
+
+
+def _check_messages(messages) -> list[dict]:
+    validate.messages(messages)
+    for i, m in enumerate(messages):
+        if not (isinstance(m, dict) and {"role", "content"} <= set(m)):
+            raise InvalidArgumentError(f"message {i} needs role and content")
+        if m["role"] not in ROLES or not isinstance(m["content"], str):
+            raise InvalidArgumentError(f"message {i} needs a role of {', '.join(ROLES)} and a string content")
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+class ChatSession:
+    """A conversation: messages, the cache that holds them, and running totals."""
+
+    def __init__(self, model, settings: ChatSettings | None = None, speculator=None):
+        """``speculator`` (from `Model.speculator`) decodes every reply speculatively."""
+        self.model = model
+        self.settings = settings or ChatSettings()
+        self.speculator = speculator
+        self.settings.max_context = self._context_limit(self.settings.max_context)
+        self.messages: list[dict] = []
+        self.totals = SessionTotals()
+        self.reset()
+
+    def _context_limit(self, wanted: int | None) -> int:
+        limit = self.model.info.context_length or 0
+        if wanted is None:
+            return limit or DEFAULT_CONTEXT
+        if limit and wanted > limit:
+            raise InvalidArgumentError(f"--max-context {wanted} exceeds the model's {limit} tokens")
+        return wanted
+
+    # -- state --------------------------------------------------------------------
+    def reset(self) -> None:
+        """Forget the conversation and empty the cache (the system prompt stays)."""
+        self.messages = []
+        self.resync()
+
+    def resync(self) -> None:
+        """Empty the cache, keeping the messages: the next turn prefills them all again (after an error
+        that may have left the cache in doubt)."""
+        self.cache = self.model.make_cache(kv_bits=self.settings.kv_bits)
+        self.cached_ids: list[int] = []
+
+    def set_system(self, text: str | None) -> None:
+        if text:
+            validate.text(text, "system")
+        self.settings.system = text or None
+
+    @property
+    def cache_bytes(self) -> int:
+        return self.cache.nbytes
+
+    def _conversation(self) -> list[dict]:
+        sys = [{"role": "system", "content": self.settings.system}] if self.settings.system else []
+        return sys + self.messages
+
+    def _render(self, add_generation_prompt: bool = True) -> list[int]:
+        return self.model.tokenizer.encode_chat(self._conversation(), add_generation_prompt=add_generation_prompt)
+
+    def _rewind(self, ids: Sequence[int]) -> int:
+        """Make the cache hold a prefix of ``ids`` (leaving at least one token to run)."""
+        keep = min(common_prefix(self.cached_ids, ids), len(ids) - 1)
+        try:
+            self.cache.trim(self.cache.offset - keep)
+        except InvalidArgumentError:  # e.g. a full sliding-window cache: start over
+            self.cache = self.model.make_cache(kv_bits=self.settings.kv_bits)
+            keep = 0
+        self.cached_ids = list(ids[:keep])
+        return keep
+
+    def _fit(self, ids: list[int]) -> tuple[list[int], int]:
+        """Drop the oldest turns (never the system prompt) until the prompt fits with
+        room for a reply of max_tokens (at most 64 tokens of room are insisted on)."""
+        limit = self.settings.max_context
+        dropped = 0
+        while len(ids) + min(self.settings.max_tokens, 64) > limit and len(self.messages) > 1:
+            # drop the oldest user message and the reply that followed it
+            cut = 2 if len(self.messages) > 2 and self.messages[1]["role"] == "assistant" else 1
+            del self.messages[:cut]
+            dropped += 1
+            ids = self._render()
+        if len(ids) >= limit:
+            raise InvalidArgumentError(
+                f"that message needs {len(ids)} tokens, more than the context limit of {limit}; shorten it or raise --max-context"
+            )
+        return ids, dropped
+
+    # -- turns ----------------------------------------------------------------------
+    def send(self, text: str, on_ready: Callable[[TurnInfo], None] | None = None,
+             should_stop: Callable[[], bool] = _never) -> Iterator[Chunk]:
+        """Add a user message and stream the reply.
+
+        ``on_ready`` hears what was reused and dropped before the prefill starts;
+        ``should_stop`` (Ctrl-C) is polled between prefill chunks and after each
+        reply chunk. Stopped during the prefill, the message is taken back
+        (``info.cancelled``) and nothing is yielded; stopped later, the partial
+        reply is kept in the history, marked as cut.
+        """
+        validate.text(text, "message")
+        self.messages.append({"role": "user", "content": text})
+        info, ids = TurnInfo(), None
+        engine, s = self.model.engine, self.settings
+        try:
+            ids, info.dropped_turns = self._fit(self._render())
+            info.reused_tokens = self._rewind(ids)
+            info.new_tokens = len(ids) - info.reused_tokens
+            if on_ready:
+                on_ready(info)
+            # All but the last token go in here, where a Ctrl-C is seen between chunks; the
+            # stream below runs the last one and samples.
+            start = time.perf_counter()
+            engine.reset_peak_memory()
+            prefill_interruptibly(engine, ids[info.reused_tokens:-1], self.cache, should_stop)
+            prefill_s, prefill_peak = time.perf_counter() - start, engine.peak_memory()
+            self.cached_ids = list(ids[: self.cache.offset])
+            info.cancelled = should_stop()
+            if not info.cancelled:
+                done = len(self.cached_ids)
+                max_tokens = max(min(s.max_tokens, s.max_context - len(ids)), 1)
+                stream = self.model.stream_tokens(ids[done:], self.cache, max_tokens=max_tokens, seed=s.seed,
+                                                  history=ids[:done], sampling=s.sampling, speculator=self.speculator)
+        except BaseException:
+            self._take_back(ids)
+            raise
+        if info.cancelled:
+            self._take_back(ids)
+            self.totals.prefilled_tokens += len(self.cached_ids) - info.reused_tokens
+            return
+        pre = done - info.reused_tokens  # prefilled here, before the stream's own prompt
+        reply, generated, stats, cut = [], [], None, False
+        try:
+            for chunk in stream:
+                if chunk.token is not None:
+                    generated.append(chunk.token)
+                reply.append(chunk.text)
+                if chunk.stats is not None:
+                    stats = _whole_turn(chunk.stats, pre, prefill_s, prefill_peak)
+                yield chunk
+                if should_stop() and chunk.stats is None:
+                    cut = True
+                    break
+        finally:
+            stream.close()
+            content = "".join(reply) + (CUT_MARK if cut else "")
+            self.messages.append({"role": "assistant", "content": content})
+            known = list(ids) + generated
+            self.cached_ids = known[: self.cache.offset]
+            self.cache.trim(self.cache.offset - len(self.cached_ids))
+            self._count(info, stats, len(generated))
+
+    def _take_back(self, ids: Sequence[int] | None) -> None:
+        """Remove the user message of a turn that never began its reply; the cache keeps the part of it
+        that was prefilled (the next turn's prompt starts with the same tokens up to that message)."""
+        self.messages.pop()
+        if ids is not None:
+            self.cached_ids = list(ids[: self.cache.offset])
+            self.cache.trim(self.cache.offset - len(self.cached_ids))
+
+    def _count(self, info: TurnInfo, stats: GenerationStats | None, generated: int) -> None:
+        t = self.totals
+        t.turns += 1
+        t.prefilled_tokens += info.new_tokens
+        t.reused_tokens += info.reused_tokens
+        t.generated_tokens += generated
+        t.dropped_turns += info.dropped_turns
+        if stats is not None:
+            t.peak_memory_bytes = max(t.peak_memory_bytes, stats.peak_memory_bytes)
+
+    # -- transcripts ------------------------------------------------------------------
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the transcript (messages, settings, totals) as JSON, atomically."""
+        if Path(path).is_dir():
+            raise InvalidArgumentError(f"{path} is a directory; give a file name for the transcript")
+        data = {
+            "version": TRANSCRIPT_VERSION,
+            "model": self.model.info.name,
+            "settings": self.settings.to_dict(),
+            "messages": self.messages,
+            "totals": asdict(self.totals),
+        }
+        with atomic_file(path, "w", encoding="utf-8") as f:
+            json.dump(data, f, ensure_ascii=False, indent=2)
+
+    def rescue(self) -> Path:
+        """Save the transcript under ``$UMAKIT_HOME/sessions/`` (for a chat that must end on an error); returns
+        where. `load` brings it back."""
+        name = time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}.json"
+        path = home_dir(SESSIONS_DIR) / name
+        self.save(path)
+        return path
+
+    def load(self, path: str | os.PathLike, should_stop: Callable[[], bool] = _never) -> int:
+        """Restore a transcript and prefill it into a fresh cache; returns tokens prefilled.
+
+        Any failure, or ``should_stop`` during the prefill (`Stopped`), keeps the conversation as it was.
+        """
+        text = validate.read_text(path, "transcript")
+        try:
+            data = json.loads(text)
+            if not isinstance(data, dict) or "messages" not in data:
+                raise InvalidArgumentError("it is not an object with messages")
+            messages = _check_messages(data["messages"])
+            settings = ChatSettings.from_dict(data.get("settings", {}))
+            settings.max_context = self._context_limit(settings.max_context)
+        except (ValueError, KeyError, TypeError) as e:  # InvalidArgumentError is a ValueError
+            raise InvalidArgumentError(f"{path} is not a umakit transcript: {e}") from e
+        old = (self.settings, self.messages)
+        self.settings, self.messages = settings, messages
+        try:
+            self.resync()
+            ids = self._render(add_generation_prompt=False) if messages else []
+            if len(ids) >= settings.max_context:
+                raise InvalidArgumentError(f"the transcript needs {len(ids)} tokens, over the context limit")
+            if prefill_interruptibly(self.model.engine, ids, self.cache, should_stop) < len(ids):
+                raise Stopped(f"stopped loading {path}; the conversation is as it was")
+        except BaseException:
+            self.settings, self.messages = old  # keep the old conversation; its next turn re-prefills
+            self.resync()
+            raise
+        self.cached_ids = ids
+        return len(ids)
+
+
+def _whole_turn(stats: GenerationStats, pre: int, prefill_s: float, prefill_peak: int) -> GenerationStats:
+    """The stream's stats widened to the turn: the ``pre`` tokens prefilled before it, in ``prefill_s``."""
+    stats.prompt_tokens += pre
+    stats.cached_tokens -= pre
+    stats.ttft_s += prefill_s
+    stats.prefill_tps = stats.prompt_tokens / stats.ttft_s if stats.ttft_s > 0 else 0.0
+    stats.peak_memory_bytes = max(stats.peak_memory_bytes, prefill_peak)
+    return stats
