@@ -1,4 +1,5 @@
-"""Adapters that run each backend's sampler on numpy inputs, for shared tests."""
+"""Each implementation of the sampler's rules run on numpy inputs, for the shared tests: the two engines' samplers
+and the numpy distribution speculative decoding verifies against."""
 
 import numpy as np
 
@@ -22,4 +23,12 @@ def torch_sample(logits: np.ndarray, recent: np.ndarray, params, seed: int) -> n
     return out.numpy()
 
 
-BACKENDS = {"mlx": mlx_sample, "torch": torch_sample}
+def numpy_sample(logits: np.ndarray, recent: np.ndarray, params, seed: int) -> np.ndarray:
+    from umakit.generate.speculative.distribution import draw, greedy_token, probabilities
+
+    rng = np.random.default_rng(seed)
+    return np.array([greedy_token(z, r, params) if params.greedy else draw(probabilities(z, r, params), rng)
+                     for z, r in zip(logits, recent)])
+
+
+BACKENDS = {"mlx": mlx_sample, "torch": torch_sample, "numpy": numpy_sample}

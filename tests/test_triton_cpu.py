@@ -40,7 +40,7 @@ def layer(bits: int, group: int, dtype=torch.float32, rows: int = N, cols: int =
     return m
 
 
-def matvec(m: quant.QuantizedLinear, x: torch.Tensor, block_n: int, block_k: int) -> torch.Tensor:
+def kernel(m: quant.QuantizedLinear, x: torch.Tensor, block_n: int, block_k: int) -> torch.Tensor:
     return matvec.affine_matvec(x, m.weight.view(torch.int32), m.scales, m.biases, m.bits, m.group_size,
                                  block_n, block_k)
 
@@ -56,14 +56,14 @@ def run_cases() -> dict:
             x = torch.randn(K, generator=torch.Generator().manual_seed(1))
             want = m.dequantized(torch.float32) @ x
             for block_n, block_k, _ in matvec.TUNING_CONFIGS:
-                out[f"tuning-{bits}-{group}-{block_n}x{block_k}"] = matvec(m, x, block_n, block_k), want
+                out[f"tuning-{bits}-{group}-{block_n}x{block_k}"] = kernel(m, x, block_n, block_k), want
         for dtype in HALF:
             m = layer(bits, 64, dtype)
             x = torch.randn(K, generator=torch.Generator().manual_seed(1)).to(dtype)
-            out[f"half-{bits}-{dtype}"] = matvec(m, x, *matvec.FIXED_BLOCKS), m.dequantized(torch.float32) @ x.float()
+            out[f"half-{bits}-{dtype}"] = kernel(m, x, *matvec.FIXED_BLOCKS), m.dequantized(torch.float32) @ x.float()
     m = layer(4, 32, rows=5, cols=96)
     x = torch.randn(96)
-    out["wide-block"] = matvec(m, x, 16, 512), m.dequantized(torch.float32) @ x
+    out["wide-block"] = kernel(m, x, 16, 512), m.dequantized(torch.float32) @ x
     for name, dtype in DTYPES.items():
         m = layer(8, 64, dtype, bias=True)
         run = matvec.TritonAffineLinear(m, dtype)

@@ -17,11 +17,12 @@ from umakit.core import validate
 from umakit.core.affine import DEFAULT_GROUP_SIZE
 from umakit.backends.base import OFFLOAD, QUANTIZE, Engine, KVCache, WeightInfo
 from umakit.errors import InvalidArgumentError, UmakitError
-from umakit.generate.batch import DEFAULT_BATCH_SIZE, BatchRun, BatchStream, generate_batch, stream_batch
+from umakit.generate.batch import BatchRun, BatchStream, generate_batch, stream_batch
+from umakit.generate.options import MANY, ONE, SPECULATION, GenerationOptions, takes
 from umakit.generate.stream import Chunk, GenerationResult, collect, stream_generate
 from umakit.hardware import DeviceInfo, detect_local, memory_warnings
 from umakit.plan.placement import OffloadPlan, StreamedRun
-from umakit.generate.sampling import DEFAULT_MAX_TOKENS, SamplingParams, sampling_params
+from umakit.generate.sampling import DEFAULT_MAX_TOKENS, SamplingParams
 from umakit.checkpoint.tokenizer import Message, Tokenizer
 
 if TYPE_CHECKING:
@@ -94,84 +95,26 @@ class Model:
         return self.tokenizer.encode_chat(messages)
 
     # -- generation ---------------------------------------------------------------
-    def stream(
-        self,
-        prompt: str | None = None,
-        *,
-        messages: Sequence[Message] | None = None,
-        system: str | None = None,
-        raw: bool = False,
-        max_tokens: int = DEFAULT_MAX_TOKENS,
-        stop: Sequence[str] | str = (),
-        seed: int | None = None,
-        kv_bits: int | None = None,
-        sampling: SamplingParams | None = None,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        min_p: float | None = None,
-        repetition_penalty: float | None = None,
-        repetition_context: int | None = None,
-        draft: Model | str | os.PathLike | None = None,
-        draft_tokens: int | None = None,
-        prompt_lookup: bool = False,
-        ngram: int | None = None,
-    ) -> Iterator[Chunk]:
+    @takes(*ONE)
+    def stream(self, prompt: str | None = None, *, options: GenerationOptions) -> Iterator[Chunk]:
         """Yield text chunks as they are generated; the last chunk has the finish reason and stats.
 
         Give ``prompt`` (a user message, sent through the chat template unless
-        ``raw``) or ``messages`` (``[{"role", "content"}, ...]``). ``stop``
-        strings end the reply and are not emitted; ``seed`` makes sampling
-        reproducible; ``kv_bits`` (4 or 8) quantizes the KV cache. The sampling
-        settings default to ``sampling`` (default `SamplingParams()`), and each
-        named one given here overrides it; ``temperature=0`` is greedy.
-
-        Speculative decoding (lossless: greedy text is unchanged, sampled text
-        keeps its distribution): ``draft`` (a smaller `Model` with the same
-        tokenizer, or its path) or ``prompt_lookup=True`` (candidates copied
-        from the text so far, n-grams of ``ngram`` tokens) propose up to
-        ``draft_tokens`` tokens that one target step verifies.
+        ``raw``) or ``messages``. Speculative decoding is lossless: greedy text
+        is unchanged and sampled text keeps its distribution; ``draft`` or
+        ``prompt_lookup`` propose up to ``draft_tokens`` tokens that one target
+        step verifies.
         """
-        stop = validate.request(prompt, messages, system, max_tokens, stop)
-        ids = self.encode(prompt, messages, system, raw)
-        return self.stream_tokens(
-            ids, self.make_cache(kv_bits), max_tokens=max_tokens, stop=stop, seed=seed,
-            sampling=sampling_params(sampling, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                                     repetition_penalty=repetition_penalty, repetition_context=repetition_context),
-            speculator=self.speculator(draft=draft, draft_tokens=draft_tokens, prompt_lookup=prompt_lookup,
-                                       ngram=ngram),
-        )
+        o = options
+        stop = validate.request(prompt, o.messages, o.system, o.max_tokens, o.stop)
+        ids = self.encode(prompt, o.messages, o.system, o.raw)
+        return self.stream_tokens(ids, self.make_cache(o.kv_bits), max_tokens=o.max_tokens, stop=stop, seed=o.seed,
+                                  sampling=o.sampling_params(), speculator=self.speculator(**o.pick(SPECULATION)))
 
-    def generate(
-        self,
-        prompt: str | None = None,
-        *,
-        messages: Sequence[Message] | None = None,
-        system: str | None = None,
-        raw: bool = False,
-        max_tokens: int = DEFAULT_MAX_TOKENS,
-        stop: Sequence[str] | str = (),
-        seed: int | None = None,
-        kv_bits: int | None = None,
-        sampling: SamplingParams | None = None,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        min_p: float | None = None,
-        repetition_penalty: float | None = None,
-        repetition_context: int | None = None,
-        draft: Model | str | os.PathLike | None = None,
-        draft_tokens: int | None = None,
-        prompt_lookup: bool = False,
-        ngram: int | None = None,
-    ) -> GenerationResult:
-        """Generate a whole reply: text, token ids, finish reason and stats (parameters as `stream`)."""
-        return collect(self.stream(
-            prompt, messages=messages, system=system, raw=raw, max_tokens=max_tokens, stop=stop, seed=seed,
-            kv_bits=kv_bits, sampling=sampling, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-            repetition_penalty=repetition_penalty, repetition_context=repetition_context, draft=draft,
-            draft_tokens=draft_tokens, prompt_lookup=prompt_lookup, ngram=ngram,
-        ))
+    @takes(*ONE)
+    def generate(self, prompt: str | None = None, *, options: GenerationOptions) -> GenerationResult:
+        """Generate a whole reply: text, token ids, finish reason and stats (as `stream` streams it)."""
+        return collect(self.stream(prompt, **options.pick(ONE)))
 
     def stream_tokens(
         self,
@@ -209,78 +152,34 @@ class Model:
             speculator=speculator,
         ))
 
-    def speculator(self, *, draft: Model | str | os.PathLike | None = None, draft_tokens: int | None = None,
-                   prompt_lookup: bool = False, ngram: int | None = None) -> SpeculativeDecoder | None:
+    @takes(*SPECULATION)
+    def speculator(self, *, options: GenerationOptions) -> SpeculativeDecoder | None:
         """A speculative decoder for this model (None when neither ``draft`` nor ``prompt_lookup`` is given).
 
         A ``draft`` given as a path is loaded on this model's engine and device, on every
         call: to generate repeatedly, load it once with `umakit.load` and pass the `Model`.
         """
+        draft = options.draft
         if isinstance(draft, (str, os.PathLike)):
             draft = load(draft, backend=self.info.backend, device=self.info.device)
-        return speculative.speculator(self, draft=draft, prompt_lookup=prompt_lookup, draft_tokens=draft_tokens,
-                                      ngram=ngram)
+        return speculative.speculator(self, draft=draft, prompt_lookup=options.prompt_lookup,
+                                      draft_tokens=options.draft_tokens, ngram=options.ngram)
 
-    def generate_batch(
-        self,
-        prompts: Sequence,
-        *,
-        batch_size: int = DEFAULT_BATCH_SIZE,
-        max_tokens: int = DEFAULT_MAX_TOKENS,
-        stop: Sequence[str] | str = (),
-        seed: int | None = None,
-        system: str | None = None,
-        raw: bool = False,
-        sampling: SamplingParams | None = None,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        min_p: float | None = None,
-        repetition_penalty: float | None = None,
-        repetition_context: int | None = None,
-    ) -> BatchRun:
-        """One `GenerationResult` per prompt, in order, decoded together (a `umakit.generate.batch.BatchRun`).
+    @takes(*MANY)
+    def generate_batch(self, prompts: Sequence, *, options: GenerationOptions) -> BatchRun:
+        """One `GenerationResult` per prompt, in order, decoded together (a `umakit.BatchRun`).
 
         Each prompt is a string, a message list, or a dict with ``prompt`` or
-        ``messages`` plus its own settings (any of the keyword arguments here
-        but ``batch_size``), which override these for that prompt.
+        ``messages`` plus its own settings (any of the options here but
+        ``batch_size``), which override these for that prompt.
         """
-        return generate_batch(self, prompts, batch_size=batch_size, max_tokens=max_tokens, stop=stop,
-                              seed=seed, system=system, raw=raw, sampling=sampling_params(
-                                  sampling, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                                  repetition_penalty=repetition_penalty, repetition_context=repetition_context))
+        return generate_batch(self, prompts, **options.pick(MANY))
 
-    def stream_batch(
-        self,
-        prompts: Sequence,
-        *,
-        batch_size: int = DEFAULT_BATCH_SIZE,
-        max_tokens: int = DEFAULT_MAX_TOKENS,
-        stop: Sequence[str] | str = (),
-        seed: int | None = None,
-        system: str | None = None,
-        raw: bool = False,
-        sampling: SamplingParams | None = None,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        min_p: float | None = None,
-        repetition_penalty: float | None = None,
-        repetition_context: int | None = None,
-        on_error: Callable[[int, UmakitError], None] | None = None,
-    ) -> BatchStream:
-        """A `umakit.generate.batch.BatchStream`: iterate it for ``(index, result)`` as each prompt finishes
-        (parameters as `generate_batch`).
-
-        With ``on_error(index, error)`` a prompt that cannot be encoded or does
-        not fit is reported there and skipped, and the others still run;
-        without it the first such prompt raises before anything runs.
-        """
-        return stream_batch(self, prompts, batch_size=batch_size, max_tokens=max_tokens, stop=stop, seed=seed,
-                            system=system, raw=raw, sampling=sampling_params(
-                                sampling, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                                repetition_penalty=repetition_penalty, repetition_context=repetition_context),
-                            on_error=on_error)
+    @takes(*MANY, "on_error")
+    def stream_batch(self, prompts: Sequence, *, options: GenerationOptions) -> BatchStream:
+        """A `umakit.BatchStream`: iterate it for ``(index, result)`` as each prompt finishes (prompts as
+        `generate_batch` takes them)."""
+        return stream_batch(self, prompts, **options.pick((*MANY, "on_error")))
 
     def make_cache(self, kv_bits: int | None = None) -> KVCache:
         """An empty KV cache for this model (``kv_bits`` 4 or 8: quantized, where the engine offers it)."""

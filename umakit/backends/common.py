@@ -1,9 +1,16 @@
-"""What every engine computes the same way about its weights: categories, checks, the per-token read.
+"""What every engine does the same way, written once: about its weights, and about the sequences it samples.
 
-Pure functions over tensor names and shapes (no framework), so the MLX and
-torch engines report the same categories, the same message for the same broken
-checkpoint, and the same bytes per decode step (of a mixture-of-experts model:
-its dense weights and the share of the routed experts a token is sent to).
+Weights: pure functions over tensor names and shapes (no framework), so the
+MLX and torch engines report the same categories, the same message for the
+same broken checkpoint, and the same bytes per decode step (of a
+mixture-of-experts model: its dense weights and the share of the routed
+experts a token is sent to).
+
+Sequences: a sequence's sampling state (`TokenSampler`: its sampler, random
+source and recent tokens, for `Engine.generate_tokens` and each batch row), a
+batch step's sampling and log-probabilities (`sample_rows`), and a batch
+decoder's row bookkeeping (`check_rows`, `position`, `kept`), over each
+engine's arrays (`EngineOps`: backends/torch/sampler.py, backends/mlx/sampler.py).
 """
 
 from __future__ import annotations
@@ -11,11 +18,13 @@ from __future__ import annotations
 import contextlib
 import resource
 import sys
-from typing import Mapping, Sequence
+from dataclasses import replace
+from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence
 
 from umakit.core import affine
-from umakit.errors import CheckpointError
-from umakit.backends.base import WeightInfo
+from umakit.errors import CheckpointError, InvalidArgumentError
+from umakit.backends.base import BatchRow, WeightInfo
+from umakit.generate.sampling import ArrayOps, SamplingParams, make_sampler, penalize
 
 
 def category(name: str) -> str:
@@ -138,3 +147,103 @@ def process_peak_memory() -> int:
             return int(next(line for line in f if line.startswith("VmHWM:")).split()[1]) * 1024
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024
+
+
+# -- sequences: sampling state and batch bookkeeping ------------------------------------------------
+class EngineOps(ArrayOps, Protocol):
+    """An engine's arrays as the sampler's rules (`ArrayOps`) and the code below use them."""
+
+    def draw(self, logits, random): ...  # one categorical draw per row of filtered logits: rule 4
+    def random(self, seed: int | None, greedy: bool) -> Callable[[], Any]: ...  # what each draw is given, next
+    def ids(self, ids: Sequence[int]): ...  # (1, n) token ids
+    def append(self, recent, token, window: int): ...  # (1, n) ids and a token (1,): the last ``window`` of both
+    def tokens(self, x): ...  # sampled tokens in the engine's token dtype
+    def concat(self, xs: list): ...  # along the first axis
+    def log_softmax(self, x): ...
+    def top(self, x, n: int): ...  # (ids, values) (1, n) of the n largest, descending
+
+
+class TokenSampler:
+    """One sequence's sampling state: its sampler, its random source and the recent tokens the repetition penalty
+    reads. `Engine.generate_tokens` keeps one; a batch decoder keeps one a row, so a seeded row draws what a
+    seeded single sequence draws."""
+
+    def __init__(self, ops: EngineOps, sampling: SamplingParams, seed: int | None, recent: Sequence[int],
+                 logprobs: int | None = None):
+        self.ops = ops
+        self.penalty, self.window = sampling.repetition_penalty, sampling.repetition_context
+        self.plain = sampling.greedy and self.penalty == 1.0  # a batched argmax serves it
+        self.logprobs = logprobs
+        # The penalty is applied in `sample`, not in the sampler, so that log-probabilities see it.
+        self._draw = make_sampler(ops, replace(sampling, repetition_penalty=1.0), ops.draw)
+        self._random = ops.random(seed, sampling.greedy)
+        self.recent = ops.ids(list(recent)[-self.window:] if self.penalty != 1.0 else [])
+
+    def sample(self, logits, agree: Callable = lambda token: token):
+        """logits (1, V) -> (token (1,), the penalised logits it was drawn from (1, V)); ``agree`` turns the draw
+        into the token fed next (a sharded engine's: rank 0's). Advances the random source and the window."""
+        logits = penalize(self.ops, logits, self.recent, self.penalty)
+        token = agree(self.ops.tokens(self._draw(logits, self.recent, self._random())))
+        if self.penalty != 1.0:
+            self.recent = self.ops.append(self.recent, token, self.window)
+        return token, logits
+
+
+def sample_rows(ops: EngineOps, rows: Sequence[TokenSampler], logits) -> tuple[Any, list]:
+    """A batch step's tokens (B,) from its logits (B, V), each row by its own sampler, and each row's
+    log-probability figures (`figures`; None for a row that asked for none)."""
+    greedy = ops.tokens(ops.argmax(logits)) if any(r.plain for r in rows) else None
+    own = {i: r.sample(logits[i:i + 1]) for i, r in enumerate(rows) if not r.plain}  # (token, drawn from)
+    tokens = ops.concat([own[i][0] if i in own else greedy[i:i + 1] for i in range(len(rows))]) if own else greedy
+    return tokens, [None if r.logprobs is None
+                    else figures(ops, *(own[i] if i in own else (greedy[i:i + 1], logits[i:i + 1])), r.logprobs)
+                    for i, r in enumerate(rows)]
+
+
+def figures(ops: EngineOps, token, logits, n: int) -> tuple:
+    """token (1,) and the logits (1, V) it was drawn from -> its log-probability (1,) and the n most likely,
+    as ids and log-probabilities (1, n), descending: the model's distribution, as OpenAI reports it."""
+    lp = ops.log_softmax(ops.floating(logits))  # (1, V)
+    ids, values = ops.top(lp, min(n, lp.shape[-1]))
+    return ops.gather(lp, token[:, None])[:, 0], ids, values
+
+
+def read_figures(f: tuple) -> tuple[float, list[tuple[int, float]]]:
+    """`figures` on the host: (logprob of the token, [(token, logprob)] of the n most likely)."""
+    chosen, ids, values = f
+    return chosen.item(), list(zip(ids[0].tolist(), values[0].tolist()))
+
+
+def check_prompt(prompt: Sequence[int]) -> None:
+    """Refuse an empty prompt: a sequence continues from its last token."""
+    if not prompt:
+        raise InvalidArgumentError("the prompt is empty: there is nothing to continue from")
+
+
+def check_rows(rows: Sequence[BatchRow], cache_type: type) -> None:
+    """Refuse rows a decoder cannot take: an empty prompt, or a cache from another engine (`BatchRow` checks the
+    rest)."""
+    for row in rows:
+        if not row.prompt:
+            raise InvalidArgumentError("a prompt is empty: there is nothing to continue from")
+        if row.cache is not None and not isinstance(row.cache, cache_type):
+            raise InvalidArgumentError("a batch row's cache must come from this engine's make_cache()")
+
+
+def position(ids: Sequence[int], row_id: int) -> int:
+    """Where row ``row_id`` is among a decoder's rows."""
+    if row_id not in ids:
+        raise InvalidArgumentError(f"no row {row_id} in the batch")
+    return list(ids).index(row_id)
+
+
+def kept(ids: Sequence[int], drop: Iterable[int]) -> list[int] | None:
+    """The positions of the rows that stay once ``drop`` leaves, in order; None when no row leaves."""
+    drop = set(drop)
+    keep = [i for i, rid in enumerate(ids) if rid not in drop]
+    return None if len(keep) == len(ids) else keep
+
+
+def take(keep: Sequence[int], *columns: list) -> tuple[list, ...]:
+    """Each of a decoder's per-row lists, cut to the rows at positions ``keep`` (`kept`), in that order."""
+    return tuple([column[i] for i in keep] for column in columns)

@@ -12,6 +12,7 @@ Imports `umakit.core` and the standard library (`gguf/` also numpy, gguf and mlx
 """
 
 from umakit.checkpoint.files import (
+    FLOAT_DTYPES,
     Checkpoint,
     TensorInfo,
     display_name,
@@ -23,5 +24,5 @@ from umakit.checkpoint.files import (
     validate_checkpoint,
 )
 
-__all__ = ["Checkpoint", "TensorInfo", "display_name", "generation_eos_ids", "open_checkpoint", "read_config",
+__all__ = ["FLOAT_DTYPES", "Checkpoint", "TensorInfo", "display_name", "generation_eos_ids", "open_checkpoint", "read_config",
            "resolve", "size_on_disk", "validate_checkpoint"]

@@ -11,7 +11,7 @@ import click
 from umakit.backends.base import BATCH
 from umakit.generate.batch import DEFAULT_BATCH_SIZE
 
-from umakit.cli.options import (SAMPLING_KEYS, follow_unless_leader, load_model, model_options, offload_options, parallel_option,
+from umakit.cli.flags import (SAMPLING_KEYS, follow_unless_leader, load_model, model_options, offload_options, parallel_option,
                       sampling_options)
 
 

@@ -16,7 +16,7 @@ from umakit.bench import (
 )
 
 from umakit.cli.format import size
-from umakit.cli.options import (
+from umakit.cli.flags import (
     QUANTIZE_BITS,
     echo_warnings,
     kv_bits_option,

@@ -11,7 +11,7 @@ from umakit.core.affine import KV_BITS
 from umakit.evaluate.corpora import CORPORA, DEFAULT_TOKENS, FETCH_COMMAND
 from umakit.evaluate.perplexity import DEFAULT_CHUNK, DEFAULT_WINDOW
 
-from umakit.cli.options import kv_needs, load_model, model_options
+from umakit.cli.flags import kv_needs, load_model, model_options
 
 FLOAT_CACHE = "float"  # --kv-bits: one cache in the compute dtype, unquantized
 

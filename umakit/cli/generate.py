@@ -8,7 +8,7 @@ import sys
 import click
 
 from umakit.cli.format import stats_line
-from umakit.cli.options import (
+from umakit.cli.flags import (
     SAMPLING_KEYS,
     follow_unless_leader,
     kv_bits_option,

@@ -8,7 +8,7 @@ import click
 
 from umakit.cli.chat_ui import Repl
 from umakit.cli.format import size
-from umakit.cli.options import (
+from umakit.cli.flags import (
     SAMPLING_KEYS,
     follow_unless_leader,
     kv_bits_option,

@@ -17,7 +17,7 @@ from umakit.serve import DEFAULT_HOST, DEFAULT_MAX_BODY_BYTES, DEFAULT_PORT
 from umakit.serve.types import SchedulerSettings
 
 from umakit.cli.format import size
-from umakit.cli.options import follow_unless_leader, load_model, model_options, offload_options, parallel_option
+from umakit.cli.flags import follow_unless_leader, load_model, model_options, offload_options, parallel_option
 
 API_KEY_ENV = "UMAKIT_API_KEY"
 

@@ -16,15 +16,15 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Iterator, Sequence
+from typing import Iterator, Sequence
 
 from umakit.backends.base import BatchRow
 from umakit.core import validate
 from umakit.errors import InvalidArgumentError, UmakitError
-from umakit.generate.stream import DecodeRow, GenerationResult
+from umakit.generate.options import DEFAULT_BATCH_SIZE, LIMITS, MANY, SAMPLING, GenerationOptions, takes
 from umakit.generate.sampling import DEFAULT_MAX_TOKENS, SamplingParams
+from umakit.generate.stream import DecodeRow, GenerationResult
 
-DEFAULT_BATCH_SIZE = 8
 KV_BLOCK = 256  # batch caches grow in blocks of this many positions
 SAMPLING_FIELDS = tuple(SamplingParams.__dataclass_fields__)
 ITEM_KEYS = frozenset({"prompt", "messages", "system", "max_tokens", "stop", "seed", *SAMPLING_FIELDS})
@@ -74,10 +74,9 @@ class BatchStats:
                 "achieved_gbps": self.achieved_gbps}
 
 
-def check_item(item, *, max_tokens: int = DEFAULT_MAX_TOKENS, stop: Sequence[str] | str = (),
-               seed: int | None = None, system: str | None = None,
-               sampling: SamplingParams | None = None) -> dict:
-    """Check one prompt without a model: its shape and every setting, the arguments as defaults.
+@takes(*LIMITS, "system", *SAMPLING)
+def check_item(item, *, options: GenerationOptions) -> dict:
+    """Check one prompt without a model: its shape and every setting, the options as defaults.
 
     Returns the resolved fields (prompt or messages, system, max_tokens, seed,
     stop, sampling); a bad item raises `InvalidArgumentError` before any model
@@ -96,34 +95,26 @@ def check_item(item, *, max_tokens: int = DEFAULT_MAX_TOKENS, stop: Sequence[str
         raise InvalidArgumentError(f"unknown setting(s) {', '.join(sorted(unknown))}; known: {', '.join(sorted(ITEM_KEYS))}")
     if ("prompt" in fields) == ("messages" in fields):
         raise InvalidArgumentError("give exactly one of 'prompt' or 'messages'")
-    system = fields.get("system", system)
-    max_tokens = fields.get("max_tokens", max_tokens)
-    stop = validate.request(fields.get("prompt"), fields.get("messages"), system, max_tokens, fields.get("stop", stop))
+    o = options
+    system = fields.get("system", o.system)
+    max_tokens = fields.get("max_tokens", o.max_tokens)
+    stop = validate.request(fields.get("prompt"), fields.get("messages"), system, max_tokens, fields.get("stop", o.stop))
     overrides = {k: validate.sampling_field(k, fields[k]) for k in SAMPLING_FIELDS if k in fields}
     return {
         "prompt": fields.get("prompt"), "messages": fields.get("messages"), "system": system,
-        "max_tokens": max_tokens, "seed": validate.seed(fields.get("seed", seed)), "stop": stop,
-        "sampling": (sampling or SamplingParams()).with_overrides(**overrides),
+        "max_tokens": max_tokens, "seed": validate.seed(fields.get("seed", o.seed)), "stop": stop,
+        "sampling": o.sampling_params().with_overrides(**overrides),
     }
 
 
-def make_request(
-    model,
-    item,
-    *,
-    max_tokens: int = DEFAULT_MAX_TOKENS,
-    stop: Sequence[str] | str = (),
-    seed: int | None = None,
-    system: str | None = None,
-    raw: bool = False,
-    sampling: SamplingParams | None = None,
-) -> BatchRequest:
+@takes(*LIMITS, "system", "raw", *SAMPLING)
+def make_request(model, item, *, options: GenerationOptions) -> BatchRequest:
     """Encode one prompt: a string, a message list, or a dict with ``prompt`` or
-    ``messages`` and optional per-item settings that override the arguments (`check_item`)."""
+    ``messages`` and optional per-item settings that override the options (`check_item`)."""
     if isinstance(item, BatchRequest):
         return item
-    c = check_item(item, max_tokens=max_tokens, stop=stop, seed=seed, system=system, sampling=sampling)
-    ids = model.encode(c["prompt"], c["messages"], c["system"], raw)
+    c = check_item(item, **options.pick((*LIMITS, "system", *SAMPLING)))
+    ids = model.encode(c["prompt"], c["messages"], c["system"], options.raw)
     if not ids:
         raise InvalidArgumentError("the prompt is empty: there is nothing to continue from")
     max_tokens = c["max_tokens"]
@@ -262,65 +253,39 @@ class BatchRun:
         return self.results[i]
 
 
-def stream_batch(
-    model,
-    prompts: Sequence,
-    *,
-    batch_size: int = DEFAULT_BATCH_SIZE,
-    max_tokens: int = DEFAULT_MAX_TOKENS,
-    stop: Sequence[str] | str = (),
-    seed: int | None = None,
-    system: str | None = None,
-    raw: bool = False,
-    sampling: SamplingParams | None = None,
-    on_error: Callable[[int, UmakitError], None] | None = None,
-) -> BatchStream:
+@takes(*MANY, "on_error")
+def stream_batch(model, prompts: Sequence, *, options: GenerationOptions) -> BatchStream:
     """Prepare a batched run of ``prompts``; iterate it for ``(index, result)`` as each finishes.
 
     Each prompt is a string, a message list, a dict (``prompt`` or ``messages``
     plus any of max_tokens, stop, seed, system and the sampling fields) or a
-    `BatchRequest`; the arguments here are the defaults a dict's own settings
-    override, with ``sampling`` (default `SamplingParams()`) fully resolved.
-    Every prompt is encoded and checked before anything runs: the first bad
-    one raises, unless ``on_error(index, error)`` is given, which hears each
-    bad prompt while the others still run (indices stay the caller's).
+    `BatchRequest`; the options here are the defaults a dict's own settings
+    override. Every prompt is encoded and checked before anything runs.
     A ``seed`` makes each row reproduce ``model.generate(..., seed=seed)``.
     """
     requests, indices = [], []
     for i, item in enumerate(prompts):
         try:
-            requests.append(make_request(model, item, max_tokens=max_tokens, stop=stop, seed=seed,
-                                         system=system, raw=raw, sampling=sampling))
+            requests.append(make_request(model, item, **options.pick((*LIMITS, "system", "raw", *SAMPLING))))
         except UmakitError as e:
-            if on_error is not None:
-                on_error(i, e)
+            if options.on_error is not None:
+                options.on_error(i, e)
                 continue
             if isinstance(e, InvalidArgumentError):
                 raise InvalidArgumentError(f"prompt {i}: {e}") from e
             raise
         indices.append(i)
-    return BatchStream(model, requests, batch_size, indices)
+    return BatchStream(model, requests, options.batch_size, indices)
 
 
-def generate_batch(
-    model,
-    prompts: Sequence,
-    *,
-    batch_size: int = DEFAULT_BATCH_SIZE,
-    max_tokens: int = DEFAULT_MAX_TOKENS,
-    stop: Sequence[str] | str = (),
-    seed: int | None = None,
-    system: str | None = None,
-    raw: bool = False,
-    sampling: SamplingParams | None = None,
-) -> BatchRun:
-    """Generate a reply to every prompt; one `GenerationResult` per prompt, in order.
+@takes(*MANY)
+def generate_batch(model, prompts: Sequence, *, options: GenerationOptions) -> BatchRun:
+    """Generate a reply to every prompt; one `GenerationResult` per prompt, in order (a bad prompt raises).
 
-    Parameters as `stream_batch` (a bad prompt raises). ``note`` on the result
-    is set when the batch size had to be lowered to fit the KV cache in memory.
+    Prompts as `stream_batch` takes them. ``note`` on the result is set when
+    the batch size had to be lowered to fit the KV cache in memory.
     """
-    stream = stream_batch(model, prompts, batch_size=batch_size, max_tokens=max_tokens, stop=stop, seed=seed,
-                          system=system, raw=raw, sampling=sampling)
+    stream = stream_batch(model, prompts, **options.pick(MANY))
     results: list[GenerationResult | None] = [None] * len(stream)
     for i, result in stream:
         results[i] = result

@@ -1,20 +1,27 @@
-"""Sampling settings shared by every backend.
+"""Sampling: its settings (`SamplingParams`) and the sampler's rules, written once for every engine.
 
-Each backend turns a `SamplingParams` into a pure function
-``(logits, recent_tokens, key) -> token`` with its own array library; both
-follow the order below, and one shared test suite checks that they agree:
+A sampler is a pure function ``(logits, recent tokens, random source) -> tokens``, made by `make_sampler`,
+and these are its rules, in this order:
 
-1. repetition penalty over the last `repetition_context` tokens (positive
-   logits divided by the penalty, negative ones multiplied, as in transformers);
-2. temperature 0 is greedy (argmax), otherwise logits are divided by it;
-3. top-k, then top-p (nucleus), then min-p filtering of the tempered
-   distribution; then one categorical draw.
+1. repetition penalty over the last `repetition_context` tokens (positive logits divided by the penalty,
+   negative ones multiplied, as in transformers);
+2. temperature 0 is greedy (argmax); otherwise the logits are divided by it;
+3. top-k, then top-p (nucleus), then min-p filtering of the tempered distribution;
+4. one categorical draw, from the engine's own random source.
+
+They are written here over a small interface to an array library (`ArrayOps`): the torch engine's arrays
+(backends/torch/sampler.py), MLX's (backends/mlx/sampler.py) and numpy's, in which speculative decoding
+computes the very distribution a sampler draws from (speculative/distribution.py). Only the random draw
+is each one's own. tests/unit/test_sampling.py runs one suite against all three.
+
+This module imports the standard library and `umakit.core` only: `import umakit` reads it.
 """
 
 from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass, replace
+from typing import Any, Callable, Protocol
 
 from umakit.core import validate
 
@@ -61,3 +68,68 @@ def seed_or_random(seed: int | None) -> int:
 def sampling_params(base: SamplingParams | None = None, **overrides) -> SamplingParams:
     """``base`` (default `SamplingParams()`) with each override that is not None applied."""
     return (base or SamplingParams()).with_overrides(**overrides)
+
+
+# -- the rules, once, over any array library --------------------------------------------------
+class ArrayOps(Protocol):
+    """What the rules need of an array library: logits are (..., V), every reduction is over the last axis."""
+
+    neg_inf: Any  # -inf, as the library's where() takes it
+
+    def floating(self, x): ...  # the logits in the dtype the filters compute in
+    def gather(self, x, index): ...  # x's values at ``index`` along the last axis
+    def scatter(self, x, index, values): ...  # a copy of x with ``values`` put at ``index`` along the last axis
+    def where(self, condition, x, y): ...
+    def kth_largest(self, x, k: int): ...  # (..., 1)
+    def sort_descending(self, x): ...  # (values, order)
+    def softmax(self, x): ...
+    def cumsum(self, x): ...
+    def max(self, x): ...  # (..., 1)
+    def argmax(self, x): ...
+    def size(self, x) -> int: ...
+
+
+def penalize(ops: ArrayOps, logits, recent, penalty: float):
+    """``logits`` with transformers' repetition penalty over the ``recent`` token ids (rule 1)."""
+    if penalty == 1.0 or ops.size(recent) == 0:
+        return logits
+    picked = ops.gather(logits, recent)
+    return ops.scatter(logits, recent, ops.where(picked > 0, picked / penalty, picked * penalty))
+
+
+def filtered(ops: ArrayOps, logits, p: SamplingParams):
+    """Tempered logits with top-k, top-p and min-p applied, removed entries -inf (rules 2 and 3; not greedy)."""
+    logits = ops.floating(logits) / p.temperature
+    if 0 < p.top_k < logits.shape[-1]:
+        logits = ops.where(logits < ops.kth_largest(logits, p.top_k), ops.neg_inf, logits)
+    if p.top_p < 1.0:
+        ordered, order = ops.sort_descending(logits)
+        probs = ops.softmax(ordered)
+        above = ops.cumsum(probs) - probs  # the mass strictly above each token
+        logits = ops.scatter(logits, order, ops.where(above >= p.top_p, ops.neg_inf, ordered))
+    if p.min_p > 0:
+        probs = ops.softmax(logits)
+        logits = ops.where(probs < p.min_p * ops.max(probs), ops.neg_inf, logits)
+    return logits
+
+
+def make_sampler(ops: ArrayOps, p: SamplingParams, draw: Callable) -> Callable:
+    """``sampler(logits (B, V), recent (B, n) ids, random) -> tokens (B,)``: the rules, with ``draw(filtered
+    logits, random)`` the engine's categorical draw (rule 4)."""
+
+    def sample(logits, recent, random):
+        logits = penalize(ops, logits, recent, p.repetition_penalty)
+        if p.greedy:
+            return ops.argmax(logits)
+        return draw(filtered(ops, logits, p), random)
+
+    return sample
+
+
+def recent_tokens(sampling: SamplingParams, prompt, history=()) -> list[int]:
+    """The ids the repetition penalty looks at before the first token: the last `repetition_context` of
+    ``history`` (the text already in the cache) and ``prompt``; none without a penalty."""
+    if sampling.repetition_penalty == 1.0:
+        return []
+    window = sampling.repetition_context
+    return (list(history)[-window:] + list(prompt))[-window:]

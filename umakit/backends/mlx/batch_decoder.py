@@ -15,18 +15,19 @@ seeded single-sequence run.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Iterable, Sequence
 
 import mlx.core as mx
 
-from umakit.errors import InvalidArgumentError, UnsupportedModelError
+from umakit.backends import common
 from umakit.backends.base import PREFILL_CHUNK, BatchRow
-from umakit.hardware import cpu_kv_budget, metal_working_set
-from umakit.generate.sampling import seed_or_random
+from umakit.backends.common import TokenSampler
 from umakit.backends.mlx.cache import MLXCache
 from umakit.backends.mlx.mlx_lm_import import import_mlx_lm
-from umakit.backends.mlx.sampler import apply_repetition_penalty, make_sampler
+from umakit.backends.mlx.sampler import MLXOps
+from umakit.errors import UnsupportedModelError
+from umakit.generate.sampling import recent_tokens
+from umakit.hardware import cpu_kv_budget, metal_working_set
 
 _cache = import_mlx_lm("models.cache")
 BatchKVCache, BatchRotatingKVCache = _cache.BatchKVCache, _cache.BatchRotatingKVCache
@@ -36,58 +37,6 @@ PAD_WASTE = 1.5  # prefill rows together while padded tokens stay under this fac
 # Of the working set the weights leave free: the rest is for activations, logits and other
 # apps (a KV cache grown to the whole working set under a wired limit panics, mlx-lm #883).
 METAL_KV_FRACTION = 0.7
-
-
-class _RowSampler:
-    """One row's sampling state: its sampler, random key and recent tokens."""
-
-    def __init__(self, row: BatchRow):
-        p = row.sampling
-        self.plain = p.greedy and p.repetition_penalty == 1.0  # a batched argmax serves it
-        self.greedy = p.greedy
-        self.logprobs = row.logprobs
-        self.penalty = p.repetition_penalty
-        # The penalty is applied here, not in the sampler, so that the log-probabilities see it.
-        self.draw = make_sampler(replace(p, repetition_penalty=1.0))
-        self.key = mx.random.key(seed_or_random(row.seed))
-        self.window = p.repetition_context
-        self.recent = mx.array(list(row.prompt)[-self.window:], dtype=mx.uint32)[None]  # (1, n)
-
-    def sample(self, logits: mx.array) -> tuple[mx.array, mx.array]:
-        """logits (1, V) -> (token (1,), the penalised logits it was drawn from (1, V)).
-
-        Advances the key and the recent window.
-        """
-        sub = self.key
-        if not self.greedy:  # as in generate_tokens: a greedy draw needs no key, no penalty no window
-            self.key, sub = mx.random.split(self.key)
-        logits = apply_repetition_penalty(logits, self.recent, self.penalty)
-        token = self.draw(logits, self.recent, sub).astype(mx.uint32)
-        if self.penalty != 1.0:
-            self.recent = mx.concatenate([self.recent, token[None]], axis=1)[:, -self.window:]
-        return token, logits
-
-
-def _figures(token: mx.array, logits: mx.array, n: int) -> tuple[mx.array, mx.array, mx.array]:
-    """token (1,) and the logits (1, V) it was drawn from -> its log-probability (1,) and the n most likely.
-
-    The n come as ids and log-probabilities (1, n), sorted by log-probability, descending.
-    """
-    lp = logits.astype(mx.float32)
-    lp = lp - mx.logsumexp(lp, axis=-1, keepdims=True)  # (1, V)
-    chosen = mx.take_along_axis(lp, token[:, None].astype(mx.int32), axis=-1)[:, 0]
-    n = min(n, lp.shape[-1])
-    if n == 0:
-        return chosen, mx.zeros((1, 0), dtype=mx.int32), mx.zeros((1, 0), dtype=mx.float32)
-    top = mx.argpartition(-lp, kth=n - 1, axis=-1)[:, :n]  # (1, n), unordered
-    values = mx.take_along_axis(lp, top, axis=-1)
-    order = mx.argsort(-values, axis=-1)
-    return chosen, mx.take_along_axis(top, order, axis=-1), mx.take_along_axis(values, order, axis=-1)
-
-
-def _read(figures: tuple[mx.array, mx.array, mx.array]) -> tuple[float, list[tuple[int, float]]]:
-    chosen, ids, values = figures
-    return chosen.item(), list(zip(ids[0].tolist(), values[0].tolist()))
 
 
 def _batch_kind(layer, model_type: str) -> type:
@@ -137,7 +86,7 @@ class MLXBatchDecoder:
     def _reset(self) -> None:
         self._cache: list | None = None  # one batch cache per layer; rows in self._ids order
         self._ids: list[int] = []
-        self._rows: list[_RowSampler] = []
+        self._rows: list[TokenSampler] = []
         self._next: mx.array | None = None  # (B,) the tokens the next forward pass reads
         self._ready: list[bool] = []  # whether _next[i] is a sampled token (not a prompt's last)
         self._figures: list[tuple | None] = []  # lazy log-probabilities of _next[i], for rows that asked
@@ -147,11 +96,7 @@ class MLXBatchDecoder:
         return len(self._ids)
 
     def add(self, rows: Sequence[BatchRow]) -> None:
-        for row in rows:
-            if not row.prompt:
-                raise InvalidArgumentError("a prompt is empty: there is nothing to continue from")
-            if row.cache is not None and not isinstance(row.cache, MLXCache):  # BatchRow checked the rest
-                raise InvalidArgumentError("a batch row's cache must come from this engine's make_cache()")
+        common.check_rows(rows, MLXCache)
         fresh = [r for r in rows if r.cache is None]
         resumed = [r for r in rows if r.cache is not None]
         with mx.stream(self._device):
@@ -192,7 +137,8 @@ class MLXBatchDecoder:
         last = mx.array([r.prompt[-1] for r in group], dtype=mx.uint32)
         self._next = last if self._next is None else mx.concatenate([self._next, last])
         self._ids += [r.id for r in group]
-        self._rows += [_RowSampler(r) for r in group]
+        self._rows += [TokenSampler(MLXOps, r.sampling, r.seed, recent_tokens(r.sampling, r.prompt), r.logprobs)
+                       for r in group]
         self._ready += [False] * len(group)
         self._figures += [None] * len(group)
 
@@ -203,32 +149,16 @@ class MLXBatchDecoder:
         with mx.stream(self._device):
             inputs, figures = self._next, self._figures
             logits = self._model(inputs[:, None], cache=self._cache)[:, -1, :]  # (B, V)
-            self._next, self._figures = self._sample(logits)
+            self._next, self._figures = common.sample_rows(MLXOps, self._rows, logits)
             # Queue step n+1 before reading step n: the device computes while
             # the caller detokenizes and checks stops.
             mx.async_eval(self._next, [f for f in self._figures if f is not None])
             report = [i for i, ready in enumerate(self._ready) if ready]
             tokens = inputs.tolist() if report else []
             # The figures travel with the sampled token and are read when it is returned.
-            self._logprobs = {self._ids[i]: _read(figures[i]) for i in report if figures[i] is not None}
+            self._logprobs = {self._ids[i]: common.read_figures(figures[i]) for i in report if figures[i] is not None}
         self._ready = [True] * len(self._ids)
         return [(self._ids[i], tokens[i]) for i in report]
-
-    def _sample(self, logits: mx.array) -> tuple[mx.array, list[tuple | None]]:
-        """logits (B, V) -> tokens (B,) and each row's lazy log-probability figures (None: not asked)."""
-        rows = self._rows
-        greedy = mx.argmax(logits, axis=-1).astype(mx.uint32) if any(r.plain for r in rows) else None
-        own = {i: r.sample(logits[i:i + 1]) for i, r in enumerate(rows) if not r.plain}  # (token, drawn from)
-        if own:
-            tokens = mx.concatenate([own[i][0] if i in own else greedy[i:i + 1] for i in range(len(rows))])
-        else:
-            tokens = greedy
-        figures = [
-            None if r.logprobs is None
-            else _figures(*(own[i] if i in own else (greedy[i:i + 1], logits[i:i + 1])), r.logprobs)
-            for i, r in enumerate(rows)
-        ]
-        return tokens, figures
 
     def logprobs(self) -> dict[int, tuple[float, list[tuple[int, float]]]]:
         return dict(self._logprobs)
@@ -236,18 +166,15 @@ class MLXBatchDecoder:
     def export(self, row_id: int) -> MLXCache:
         # This decoder has fed every token it returned: the copy holds prompt + returned
         # tokens (all but the prompt's last before the row's first step).
-        if row_id not in self._ids:
-            raise InvalidArgumentError(f"no row {row_id} in the batch")
-        i = self._ids.index(row_id)
+        i = common.position(self._ids, row_id)
         with mx.stream(self._device):
             layers = [c.extract(i) for c in self._cache]
             mx.eval([c.state for c in layers])
         return MLXCache(layers)
 
     def remove(self, ids: Iterable[int]) -> None:
-        drop = set(ids)
-        keep = [i for i, rid in enumerate(self._ids) if rid not in drop]
-        if len(keep) == len(self._ids):
+        keep = common.kept(self._ids, ids)
+        if keep is None:
             return
         if not keep:
             self._reset()
@@ -256,10 +183,8 @@ class MLXBatchDecoder:
             for c in self._cache:
                 c.filter(keep)
             self._next = self._next[mx.array(keep)]
-        self._ids = [self._ids[i] for i in keep]
-        self._rows = [self._rows[i] for i in keep]
-        self._ready = [self._ready[i] for i in keep]
-        self._figures = [self._figures[i] for i in keep]
+        self._ids, self._rows, self._ready, self._figures = common.take(keep, self._ids, self._rows, self._ready,
+                                                                        self._figures)
 
     def kv_budget_bytes(self) -> int:
         if self._engine.device == "metal":

@@ -18,14 +18,14 @@ from umakit.checkpoint.files import Checkpoint, validate_checkpoint
 from umakit.errors import BackendUnavailableError, CheckpointError, InvalidArgumentError, UnsupportedModelError
 from umakit.quantize.recipes import parse_spec, quantize_model
 from umakit.plan.roofline import kv_bytes_per_token
-from umakit.generate.sampling import SamplingParams, seed_or_random
+from umakit.generate.sampling import SamplingParams, recent_tokens
 from umakit.backends import common
 from umakit.backends.base import PREFILL_CHUNK, WeightInfo, refuse_options
 from umakit.backends.mlx import SPEC, wiring
 from umakit.backends.mlx.batch_decoder import MLXBatchDecoder
 from umakit.backends.mlx.cache import MLXCache
 from umakit.backends.mlx.mlx_lm_import import import_mlx_lm
-from umakit.backends.mlx.sampler import make_sampler
+from umakit.backends.mlx.sampler import MLXOps
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 CLEAR_EVERY = 256  # decode steps between returns of freed buffers to the system (as mlx-lm does)
@@ -241,27 +241,12 @@ class MLXEngine:
         seed: int | None = None,
         history: Sequence[int] = (),
     ) -> Iterator[int]:
-        if not prompt:
-            raise InvalidArgumentError("the prompt is empty: there is nothing to continue from")
-        sampler = make_sampler(sampling)
-        key = mx.random.key(seed_or_random(seed))
-        window = sampling.repetition_context
-        recent = mx.array(list(history)[-window:] + list(prompt)[-window:], dtype=mx.uint32)[-window:][None]
-
-        penalty = sampling.repetition_penalty != 1.0
+        common.check_prompt(prompt)
+        sampler = common.TokenSampler(MLXOps, sampling, seed, recent_tokens(sampling, prompt, history))
 
         def step(tokens: mx.array) -> mx.array:
-            # Greedy draws need no key, and without a penalty no window: neither is
-            # rebuilt then, so no lazy graph grows step after step.
-            nonlocal key, recent
             logits = self.model(tokens[None], cache=cache.layers)[:, -1, :]  # (1, V)
-            sub = key
-            if not sampling.greedy:
-                key, sub = mx.random.split(key)
-            token = self._agree(sampler(logits, recent, sub))  # (1,)
-            if penalty:
-                recent = mx.concatenate([recent, token[None].astype(mx.uint32)], axis=1)[:, -window:]
-            return token
+            return sampler.sample(logits, self._agree)[0]  # (1,)
 
         # All but the last token fill the cache without the output head; only the last
         # position's logits are computed (a 150k-token head over a 512-token chunk would

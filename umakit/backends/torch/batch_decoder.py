@@ -15,17 +15,17 @@ a seeded single-sequence run.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Iterable, Sequence
 
 import torch
 
-from umakit.errors import InvalidArgumentError
+from umakit.backends import common
 from umakit.backends.base import BatchRow
-from umakit.hardware import cpu_kv_budget
+from umakit.backends.common import TokenSampler
 from umakit.backends.torch.cache import GROW_STEP, StaticKVCache
-from umakit.generate.sampling import seed_or_random
-from umakit.backends.torch.sampler import apply_repetition_penalty, make_sampler
+from umakit.errors import InvalidArgumentError
+from umakit.generate.sampling import recent_tokens
+from umakit.hardware import cpu_kv_budget
 
 
 class BatchKVCache:
@@ -99,50 +99,6 @@ class BatchKVCache:
         return kc[:B, :, :span], vc[:B, :, :span]  # (B, nkv, S, hd)
 
 
-class _RowSampler:
-    """One row's sampling state: its sampler, generator and recent tokens (as in `generate_tokens`)."""
-
-    def __init__(self, row: BatchRow, device: torch.device):
-        p = row.sampling
-        self.penalty = p.repetition_penalty != 1.0
-        self.plain = p.greedy and not self.penalty  # a batched argmax serves it
-        self.logprobs = row.logprobs
-        self.factor = p.repetition_penalty
-        # The penalty is applied here, not in the sampler, so that the log-probabilities see it.
-        self.draw = make_sampler(replace(p, repetition_penalty=1.0))
-        self.generator = torch.Generator(device=device)
-        self.generator.manual_seed(seed_or_random(row.seed))
-        self.window = p.repetition_context
-        recent = list(row.prompt)[-self.window:] if self.penalty else []
-        self.recent = torch.tensor(recent, dtype=torch.long, device=device)[None]  # (1, n)
-
-    def sample(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """logits (1, V) -> (token (1,), the penalised logits it was drawn from (1, V)).
-
-        Advances the generator and the recent window.
-        """
-        logits = apply_repetition_penalty(logits, self.recent, self.factor)
-        token = self.draw(logits, self.recent, self.generator)
-        if self.penalty:
-            self.recent = torch.cat([self.recent, token[:, None]], dim=1)[:, -self.window:]
-        return token, logits
-
-
-def _figures(token: torch.Tensor, logits: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """token (1,) and the logits (1, V) it was drawn from -> its log-probability (1,) and the n most likely.
-
-    The n come as ids and log-probabilities (1, n), sorted by log-probability, descending.
-    """
-    lp = logits.float().log_softmax(dim=-1)  # (1, V)
-    top = lp.topk(min(n, lp.shape[-1]), dim=-1)  # sorted
-    return lp.gather(-1, token[:, None])[:, 0], top.indices, top.values
-
-
-def _read(figures: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> tuple[float, list[tuple[int, float]]]:
-    chosen, ids, values = figures
-    return chosen.item(), list(zip(ids[0].tolist(), values[0].tolist()))
-
-
 class TorchBatchDecoder:
     """`umakit.backends.base.BatchDecoder` for `TorchEngine`."""
 
@@ -153,7 +109,7 @@ class TorchBatchDecoder:
         self._cache = BatchKVCache(a.num_hidden_layers, a.num_key_value_heads, a.head_dim,
                                    a.max_position_embeddings, engine.cache_dtype, self._device)
         self._ids: list[int] = []  # row i lives in cache slot i
-        self._rows: list[_RowSampler] = []
+        self._rows: list[TokenSampler] = []
         self._lengths: list[int] = []  # positions each row has in the cache
         self._next: list[int] = []  # the token each row feeds to the next step
         self._logprobs: dict[int, tuple[float, list[tuple[int, float]]]] = {}  # those of the last step's tokens
@@ -163,11 +119,7 @@ class TorchBatchDecoder:
         return len(self._ids)
 
     def add(self, rows: Sequence[BatchRow]) -> None:
-        for row in rows:
-            if not row.prompt:
-                raise InvalidArgumentError("a prompt is empty: there is nothing to continue from")
-            if row.cache is not None and not isinstance(row.cache, StaticKVCache):  # BatchRow checked the rest
-                raise InvalidArgumentError("a batch row's cache must come from this engine's make_cache()")
+        common.check_rows(rows, StaticKVCache)
         used = max(self._lengths, default=0)
         longest = max([used] + [len(r.prompt) for r in rows])
         self._cache.reserve(len(self._ids) + len(rows), longest, used)  # one reallocation at most
@@ -178,7 +130,8 @@ class TorchBatchDecoder:
             with torch.inference_mode():
                 self._cache.put(len(self._ids), single)
             self._ids.append(row.id)
-            self._rows.append(_RowSampler(row, self._device))
+            self._rows.append(TokenSampler(self._engine._ops, row.sampling, row.seed,
+                                           recent_tokens(row.sampling, row.prompt), row.logprobs))
             self._lengths.append(single.offset)
             self._next.append(row.prompt[-1])
 
@@ -191,26 +144,12 @@ class TorchBatchDecoder:
         with torch.inference_mode():
             tokens = torch.tensor(self._next, dtype=torch.long, device=self._device)[:, None]  # (B, 1)
             logits = self._engine._decode_rows(tokens, self._lengths, self._cache, span)  # (B, V)
-            picked, figures = self._sample(logits)
+            picked, figures = common.sample_rows(self._engine._ops, self._rows, logits)
             picked = picked.tolist()  # the one wait for the device; the figures are ready after it
-            self._logprobs = {rid: _read(f) for rid, f in figures.items()}
+            self._logprobs = {rid: common.read_figures(f) for rid, f in zip(self._ids, figures) if f is not None}
         self._lengths = [n + 1 for n in self._lengths]
         self._next = picked
         return list(zip(self._ids, picked))
-
-    def _sample(self, logits: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        """logits (B, V) -> tokens (B,) and the log-probabilities of the rows that asked."""
-        greedy = logits.argmax(dim=-1)  # serves every plain row at once
-        own = {i: r.sample(logits[i:i + 1]) for i, r in enumerate(self._rows) if not r.plain}  # (token, drawn from)
-        if own:
-            tokens = torch.cat([own[i][0] if i in own else greedy[i:i + 1] for i in range(len(self._rows))])
-        else:
-            tokens = greedy
-        figures = {
-            self._ids[i]: _figures(*(own[i] if i in own else (greedy[i:i + 1], logits[i:i + 1])), r.logprobs)
-            for i, r in enumerate(self._rows) if r.logprobs is not None
-        }
-        return tokens, figures
 
     def logprobs(self) -> dict[int, tuple[float, list[tuple[int, float]]]]:
         return dict(self._logprobs)
@@ -218,26 +157,21 @@ class TorchBatchDecoder:
     def export(self, row_id: int) -> StaticKVCache:
         # This decoder has not fed the latest token it returned: the copy holds prompt +
         # returned tokens but the last (all but the prompt's last before the row's first step).
-        if row_id not in self._ids:
-            raise InvalidArgumentError(f"no row {row_id} in the batch")
-        i = self._ids.index(row_id)
+        i = common.position(self._ids, row_id)
         single = self._engine.make_cache()
         with torch.inference_mode():
             self._cache.get(i, self._lengths[i], single)
         return single
 
     def remove(self, ids: Iterable[int]) -> None:
-        drop = set(ids)
-        keep = [i for i, rid in enumerate(self._ids) if rid not in drop]
-        if len(keep) == len(self._ids):
+        keep = common.kept(self._ids, ids)
+        if keep is None:
             return
         if keep and keep != list(range(len(keep))):
             with torch.inference_mode():
                 self._cache.keep(keep, max(self._lengths[i] for i in keep))
-        self._ids = [self._ids[i] for i in keep]
-        self._rows = [self._rows[i] for i in keep]
-        self._lengths = [self._lengths[i] for i in keep]
-        self._next = [self._next[i] for i in keep]
+        self._ids, self._rows, self._lengths, self._next = common.take(keep, self._ids, self._rows, self._lengths,
+                                                                       self._next)
 
     def kv_budget_bytes(self) -> int:
         if self._engine.device == "cuda":

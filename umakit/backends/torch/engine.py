@@ -38,7 +38,7 @@ from umakit.checkpoint.files import Checkpoint
 from umakit.errors import BackendUnavailableError, InvalidArgumentError
 from umakit.plan.placement import RING_SLOTS
 from umakit.plan.roofline import kv_bytes_per_token
-from umakit.generate.sampling import SamplingParams, seed_or_random
+from umakit.generate.sampling import SamplingParams, recent_tokens
 from umakit.backends import common
 from umakit.backends.base import PREFILL_CHUNK, WeightInfo, refuse_options
 from umakit.backends.torch import SPEC
@@ -65,7 +65,7 @@ from umakit.backends.torch.offload.experts import ExpertStreamer, plan_expert_of
 from umakit.backends.torch.cpu.fused import FusedDecoder, covers
 from umakit.backends.torch.offload.layers import LayerStreamer
 from umakit.backends.torch.load.packed import PackedCache
-from umakit.backends.torch.sampler import make_sampler
+from umakit.backends.torch.sampler import TorchOps
 from umakit.backends.torch.load.synthetic import random_tensors, synthetic_shapes
 
 
@@ -126,6 +126,7 @@ class TorchEngine:
             raise BackendUnavailableError("PyTorch sees no CUDA device here; use --device cpu or a CUDA build of torch")
         self.device = device
         self.torch_device = torch.device(device)
+        self._ops = TorchOps(self.torch_device)  # its tensors, as sampling and the batch decoder use them
         self.config = config
         self.args = ModelArgs.from_config(config)
         self.dtype = str(dtype).removeprefix("torch.")
@@ -214,15 +215,8 @@ class TorchEngine:
         seed: int | None = None,
         history: Sequence[int] = (),
     ) -> Iterator[int]:
-        if not prompt:
-            raise InvalidArgumentError("the prompt is empty: there is nothing to continue from")
-        sampler = make_sampler(sampling)
-        generator = torch.Generator(device=self.torch_device)
-        generator.manual_seed(seed_or_random(seed))
-        window = sampling.repetition_context
-        penalty = sampling.repetition_penalty != 1.0
-        recent = (list(history)[-window:] + list(prompt))[-window:] if penalty else []
-        recent = torch.tensor(recent, dtype=torch.long, device=self.torch_device)[None]  # (1, n)
+        common.check_prompt(prompt)
+        sampler = common.TokenSampler(self._ops, sampling, seed, recent_tokens(sampling, prompt, history))
         with torch.inference_mode():
             self.prefill(prompt[:-1], cache)
             last = torch.tensor(prompt[-1:], device=self.torch_device)
@@ -233,9 +227,7 @@ class TorchEngine:
             host = torch.empty(1, dtype=torch.long, pin_memory=True)
         while True:
             with torch.inference_mode():
-                y = sampler(logits, recent, generator)  # (1,)
-                if penalty:
-                    recent = torch.cat([recent, y[:, None]], dim=1)[:, -window:]
+                y, _ = sampler.sample(logits)  # (1,)
             if self.device != "cuda":
                 yield int(y)
                 with torch.inference_mode():

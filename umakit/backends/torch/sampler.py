@@ -1,7 +1,8 @@
-"""Torch sampler: `SamplingParams` as a pure function of logits (see umakit.generate.sampling).
+"""The torch engine's arrays as the sampler's rules (`umakit.generate.sampling`) and the engines' shared sequence
+code (`umakit.backends.common`) use them, with torch's generator as the random source.
 
-The same steps as the MLX sampler; the categorical draw is an exponential
-race (argmax of p / E, E ~ Exp(1)), which needs no host synchronisation.
+The categorical draw is an exponential race (argmax of p / E, E ~ Exp(1)),
+which needs no host synchronisation.
 """
 
 from __future__ import annotations
@@ -10,49 +11,97 @@ from typing import Callable
 
 import torch
 
-from umakit.generate.sampling import SamplingParams
-
-Sampler = Callable[[torch.Tensor, torch.Tensor, torch.Generator], torch.Tensor]
-
-
-def apply_repetition_penalty(logits: torch.Tensor, recent: torch.Tensor, penalty: float) -> torch.Tensor:
-    """logits (B, V); recent (B, n) token ids; transformers' rule."""
-    if penalty == 1.0 or recent.numel() == 0:
-        return logits
-    picked = logits.gather(-1, recent)
-    picked = torch.where(picked > 0, picked / penalty, picked * penalty)
-    return logits.scatter(-1, recent, picked)
+from umakit.generate import sampling
+from umakit.generate.sampling import SamplingParams, seed_or_random
 
 
-def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """Tempered logits with top-k, top-p and min-p applied (removed entries are -inf)."""
-    logits = logits.float() / p.temperature
+class TorchOps:
+    """`umakit.backends.common.EngineOps` for torch tensors on ``device``."""
+
     neg_inf = float("-inf")
-    if 0 < p.top_k < logits.shape[-1]:
-        kth = logits.topk(p.top_k, dim=-1).values[..., -1:]  # (B, 1)
-        logits = logits.masked_fill(logits < kth, neg_inf)
-    if p.top_p < 1.0:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)  # (B, V)
-        probs = sorted_logits.softmax(dim=-1)
-        before = probs.cumsum(dim=-1) - probs  # mass strictly above each token
-        sorted_logits = sorted_logits.masked_fill(before >= p.top_p, neg_inf)
-        logits = logits.scatter(-1, order, sorted_logits)
-    if p.min_p > 0:
-        probs = logits.softmax(dim=-1)
-        threshold = p.min_p * probs.amax(dim=-1, keepdim=True)
-        logits = logits.masked_fill(probs < threshold, neg_inf)
-    return logits
 
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
 
-def make_sampler(p: SamplingParams) -> Sampler:
-    """``sampler(logits (B, V), recent (B, n) int64, generator) -> tokens (B,) int64``."""
+    @staticmethod
+    def floating(x):
+        return x.float()
 
-    def sample(logits: torch.Tensor, recent: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-        logits = apply_repetition_penalty(logits, recent, p.repetition_penalty)
-        if p.greedy:
-            return logits.argmax(dim=-1)
-        logits = filter_logits(logits, p)
+    @staticmethod
+    def gather(x, index):
+        return x.gather(-1, index)
+
+    @staticmethod
+    def scatter(x, index, values):
+        return x.scatter(-1, index, values)
+
+    @staticmethod
+    def where(condition, x, y):
+        return torch.where(condition, x, y)
+
+    @staticmethod
+    def kth_largest(x, k):
+        return x.topk(k, dim=-1).values[..., -1:]
+
+    @staticmethod
+    def sort_descending(x):
+        return x.sort(dim=-1, descending=True)
+
+    @staticmethod
+    def softmax(x):
+        return x.softmax(dim=-1)
+
+    @staticmethod
+    def cumsum(x):
+        return x.cumsum(dim=-1)
+
+    @staticmethod
+    def max(x):
+        return x.amax(dim=-1, keepdim=True)
+
+    @staticmethod
+    def argmax(x):
+        return x.argmax(dim=-1)
+
+    @staticmethod
+    def size(x):
+        return x.numel()
+
+    @staticmethod
+    def draw(logits, generator):
         race = torch.empty_like(logits).exponential_(generator=generator)
         return (logits.softmax(dim=-1) / race).argmax(dim=-1)
 
-    return sample
+    def random(self, seed, greedy):
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(seed_or_random(seed))
+        return lambda: generator
+
+    def ids(self, ids):
+        return torch.tensor(list(ids), dtype=torch.long, device=self.device)[None]
+
+    @staticmethod
+    def append(recent, token, window):
+        return torch.cat([recent, token[:, None]], dim=1)[:, -window:]
+
+    @staticmethod
+    def tokens(x):
+        return x
+
+    @staticmethod
+    def concat(xs):
+        return torch.cat(xs)
+
+    @staticmethod
+    def log_softmax(x):
+        return x.log_softmax(dim=-1)
+
+    @staticmethod
+    def top(x, n):
+        top = x.topk(n, dim=-1)  # sorted
+        return top.indices, top.values
+
+
+def make_sampler(p: SamplingParams) -> Callable[[torch.Tensor, torch.Tensor, torch.Generator], torch.Tensor]:
+    """``sampler(logits (B, V), recent (B, n) int64, generator) -> tokens (B,) int64``."""
+    return sampling.make_sampler(TorchOps, p, TorchOps.draw)
