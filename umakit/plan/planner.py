@@ -37,7 +37,8 @@ from umakit.plan.placement import (
     reserve_tokens,
     reserved_bytes,
 )
-from umakit.plan.sources import DEFAULT_PRESET, PRESET_DIR, list_presets, load_config, load_preset, resolve_config
+from umakit.plan.sources import (  # noqa: F401 (plan's API)
+    DEFAULT_PRESET, PRESET_DIR, list_presets, load_config, load_preset, resolve_config)
 from umakit.plan.weights import CATEGORIES, checkpoint_bits, count_weights, recipe_bits, stored_bits
 from umakit.plan.roofline import offload_ceiling_tps
 from umakit.plan.shapes import FLOAT_BYTES, ModelShape, kv_cache_bytes, kv_layer_bytes_per_token, working_bytes

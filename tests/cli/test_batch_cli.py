@@ -1,0 +1,159 @@
+"""`umakit batch` through click's runner, and killed mid-run as a real process."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from umakit.cli.main import COMMANDS, main
+
+from support import proc_helpers
+
+REGISTER = "from umakit.cli.main import COMMANDS, main; COMMANDS.setdefault('batch', 'cli.batch_cmd:batch_cmd'); main()"
+
+
+@pytest.fixture(autouse=True)
+def _registered(monkeypatch):
+    monkeypatch.setitem(COMMANDS, "batch", "umakit.cli.batch_cmd:batch_cmd")
+
+
+def run(*args):
+    return CliRunner().invoke(main, ["batch", *map(str, args)])
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_every_item_gets_one_result_line(tiny_dir, tiny_model, tmp_path):
+    inp = write_jsonl(tmp_path / "in.jsonl", [
+        {"id": "a", "prompt": "The quick brown fox"},
+        {"id": 7, "messages": [{"role": "user", "content": "Paris is"}], "max_tokens": 3},
+        {"id": "c", "prompt": "The lazy dog. " * 10, "temperature": 0.9, "seed": 4},
+    ])
+    out = tmp_path / "out.jsonl"
+    # The oracle `tiny_model` is on MLX; seeded draws are reproducible within an engine, not across engines.
+    r = run(tiny_dir("llama"), "-i", inp, "-o", out, "--temp", "0", "--max-tokens", "12", "--raw", "-b", "2",
+            "--backend", "mlx", "--device", "cpu")
+    assert r.exit_code == 0, r.output
+    rows = {row["id"]: row for row in read_jsonl(out)}
+    assert set(rows) == {"a", 7, "c"}
+    assert set(rows["a"]) == {"id", "text", "finish_reason", "prompt_tokens", "generated_tokens", "ttft_s",
+                              "decode_s", "decode_tps", "elapsed_s"}
+    want = tiny_model.generate("The quick brown fox", raw=True, temperature=0, max_tokens=12)
+    assert rows["a"]["text"] == want.text and rows["a"]["generated_tokens"] == len(want.tokens)
+    assert rows[7]["generated_tokens"] <= 3
+    sampled = tiny_model.generate("The lazy dog. " * 10, raw=True, temperature=0.9, seed=4, max_tokens=12)
+    assert rows["c"]["text"] == sampled.text
+    assert "3/3" in r.stderr and "tok/s" in r.stderr
+    assert not (tmp_path / "out.errors.jsonl").exists()
+
+
+def test_malformed_lines_are_reported_and_the_rest_runs(tiny_dir, tmp_path):
+    inp = write_jsonl(tmp_path / "in.jsonl", [
+        {"id": 1, "prompt": "The"},
+        "{not json",
+        {"prompt": "no id"},
+        {"id": 4},
+        "",
+        {"id": 6, "prompt": "x", "max_token": 3},
+        {"id": True, "prompt": "x"},
+        "[1, 2]",
+        {"id": 9, "prompt": "fox"},
+    ])
+    out = tmp_path / "results.jsonl"
+    r = run(tiny_dir("llama"), "-i", inp, "-o", out, "--max-tokens", "4")
+    assert r.exit_code == 1
+    assert [row["id"] for row in sorted(read_jsonl(out), key=lambda x: x["id"])] == [1, 9]
+    errors = read_jsonl(tmp_path / "results.errors.jsonl")
+    assert [e["line"] for e in errors] == [2, 3, 4, 6, 7, 8]
+    assert errors[2] == {"line": 4, "id": 4, "error": "needs 'prompt' or 'messages'"}
+    assert "unknown setting(s) max_token" in errors[3]["error"]
+    for e in errors:
+        assert f"Skipped line {e['line']}: {e['error']}" in r.stderr
+    assert r.output.strip().endswith("Error: 6 input line(s) skipped; see " + str(tmp_path / "results.errors.jsonl"))
+    assert "Traceback" not in r.output
+    write_jsonl(inp, [{"id": 1, "prompt": "The"}, {"id": 2, "prompt": "fox"}])  # fixed: the stale errors go
+    r = run(tiny_dir("llama"), "-i", inp, "-o", out, "--max-tokens", "4")
+    assert r.exit_code == 0, r.output
+    assert not (tmp_path / "results.errors.jsonl").exists()
+    assert sorted(row["id"] for row in read_jsonl(out)) == [1, 2, 9]
+
+
+def test_duplicate_ids_stop_the_run_before_anything_runs(tiny_dir, tmp_path):
+    inp = write_jsonl(tmp_path / "in.jsonl", [
+        {"id": "a", "prompt": "x"}, {"id": 1, "prompt": "y"}, {"id": "a", "prompt": "z"}, {"id": "1", "prompt": "w"},
+    ])
+    out = tmp_path / "out.jsonl"
+    r = run(tiny_dir("llama"), "-i", inp, "-o", out)
+    assert r.exit_code == 1
+    assert r.output.strip() == f'Error: {inp}: id "a" appears on lines 1, 3; ids must be unique'
+    assert not out.exists()
+
+
+def test_resume_skips_done_ids_and_cuts_a_torn_line(tiny_dir, tmp_path):
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"id": k, "prompt": k} for k in ("a", "b", "c")])
+    out = tmp_path / "out.jsonl"
+    out.write_text(json.dumps({"id": "a", "text": "DONE BEFORE"}) + '\n{"id": "b", "te')  # crashed mid-write
+    r = run(tiny_dir("llama"), "-i", inp, "-o", out, "--max-tokens", "3")
+    assert r.exit_code == 0, r.output
+    assert "1 of 3 items already in" in r.stderr
+    rows = read_jsonl(out)
+    assert sorted(row["id"] for row in rows) == ["a", "b", "c"]
+    assert rows[0] == {"id": "a", "text": "DONE BEFORE"}
+    r = run(tiny_dir("llama"), "-i", inp, "-o", out, "--max-tokens", "3")  # all done: nothing runs
+    assert r.exit_code == 0 and len(read_jsonl(out)) == 3
+
+
+def test_the_note_is_printed_when_the_batch_size_is_lowered(tiny_dir, tiny_model, tmp_path, monkeypatch):
+    from umakit.backends.mlx.batch_decoder import MLXBatchDecoder
+    from umakit.backends.torch.batch_decoder import TorchBatchDecoder
+
+    kv = tiny_model.info.weights.kv_bytes_per_token
+    for decoder in (MLXBatchDecoder, TorchBatchDecoder):  # "auto" may pick either engine
+        monkeypatch.setattr(decoder, "kv_budget_bytes", lambda self: int(1.5 * 256 * kv))
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"id": i, "prompt": "The"} for i in range(3)])
+    r = run(tiny_dir("llama"), "-i", inp, "-o", tmp_path / "out.jsonl", "--max-tokens", "3")
+    assert r.exit_code == 0, r.output
+    assert "Note: batch size lowered from 3 to 1: each sequence may hold 256 tokens" in r.stderr
+    assert len(read_jsonl(tmp_path / "out.jsonl")) == 3
+
+
+@pytest.mark.slow
+def test_a_killed_run_resumes_with_each_id_exactly_once(tiny_dir, tmp_path):
+    n = 40
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"id": f"q{i}", "prompt": f"The fox {i}"} for i in range(n)])
+    out = tmp_path / "out.jsonl"
+    cmd = [sys.executable, "-c", REGISTER, "batch", str(tiny_dir("llama")), "-i", str(inp), "-o", str(out),
+           "--temp", "0.8", "--seed", "1", "--raw", "-b", "2"]
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    proc_helpers.kill_when(cmd + ["--max-tokens", "480"], lambda: out.exists() and out.read_bytes().count(b"\n") >= 1,
+                           "a result line")
+    first = out.read_bytes()
+    done_first = first.count(b"\n")
+    assert 1 <= done_first < n, "the run finished before it was killed: make it slower"
+    p = subprocess.run(cmd + ["--max-tokens", "4"], capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 0, p.stderr
+    assert f"items already in {out}: skipped" in p.stderr
+    ids = [row["id"] for row in read_jsonl(out)]
+    assert sorted(ids) == sorted(f"q{i}" for i in range(n))  # every id exactly once
+    assert out.read_bytes().startswith(first[: first.rfind(b"\n") + 1])  # finished lines kept as they were
+
+
+def test_each_result_is_on_disk_as_soon_as_it_is_written(tmp_path):
+    from umakit.generate.batch_io import ResultWriter
+
+    path = tmp_path / "out.jsonl"
+    with ResultWriter(path) as w:
+        w.write({"id": 1, "text": "a"})
+        assert path.read_text() == '{"id": 1, "text": "a"}\n'  # read through another handle, before close
+        w.write({"id": "2", "text": "ü"})
+        assert read_jsonl(path) == [{"id": 1, "text": "a"}, {"id": "2", "text": "ü"}]

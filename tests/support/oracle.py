@@ -1,0 +1,50 @@
+"""What the engine tests share: transformers as the oracle, the prompts, and the sequential decode loop a batch
+is checked against."""
+
+import torch
+
+PROMPT = [5, 17, 42, 99, 3, 250, 7, 301, 12, 64, 128, 77, 31, 200, 11]  # token ids, for the tiny vocabularies
+# Every engine, float32 on the CPU (MLX pinned there: float32 on a Mac too, and batched rows equal single runs
+# token for token on the CPU kernels, where Metal may pick other kernels per batch size).
+ENGINES = {"mlx": dict(backend="mlx", device="cpu"), "torch": dict(backend="torch", device="cpu", dtype="float32")}
+
+# Very different lengths: one token to a few hundred (the tiny models hold 512).
+PROMPTS = [
+    "The",
+    "The quick brown fox jumps over the lazy dog. " * 8,
+    "Paris is",
+    [{"role": "user", "content": "Unified memory lets the GPU read every weight."}],
+    "Ünïcödé ✓ 東京 🚀",
+    "fox " * 60,
+    "The capital of France",
+    "Unified memory lets the GPU read every weight at full bandwidth. " * 3,
+    "dog",
+    "The lazy dog. " * 20,
+]
+MAX_TOKENS = 24
+
+
+def reference(path):
+    """transformers' model of the checkpoint at ``path``, float32."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def ref_logits(ref, tokens):
+    with torch.no_grad():
+        return ref(torch.tensor([tokens])).logits[0].numpy()
+
+
+def sequential(model, prompts, **kw):
+    """One `Model.generate` per prompt: plain strings raw, message lists through the template."""
+    out = []
+    for p in prompts:
+        args = {"messages": p} if isinstance(p, list) else {"prompt": p, "raw": True}
+        out.append(model.generate(**args, **kw))
+    return out
+
+
+def batched_prompts(prompts):
+    """The same prompts as batch items, as `sequential` sends them."""
+    return [p if isinstance(p, list) else {"prompt": p} for p in prompts]
