@@ -1,16 +1,19 @@
-"""A short prompt's prefill on torch-CPU's default: the eager forward against rows of the fused decode step.
+"""A prompt's prefill on torch-CPU's default (the int4 form), three ways, for where the paths cross over.
 
-    python benchmarks/prefill_rows.py [--model FILE.gguf] [--windows 60] [--lengths 8 16 32 64 95] [--repeat 3]
+    python benchmarks/prefill_rows.py [--model FILE.gguf] [--windows 60] [--lengths 8 32 64 128 256 512]
 
-Two prefills of the same prompt into the same int4 engine (``--dtype auto`` on a CPU whose torch kernels are
-built for AVX-512): ``eager``, the engine's forward pass (torch's int4 kernels below 32 rows, dequantize + one
-float32 GEMM from 32 on), and ``fused rows``, each token run as its own fused decode step in one C++ call.
-For each it reports:
+The same prompt into the same engine (``--dtype auto`` on a CPU whose torch kernels are built for AVX-512):
 
-- time: the prefill of ``--lengths`` tokens, best of ``--repeat``, both in the same process, alternating;
-- agreement: over ``--windows`` random windows of 33-90 tokens of Jane Austen's novels (seeded), how often
-  the next token's argmax after that prefill (its last token run as a decode step, as `generate` does)
-  equals the float32 engine's, and the mean KL divergence from float32's distribution.
+- ``int4 kernel``: the engine's forward pass, every layer on torch's int4 kernel (which dequantizes each weight
+  once per input row);
+- ``dequantize + GEMM``: the forward pass, each layer's weight dequantized once per call for one bfloat16 GEMM;
+- ``fused rows``: each token run as its own fused decode step, all in one C++ call.
+
+The engine takes the first from `crossover.DENSE_ROWS` rows down and the second from there up. For each way it
+reports the time of a prefill of ``--lengths`` tokens (best of ``--repeat``, the ways alternating in one
+process), and, over ``--windows`` random windows of 33-90 tokens of Jane Austen's novels (seeded; 0 skips this),
+how often the next token's argmax after that prefill (its last token run as a decode step, as `generate` does)
+equals the float32 engine's, and the mean KL divergence from float32's distribution.
 
 Prints a markdown table and writes it to benchmarks/out/prefill_rows.md.
 """
@@ -18,6 +21,7 @@ Prints a markdown table and writes it to benchmarks/out/prefill_rows.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import platform
 import random
 import time
@@ -28,25 +32,36 @@ import numpy as np
 import torch
 
 import umakit
+from umakit.backends.torch import crossover
 
 OUT = Path(__file__).parent / "out" / "prefill_rows.md"
+WAYS = ("int4 kernel", "dequantize + GEMM", "fused rows")
 
 
-def prefill(engine, ids: list[int], how: str):
-    """A fresh cache holding ``ids``, prefilled the way ``how`` names."""
+@contextlib.contextmanager
+def dense_from(rows: int):
+    old, crossover.DENSE_ROWS = crossover.DENSE_ROWS, rows
+    try:
+        yield
+    finally:
+        crossover.DENSE_ROWS = old
+
+
+def prefill(engine, ids: list[int], way: str):
+    """A fresh cache holding ``ids``, prefilled ``way``."""
     cache = engine.make_cache()
     with torch.inference_mode():
-        if how == "fused rows":
+        if way == "fused rows":
             engine._fused.prefill(torch.tensor(ids), cache)
         else:
-            with engine.eager():  # the forward pass; the fused step is the decode's
+            with dense_from(10**9 if way == "int4 kernel" else 1), engine.eager():  # the forward pass alone
                 engine.prefill(ids, cache)
     return cache
 
 
-def next_logits(engine, ids: list[int], how: str) -> np.ndarray:
+def next_logits(engine, ids: list[int], way: str) -> np.ndarray:
     """Logits (V,) of the token after ``ids``: all but the last prefilled, the last a decode step."""
-    cache = prefill(engine, ids[:-1], how)
+    cache = prefill(engine, ids[:-1], way)
     return engine.logits(ids[-1:], cache)[-1].astype(np.float64)
 
 
@@ -55,11 +70,32 @@ def log_softmax(z: np.ndarray) -> np.ndarray:
     return z - np.log(np.exp(z).sum())
 
 
+def agreement(model, args) -> dict[str, tuple[int, float]]:
+    """way -> (windows whose argmax is float32's, mean KL from float32)."""
+    from umakit.evaluate.corpora import load_corpus
+
+    exact = umakit.load(args.model, backend="torch", device="cpu", dtype="float32").engine
+    ids = model.tokenizer.encode(load_corpus("austen", max_chars=400_000))
+    rng = random.Random(args.seed)
+    agree, kl = dict.fromkeys(WAYS, 0), {w: [] for w in WAYS}
+    for _ in range(args.windows):
+        n = rng.randint(33, 90)
+        start = rng.randrange(len(ids) - n)
+        window = ids[start:start + n]
+        ref = log_softmax(exact.logits(window)[-1].astype(np.float64))
+        for way in WAYS:
+            lp = log_softmax(next_logits(model.engine, window, way))
+            agree[way] += int(lp.argmax() == ref.argmax())
+            kl[way].append(float((np.exp(ref) * (ref - lp)).sum()))
+    return {w: (agree[w], float(np.mean(kl[w]))) for w in WAYS}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="a model or .gguf (default: the built-in one)")
     parser.add_argument("--windows", type=int, default=60)
-    parser.add_argument("--lengths", type=int, nargs="+", default=[8, 16, 32, 64, 95])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[8, 32, 64, 128, 256, 512])
+    parser.add_argument("--fused-up-to", type=int, default=128, help="longest prefill timed as fused rows")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
@@ -70,45 +106,31 @@ def main() -> None:
     engine = model.engine
     if engine._fused is None:
         raise SystemExit("the fused CPU decode step is off here (no AVX-512 int4 kernels, or no C++ build)")
-    exact = umakit.load(args.model, backend="torch", device="cpu", dtype="float32").engine
-    hows = ("eager", "fused rows")
+    scores = agreement(model, args) if args.windows else {}
 
-    from umakit.evaluate.corpora import load_corpus
-
-    ids = model.tokenizer.encode(load_corpus("austen", max_chars=400_000))
-    rng = random.Random(args.seed)
-    agree = {h: 0 for h in hows}
-    kl = {h: [] for h in hows}
-    for _ in range(args.windows):
-        n = rng.randint(33, 90)
-        start = rng.randrange(len(ids) - n)
-        window = ids[start:start + n]
-        ref = log_softmax(exact.logits(window)[-1].astype(np.float64))
-        for how in hows:
-            lp = log_softmax(next_logits(engine, window, how))
-            agree[how] += int(lp.argmax() == ref.argmax())
-            kl[how].append(float((np.exp(ref) * (ref - lp)).sum()))
-
-    times = {h: {} for h in hows}
-    prompt = (ids * 2)[:max(args.lengths)]
+    times: dict[str, dict[int, float]] = {w: {} for w in WAYS}
+    prompt = (list(range(100, 1100)) * 2)[:max(args.lengths)]
     for n in args.lengths:
-        for how in hows:
-            prefill(engine, prompt[:n], how)  # warm
+        ways = [w for w in WAYS if w != "fused rows" or n <= args.fused_up_to]
+        for way in ways:
+            prefill(engine, prompt[:n], way)  # warm
         for _ in range(args.repeat):
-            for how in hows:
+            for way in ways:
                 t = time.perf_counter()
-                prefill(engine, prompt[:n], how)
+                prefill(engine, prompt[:n], way)
                 spent = time.perf_counter() - t
-                times[how][n] = min(times[how].get(n, spent), spent)
+                times[way][n] = min(times[way].get(n, spent), spent)
 
-    lines = [f"Measured {date.today()} on {platform.processor() or platform.machine()}, {args.threads} threads, "
-             f"{model.info.name} ({model.info.weights.quantization}).", "",
+    lines = [f"Measured {date.today()} on {platform.machine()}, {args.threads} threads, {model.info.name} "
+             f"({model.info.weights.quantization}); the engine's forward takes the int4 kernel below "
+             f"{crossover.DENSE_ROWS} rows.", "",
              "| prefill | " + " | ".join(f"{n} tokens (ms)" for n in args.lengths)
-             + f" | argmax = float32's ({args.windows} windows) | mean KL from float32 |",
-             "|---|" + "---:|" * (len(args.lengths) + 2)]
-    for how in hows:
-        cells = " | ".join(f"{times[how][n] * 1e3:.0f}" for n in args.lengths)
-        lines.append(f"| {how} | {cells} | {agree[how]}/{args.windows} | {np.mean(kl[how]):.5f} |")
+             + (f" | argmax = float32's ({args.windows} windows) | mean KL from float32 |" if scores else " |"),
+             "|---|" + "---:|" * (len(args.lengths) + (2 if scores else 0))]
+    for way in WAYS:
+        cells = " | ".join(f"{times[way][n] * 1e3:.0f}" if n in times[way] else "" for n in args.lengths)
+        score = f" | {scores[way][0]}/{args.windows} | {scores[way][1]:.5f} |" if scores else " |"
+        lines.append(f"| {way} | {cells}{score}")
     table = "\n".join(lines)
     print(table)
     OUT.parent.mkdir(exist_ok=True)

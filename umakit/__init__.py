@@ -47,7 +47,14 @@ __all__ = sorted({*_LAZY, "checkpoint_size", "resolve_model", "SamplingParams", 
 __version__ = "0.1.0"
 
 
+# subpackages reachable as attributes once umakit is imported (``umakit.quantize.quantize(...)``), on first use
+_SUBPACKAGES = frozenset({"backends", "bench", "checkpoint", "core", "evaluate", "generate", "hardware", "plan",
+                          "quantize", "serve"})
+
+
 def __getattr__(name: str):
+    if name in _SUBPACKAGES:
+        return importlib.import_module(f"umakit.{name}")
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'umakit' has no attribute {name!r}")

@@ -5,9 +5,11 @@ import os
 import subprocess
 import sys
 
+import pytest
 from click.testing import CliRunner
 
 from umakit.cli.main import main
+from support.markers import requires_default_model
 
 
 def run(*args, input=None):
@@ -74,3 +76,28 @@ def test_import_umakit_imports_no_engine():
     code = "import sys, umakit; umakit.import_gguf; umakit.load_synthetic; print('gguf' in sys.modules)"
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert p.returncode == 0 and p.stdout.strip() == "True", p.stderr
+    # ...and so do the subpackages the docs call through `umakit.` (and the public classes, from their new homes)
+    code = ("import umakit; umakit.serve.make_app; umakit.quantize.quantize; umakit.BatchRun; umakit.LoadInfo; "
+            "print(umakit.Model.__module__)")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and p.stdout.strip() == "umakit.api", p.stderr
+
+
+@requires_default_model
+@pytest.mark.slow
+def test_the_readmes_first_example_answers_as_the_float32_path_does():
+    """The first thing a newcomer runs: on the CPU default (int4 kernels, the fused decode step) the built-in
+    model's greedy answer is float32's. It is a near tie of two first tokens, which a prefill of bfloat16-rounded
+    rows once tipped to "L'Étoile, la Marseillaise, ..." repeated to 512 tokens."""
+    import umakit
+
+    prompt = "What is the capital of France?"
+    r = run("generate", "--prompt", prompt, "--temp", "0", "--json")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert out["backend"] == "torch" and out["device"] == "cpu"
+    default = umakit.load()
+    if "int4" not in default.info.weights.quantization:
+        pytest.skip(f"the CPU default here is not the int4 form: {default.info.weights.quantization}")
+    exact = umakit.load(backend="torch", device="cpu", dtype="float32").generate(prompt, temperature=0)
+    assert out["text"] == exact.text and out["finish_reason"] == "stop"

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import umakit
 from umakit.backends.torch import quant
-from umakit.backends.torch.crossover import DENSE_ROWS
+from umakit.backends.torch import crossover
 from umakit.backends.torch.quant import forms
 
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 301, 12, 64, 128, 77, 31, 200, 11]
@@ -178,7 +178,7 @@ def test_cpu_auto_dtype_takes_int4_kernels_only_for_4_and_8_bits(quantization, e
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("rows, cols, group_size", [(80, 96, 32), (128, 96, 32), (192, 384, 128), (4160, 64, 32)])
 def test_int4_kernels_take_float32_inputs_and_return_float32(bits, rows, cols, group_size):
-    """Inputs, outputs (and, from DENSE_ROWS rows on, weights) rounded to bfloat16's 8 significant bits only."""
+    """Inputs, outputs (and, from crossover.DENSE_ROWS rows on, weights) rounded to bfloat16's 8 significant bits only."""
     m = layer(rows, cols, bits, group_size)
     m.bias = torch.randn(rows) * 0.1
     want_weight = m.dequantized(torch.float32)
@@ -188,7 +188,7 @@ def test_int4_kernels_take_float32_inputs_and_return_float32(bits, rows, cols, g
         eye = torch.eye(cols, dtype=torch.bfloat16)
         seen = run.op(torch.cat([eye, eye], -1) if run.split else eye, run.packed, group_size, run.scales_and_zeros)
         torch.testing.assert_close(run.dequantized(0, rows).float(), seen.float().T, rtol=2**-7, atol=1e-6)
-    for tokens in (1, 7, DENSE_ROWS + 3):
+    for tokens in (1, 7, crossover.DENSE_ROWS + 3):
         x = torch.randn(2, tokens, cols)
         got = run(x)
         want = F.linear(x, want_weight, m.bias)

@@ -1,13 +1,17 @@
-"""Where the CPU paths cross over, measured, in one place: the int4 layers, the engine and the fused step read
-these.
+"""Where the torch engine's CPU paths cross over, measured, in one place: the int4 layers and the engine read these
+(at call time, so benchmarks/prefill_rows.py can move them to measure each side).
 
 A CPU int4 layer (quant/kernels.py `Int4PackLinear`) runs torch's kernel, which dequantizes each weight once
-per input row: its time is linear in rows from about 4 on. From `DENSE_ROWS` rows on (a prefill) the layer
-dequantizes its weight once per call instead, in blocks of `DENSE_BLOCK` output rows, for one float32 GEMM:
-1.5-2x faster at 512 rows (benchmarks/cpu_engines.py), slower below. Fewer rows than that (a decode step,
-a speculative verification) take the fused decode step where it applies (cpu/fused.py), each row exactly
-its own one-token step.
+per input row, so its time grows with the rows; from `DENSE_ROWS` rows on (a long prefill) the layer
+dequantizes its weight once per call instead, in blocks of `DENSE_BLOCK` output rows, for one bfloat16 GEMM.
+Measured with benchmarks/prefill_rows.py (2026-12-02, 2 threads, AVX-512): the kernel is faster up to 128 rows
+on the built-in 135M model and up to 192 on Qwen2.5-0.5B's shapes, the GEMM from 256 on both (1.4-1.6x at 512).
+
+Logits of fewer than `FUSED_ROWS` tokens (a decode step, or a speculative verification of up to 17) come from
+the fused decode step where it applies (cpu/fused.py), each row exactly its own one-token step, so a
+verification accepts what plain decoding would pick.
 """
 
-DENSE_ROWS = 32  # input rows from which a CPU int4 layer dequantizes and runs one GEMM
+DENSE_ROWS = 192  # input rows from which a CPU int4 layer dequantizes and runs one GEMM
 DENSE_BLOCK = 4096  # output rows dequantized at a time: a float32 block of a 49152-row head stays ~20 MB
+FUSED_ROWS = 32  # logits of fewer tokens than this come from the fused step, row by row

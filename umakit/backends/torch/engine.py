@@ -43,7 +43,7 @@ from umakit.backends import common
 from umakit.backends.base import PREFILL_CHUNK, WeightInfo, refuse_options
 from umakit.backends.torch import SPEC
 from umakit.backends.torch.cpu import build
-from umakit.backends.torch.crossover import DENSE_ROWS
+from umakit.backends.torch import crossover
 from umakit.backends.torch import quant
 from umakit.backends.torch.batch_decoder import TorchBatchDecoder
 from umakit.backends.torch.cache import GROW_STEP, StaticKVCache
@@ -192,7 +192,7 @@ class TorchEngine:
         with torch.inference_mode():
             ids = torch.tensor(list(tokens), device=self.torch_device)
             fused = self._fusing()
-            if fused is not None and len(ids) < DENSE_ROWS:
+            if fused is not None and len(ids) < crossover.FUSED_ROWS:
                 # Each row the bits of its own decode step, the one generation runs: a speculative
                 # verification accepts exactly what plain decoding would pick, and a score is a reply's.
                 return fused(ids, cache).float().cpu().numpy()

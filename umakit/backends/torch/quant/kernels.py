@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from umakit.backends.torch.crossover import DENSE_BLOCK, DENSE_ROWS
+from umakit.backends.torch import crossover
 from umakit.backends.torch.quant.layout import QuantizedLinear, unpack
 
 
@@ -29,9 +29,9 @@ class Int4PackLinear(nn.Module):
     run in bfloat16 (its CPU kernel rounds inputs and outputs to bfloat16).
 
     On CPU the kernel dequantizes each weight once per input row, so from
-    `DENSE_ROWS` rows on (prefill) the weight is dequantized once per call,
-    in blocks of output rows, for oneDNN's bfloat16 GEMM: 1.5-2x faster at
-    512 rows, with the weights rounded to bfloat16 (8 significant bits).
+    `crossover.DENSE_ROWS` rows on (a long prefill) the weight is dequantized
+    once per call, in blocks of output rows, for oneDNN's bfloat16 GEMM:
+    1.4-1.6x faster at 512 rows, with the weights rounded to bfloat16.
     """
 
     def __init__(self, m: QuantizedLinear, device: torch.device, prepacked=None):
@@ -82,9 +82,10 @@ class Int4PackLinear(nn.Module):
         x = x.reshape(-1, self.in_features)  # (M, K)
         if dtype != torch.bfloat16:
             x = x.to(torch.bfloat16)
-        if self.dense_prefill and x.shape[0] >= DENSE_ROWS:
-            y = torch.cat([F.linear(x, self.dequantized(r, r + DENSE_BLOCK))
-                           for r in range(0, self.out_features, DENSE_BLOCK)], dim=-1)
+        if self.dense_prefill and x.shape[0] >= crossover.DENSE_ROWS:
+            block = crossover.DENSE_BLOCK
+            y = torch.cat([F.linear(x, self.dequantized(r, r + block)) for r in range(0, self.out_features, block)],
+                          dim=-1)
         else:
             if self.split:
                 x = torch.cat([x, x], dim=-1)  # (M, 2K): one input per nibble plane
