@@ -49,7 +49,9 @@ OUT = Path(__file__).parent / "out" / "cpu_engines.md"
 UMAKIT = {"torch-auto": ("torch", "auto"), "torch-float32": ("torch", "float32"),
           "torch-float16": ("torch", "float16"), "torch-bfloat16": ("torch", "bfloat16"), "mlx": ("mlx", "float32")}
 ENGINES = (*UMAKIT, "llama.cpp", "hf", "mlx-lm")
-LLAMA_PYTHON = "/work/llama-venv/bin/python"
+# llama-cpp-python built for this machine (GGML_NATIVE=ON), in a venv of its own: $LLAMA_PYTHON, or where the
+# peers are usually built
+LLAMA_PYTHON = os.environ.get("LLAMA_PYTHON") or str(Path.home() / ".cache" / "umakit-peers" / "venv" / "bin" / "python")
 
 
 # -- workers: each runs in its own process and prints one JSON line ---------------

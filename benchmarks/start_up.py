@@ -37,7 +37,9 @@ import numpy as np
 
 PROMPT = "What is the capital of France?"
 OUT = Path(__file__).parent / "out" / "start_up.md"
-LLAMA_PYTHON = "/work/llama-venv/bin/python"
+# llama-cpp-python built for this machine (GGML_NATIVE=ON), in a venv of its own: $LLAMA_PYTHON, or where the
+# peers are usually built
+LLAMA_PYTHON = os.environ.get("LLAMA_PYTHON") or str(Path.home() / ".cache" / "umakit-peers" / "venv" / "bin" / "python")
 QWEN05 = dict(layers=24, hidden=896, heads=14, kv_heads=2, inter=4864, vocab=151936, theta=1e6, eps=1e-6,
               context=32768)
 Q4_1, Q8_0 = 3, 8  # llama.cpp's LLAMA_FTYPE_MOSTLY_Q4_1 and GGML_TYPE_Q8_0
