@@ -299,17 +299,22 @@ print(json.dumps({"ok": ok, "reason": build.reason(), "s": time.perf_counter() -
 
 
 @needs_compiler
-def test_two_processes_share_one_build_and_a_third_reuses_it(tmp_path):
-    """cpp_extension's lock: one compiles, the other waits for it; a later start loads the library as is."""
+def test_two_processes_share_one_build_and_a_third_reuses_it(tmp_path, monkeypatch):
+    """One compiles, the other waits for it; a later start loads the library as is. cpp_extension's own lock
+    file, left behind by a build that was killed (it waits on one for ever), does not hold either up."""
     env = {**os.environ, "UMAKIT_NATIVE_DIR": str(tmp_path / "native")}
     env.pop("UMAKIT_NO_NATIVE", None)
+    monkeypatch.setenv("UMAKIT_NATIVE_DIR", env["UMAKIT_NATIVE_DIR"])
+    killed = build.build_dir(build.compiler())
+    killed.mkdir(parents=True)
+    (killed / build.BATON).touch()
     both = [subprocess.Popen([sys.executable, "-c", BUILD], env=env, stdout=subprocess.PIPE, text=True)
             for _ in range(2)]
     results = [json.loads(p.communicate(timeout=600)[0]) for p in both]
     assert all(r["ok"] for r in results), results
     (built,) = [p for p in (tmp_path / "native").iterdir() if p.is_dir()]
     (library,) = built.glob(f"{build.NAME}*.so")
-    assert library.name == f"{build.NAME}.so" and not (built / "lock").exists()  # one build, no second
+    assert built == killed and library.name == f"{build.NAME}.so" and not (built / build.BATON).exists()
     stamp = library.stat().st_mtime_ns
     again = json.loads(subprocess.run([sys.executable, "-c", BUILD], env=env, capture_output=True, text=True,
                                       check=True).stdout)

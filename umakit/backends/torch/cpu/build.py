@@ -1,16 +1,17 @@
 """The fused CPU decode step's C++ (csrc/fused_decode.cpp), built once per machine by torch.utils.cpp_extension.
 
 `torch.utils.cpp_extension.load` compiles it with ninja against the installed
-torch (about 15 s here) into ``$UMAKIT_HOME/native/<key>/``, the key hashing
-the source, torch's version and the compile flags, so a new umakit or torch
-builds afresh and never loads a stale library. cpp_extension's lock makes a
-second process wait for a build under way; ninja skips a build that is up to
-date. The first engine that needs it builds it (`make setup` does it ahead).
+torch (about 13 s here) into ``$UMAKIT_HOME/native/<key>/``, the key hashing
+the source, torch's version, the compiler and the flags, so a new umakit or
+torch builds afresh and never loads a stale library. A second process waits
+for a build under way (on a lock the kernel drops if the builder dies); a
+library already built is loaded as it is. The first engine that needs it builds it (`make setup` does it ahead).
 The build is synchronous on purpose: a step that switched from eager to fused
 mid-run would change the last bits of the logits, and with them a seeded
 sample. Without a compiler or ninja, with ``UMAKIT_NO_NATIVE=1``, or when the
-build fails (its output is kept in ``build.log`` there, and no later start
-compiles again until that file is removed), umakit runs the eager step:
+build fails (its output is kept in ``build.log`` there, where it can be
+written, and no later start compiles again until that file is removed),
+umakit runs the eager step:
 slower, never wrong. ``UMAKIT_NATIVE_DIR`` moves the cache (the test suite
 shares one across runs).
 """
@@ -18,6 +19,7 @@ shares one across runs).
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import logging
 import os
@@ -39,6 +41,7 @@ SOURCE = Path(__file__).with_name("csrc") / "fused_decode.cpp"
 FLAGS = ("-O3", "-w")
 _AVX2_FLAGS = ("-mavx2", "-mfma", "-mf16c")  # for the loops, where torch itself found AVX2 (or AVX-512)
 LOG = "build.log"
+BATON = "lock"  # cpp_extension's lock file in the build directory
 
 _lock = threading.Lock()
 _state: dict = {"ready": None, "reason": ""}  # ready: None until tried, then True or False
@@ -95,12 +98,18 @@ def _ensure() -> tuple[bool, str]:
     log, library = where / LOG, where / f"{NAME}.so"
     if log.exists():  # failed before: not 15 s of compiling again on every start
         return False, f"the C++ build failed earlier; its output is in {log} (remove that file to try again)"
-    if library.exists() and not (where / "lock").exists():  # built, and no build under way: load it as is
-        try:                                                # (importing cpp_extension costs 0.1 s of setuptools)
+    if library.exists() and not (where / BATON).exists():  # built, and no build under way: load it as is
+        with contextlib.suppress(OSError, RuntimeError):  # (importing cpp_extension costs 0.1 s of setuptools)
             torch.ops.load_library(str(library))
             return True, ""
-        except (OSError, RuntimeError):
-            pass  # damaged: cpp_extension builds it again
+    try:
+        with _only_builder(where):
+            return _build(cxx, ninja, where, log)
+    except OSError as e:
+        return False, f"cannot keep the build: {e}"
+
+
+def _build(cxx: str, ninja: str, where: Path, log: Path) -> tuple[bool, str]:
     from torch.utils import cpp_extension
 
     try:
@@ -109,11 +118,28 @@ def _ensure() -> tuple[bool, str]:
                                is_python_module=False, verbose=False)
     except (RuntimeError, OSError, subprocess.SubprocessError, ValueError) as e:
         output = [getattr(e, k, None) for k in ("output", "stderr")]  # a compiler check's own words
-        with contextlib.suppress(WriteError), atomic_file(log) as f:
-            f.write("\n".join([str(e), *(o.decode(errors="replace") if isinstance(o, bytes) else o
-                                          for o in output if o)]) + "\n")
+        words = "\n".join([str(e), *(o.decode(errors="replace") if isinstance(o, bytes) else o for o in output if o)])
+        try:
+            with atomic_file(log) as f:
+                f.write(words + "\n")
+        except WriteError:  # nowhere to keep it (a full disk): say it here, and try again next time
+            return False, f"the C++ build failed: {words.strip().splitlines()[-1]}"
         return False, f"the C++ build failed; its output is in {log}"
     return True, ""
+
+
+@contextlib.contextmanager
+def _only_builder(where: Path):
+    """One process of this machine builds at a time: the others wait here, and the kernel lets go of the lock
+    of a process that dies. So cpp_extension's own lock file (which it waits on for ever) is never contended,
+    and one a killed build left behind is stale: it goes."""
+    with open(where / "umakit.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            (where / BATON).unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _ninja_dir() -> str | None:
