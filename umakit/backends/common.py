@@ -170,6 +170,7 @@ class TokenSampler:
 
     def __init__(self, ops: EngineOps, sampling: SamplingParams, seed: int | None, recent: Sequence[int],
                  logprobs: int | None = None):
+        """``recent``: `umakit.generate.sampling.recent_tokens` of the sequence."""
         self.ops = ops
         self.penalty, self.window = sampling.repetition_penalty, sampling.repetition_context
         self.plain = sampling.greedy and self.penalty == 1.0  # a batched argmax serves it
@@ -177,7 +178,7 @@ class TokenSampler:
         # The penalty is applied in `sample`, not in the sampler, so that log-probabilities see it.
         self._draw = make_sampler(ops, replace(sampling, repetition_penalty=1.0), ops.draw)
         self._random = ops.random(seed, sampling.greedy)
-        self.recent = ops.ids(list(recent)[-self.window:] if self.penalty != 1.0 else [])
+        self.recent = ops.ids(recent)  # `recent_tokens`: already the window, and empty without a penalty
 
     def sample(self, logits, agree: Callable = lambda token: token):
         """logits (1, V) -> (token (1,), the penalised logits it was drawn from (1, V)); ``agree`` turns the draw

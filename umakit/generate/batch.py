@@ -27,7 +27,8 @@ from umakit.generate.stream import DecodeRow, GenerationResult
 
 KV_BLOCK = 256  # batch caches grow in blocks of this many positions
 SAMPLING_FIELDS = tuple(SamplingParams.__dataclass_fields__)
-ITEM_KEYS = frozenset({"prompt", "messages", "system", "max_tokens", "stop", "seed", *SAMPLING_FIELDS})
+# what a batch item may set for itself: its prompt, and the options `check_item` takes but `sampling` (the object)
+ITEM_KEYS = frozenset({"prompt", "messages", "system", *LIMITS, *SAMPLING_FIELDS})
 
 
 @dataclass(frozen=True)
