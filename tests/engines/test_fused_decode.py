@@ -5,6 +5,7 @@ import contextlib
 import itertools
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -325,10 +326,13 @@ def test_a_changed_source_torch_or_compiler_builds_elsewhere(monkeypatch, tmp_pa
     cxx = build.compiler() or "/usr/bin/c++"
     monkeypatch.setenv("UMAKIT_NATIVE_DIR", str(tmp_path))
     first = build.build_dir(cxx)
-    changed = tmp_path / build.SOURCE.name
-    changed.write_text(build.SOURCE.read_text() + "\n// changed\n")
+    changed = tmp_path / "csrc"
+    shutil.copytree(build.CSRC, changed)
     with monkeypatch.context() as m:
-        m.setattr(build, "SOURCE", changed)
+        m.setattr(build, "CSRC", changed)
+        assert build.build_dir(cxx) == first
+        header = changed / "affine.h"  # any file of the sources, headers too
+        header.write_text(header.read_text() + "\n// changed\n")
         assert build.build_dir(cxx) != first
     assert build.build_dir(cxx) == first
     assert build.build_dir("/usr/bin/clang++") != first

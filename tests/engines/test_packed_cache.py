@@ -1,4 +1,5 @@
-"""The CPU int4 packing kept between loads (torch engine, packed_cache.py): read back exactly, never stale."""
+"""The CPU packing kept between loads (torch engine, load/packed.py), of umakit's affine planes and of torch's
+int4 form: read back exactly, never stale."""
 
 import os
 
@@ -9,6 +10,7 @@ from safetensors import safe_open
 import umakit
 from umakit.backends.torch.load import packed as packed_cache
 from umakit.backends.torch import quant
+from umakit.backends.torch.cpu import affine_kernel as affine
 from umakit.quantize import quantize
 
 from support.tiny import make_tiny_model
@@ -30,10 +32,24 @@ def home(tmp_path, monkeypatch):
     return tmp_path / "home" / "packed"
 
 
+@pytest.fixture(params=["affine", "int4"])
+def form(request, monkeypatch):
+    """The CPU form the quantized layers take: umakit's affine kernel, or torch's int4 one where that is not built."""
+    if request.param == "affine" and not affine.available():
+        pytest.skip("umakit's affine kernel is not built here")
+    if request.param == "int4":
+        monkeypatch.setattr(affine, "available", lambda: False)
+    return affine.AffineLinear if request.param == "affine" else quant.Int4PackLinear
+
+
 @pytest.fixture
-def repacks(monkeypatch):
+def repacks(form, monkeypatch):
     """How many layers were repacked since the test began."""
     calls = []
+    if form is affine.AffineLinear:
+        real_planes = affine.planes
+        monkeypatch.setattr(affine, "planes", lambda m: calls.append(1) or real_planes(m))
+        return calls
     real = quant.Int4PackLinear._repack
     monkeypatch.setattr(quant.Int4PackLinear, "_repack", lambda self, m, d: calls.append(1) or real(self, m, d))
     return calls
@@ -61,14 +77,14 @@ def test_a_second_load_reads_the_packing_back_exactly(checkpoint, home, repacks)
     np.testing.assert_array_equal(second.logits(ids(PROMPT)), first.logits(ids(PROMPT)))
 
 
-def test_the_stored_packing_is_mapped_at_the_kernels_alignment(checkpoint, home):
+def test_the_stored_packing_is_mapped_at_the_kernels_alignment(checkpoint, home, form):
     """Read in place from the file's map, at the 64-byte boundary the int4 kernel runs 15-20% faster at."""
     load(checkpoint)
     (cache,) = packings(home)
     with safe_open(cache, framework="pt") as f:
         assert all(f.get_tensor(k).data_ptr() % packed_cache.ALIGNMENT == 0 for k in f.keys())
-    layers = [m for m in load(checkpoint).engine.model.modules() if isinstance(m, quant.Int4PackLinear)]
-    assert layers and all(m.packed.data_ptr() % packed_cache.ALIGNMENT == 0 for m in layers)
+    layers = [m for m in load(checkpoint).engine.model.modules() if isinstance(m, form)]
+    assert layers and all(t.data_ptr() % packed_cache.ALIGNMENT == 0 for m in layers for t in m.packing().values())
 
 
 def test_a_changed_checkpoint_is_repacked_and_its_old_packing_removed(checkpoint, home, repacks, tmp_path):

@@ -1,13 +1,14 @@
 """What only the torch engine has, against transformers and MLX: its cache's growth, half precision on CPU, the
 architectures it names, the CUDA graph's static step run eagerly, sliding windows, settings the tiny families
-leave off, and MLX-quantized checkpoints read as MLX reads them. The shared oracle is test_oracle.py."""
+leave off, and MLX-quantized checkpoints read as MLX reads them. The shared oracle is test_oracle.py; the quantized
+KV cache is test_torch_kv_bits.py."""
 
 import numpy as np
 import pytest
 import torch
 
 import umakit
-from umakit.errors import InvalidArgumentError, UnsupportedModelError
+from umakit.errors import UnsupportedModelError
 
 from support.oracle import PROMPT, ref_logits, reference
 
@@ -54,12 +55,6 @@ def _edited(src, path, **changes):
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**config, **changes}))
     return path
-
-
-def test_kv_bits_is_refused(tiny_dir):
-    model = umakit.load(tiny_dir("llama"), backend="torch", device="cpu", dtype="float32")
-    with pytest.raises(InvalidArgumentError, match="kv_bits"):
-        model.make_cache(kv_bits=8)
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral"])

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 import umakit
 from umakit.backends.torch import quant
 from umakit.backends.torch import crossover
+from umakit.backends.torch.cpu import affine_kernel as affine
 from umakit.backends.torch.quant import forms
 
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 301, 12, 64, 128, 77, 31, 200, 11]
@@ -52,7 +53,7 @@ def test_quantize_then_dequantize_is_close(bits):
 SHAPES = [(80, 96, 32), (48, 192, 64), (272, 384, 128), (16, 128, 128), (100, 64, 32), (1040, 320, 64)]
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
 @pytest.mark.parametrize("rows, cols, group_size", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_execution_forms_equal_dequantize_then_matmul(bits, rows, cols, group_size, dtype):
@@ -64,12 +65,14 @@ def test_execution_forms_equal_dequantize_then_matmul(bits, rows, cols, group_si
     model.layer = m
     forms.convert_model(model, torch.device("cpu"), dtype)
     run = model.layer
-    if dtype == torch.bfloat16 and rows % 16 == 0:
+    if dtype == torch.bfloat16 and affine.available():
+        assert isinstance(run, affine.AffineLinear)  # every width, float32 activations
+    elif dtype == torch.bfloat16 and rows % 16 == 0 and bits in (4, 8):
         assert isinstance(run, quant.Int4PackLinear)
     for tokens in (1, 5):
         x = torch.randn(1, tokens, cols)
         want = F.linear(x, reference)
-        if dtype == torch.float32:  # float tolerance
+        if dtype == torch.float32 or isinstance(run, affine.AffineLinear):  # float tolerance
             torch.testing.assert_close(run(x), want, rtol=1e-5, atol=1e-5)
         elif dtype == torch.float16:  # float16 weights (2^-11 each), float32 inputs and sums
             assert (run(x) - want).abs().max() <= 2**-10 * want.abs().max()
@@ -132,11 +135,16 @@ def test_quantized_checkpoint_matches_the_mlx_backend(quantized_dir):
 
 
 @pytest.mark.parametrize(
-    "dtype, kind, tolerance", [("float16", "Fp16Linear", 0.005), ("bfloat16", "Int4PackLinear", 0.05)]
+    "dtype, kind, tolerance",
+    [("float16", "Fp16Linear", 0.005), ("bfloat16", "AffineLinear", 1e-4), ("bfloat16", "Int4PackLinear", 0.05)]
 )
-def test_quantized_checkpoint_in_half_precision_is_close(quantized_dir, dtype, kind, tolerance):
+def test_quantized_checkpoint_in_half_precision_is_close(quantized_dir, dtype, kind, tolerance, monkeypatch):
     if kind == "Fp16Linear" and not quant.Fp16Linear.available():
         pytest.skip("float16 weights with float32 math need FBGEMM (x86)")
+    if kind == "AffineLinear" and not affine.available():
+        pytest.skip("umakit's affine kernel is the CPU form where it is built with AVX-512")
+    if kind == "Int4PackLinear":  # where the affine kernel is not built
+        monkeypatch.setattr(affine, "available", lambda: False)
     ours = umakit.load(quantized_dir, backend="torch", device="cpu", dtype=dtype)
     assert ours.info.dtype == dtype
     assert kind in {type(m).__name__ for m in ours.engine.model.modules()}
@@ -145,14 +153,14 @@ def test_quantized_checkpoint_in_half_precision_is_close(quantized_dir, dtype, k
 
 
 def test_auto_on_cpu_takes_the_fastest_form_of_the_machine(quantized_dir, monkeypatch):
-    """int4 kernels under AVX-512 (bfloat16 matmul inputs), FBGEMM's float16 weights under AVX2."""
+    """Packed kernels under AVX-512 (umakit's affine one, float32 activations), FBGEMM's float16 weights under AVX2."""
     exact = umakit.load(quantized_dir, backend="mlx", device="cpu").logits(PROMPT)
     for capability in ("AVX512", "AVX2"):
         monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
         model = umakit.load(quantized_dir, backend="torch", device="cpu")
         kinds = {type(m).__name__ for m in model.engine.model.modules()}
         if capability == "AVX512":
-            expected, kind, tolerance = "bfloat16", "Int4PackLinear", 0.05
+            expected, kind, tolerance = "bfloat16", "AffineLinear", 1e-4
         elif quant.Fp16Linear.available():
             expected, kind, tolerance = "float16", "Fp16Linear", 0.005
         else:
@@ -164,13 +172,19 @@ def test_auto_on_cpu_takes_the_fastest_form_of_the_machine(quantized_dir, monkey
 @pytest.mark.parametrize("quantization, expected", [
     ({"bits": 4, "group_size": 32, "model.embed_tokens": {"bits": 8, "group_size": 32}}, "bfloat16"),
     ({"bits": 8, "group_size": 64}, "bfloat16"),
-    ({"bits": 4, "group_size": 64, "lm_head": {"bits": 6, "group_size": 64}}, "auto"),  # a 6-bit layer: dense
-    ({"bits": 3, "group_size": 64}, "auto"),
+    ({"bits": 4, "group_size": 64, "lm_head": {"bits": 6, "group_size": 64}}, "bfloat16"),  # a 6-bit layer
+    ({"bits": 3, "group_size": 64}, "bfloat16"),
+    ({"bits": 5, "group_size": 32, "model.layers.0.mlp.down_proj": {"bits": 8, "group_size": 32}}, "bfloat16"),
     (None, "auto"),  # float weights
 ])
-def test_cpu_auto_dtype_takes_int4_kernels_only_for_4_and_8_bits(quantization, expected, monkeypatch):
+def test_cpu_auto_dtype_takes_packed_kernels_for_every_width(quantization, expected, monkeypatch):
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    monkeypatch.setattr(affine, "available", lambda: True)
     assert forms.cpu_auto_dtype(quantization) == expected
+    monkeypatch.setattr(affine, "available", lambda: False)  # no C++ build: torch's int4 kernels take 4 and 8 bits
+    widths = {(quantization or {}).get("bits")} | {v["bits"] for v in (quantization or {}).values()
+                                                   if isinstance(v, dict)}
+    assert forms.cpu_auto_dtype(quantization) == ("bfloat16" if widths <= {4, 8} else "auto")
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
     assert forms.cpu_auto_dtype(quantization) == "auto"
 

@@ -42,10 +42,20 @@ def test_auto_respects_needed_features(monkeypatch):
     monkeypatch.setattr(backends, "is_apple_silicon", lambda: False)
     monkeypatch.setattr(backends, "_cuda_available", lambda: False)
     monkeypatch.setattr(backends, "_installed", lambda m: True)
+    assert backends.resolve("auto", needs=frozenset({"kv_bits", "batch"})) == ("torch", "cpu")
+    _without_quantized_kv(monkeypatch, "torch")
     assert backends.resolve("auto", needs=frozenset({"kv_bits"})) == ("mlx", "cpu")
     assert backends.resolve("auto", needs=frozenset({"batch"})) == ("torch", "cpu")
     with pytest.raises(InvalidArgumentError, match="torch backend does not support kv_bits yet; use --backend mlx"):
         backends.resolve("torch", needs=frozenset({"kv_bits"}))
+
+
+def _without_quantized_kv(monkeypatch, engine: str) -> None:
+    """Take the quantized KV cache from ``engine``'s declared features (both engines have one today)."""
+    import dataclasses
+
+    spec = backends.ENGINES[engine]
+    monkeypatch.setitem(backends.ENGINES, engine, dataclasses.replace(spec, features=spec.features - {"kv_bits"}))
 
 
 def _cpu_only(monkeypatch, installed=lambda m: True):
@@ -84,9 +94,11 @@ def test_auto_passes_over_an_engine_that_cannot_run_the_architecture_and_says_wh
 
 
 def test_auto_honours_features_on_cuda_too(monkeypatch):
-    """`eval --kv-bits 8` on a CUDA machine: the torch engine has no quantized cache, so MLX on the CPU runs it."""
+    """`eval --kv-bits 8` on a CUDA machine whose torch engine had no quantized cache: MLX on the CPU runs it."""
     _cpu_only(monkeypatch)
     monkeypatch.setattr(backends, "_cuda_available", lambda: True)
+    assert backends.choose("auto", needs=frozenset({"kv_bits"})) == ("torch", "cuda", None)
+    _without_quantized_kv(monkeypatch, "torch")
     assert backends.choose("auto") == ("torch", "cuda", None)
     assert backends.choose("auto", needs=frozenset({"kv_bits"})) == (
         "mlx", "cpu", "running on mlx (cpu): torch does not support kv_bits")

@@ -174,7 +174,8 @@ def test_cli_eval_kv_bits_with_auto_picks_an_engine_that_has_a_quantized_cache(w
                                            "--max-tokens", "64", "--json"])  # --backend auto, the default
     assert result.exit_code == 0, result.output
     out = json.loads(result.stdout)  # stderr may carry the banner naming the engine auto picked
-    expected = kv_perplexity(wide_model, text.read_text(), kv_bits=8, max_tokens=64)
+    picked = umakit.load(wide_model.info.path, needs=frozenset({"kv_bits"}))  # as the command loads it
+    expected = kv_perplexity(picked, text.read_text(), kv_bits=8, max_tokens=64)
     assert out["kv_bits"] == "8" and out["tokens"] == expected.tokens == 63
     assert out["nll"] == pytest.approx(expected.nll, rel=1e-6)
     assert out["cache_bytes_per_token"] == pytest.approx(expected.cache_bytes_per_token)

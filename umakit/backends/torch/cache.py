@@ -3,6 +3,7 @@
 Eager calls write at ``offset`` and attend to the filled part; a static call
 (a captured CUDA graph) writes at device-side positions and attends to a fixed
 span of slots under a mask, so every decode step in that span has one shape.
+The quantized cache (``kv_bits``) grows the same way; it lives in quant_cache.py.
 """
 
 from __future__ import annotations
@@ -14,6 +15,17 @@ import torch
 from umakit.errors import InvalidArgumentError
 
 GROW_STEP = 256  # capacity grows in multiples of this many tokens
+
+
+def grown_capacity(need: int, capacity: int, max_tokens: int) -> int | None:
+    """The capacity a cache grows to so that it holds ``need`` tokens; None when ``capacity`` holds them already."""
+    if need <= capacity:
+        return None
+    if need > max_tokens:
+        raise InvalidArgumentError(
+            f"{need} tokens do not fit the model's context of {max_tokens}; shorten the prompt or reply"
+        )
+    return min(-(-need // GROW_STEP) * GROW_STEP, max_tokens)
 
 
 class LayerKV(Protocol):
@@ -58,14 +70,10 @@ class StaticKVCache:
 
     def reserve(self, n: int) -> bool:
         """Make room for ``n`` more tokens; True if the buffers moved (captured graphs are stale)."""
-        need = self.offset + n
-        if need <= self.capacity:
+        capacity = grown_capacity(self.offset + n, self.capacity, self.max_tokens)
+        if capacity is None:
             return False
-        if need > self.max_tokens:
-            raise InvalidArgumentError(
-                f"{need} tokens do not fit the model's context of {self.max_tokens}; shorten the prompt or reply"
-            )
-        self._allocate(min(-(-need // GROW_STEP) * GROW_STEP, self.max_tokens))
+        self._allocate(capacity)
         return True
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, static: int = 0):

@@ -7,6 +7,10 @@ dequantizes its weight once per call instead, in blocks of `DENSE_BLOCK` output 
 Measured with benchmarks/prefill_rows.py (2026-12-02, 2 threads, AVX-512): the kernel is faster up to 128 rows
 on the built-in 135M model and up to 192 on Qwen2.5-0.5B's shapes, the GEMM from 256 on both (1.4-1.6x at 512).
 
+umakit's affine kernel (cpu/affine_kernel.py) does the same: below `AFFINE_DENSE_ROWS` rows every weight block it
+decodes serves up to four input rows at a time; from there on it dequantizes blocks of rows to float32 for a
+GEMM (measured below with benchmarks/prefill_rows.py).
+
 Logits of fewer than `FUSED_ROWS` tokens (a decode step, or a speculative verification of up to 17) come from
 the fused decode step where it applies (cpu/fused.py), each row exactly its own one-token step, so a
 verification accepts what plain decoding would pick.
@@ -15,3 +19,4 @@ verification accepts what plain decoding would pick.
 DENSE_ROWS = 192  # input rows from which a CPU int4 layer dequantizes and runs one GEMM
 DENSE_BLOCK = 4096  # output rows dequantized at a time: a float32 block of a 49152-row head stays ~20 MB
 FUSED_ROWS = 32  # logits of fewer tokens than this come from the fused step, row by row
+AFFINE_DENSE_ROWS = 32  # input rows from which the affine kernel dequantizes blocks for float32 GEMMs

@@ -21,7 +21,9 @@ host memory and stream through a ring of device buffers on every forward
 pass (offload/layers.py here; the split: umakit/plan/placement.py). Loading lives in
 load/loader.py, synthetic models in load/synthetic.py, execution forms in quant/forms.py. Streamed layers need
 execution forms made of plain tensors, so on CPU they run in float32, and
-the decode step runs eagerly (no CUDA graph).
+the decode step runs eagerly (no CUDA graph). So does a decode step over a
+quantized KV cache (``kv_bits``, quant_cache.py): the CUDA graphs and the
+fused CPU step read and write a float cache in place.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from umakit.backends.torch import crossover
 from umakit.backends.torch import quant
 from umakit.backends.torch.batch_decoder import TorchBatchDecoder
 from umakit.backends.torch.cache import GROW_STEP, StaticKVCache
+from umakit.backends.torch.quant_cache import QuantizedKVCache
 from umakit.backends.torch.quant.forms import activation_dtype, describe_execution
 from umakit.backends.torch.cuda.graphs import GraphDecoder
 from umakit.backends.torch.load.loader import (
@@ -88,9 +91,9 @@ class TorchEngine:
         floats = [SAFETENSORS_FLOATS[t.dtype] for t in ckpt.tensors.values() if t.dtype in SAFETENSORS_FLOATS]
         staging = "cpu" if gpu_layers is not None or vram_budget is not None else device
         target = compute_dtype(dtype, floats, device, ckpt.config.get("quantization"))
-        # CPU int4 kernels: the packing of a quantized checkpoint, kept from its first load (load/packed.py)
-        int4 = device == "cpu" and target == torch.bfloat16 and ckpt.config.get("quantization")
-        packed = PackedCache.for_checkpoint(ckpt.path, ckpt.files) if int4 else None
+        # CPU packed kernels: the packing of a quantized checkpoint, kept from its first load (load/packed.py)
+        packs = device == "cpu" and target == torch.bfloat16 and ckpt.config.get("quantization")
+        packed = PackedCache.for_checkpoint(ckpt.path, ckpt.files) if packs else None
         return cls(ckpt.config, shapes, lambda: stream_checkpoint(ckpt, staging, progress), device, target,
                    gpu_layers, vram_budget, packed)
 
@@ -119,7 +122,7 @@ class TorchEngine:
     def __init__(self, config: dict, shapes: dict, source, device: str, dtype: torch.dtype,
                  gpu_layers: int | None = None, vram_budget=None, packed: PackedCache | None = None):
         """An engine over ``source()``'s (name, tensor) pairs, named and shaped as ``shapes`` says;
-        ``packed``: where the CPU int4 packing of these tensors is kept between loads."""
+        ``packed``: where the CPU packing of these tensors is kept between loads."""
         if device not in SPEC.devices:
             raise InvalidArgumentError(f"the torch backend runs on {' or '.join(SPEC.devices)}, not {device!r}")
         if device == "cuda" and not torch.cuda.is_available():
@@ -174,11 +177,14 @@ class TorchEngine:
                                    f"unavailable ({build.reason()})",)
 
     # -- engine interface -----------------------------------------------------
-    def make_cache(self, kv_bits: int | None = None) -> StaticKVCache:
-        if kv_bits is not None:
-            raise InvalidArgumentError("the torch backend does not quantize the KV cache; leave kv_bits unset")
+    def make_cache(self, kv_bits: int | None = None) -> StaticKVCache | QuantizedKVCache:
+        """A float cache in the activation dtype, or with ``kv_bits`` (4 or 8) one that quantizes K and V."""
         a = self.args
         start = CUDA_CACHE_TOKENS if self.device == "cuda" else GROW_STEP
+        if kv_bits is not None:
+            return QuantizedKVCache(a.num_hidden_layers, a.num_key_value_heads, a.head_dim,
+                                    a.max_position_embeddings, kv_bits, self.cache_dtype, self.torch_device,
+                                    capacity=start)
         return StaticKVCache(a.num_hidden_layers, a.num_key_value_heads, a.head_dim, a.max_position_embeddings,
                              self.cache_dtype, self.torch_device, capacity=start)
 
@@ -191,7 +197,7 @@ class TorchEngine:
         cache = cache if cache is not None else self.make_cache()
         with torch.inference_mode():
             ids = torch.tensor(list(tokens), device=self.torch_device)
-            fused = self._fusing()
+            fused = self._fusing(cache)
             if fused is not None and len(ids) < crossover.FUSED_ROWS:
                 # Each row the bits of its own decode step, the one generation runs: a speculative
                 # verification accepts exactly what plain decoding would pick, and a score is a reply's.
@@ -222,7 +228,8 @@ class TorchEngine:
             last = torch.tensor(prompt[-1:], device=self.torch_device)
             # the first token from the step the others come from (the fused one on CPU), as a batch row's and a
             # speculative run's do; a CUDA graph is captured on later steps
-            logits = self._decode(last, cache) if self._graphs is None else self._forward(last, cache)[:, -1]
+            graphed = self._graphing(cache) is not None
+            logits = self._forward(last, cache)[:, -1] if graphed else self._decode(last, cache)
         if self.device == "cuda":
             host = torch.empty(1, dtype=torch.long, pin_memory=True)
         while True:
@@ -243,10 +250,11 @@ class TorchEngine:
             copied.synchronize()
             yield int(host[0])
 
-    def _decode(self, token: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
-        if self._graphs is not None:
-            return self._graphs(token, cache)
-        fused = self._fusing()
+    def _decode(self, token: torch.Tensor, cache: StaticKVCache | QuantizedKVCache) -> torch.Tensor:
+        graphs = self._graphing(cache)
+        if graphs is not None:
+            return graphs(token, cache)
+        fused = self._fusing(cache)
         return fused(token, cache) if fused is not None else self._forward(token, cache)[:, -1]
 
     def _decode_rows(self, tokens: torch.Tensor, positions: list[int], cache, span: int) -> torch.Tensor:
@@ -257,10 +265,16 @@ class TorchEngine:
         where = torch.tensor(positions, dtype=torch.long, device=self.torch_device)
         return self.model.decode_rows(tokens, where, cache, span)
 
-    def _fusing(self) -> FusedDecoder | None:
-        """The fused CPU step where it is on and applies now (no hook on a layer it would bypass)."""
+    def _fusing(self, cache: StaticKVCache | QuantizedKVCache | None = None) -> FusedDecoder | None:
+        """The fused CPU step where it is on and applies now (no hook on a layer it would bypass), and ``cache``,
+        if given, is a float one: the step reads and writes its buffers in place."""
         fused = self._fused
-        return fused if fused is not None and fused.applies() else None
+        float_cache = cache is None or cache.kv_bits is None
+        return fused if fused is not None and float_cache and fused.applies() else None
+
+    def _graphing(self, cache: StaticKVCache | QuantizedKVCache) -> GraphDecoder | None:
+        """The CUDA graphs where they are on and ``cache`` is a float one (a graph writes its buffers in place)."""
+        return self._graphs if cache.kv_bits is None else None
 
     def _resident_tensor_bytes(self) -> Iterator[tuple[str, int]]:
         """(name, bytes) of every weight held on the device for good (streamed layers excluded)."""
@@ -309,7 +323,7 @@ class TorchEngine:
                                    "use --backend mlx")
 
     def kv_bytes_per_token(self, kv_bits: int | None = None) -> int:
-        """Cache bytes per token over all layers, K and V (this backend's cache is never quantized)."""
+        """Cache bytes per token over all layers, K and V (quantized: codes plus a scale and bias per group)."""
         a = self.args
         return kv_bytes_per_token(a.num_hidden_layers, a.num_key_value_heads, a.head_dim,
                                   kv_bits=kv_bits, dtype_bytes=self.cache_dtype.itemsize)

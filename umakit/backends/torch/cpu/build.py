@@ -1,8 +1,8 @@
-"""The fused CPU decode step's C++ (csrc/fused_decode.cpp), built once per machine by torch.utils.cpp_extension.
+"""umakit's CPU C++ (csrc/: the fused decode step, the affine kernel), built once per machine by torch.utils.cpp_extension.
 
 `torch.utils.cpp_extension.load` compiles it with ninja against the installed
 torch (about 13 s here) into ``$UMAKIT_HOME/native/<key>/``, the key hashing
-the source, torch's version, the compiler and the flags, so a new umakit or
+the sources, torch's version, the compiler and the flags, so a new umakit or
 torch builds afresh and never loads a stale library. A second process waits
 for a build under way (on a lock the kernel drops if the builder dies); a
 library already built is loaded as it is. The first engine that needs it builds it (`make setup` does it ahead).
@@ -37,9 +37,11 @@ from umakit.core.fsutil import atomic_file
 from umakit.core.home import home_dir
 
 NAME = "umakit_fused"  # the library cpp_extension builds (its ops register as torch.ops.umakit)
-SOURCE = Path(__file__).with_name("csrc") / "fused_decode.cpp"
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = (CSRC / "fused_decode.cpp", CSRC / "affine_mm.cpp")
 FLAGS = ("-O3", "-w")
 _AVX2_FLAGS = ("-mavx2", "-mfma", "-mf16c")  # for the loops, where torch itself found AVX2 (or AVX-512)
+_AVX512_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")  # the affine kernel's, where torch found them
 LOG = "build.log"
 BATON = "lock"  # cpp_extension's lock file in the build directory
 
@@ -56,13 +58,16 @@ def compiler() -> str | None:
 
 def flags() -> list[str]:
     x86 = platform.machine() in ("x86_64", "AMD64")
-    arch = _AVX2_FLAGS if x86 and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") else ()
-    return [*FLAGS, *arch]
+    capability = torch.backends.cpu.get_cpu_capability() if x86 else ""
+    arch = _AVX2_FLAGS if capability in ("AVX2", "AVX512") else ()
+    return [*FLAGS, *arch, *(_AVX512_FLAGS if capability == "AVX512" else ())]
 
 
 def build_dir(cxx: str) -> Path:
     """Where the build of this source, torch, compiler and flags lives."""
-    key = hashlib.sha256(SOURCE.read_bytes())
+    key = hashlib.sha256()
+    for source in sorted(CSRC.iterdir()):
+        key.update(source.name.encode() + source.read_bytes())
     key.update(f"{torch.__version__} {cxx} {' '.join(flags())}".encode())
     base = os.environ.get("UMAKIT_NATIVE_DIR")
     return (Path(base) if base else home_dir("native")) / key.hexdigest()[:16]
@@ -114,7 +119,7 @@ def _build(cxx: str, ninja: str, where: Path, log: Path) -> tuple[bool, str]:
 
     try:
         with _building(cxx, ninja):
-            cpp_extension.load(NAME, [str(SOURCE)], extra_cflags=flags(), build_directory=str(where),
+            cpp_extension.load(NAME, [str(s) for s in SOURCES], extra_cflags=flags(), build_directory=str(where),
                                is_python_module=False, verbose=False)
     except (RuntimeError, OSError, subprocess.SubprocessError, ValueError) as e:
         output = [getattr(e, k, None) for k in ("output", "stderr")]  # a compiler check's own words

@@ -5,9 +5,9 @@
 verification) and as the eager batched step (`rows`: one token for each row
 of a batch cache), every row exactly as its own one-token step would compute
 it, for the models it covers: the Llama family (llama, mistral, qwen2's
-q/k/v biases, qwen3's q/k norms) with every projection on torch's int4
-kernels and float32 activations, which is the CPU default for 4- and 8-bit
-checkpoints (quant/forms.py). Anything else, and every step where the library
+q/k/v biases, qwen3's q/k norms) with every projection on umakit's
+affine kernel (cpu/affine_kernel.py) or torch's int4 kernels and float32
+activations, which is the CPU default for quantized checkpoints (quant/forms.py). Anything else, and every step where the library
 cannot be built (cpu/build.py), runs the eager model.
 """
 
@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import torch
 
+from umakit.backends.torch.cpu.affine_kernel import AffineLinear
 from umakit.backends.torch.model.llama import MLP, RMSNorm, Transformer
 from umakit.backends.torch.quant.kernels import Int4PackLinear
+
+INT4, INT4_SPLIT, AFFINE = 0, 1, 2  # a projection's kind, as csrc/fused_decode.cpp reads it
 
 
 def covers(model: Transformer) -> bool:
@@ -31,7 +34,9 @@ def covers(model: Transformer) -> bool:
         if not isinstance(mlp, MLP):
             return False
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if not all(isinstance(m, Int4PackLinear) for m in linears) or any(m.bias is not None for m in linears[1:]):
+        if not all(isinstance(m, (Int4PackLinear, AffineLinear)) for m in linears):
+            return False
+        if any(m.bias is not None for m in linears[1:]):
             return False
         norms = [block.input_layernorm, block.post_attention_layernorm]
         if a.qk_norm:
@@ -47,20 +52,18 @@ class FusedDecoder:
     def __init__(self, model: Transformer):
         self.model = model
         a = model.args
-        norms, qk_norms, packed, sz, groups, splits, biases = [], [], [], [], [], [], []
+        norms, qk_norms, biases = [], [], []
+        parts: tuple[list, list, list, list, list, list] = ([], [], [], [], [], [])  # ta, tb, kinds, counts, bits, groups
         for block in model.model.layers:
             attn, mlp = block.self_attn, block._modules[block.ffn_name]
             norms += [block.input_layernorm.weight, block.post_attention_layernorm.weight]
             if a.qk_norm:
                 qk_norms += [attn.q_norm.weight, attn.k_norm.weight]
             for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-                packed.append(m.packed)
-                sz.append(m.scales_and_zeros)
-                groups.append(m.group_size)
-                splits.append(int(m.split))
+                _describe(m, *parts)
             if attn.qkv_proj.bias is not None:
                 biases.append(attn.qkv_proj.bias)
-        self.weights = (norms, qk_norms, packed, sz, groups, splits, biases)
+        self.weights = (norms, qk_norms, *parts, biases)
         self.shape = (a.num_attention_heads, a.num_key_value_heads, a.head_dim, a.rms_norm_eps,
                       a.attn_scale or 0.0, a.sliding_window or 0)
         self.inv_freq = model.inv_freq[0].contiguous()
@@ -102,3 +105,22 @@ class FusedDecoder:
         x = self.model._embed(tokens)
         x = torch.ops.umakit.decode_layers(x, self.inv_freq, positions, rows, k, v, *self.weights, *self.shape)
         return self.model._head(x)[:, -1] if head else None
+
+
+def _describe(m, ta: list, tb: list, kinds: list, counts: list, bits: list, groups: list) -> None:
+    """Append projection ``m`` as decode_layers reads it: its kind, its parts' tensors, widths and groups."""
+    if isinstance(m, AffineLinear):
+        codes, sb = m.parts
+        ta += codes
+        tb += sb
+        kinds.append(AFFINE)
+        counts.append(len(codes))
+        bits += m.bits
+        groups += m.groups
+        return
+    ta.append(m.packed)
+    tb.append(m.scales_and_zeros)
+    kinds.append(INT4_SPLIT if m.split else INT4)
+    counts.append(1)
+    bits.append(0)
+    groups.append(m.group_size)

@@ -169,10 +169,10 @@ def build_model(args: ModelArgs, config: dict, shapes: dict, source, device: tor
         convert_model(block, device, weights, tensors_only=lambda path: True)
         block.to(host)
     convert_model(model, device, weights, tensors_only=lambda path: layer_of(path) in streamed,
-                  prepacked=packed.get if packed is not None else lambda path: None)
+                  prepacked=packed.get if packed is not None else lambda path: {})
     if packed is not None:
-        packed.store({f"{path}.{name}": getattr(m, name) for path, m in model.named_modules()
-                      if isinstance(m, quant.Int4PackLinear) for name in ("packed", "scales_and_zeros")})
+        packed.store({f"{path}.{name}": t for path, m in model.named_modules() if hasattr(m, "packing")
+                      for name, t in m.packing().items()})
     if tied and isinstance(embed, quant.QuantizedEmbedding) and isinstance(model.lm_head, nn.Linear):
         # The tied head was dequantized: look rows up in it and drop the packed table.
         model.model.embed_tokens = nn.Embedding.from_pretrained(model.lm_head.weight, freeze=True)

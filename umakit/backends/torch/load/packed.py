@@ -1,8 +1,8 @@
-"""The CPU int4 form of a checkpoint's quantized layers, kept under ``$UMAKIT_HOME/packed/`` for later loads.
+"""The CPU packed form of a checkpoint's quantized layers, kept under ``$UMAKIT_HOME/packed/`` for later loads.
 
-Repacking MLX's 4/8-bit groups for torch's int4 kernels (quant.Int4PackLinear)
-is most of a CPU load: 3.0 of 3.65 s for a 0.5B model with an 8-bit table,
-which splits into two nibble planes. The first load writes the packed
+Repacking MLX's groups for a CPU kernel (umakit's affine planes, cpu/affine_kernel.py,
+or torch's int4 packing, quant.Int4PackLinear) is work a load need do once:
+the int4 repack was 3.0 of 3.65 s of a 0.5B model's load. The first load writes the packed
 weights and their scales into one safetensors file; later loads read them
 back and skip the repack. The file's name hashes the checkpoint's path, the
 size and modification time of each of its files, torch's version and
@@ -27,7 +27,7 @@ from umakit.core.fsutil import atomic_file
 from umakit.core.home import home_dir
 
 ALIGNMENT = 64  # bytes: torch's CPU allocator's, and AVX-512's loads
-FORMAT_VERSION = 2  # bump when Int4PackLinear's packed form or the file layout changes (2: 64-byte aligned data)
+FORMAT_VERSION = 3  # bump when a packed form or the file layout changes (2: 64-byte aligned data; 3: affine planes)
 SUFFIX = ".safetensors"
 
 
@@ -64,15 +64,14 @@ class PackedCache:
         path = packed_path(checkpoint_dir, files, torch.__version__)
         return None if path is None else cls(path)
 
-    def get(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(packed, scales_and_zeros) of the layer at module path ``name``, if stored."""
-        keys = (f"{name}.packed", f"{name}.scales_and_zeros")
-        if not all(k in self.names for k in keys):
-            return None
+    def get(self, name: str) -> dict[str, torch.Tensor]:
+        """The stored packing of the layer at module path ``name``, by the layer's names (empty if none)."""
+        prefix = f"{name}."
+        keys = [k for k in self.names if k.startswith(prefix) and "." not in k[len(prefix):]]
         try:
-            return tuple(_aligned(self.file.get_tensor(k)) for k in keys)
+            return {k[len(prefix):]: _aligned(self.file.get_tensor(k)) for k in keys}
         except (OSError, SafetensorError):
-            return None
+            return {}
 
     def store(self, layers: dict[str, torch.Tensor]) -> None:
         """Write ``layers`` (name -> tensor) as this checkpoint's cache, unless it holds them already."""

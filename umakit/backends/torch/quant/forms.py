@@ -3,8 +3,9 @@
 The checkpoint-layout modules (quant/layout.py) are swapped, once at load, for the
 fastest form that stays within float tolerance of dequantize-then-matmul in
 the compute dtype: torch's int4 kernels, FBGEMM's float16 kernels on x86 CPUs,
-the Triton matvec on CUDA (cuda/matvec.py), or plain dequantized weights. What
-``--dtype auto`` means on CPU is decided here too (`cpu_auto_dtype`).
+the Triton matvec on CUDA (cuda/matvec.py), umakit's affine kernel on CPU
+(cpu/affine_kernel.py: every width, float32 activations), or plain dequantized
+weights. What ``--dtype auto`` means on CPU is decided here too (`cpu_auto_dtype`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from umakit.backends.torch.cpu import affine_kernel as affine
 from umakit.backends.torch.cuda.matvec import TritonAffineLinear, triton_kernel
 from umakit.backends.torch.model.moe import Experts
 from umakit.backends.torch.quant.kernels import Fp16Linear, Int4PackLinear, dense
@@ -38,9 +40,11 @@ def cuda_linear(m: QuantizedLinear, dtype: torch.dtype) -> nn.Module:
 
 def for_execution(m: QuantizedLinear, device: torch.device, dtype: torch.dtype, prepacked=None) -> nn.Module:
     """The fastest form of ``m`` that stays within float tolerance of dequantize-then-matmul in ``dtype``;
-    ``prepacked``: its int4 packing from an earlier CPU load (load/packed.py)."""
+    ``prepacked``: its packing from an earlier CPU load (load/packed.py), a dict by the form's names."""
     if device.type == "cuda":
         return cuda_linear(m, dtype)
+    if dtype == torch.bfloat16 and affine.supports(m) and affine.available():
+        return affine.AffineLinear([m], prepacked)
     if dtype == torch.bfloat16 and Int4PackLinear.supports(m, device):
         return Int4PackLinear(m, device, prepacked)
     if dtype == torch.float16 and Fp16Linear.available():
@@ -69,32 +73,41 @@ def activation_dtype(device: torch.device, dtype: torch.dtype, quantized: bool =
 
 
 def cpu_auto_dtype(quantization: dict | None) -> str:
-    """What ``--dtype auto`` runs as on CPU: "bfloat16" (torch's int4 kernels) where they beat FBGEMM, else "auto".
+    """What ``--dtype auto`` runs as on CPU: "bfloat16" (packed kernels) where they beat FBGEMM, else "auto".
 
-    Measured on SmolLM2-135M Q4_1 (benchmarks/cpu_engines.py): where torch's
-    kernels are built for AVX-512 the int4 kernels decode ~1.3x faster than
-    FBGEMM's float16 ones, within +0.2% of float32's perplexity; under AVX2
-    they are ~3x slower than FBGEMM, and without 4- or 8-bit layers (float or
-    2/3/5/6-bit checkpoints) bfloat16 would mean dense bfloat16 weights.
+    On CPU "bfloat16" names the packed form of a quantized checkpoint: umakit's
+    affine kernel for every layer where it is built (cpu/affine_kernel.py; float32
+    activations, any width), else torch's int4 kernels for 4- and 8-bit layers
+    (inputs rounded to bfloat16). Measured (benchmarks/cpu_engines.py): with
+    AVX-512 both decode faster than FBGEMM's float16 weights; under AVX2 the
+    int4 kernels are ~3x slower than FBGEMM and the affine kernel is not
+    vectorized, so FBGEMM stays the default there.
     """
-    bits = {(quantization or {}).get("bits")}
-    bits |= {v.get("bits") for v in (quantization or {}).values() if isinstance(v, dict)}
-    if bits <= {4, 8} and torch.backends.cpu.get_cpu_capability() in INT4_CAPABILITIES:
+    if not quantization or torch.backends.cpu.get_cpu_capability() not in INT4_CAPABILITIES:
+        return "auto"
+    bits = {quantization.get("bits")} | {v.get("bits") for v in quantization.values() if isinstance(v, dict)}
+    bits.discard(None)
+    if bits <= {4, 8} or (bits <= set(affine.KERNEL_BITS) and affine.available()):
         return "bfloat16"
     return "auto"
 
 
 def convert_model(model: nn.Module, device: torch.device, dtype: torch.dtype, tensors_only=lambda path: False,
-                  prepacked=lambda path: None) -> None:
+                  prepacked=lambda path: {}) -> None:
     """Swap every loaded `QuantizedLinear` for its execution form (embeddings stay lookups).
 
     On CPU in float16, every linear layer then holds float16 weights for
     FBGEMM's float32 kernels (see `Fp16Linear`), except where
     ``tensors_only(path)``: FBGEMM's packed weights are not tensors, so such
     layers (streamed ones, see offload/layers.py) run dequantized in float32 instead.
-    ``prepacked(path)`` gives a layer's stored int4 packing, or None.
+    ``prepacked(path)`` gives a layer's stored CPU packing (a dict by name, empty if none).
     """
     fp16 = device.type == "cpu" and dtype == torch.float16 and Fp16Linear.available()
+    if device.type == "cpu" and dtype == torch.bfloat16 and affine.available():
+        for path, module in list(model.named_modules()):  # parts of different widths: still one call
+            parts = list(module.parts) if isinstance(module, Concat) else []
+            if parts and all(type(m) is QuantizedLinear and affine.supports(m) for m in parts):
+                _replace(model, path, affine.AffineLinear(parts, prepacked(path)))
     for path, module in list(model.named_modules()):
         if isinstance(module, Concat) and fp16 and all(isinstance(m, (QuantizedLinear, nn.Linear)) for m in module.parts):
             # mixed bits: dequantize each part, then one matmul again
@@ -126,6 +139,8 @@ def describe_execution(model: nn.Module) -> str:
     kinds = {type(m).__name__ for m in model.modules()}
     if "Fp16Linear" in kinds:
         return "runs as float16 weights, float32 math"
+    if "AffineLinear" in kinds:
+        return "runs on umakit's packed kernels, float32 activations"
     if "Int4PackLinear" in kinds:
         return "runs on int4 kernels, bfloat16"
     if "TritonAffineLinear" in kinds:

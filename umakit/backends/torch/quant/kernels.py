@@ -34,14 +34,14 @@ class Int4PackLinear(nn.Module):
     1.4-1.6x faster at 512 rows, with the weights rounded to bfloat16.
     """
 
-    def __init__(self, m: QuantizedLinear, device: torch.device, prepacked=None):
-        """``prepacked``: (packed, scales_and_zeros) an earlier CPU load made of ``m`` (load/packed.py)."""
+    def __init__(self, m: QuantizedLinear, device: torch.device, prepacked: dict | None = None):
+        """``prepacked``: the packing an earlier CPU load made of ``m`` (load/packed.py), by `packing`'s names."""
         super().__init__()
         self.in_features, self.out_features, self.group_size = m.in_features, m.out_features, m.group_size
         self.split = m.bits == 8
-        if prepacked is not None and device.type == "cpu" and self._fits(*prepacked):
-            packed, sz = prepacked
-        else:
+        stored = prepacked or {}
+        packed, sz = stored.get("packed"), stored.get("scales_and_zeros")
+        if packed is None or sz is None or device.type != "cpu" or not self._fits(packed, sz):
             packed, sz = self._repack(m, device)
         self.register_buffer("scales_and_zeros", sz)
         ops = torch.ops.aten
@@ -63,6 +63,10 @@ class Int4PackLinear(nn.Module):
             tiles = next(t for t in (8, 4, 2) if q.shape[1] % (t * 16) == 0)
             return torch.ops.aten._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8), tiles), sz
         return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2), sz
+
+    def packing(self) -> dict[str, torch.Tensor]:
+        """What `load/packed.py` keeps of this layer, by name."""
+        return {"packed": self.packed, "scales_and_zeros": self.scales_and_zeros}
 
     def _fits(self, packed: torch.Tensor, sz: torch.Tensor) -> bool:
         """Whether a stored packing has the shapes and dtypes `_repack` makes of this layer on CPU."""

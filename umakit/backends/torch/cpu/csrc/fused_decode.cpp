@@ -4,28 +4,30 @@
 //
 // The eager step dispatches some 65 small ops per layer from Python, each a
 // few microseconds, which is a third of a step on a 135M model. Here each
-// layer is four calls of torch's int4 kernel and one of its attention; the
-// norms, RoPE, cache writes, residuals and SiLU are loops over a few thousand
-// floats. The math is the eager step's: float32 activations and cache,
-// bfloat16 kernel inputs, the same formulas in the same order.
+// layer is four calls of a quantized kernel (torch's int4 one, or umakit's
+// affine one of affine_mm.cpp) and one of torch's attention; the norms, RoPE,
+// cache writes, residuals and SiLU are loops over a few thousand floats. The
+// math is the eager step's: float32 activations and cache, bfloat16 inputs
+// for the int4 kernel, the same formulas in the same order.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include <cmath>
+#include <cstdint>
 #include <vector>
+
+#include "affine.h"
 
 namespace {
 
-using at::BFloat16;
 using at::Tensor;
 
-// weight * (x * rsqrt(mean(x^2) + eps)), rounded to bfloat16, written `reps` times (nibble-plane layers).
-void rms_norm_bf16(const float* x, const float* w, int64_t n, double eps, BFloat16* out, int64_t reps) {
+// weight * (x * rsqrt(mean(x^2) + eps)), float32.
+void rms_norm(const float* x, const float* w, int64_t n, double eps, float* out) {
   double ss = 0;
   for (int64_t i = 0; i < n; ++i) ss += static_cast<double>(x[i]) * x[i];
   const float r = 1.0f / std::sqrt(static_cast<float>(ss / n) + static_cast<float>(eps));
-  for (int64_t i = 0; i < n; ++i) out[i] = BFloat16(w[i] * (x[i] * r));
-  for (int64_t k = 1; k < reps; ++k) std::copy(out, out + n, out + k * n);
+  for (int64_t i = 0; i < n; ++i) out[i] = w[i] * (x[i] * r);
 }
 
 // In place: weight * (x * rsqrt(mean(x^2) + eps)) over one head (qwen3's q/k norms), float32.
@@ -36,27 +38,64 @@ void rms_norm_inplace(float* x, const float* w, int64_t n, double eps) {
   for (int64_t i = 0; i < n; ++i) x[i] = w[i] * (x[i] * r);
 }
 
-Tensor int4_mm(const Tensor& x, const Tensor& packed, int64_t group, const Tensor& sz) {
-  return at::_weight_int4pack_mm_for_cpu(x, packed, group, sz);  // (rows, N) bfloat16
+// One projection as the eager model holds it: torch's int4 kernel (its inputs rounded to bfloat16 and, for an
+// 8-bit layer, repeated for its two nibble planes), or umakit's affine kernel over one or more parts.
+struct Linear {
+  int64_t kind;  // INT4, INT4_SPLIT or AFFINE
+  std::vector<Tensor> a, b;  // int4: packed and scales_and_zeros; affine: each part's codes and sb
+  std::vector<int64_t> bits, groups;
+};
+constexpr int64_t INT4 = 0, INT4_SPLIT = 1, AFFINE = 2;
+
+// (B, K) float32 -> (B, N) float32, each row as it is alone.
+Tensor apply(const Linear& l, const Tensor& x) {
+  if (l.kind == AFFINE) return umakit::affine_mm(x, l.a, l.b, l.bits, l.groups, INT64_MAX);
+  Tensor xb = x.to(at::kBFloat16);
+  if (l.kind == INT4_SPLIT) xb = at::cat({xb, xb}, 1);
+  return at::_weight_int4pack_mm_for_cpu(xb, l.a[0], l.groups[0], l.b[0]).to(at::kFloat);
+}
+
+std::vector<Linear> linears(at::TensorList ta, at::TensorList tb, at::IntArrayRef kinds, at::IntArrayRef counts,
+                            at::IntArrayRef bits, at::IntArrayRef groups) {
+  TORCH_CHECK(kinds.size() == counts.size() && ta.size() == tb.size() && ta.size() == bits.size() &&
+                  ta.size() == groups.size(), "a kind and a part count for each projection, bits and group per part");
+  std::vector<Linear> out;
+  size_t at_part = 0;
+  for (size_t j = 0; j < kinds.size(); ++j) {
+    TORCH_CHECK(kinds[j] == AFFINE || counts[j] == 1, "an int4 projection has one part");
+    Linear l{kinds[j], {}, {}, {}, {}};
+    for (int64_t i = 0; i < counts[j]; ++i, ++at_part) {
+      TORCH_CHECK(at_part < ta.size(), "fewer parts than the counts say");
+      l.a.push_back(ta[at_part]);
+      l.b.push_back(tb[at_part]);
+      l.bits.push_back(bits[at_part]);
+      l.groups.push_back(groups[at_part]);
+    }
+    out.push_back(std::move(l));
+  }
+  TORCH_CHECK(at_part == ta.size(), "more parts than the counts say");
+  return out;
 }
 
 // Layers [0, L) of one token per row, row b at positions[b] of cache row cache_rows[b] (empty: b); returns
 // the hidden states (B, 1, H) before the final norm. The cache is (L, R, nkv, capacity, hd): a single
 // sequence's (R = 1; several rows are then consecutive tokens of it, each seeing the ones before) or a
-// batch's. Every row is computed exactly as it would be alone, in a step of its own: torch's int4 kernel
-// gives each row of a matrix the bits it gives that row alone, and each row's attention is its own call over
-// its own keys. So a batch reproduces its sequences' single steps, and T tokens of one sequence the T steps.
-// Per layer l: norms[2l] (input), norms[2l+1] (post-attention); packed/sz/groups/splits[4l + j] for
-// j = qkv, o, gate_up, down; qkv_bias[l] and qk_norms[2l], [2l+1] when given (else empty lists).
+// batch's. Every row is computed exactly as it would be alone, in a step of its own: torch's int4 kernel and
+// umakit's affine kernel give each row of a matrix the bits they give that row alone, and each row's
+// attention is its own call over its own keys. So a batch reproduces its sequences' single steps, and T
+// tokens of one sequence the T steps.
+// Per layer l: norms[2l] (input), norms[2l+1] (post-attention); projections 4l + j for j = qkv, o, gate_up,
+// down, each of kinds[4l + j] with counts[4l + j] parts in ta/tb/bits/groups; qkv_bias[l] and qk_norms[2l],
+// [2l+1] when given (else empty lists).
 }  // namespace
 
 namespace umakit {
 
 Tensor decode_layers(const Tensor& x_in, const Tensor& inv_freq, at::IntArrayRef positions,
                      at::IntArrayRef cache_rows, Tensor k_cache, Tensor v_cache, at::TensorList norms,
-                     at::TensorList qk_norms, at::TensorList packed, at::TensorList sz, at::IntArrayRef groups,
-                     at::IntArrayRef splits, at::TensorList qkv_bias, int64_t nh, int64_t nkv, int64_t hd,
-                     double eps, double scale, int64_t window) {
+                     at::TensorList qk_norms, at::TensorList ta, at::TensorList tb, at::IntArrayRef kinds,
+                     at::IntArrayRef counts, at::IntArrayRef bits, at::IntArrayRef groups, at::TensorList qkv_bias,
+                     int64_t nh, int64_t nkv, int64_t hd, double eps, double scale, int64_t window) {
   TORCH_CHECK(x_in.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat, "float32 activations only");
   TORCH_CHECK(k_cache.dim() == 5 && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "the cache must be contiguous, (layers, rows, kv heads, capacity, head dim)");
@@ -64,8 +103,9 @@ Tensor decode_layers(const Tensor& x_in, const Tensor& inv_freq, at::IntArrayRef
   const int64_t B = static_cast<int64_t>(positions.size());
   TORCH_CHECK(B >= 1 && x_in.numel() == B * H, B, " rows of ", H, " expected");
   TORCH_CHECK(cache_rows.empty() || static_cast<int64_t>(cache_rows.size()) == B, "one cache row per row");
-  TORCH_CHECK(static_cast<int64_t>(packed.size()) == 4 * L && static_cast<int64_t>(norms.size()) == 2 * L,
+  TORCH_CHECK(static_cast<int64_t>(kinds.size()) == 4 * L && static_cast<int64_t>(norms.size()) == 2 * L,
               "weights for ", L, " layers expected");
+  const std::vector<Linear> lin = linears(ta, tb, kinds, counts, bits, groups);
   std::vector<int64_t> row(B);
   for (int64_t b = 0; b < B; ++b) {
     row[b] = cache_rows.empty() ? b : cache_rows[b];
@@ -93,27 +133,23 @@ Tensor decode_layers(const Tensor& x_in, const Tensor& inv_freq, at::IntArrayRef
   Tensor q = at::empty({B, nkv, nh / nkv, hd}, x.options());
   float* qp = q.data_ptr<float>();
   const c10::optional<double> attn_scale = scale > 0 ? c10::optional<double>(scale) : c10::nullopt;
+  Tensor normed = at::empty({B, H}, x.options());
+  float* np_ = normed.data_ptr<float>();
 
   for (int64_t l = 0; l < L; ++l) {
     const int64_t j = 4 * l;
     // attention
-    const int64_t rq = splits[j] ? 2 : 1;
-    Tensor xb = at::empty({B, H * rq}, at::TensorOptions().dtype(at::kBFloat16));
-    for (int64_t b = 0; b < B; ++b)
-      rms_norm_bf16(xp + b * H, norms[2 * l].data_ptr<float>(), H, eps, xb.data_ptr<BFloat16>() + b * H * rq, rq);
-    Tensor qkv = int4_mm(xb, packed[j], groups[j], sz[j]);
+    for (int64_t b = 0; b < B; ++b) rms_norm(xp + b * H, norms[2 * l].data_ptr<float>(), H, eps, np_ + b * H);
+    Tensor qkv = apply(lin[j], normed);
     const float* bias = qkv_bias.empty() ? nullptr : qkv_bias[l].data_ptr<float>();
     float* kl = k_cache[l].data_ptr<float>();  // (R, nkv, capacity, hd)
     float* vl = v_cache[l].data_ptr<float>();
     for (int64_t b = 0; b < B; ++b) {
-      const BFloat16* y = qkv.data_ptr<BFloat16>() + b * heads * hd;
+      const float* y = qkv.data_ptr<float>() + b * heads * hd;
       const float *c = cos_.data() + b * hd, *s = sin_.data() + b * hd;
       const int64_t pos = positions[b];
       for (int64_t h = 0; h < heads; ++h) {
-        for (int64_t i = 0; i < hd; ++i) {
-          const float v = static_cast<float>(y[h * hd + i]);
-          head[i] = bias ? v + bias[h * hd + i] : v;
-        }
+        for (int64_t i = 0; i < hd; ++i) head[i] = bias ? y[h * hd + i] + bias[h * hd + i] : y[h * hd + i];
         if (h >= nh + nkv) {  // values: stored as they are
           std::copy(head.begin(), head.end(), vl + row[b] * row_stride + ((h - nh - nkv) * capacity + pos) * hd);
           continue;
@@ -128,8 +164,7 @@ Tensor decode_layers(const Tensor& x_in, const Tensor& inv_freq, at::IntArrayRef
     // Each row alone: one query per head at its position, each kv group's queries riding the time axis, over
     // its keys [first, position]. All the rows' keys and values are written by now (the tokens of one
     // sequence see each other's).
-    const int64_t ro = splits[j + 1] ? 2 : 1;
-    Tensor attn = at::empty({B, nh * hd * ro}, at::TensorOptions().dtype(at::kBFloat16));
+    Tensor attn = at::empty({B, nh * hd}, x.options());
     for (int64_t b = 0; b < B; ++b) {
       const int64_t first = window > 0 ? std::max<int64_t>(0, positions[b] + 1 - window) : 0;
       const int64_t span = positions[b] + 1 - first;
@@ -137,36 +172,25 @@ Tensor decode_layers(const Tensor& x_in, const Tensor& inv_freq, at::IntArrayRef
       Tensor values = v_cache[l].narrow(0, row[b], 1).narrow(2, first, span);
       Tensor out = at::scaled_dot_product_attention(q.narrow(0, b, 1), keys, values, {}, 0.0, false, attn_scale)
                        .contiguous();
-      const float* op = out.data_ptr<float>();
-      BFloat16* dst = attn.data_ptr<BFloat16>() + b * nh * hd * ro;
-      for (int64_t i = 0; i < nh * hd; ++i) dst[i] = BFloat16(op[i]);
-      if (ro == 2) std::copy(dst, dst + nh * hd, dst + nh * hd);
+      std::copy(out.data_ptr<float>(), out.data_ptr<float>() + nh * hd, attn.data_ptr<float>() + b * nh * hd);
     }
-    Tensor o = int4_mm(attn, packed[j + 1], groups[j + 1], sz[j + 1]);
-    const BFloat16* op = o.data_ptr<BFloat16>();
-    for (int64_t i = 0; i < B * H; ++i) xp[i] += static_cast<float>(op[i]);
+    Tensor o = apply(lin[j + 1], attn);
+    const float* op = o.data_ptr<float>();
+    for (int64_t i = 0; i < B * H; ++i) xp[i] += op[i];
 
     // MLP
-    const int64_t rg = splits[j + 2] ? 2 : 1;
-    Tensor hb = at::empty({B, H * rg}, at::TensorOptions().dtype(at::kBFloat16));
-    for (int64_t b = 0; b < B; ++b)
-      rms_norm_bf16(xp + b * H, norms[2 * l + 1].data_ptr<float>(), H, eps, hb.data_ptr<BFloat16>() + b * H * rg,
-                    rg);
-    Tensor gu = int4_mm(hb, packed[j + 2], groups[j + 2], sz[j + 2]);
-    const int64_t inter = gu.size(1) / 2, rd = splits[j + 3] ? 2 : 1;
-    Tensor act = at::empty({B, inter * rd}, at::TensorOptions().dtype(at::kBFloat16));
+    for (int64_t b = 0; b < B; ++b) rms_norm(xp + b * H, norms[2 * l + 1].data_ptr<float>(), H, eps, np_ + b * H);
+    Tensor gu = apply(lin[j + 2], normed);
+    const int64_t inter = gu.size(1) / 2;
+    Tensor act = at::empty({B, inter}, x.options());
     for (int64_t b = 0; b < B; ++b) {
-      const BFloat16* g = gu.data_ptr<BFloat16>() + b * 2 * inter;
-      BFloat16* a = act.data_ptr<BFloat16>() + b * inter * rd;
-      for (int64_t i = 0; i < inter; ++i) {
-        const float gate = static_cast<float>(g[i]), up = static_cast<float>(g[inter + i]);
-        a[i] = BFloat16(gate / (1.0f + std::exp(-gate)) * up);
-      }
-      if (rd == 2) std::copy(a, a + inter, a + inter);
+      const float* g = gu.data_ptr<float>() + b * 2 * inter;
+      float* a = act.data_ptr<float>() + b * inter;
+      for (int64_t i = 0; i < inter; ++i) a[i] = g[i] / (1.0f + std::exp(-g[i])) * g[inter + i];
     }
-    Tensor d = int4_mm(act, packed[j + 3], groups[j + 3], sz[j + 3]);
-    const BFloat16* dp = d.data_ptr<BFloat16>();
-    for (int64_t i = 0; i < B * H; ++i) xp[i] += static_cast<float>(dp[i]);
+    Tensor d = apply(lin[j + 3], act);
+    const float* dp = d.data_ptr<float>();
+    for (int64_t i = 0; i < B * H; ++i) xp[i] += dp[i];
   }
   return x.view({B, 1, H});
 }
@@ -175,7 +199,8 @@ Tensor decode_layers(const Tensor& x_in, const Tensor& inv_freq, at::IntArrayRef
 
 TORCH_LIBRARY(umakit, m) {
   m.def("decode_layers(Tensor x, Tensor inv_freq, int[] positions, int[] cache_rows, Tensor(a!) k_cache, "
-        "Tensor(b!) v_cache, Tensor[] norms, Tensor[] qk_norms, Tensor[] packed, Tensor[] sz, int[] groups, "
-        "int[] splits, Tensor[] qkv_bias, int nh, int nkv, int hd, float eps, float scale, int window) -> Tensor");
+        "Tensor(b!) v_cache, Tensor[] norms, Tensor[] qk_norms, Tensor[] ta, Tensor[] tb, int[] kinds, "
+        "int[] counts, int[] bits, int[] groups, Tensor[] qkv_bias, int nh, int nkv, int hd, float eps, "
+        "float scale, int window) -> Tensor");
   m.impl("decode_layers", c10::DispatchKey::CPU, TORCH_FN(umakit::decode_layers));
 }

@@ -1,0 +1,92 @@
+"""umakit's CPU affine kernel (cpu/affine_kernel.py, csrc/affine_mm.cpp) against dequantize-then-matmul in float32.
+
+Tolerance: the kernel multiplies the checkpoint's own codes, scales and biases in float32, in another order
+than a GEMM does, so the two agree to float32's rounding of sums of a few hundred products (1e-5 of the
+largest output here). Scales and biases are float16 in the kernel's planes: exact for these layers, whose
+scales are float16 as MLX checkpoints store them.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from umakit.backends.torch import crossover
+from umakit.backends.torch.cpu import affine_kernel as affine, build
+from umakit.backends.torch.quant import layout
+
+pytestmark = pytest.mark.skipif(not build.ensure(), reason="the C++ library cannot be built here")
+
+RELATIVE = 1e-5
+
+
+def layer(rows: int, cols: int, bits: int, group: int, seed: int = 0, bias: bool = False) -> layout.QuantizedLinear:
+    g = torch.Generator().manual_seed(seed)
+    packed, s, b = layout.quantize(torch.randn(rows, cols, generator=g) * 0.05, bits, group)
+    m = layout.QuantizedLinear(cols, rows, bias, bits, group, device="meta")
+    m.weight, m.scales, m.biases = packed, s.half(), b.half()
+    m.bias = torch.randn(rows, generator=g) if bias else None
+    return m
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    worst = (got - want).abs().max() / want.abs().max()
+    assert worst <= RELATIVE, f"off by {worst:.3g} of the largest output"
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_planes_hold_the_checkpoints_codes_exactly(bits, group):
+    m = layer(40, 384, bits, group)
+    codes, sb = affine.planes(m)
+    assert codes.shape == (40, 384 * bits // 8)  # bits bits a weight, nothing more
+    assert torch.equal(torch.ops.umakit.affine_dequantize(codes, sb, bits, group), m.dequantized(torch.float32))
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("rows", [1, 3, 4, 7, crossover.AFFINE_DENSE_ROWS + 5])  # tiles of 4, remainders, GEMM
+def test_the_kernel_equals_dequantize_then_matmul(bits, group, rows):
+    m = layer(72, 256, bits, group, bias=True)
+    run = affine.AffineLinear([m])
+    x = torch.randn(2, rows, 256)
+    assert_close(run(x), F.linear(x, m.dequantized(torch.float32), m.bias))
+
+
+@pytest.mark.parametrize("bits", [3, 4, 5, 8])
+def test_each_row_gets_the_bits_it_gets_alone(bits):
+    """What lets a batch's rows and a verification's tokens reproduce their single decode steps."""
+    run = affine.AffineLinear([layer(96, 512, bits, 64)])
+    x = torch.randn(crossover.AFFINE_DENSE_ROWS - 1, 512)
+    together = run(x)
+    for i in (0, 3, 4, len(x) - 1):
+        assert torch.equal(run(x[i:i + 1])[0], together[i])
+
+
+def test_parts_of_different_widths_are_one_projection():
+    """A GGUF's q/k/v at 5, 8 and 6 bits (groups apart too): one call, the concatenation of the three."""
+    parts = [layer(64, 256, 5, 32, seed=1, bias=True), layer(32, 256, 8, 32, seed=2),
+             layer(32, 256, 6, 64, seed=3, bias=True)]
+    run = affine.AffineLinear(parts)
+    x = torch.randn(3, 256)
+    want = torch.cat([F.linear(x, m.dequantized(torch.float32), m.bias) for m in parts], dim=-1)
+    assert run(x).shape == (3, 128)
+    assert_close(run(x), want)
+
+
+def test_a_stored_packing_is_used_only_when_it_fits():
+    m = layer(48, 256, 5, 32)
+    fresh = affine.AffineLinear([m])
+    stored = {k: v.clone() for k, v in fresh.packing().items()}
+    stored["codes0"][0, 0] ^= 1  # marked: taken as stored, not repacked
+    assert torch.equal(affine.AffineLinear([m], stored).codes0, stored["codes0"])
+    wrong = {"codes0": stored["codes0"][:, :-4], "sb0": stored["sb0"]}
+    assert torch.equal(affine.AffineLinear([m], wrong).codes0, fresh.codes0)
+
+
+def test_bad_shapes_are_refused_with_a_reason():
+    m = layer(16, 128, 4, 32)
+    codes, sb = affine.planes(m)
+    with pytest.raises(RuntimeError, match="bits must be"):
+        torch.ops.umakit.affine_mm(torch.randn(1, 128), [codes], [sb], [7], [32], 1 << 30)
+    with pytest.raises(RuntimeError, match="codes must be"):
+        torch.ops.umakit.affine_mm(torch.randn(1, 96), [codes], [sb], [4], [32], 1 << 30)

@@ -1,0 +1,89 @@
+"""umakit's CPU kernel for affine-quantized layers (csrc/affine_mm.cpp): every width from 2 to 8 bits, group sizes
+32, 64 and 128, float32 activations, one call for a projection whose parts differ in width.
+
+torch's int4 kernels hold 4 bits only (8 as two nibble planes, at twice the reads and work), and a layer of any
+other width ran dequantized (float16 or float32: 3-6x the bytes of its codes), so one 5-bit tensor sent a
+whole GGUF to float16. This kernel reads each layer's own codes, ``bits`` bits a weight in the planes
+affine.h describes, plus a float16 scale and bias per group, and multiplies in float32: the only rounding
+apart from float32's own is of the scales and biases to float16 (exact for MLX checkpoints, which store
+them so; 2^-11 relative for a GGUF's K-quant scales). Measured on this repository's CPUs (AVX-512) it is
+also faster than torch's int4 kernel at 4 bits (benchmarks/cpu_engines.py), so it is the CPU form of every
+quantized layer where it is built with AVX-512 (`available`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from umakit.backends.torch import crossover
+from umakit.backends.torch.cpu import build
+from umakit.backends.torch.quant.layout import QuantizedLinear
+
+KERNEL_BITS = (2, 3, 4, 5, 6, 8)
+BLOCK = 32  # weights per block of the planes
+
+
+def available() -> bool:
+    """Whether the kernel is built here, vectorized: torch found AVX-512 and the C++ library loads (cpu/build.py)."""
+    return torch.backends.cpu.get_cpu_capability() == "AVX512" and build.ensure()
+
+
+def supports(m: QuantizedLinear) -> bool:
+    return m.bits in KERNEL_BITS and m.in_features % BLOCK == 0 and m.group_size % BLOCK == 0
+
+
+def planes(m: QuantizedLinear) -> tuple[torch.Tensor, torch.Tensor]:
+    """``m``'s codes in the kernel's planes, (out, in * bits / 8) uint8, and its float16 (out, 2, groups) scales
+    and biases."""
+    codes = torch.ops.umakit.affine_planes(m.weight.contiguous(), m.bits)
+    sb = torch.stack([m.scales, m.biases], dim=1).to(torch.float16).contiguous()
+    return codes, sb
+
+
+class AffineLinear(nn.Module):
+    """One or more `QuantizedLinear` parts of one input width on umakit's kernel, their outputs concatenated
+    (a q/k/v projection whose parts a GGUF stores at 5, 6 and 8 bits is still one call)."""
+
+    def __init__(self, parts: list[QuantizedLinear], prepacked: dict | None = None):
+        """``prepacked``: the planes an earlier load stored (load/packed.py), by `packing`'s names."""
+        super().__init__()
+        first = parts[0]
+        self.in_features, self.out_features = first.in_features, sum(m.out_features for m in parts)
+        self.bits = [m.bits for m in parts]
+        self.groups = [m.group_size for m in parts]
+        stored = prepacked or {}
+        for i, m in enumerate(parts):
+            codes, sb = stored.get(f"codes{i}"), stored.get(f"sb{i}")
+            if not self._fits(m, codes, sb):
+                codes, sb = planes(m)
+            self.register_buffer(f"codes{i}", codes)
+            self.register_buffer(f"sb{i}", sb)
+        biases = [m.bias.float() if m.bias is not None else torch.zeros(m.out_features) for m in parts]
+        has_bias = any(m.bias is not None for m in parts)
+        self.register_buffer("bias", torch.cat(biases) if has_bias else None)
+
+    @staticmethod
+    def _fits(m: QuantizedLinear, codes: torch.Tensor | None, sb: torch.Tensor | None) -> bool:
+        groups = m.in_features // m.group_size
+        return (codes is not None and sb is not None and codes.dtype == torch.uint8 and sb.dtype == torch.float16
+                and tuple(codes.shape) == (m.out_features, m.in_features * m.bits // 8)
+                and tuple(sb.shape) == (m.out_features, 2, groups))
+
+    def packing(self) -> dict[str, torch.Tensor]:
+        """What `load/packed.py` keeps of this layer, by name."""
+        return {name: t for name, t in self.named_buffers() if name != "bias"}
+
+    @property
+    def parts(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        n = len(self.bits)
+        return [getattr(self, f"codes{i}") for i in range(n)], [getattr(self, f"sb{i}") for i in range(n)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape, dtype = x.shape[:-1], x.dtype
+        codes, sb = self.parts
+        y = torch.ops.umakit.affine_mm(x.reshape(-1, self.in_features).float(), codes, sb, self.bits, self.groups,
+                                       crossover.AFFINE_DENSE_ROWS)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(dtype).view(*shape, self.out_features)

@@ -1,0 +1,351 @@
+// umakit's CPU kernel for affine-quantized layers of 2 to 8 bits (see affine.h for the packing): the layers
+// torch's int4 kernels cannot hold without reading more bytes than the checkpoint has (3, 5, 6 and 8 bits,
+// and 4-bit parts beside them in one projection).
+//
+// A row's dot product with x is, per group g of its weights, scale_g * sum_j code_j x_j + bias_g * sum_j x_j:
+// the codes are widened to float32 and multiplied by x exactly as a dequantize-then-matmul would, with one
+// scale multiply per group, and the biases meet precomputed group sums of x. The only rounding apart from
+// float32's own is the float16 of scales and biases. With AVX-512 the codes of 16 weights become floats in a
+// few instructions (a nibble plane widened, each further bit set under a mask); elsewhere a scalar loop.
+#include "affine.h"
+
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define UMAKIT_AVX512 1
+#endif
+
+namespace {
+
+using at::Half;
+using at::Tensor;
+
+constexpr int64_t BLOCK = 32;  // weights a block of the planes holds
+constexpr int64_t TILE = 4;    // rows of x that share one decoding of a weight block
+
+inline uint32_t load32(const uint8_t* p) {
+  uint32_t w;
+  std::memcpy(&w, p, 4);
+  return w;
+}
+
+// The 32 codes of one block of planes.
+inline void codes_of(const uint8_t* p, int bits, int32_t* out) {
+  if (bits == 8) {
+    for (int j = 0; j < 32; ++j) out[j] = p[j];
+    return;
+  }
+  int first = 0;
+  const uint8_t* masks = p;
+  if (bits >= 4) {
+    for (int j = 0; j < 16; ++j) {
+      out[j] = p[j] & 15;
+      out[j + 16] = p[j] >> 4;
+    }
+    first = 4;
+    masks = p + 16;
+  } else {
+    std::fill(out, out + 32, 0);
+  }
+  for (int k = 0; k < bits - first; ++k) {
+    const uint32_t w = load32(masks + 4 * k);
+    for (int j = 0; j < 32; ++j) out[j] |= static_cast<int32_t>((w >> j) & 1) << (first + k);
+  }
+}
+
+// One part of a layer: (rows, K) weights in planes, their float16 (rows, 2, groups) scales and biases.
+struct Part {
+  const uint8_t* codes;
+  const Half* sb;
+  int64_t rows, bits, group, groups, row_bytes, col;  // col: where its outputs start in y
+};
+
+void to_floats(const Half* h, float* f, int64_t n) {
+#ifdef UMAKIT_AVX512
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = n - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - i)) - 1);
+    _mm512_mask_storeu_ps(f + i, m, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, h + i)));
+  }
+#else
+  for (int64_t i = 0; i < n; ++i) f[i] = static_cast<float>(h[i]);
+#endif
+}
+
+#ifdef UMAKIT_AVX512
+template <int BITS>
+inline void decode(const uint8_t* p, __m512& f0, __m512& f1) {
+  __m512i v0, v1;
+  if constexpr (BITS == 8) {
+    v0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    v1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
+  } else {
+    constexpr int FIRST = BITS >= 4 ? 4 : 0;
+    if constexpr (BITS >= 4) {
+      const __m512i n = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+      v0 = _mm512_and_si512(n, _mm512_set1_epi32(15));
+      v1 = _mm512_srli_epi32(n, 4);
+    } else {
+      v0 = v1 = _mm512_setzero_si512();
+    }
+    const uint8_t* masks = p + (BITS >= 4 ? 16 : 0);
+    for (int k = 0; k < BITS - FIRST; ++k) {
+      const uint32_t w = load32(masks + 4 * k);
+      const __m512i bit = _mm512_set1_epi32(1 << (FIRST + k));
+      v0 = _mm512_mask_or_epi32(v0, static_cast<__mmask16>(w), v0, bit);
+      v1 = _mm512_mask_or_epi32(v1, static_cast<__mmask16>(w >> 16), v1, bit);
+    }
+  }
+  f0 = _mm512_cvtepi32_ps(v0);
+  f1 = _mm512_cvtepi32_ps(v1);
+}
+
+// Outputs of one weight row for TM rows of x; each x row's arithmetic is the same whatever TM is.
+template <int BITS, int TM>
+void dot_rows(const Part& p, const uint8_t* codes, const float* scale, const float* bias, const float* x,
+              const float* xsum, int64_t K, float* y, int64_t ldy) {
+  __m512 acc[TM];
+  for (int m = 0; m < TM; ++m) acc[m] = _mm512_setzero_ps();
+  const int64_t blocks = p.group / BLOCK;
+  const uint8_t* c = codes;
+  for (int64_t g = 0, k = 0; g < p.groups; ++g) {
+    __m512 d[TM];
+    for (int m = 0; m < TM; ++m) d[m] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b, k += BLOCK, c += 4 * BITS) {
+      __m512 q0, q1;
+      decode<BITS>(c, q0, q1);
+      for (int m = 0; m < TM; ++m) {
+        d[m] = _mm512_fmadd_ps(q0, _mm512_loadu_ps(x + m * K + k), d[m]);
+        d[m] = _mm512_fmadd_ps(q1, _mm512_loadu_ps(x + m * K + k + 16), d[m]);
+      }
+    }
+    const __m512 s = _mm512_set1_ps(scale[g]);
+    for (int m = 0; m < TM; ++m) acc[m] = _mm512_fmadd_ps(d[m], s, acc[m]);
+  }
+  for (int m = 0; m < TM; ++m) {
+    __m512 t = _mm512_setzero_ps();
+    for (int64_t g = 0; g < p.groups; g += 16) {
+      const __mmask16 mk = p.groups - g >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (p.groups - g)) - 1);
+      t = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, bias + g), _mm512_maskz_loadu_ps(mk, xsum + m * p.groups + g),
+                          t);
+    }
+    y[m * ldy] = _mm512_reduce_add_ps(acc[m]) + _mm512_reduce_add_ps(t);
+  }
+}
+
+template <int BITS>
+void tiles(const Part& p, const uint8_t* codes, const float* scale, const float* bias, const float* x,
+           const float* xsum, int64_t M, int64_t K, float* y, int64_t ldy) {
+  int64_t m = 0;
+  for (; m + TILE <= M; m += TILE)
+    dot_rows<BITS, TILE>(p, codes, scale, bias, x + m * K, xsum + m * p.groups, K, y + m * ldy, ldy);
+  switch (M - m) {
+    case 3: dot_rows<BITS, 3>(p, codes, scale, bias, x + m * K, xsum + m * p.groups, K, y + m * ldy, ldy); break;
+    case 2: dot_rows<BITS, 2>(p, codes, scale, bias, x + m * K, xsum + m * p.groups, K, y + m * ldy, ldy); break;
+    case 1: dot_rows<BITS, 1>(p, codes, scale, bias, x + m * K, xsum + m * p.groups, K, y + m * ldy, ldy); break;
+    default: break;
+  }
+}
+#endif
+
+// The same sums in plain C++, in the same order per x row (a different rounding from the AVX-512 lanes').
+void dot_rows_scalar(const Part& p, const uint8_t* codes, const float* scale, const float* bias, const float* x,
+                     const float* xsum, int64_t M, int64_t K, float* y, int64_t ldy) {
+  const int64_t blocks = p.group / BLOCK;
+  int32_t q[BLOCK];
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xm = x + m * K;
+    const uint8_t* c = codes;
+    float acc = 0, t = 0;
+    for (int64_t g = 0, k = 0; g < p.groups; ++g) {
+      float d = 0;
+      for (int64_t b = 0; b < blocks; ++b, k += BLOCK, c += 4 * p.bits) {
+        codes_of(c, static_cast<int>(p.bits), q);
+        for (int j = 0; j < BLOCK; ++j) d += static_cast<float>(q[j]) * xm[k + j];
+      }
+      acc += d * scale[g];
+      t += bias[g] * xsum[m * p.groups + g];
+    }
+    y[m * ldy] = acc + t;
+  }
+}
+
+void part_rows(const Part& p, int64_t n0, int64_t n1, const float* x, const float* xsum, int64_t M, int64_t K,
+               float* y, int64_t ldy) {
+  std::vector<float> sb(2 * p.groups);
+  for (int64_t n = n0; n < n1; ++n) {
+    to_floats(p.sb + n * 2 * p.groups, sb.data(), 2 * p.groups);
+    const float *scale = sb.data(), *bias = sb.data() + p.groups;
+    const uint8_t* codes = p.codes + n * p.row_bytes;
+    float* out = y + p.col + n;
+#ifdef UMAKIT_AVX512
+    switch (p.bits) {
+      case 2: tiles<2>(p, codes, scale, bias, x, xsum, M, K, out, ldy); continue;
+      case 3: tiles<3>(p, codes, scale, bias, x, xsum, M, K, out, ldy); continue;
+      case 4: tiles<4>(p, codes, scale, bias, x, xsum, M, K, out, ldy); continue;
+      case 5: tiles<5>(p, codes, scale, bias, x, xsum, M, K, out, ldy); continue;
+      case 6: tiles<6>(p, codes, scale, bias, x, xsum, M, K, out, ldy); continue;
+      case 8: tiles<8>(p, codes, scale, bias, x, xsum, M, K, out, ldy); continue;
+      default: break;
+    }
+#endif
+    dot_rows_scalar(p, codes, scale, bias, x, xsum, M, K, out, ldy);
+  }
+}
+
+// Weights [n0, n1) of a part as float32 (n1 - n0, K): scale * code + bias.
+void dequantize_rows(const Part& p, int64_t n0, int64_t n1, int64_t K, float* w) {
+  std::vector<float> sb(2 * p.groups);
+  int32_t q[BLOCK];
+  for (int64_t n = n0; n < n1; ++n) {
+    to_floats(p.sb + n * 2 * p.groups, sb.data(), 2 * p.groups);
+    const uint8_t* c = p.codes + n * p.row_bytes;
+    float* row = w + (n - n0) * K;
+    for (int64_t k = 0; k < K; k += BLOCK, c += 4 * p.bits) {
+      const int64_t g = k / p.group;
+      codes_of(c, static_cast<int>(p.bits), q);
+      for (int j = 0; j < BLOCK; ++j) row[k + j] = static_cast<float>(q[j]) * sb[g] + sb[p.groups + g];
+    }
+  }
+}
+
+std::vector<Part> parts_of(at::TensorList codes, at::TensorList sb, at::IntArrayRef bits, at::IntArrayRef groups,
+                           int64_t K) {
+  TORCH_CHECK(!codes.empty() && codes.size() == sb.size() && codes.size() == bits.size() &&
+                  codes.size() == groups.size(), "one codes, sb, bits and group for each part");
+  TORCH_CHECK(K % BLOCK == 0, "the input width must be a multiple of ", BLOCK);
+  std::vector<Part> parts;
+  int64_t col = 0;
+  for (size_t i = 0; i < codes.size(); ++i) {
+    const int64_t b = bits[i], g = groups[i], rows = codes[i].size(0);
+    TORCH_CHECK(b >= 2 && b <= 8 && b != 7, "bits must be 2, 3, 4, 5, 6 or 8, not ", b);
+    TORCH_CHECK(g % BLOCK == 0 && K % g == 0, "group ", g, " must be a multiple of 32 dividing ", K);
+    TORCH_CHECK(codes[i].scalar_type() == at::kByte && codes[i].is_contiguous() && codes[i].dim() == 2 &&
+                    codes[i].size(1) == K * b / 8, "part ", i, ": codes must be contiguous uint8 (rows, K*bits/8)");
+    TORCH_CHECK(sb[i].scalar_type() == at::kHalf && sb[i].is_contiguous() && sb[i].numel() == rows * 2 * (K / g),
+                "part ", i, ": scales and biases must be contiguous float16 (rows, 2, K/group)");
+    parts.push_back({codes[i].data_ptr<uint8_t>(), sb[i].data_ptr<Half>(), rows, b, g, K / g, K * b / 8, col});
+    col += rows;
+  }
+  return parts;
+}
+
+}  // namespace
+
+namespace umakit {
+
+Tensor affine_mm(const Tensor& x_in, at::TensorList codes, at::TensorList sb, at::IntArrayRef bits,
+                 at::IntArrayRef groups, int64_t dense_rows) {
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.dim() == 2, "x must be float32 (rows, K)");
+  const Tensor x = x_in.contiguous();
+  const int64_t M = x.size(0), K = x.size(1);
+  const std::vector<Part> parts = parts_of(codes, sb, bits, groups, K);
+  const int64_t N = parts.back().col + parts.back().rows;
+  Tensor y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
+  if (M >= dense_rows) {  // a long prefill: dequantize blocks of rows once, then float32 GEMMs
+    for (const Part& p : parts) {
+      const int64_t block = std::max<int64_t>(64, (int64_t{8} << 20) / (4 * K));
+      for (int64_t n0 = 0; n0 < p.rows; n0 += block) {
+        const int64_t n1 = std::min(p.rows, n0 + block);
+        Tensor w = at::empty({n1 - n0, K}, x.options());
+        at::parallel_for(n0, n1, 16, [&](int64_t a, int64_t b) {
+          dequantize_rows(p, a, b, K, w.data_ptr<float>() + (a - n0) * K);
+        });
+        y.narrow(1, p.col + n0, n1 - n0).copy_(at::mm(x, w.t()));
+      }
+    }
+    return y;
+  }
+  // the sums of x over each part's groups, (M, K / group)
+  std::vector<std::vector<float>> sums;
+  for (const Part& p : parts) {
+    std::vector<float> s(M * p.groups, 0.0f);
+    const float* xp = x.data_ptr<float>();
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t g = 0; g < p.groups; ++g) {
+        float t = 0;
+        for (int64_t j = 0; j < p.group; ++j) t += xp[m * K + g * p.group + j];
+        s[m * p.groups + g] = t;
+      }
+    sums.push_back(std::move(s));
+  }
+  at::parallel_for(0, N, 8, [&](int64_t a, int64_t b) {
+    for (size_t i = 0; i < parts.size(); ++i) {
+      const Part& p = parts[i];
+      const int64_t lo = std::max(a, p.col), hi = std::min(b, p.col + p.rows);
+      if (lo < hi)
+        part_rows(p, lo - p.col, hi - p.col, x.data_ptr<float>(), sums[i].data(), M, K, y.data_ptr<float>(), N);
+    }
+  });
+  return y;
+}
+
+// MLX's packing (rows, K*bits/32 uint32: code j at bits [j*bits, (j+1)*bits) of the row) -> planes.
+Tensor affine_planes(const Tensor& weight, int64_t bits) {
+  TORCH_CHECK(bits >= 2 && bits <= 8 && bits != 7, "bits must be 2, 3, 4, 5, 6 or 8, not ", bits);
+  const Tensor w = weight.contiguous().view(at::kByte);
+  const int64_t rows = w.size(0), row_bytes = w.size(1), K = row_bytes * 8 / bits;
+  TORCH_CHECK(K % BLOCK == 0, "the input width must be a multiple of ", BLOCK);
+  Tensor out = at::empty({rows, row_bytes}, w.options());
+  const uint8_t* src = w.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  const int64_t step = 4 * bits;  // bytes of 32 codes, in either packing
+  at::parallel_for(0, rows, 64, [&](int64_t a, int64_t b) {
+    uint8_t buf[40];
+    int32_t c[BLOCK];
+    for (int64_t r = a; r < b; ++r)
+      for (int64_t k = 0; k < K; k += BLOCK) {
+        const int64_t at_byte = r * row_bytes + k / BLOCK * step;
+        std::memset(buf, 0, sizeof(buf));
+        std::memcpy(buf, src + at_byte, step);
+        for (int j = 0; j < BLOCK; ++j) {
+          uint64_t word;
+          std::memcpy(&word, buf + j * bits / 8, 8);
+          c[j] = static_cast<int32_t>((word >> (j * bits % 8)) & ((1u << bits) - 1));
+        }
+        uint8_t* o = dst + at_byte;
+        if (bits == 8) {
+          for (int j = 0; j < BLOCK; ++j) o[j] = static_cast<uint8_t>(c[j]);
+          continue;
+        }
+        const int first = bits >= 4 ? 4 : 0;
+        if (bits >= 4) {
+          for (int j = 0; j < 16; ++j) o[j] = static_cast<uint8_t>((c[j] & 15) | ((c[j + 16] & 15) << 4));
+          o += 16;
+        }
+        for (int kk = 0; kk < bits - first; ++kk) {
+          uint32_t mask = 0;
+          for (int j = 0; j < BLOCK; ++j) mask |= static_cast<uint32_t>((c[j] >> (first + kk)) & 1) << j;
+          std::memcpy(o + 4 * kk, &mask, 4);
+        }
+      }
+  });
+  return out;
+}
+
+Tensor affine_dequantize(const Tensor& codes, const Tensor& sb, int64_t bits, int64_t group) {
+  const int64_t K = codes.size(1) * 8 / bits;
+  const std::vector<Part> parts = parts_of({codes}, {sb}, {bits}, {group}, K);
+  Tensor w = at::empty({codes.size(0), K}, codes.options().dtype(at::kFloat));
+  at::parallel_for(0, codes.size(0), 16, [&](int64_t a, int64_t b) {
+    dequantize_rows(parts[0], a, b, K, w.data_ptr<float>() + a * K);
+  });
+  return w;
+}
+
+}  // namespace umakit
+
+TORCH_LIBRARY_FRAGMENT(umakit, m) {
+  m.def("affine_mm(Tensor x, Tensor[] codes, Tensor[] sb, int[] bits, int[] groups, int dense_rows) -> Tensor");
+  m.def("affine_planes(Tensor weight, int bits) -> Tensor");
+  m.def("affine_dequantize(Tensor codes, Tensor sb, int bits, int group) -> Tensor");
+  m.impl("affine_mm", c10::DispatchKey::CPU, TORCH_FN(umakit::affine_mm));
+  m.impl("affine_planes", c10::DispatchKey::CPU, TORCH_FN(umakit::affine_planes));
+  m.impl("affine_dequantize", c10::DispatchKey::CPU, TORCH_FN(umakit::affine_dequantize));
+}
