@@ -1,15 +1,16 @@
-"""A prompt's prefill on torch-CPU's default (the int4 form), three ways, for where the paths cross over.
+"""A prompt's prefill on torch-CPU's default (the packed form), three ways, for where the paths cross over.
 
     python benchmarks/prefill_rows.py [--model FILE.gguf] [--windows 60] [--lengths 8 32 64 128 256 512]
 
 The same prompt into the same engine (``--dtype auto`` on a CPU whose torch kernels are built for AVX-512):
 
-- ``int4 kernel``: the engine's forward pass, every layer on torch's int4 kernel (which dequantizes each weight
-  once per input row);
-- ``dequantize + GEMM``: the forward pass, each layer's weight dequantized once per call for one bfloat16 GEMM;
+- ``packed kernel``: the engine's forward pass, every layer on the CPU default's kernel (umakit's affine kernel,
+  which decodes each weight once per four input rows; torch's int4 kernel where that is not built, once per row);
+- ``dequantize + GEMM``: the forward pass, each layer's weight dequantized once per call for one GEMM (float32
+  for the affine kernel, bfloat16 for the int4 one);
 - ``fused rows``: each token run as its own fused decode step, all in one C++ call.
 
-The engine takes the first from `crossover.DENSE_ROWS` rows down and the second from there up. For each way it
+The engine takes the first below `crossover.AFFINE_DENSE_ROWS` (or `DENSE_ROWS`) rows and the second from there up. For each way it
 reports the time of a prefill of ``--lengths`` tokens (best of ``--repeat``, the ways alternating in one
 process), and, over ``--windows`` random windows of 33-90 tokens of Jane Austen's novels (seeded; 0 skips this),
 how often the next token's argmax after that prefill (its last token run as a decode step, as `generate` does)
@@ -35,16 +36,17 @@ import umakit
 from umakit.backends.torch import crossover
 
 OUT = Path(__file__).parent / "out" / "prefill_rows.md"
-WAYS = ("int4 kernel", "dequantize + GEMM", "fused rows")
+WAYS = ("packed kernel", "dequantize + GEMM", "fused rows")
 
 
 @contextlib.contextmanager
 def dense_from(rows: int):
-    old, crossover.DENSE_ROWS = crossover.DENSE_ROWS, rows
+    old = crossover.DENSE_ROWS, crossover.AFFINE_DENSE_ROWS
+    crossover.DENSE_ROWS = crossover.AFFINE_DENSE_ROWS = rows
     try:
         yield
     finally:
-        crossover.DENSE_ROWS = old
+        crossover.DENSE_ROWS, crossover.AFFINE_DENSE_ROWS = old
 
 
 def prefill(engine, ids: list[int], way: str):
@@ -54,7 +56,7 @@ def prefill(engine, ids: list[int], way: str):
         if way == "fused rows":
             engine._fused.prefill(torch.tensor(ids), cache)
         else:
-            with dense_from(10**9 if way == "int4 kernel" else 1), engine.eager():  # the forward pass alone
+            with dense_from(10**9 if way == "packed kernel" else 1), engine.eager():  # the forward pass alone
                 engine.prefill(ids, cache)
     return cache
 
@@ -105,7 +107,7 @@ def main() -> None:
     model = umakit.load(args.model, backend="torch", device="cpu")
     engine = model.engine
     if engine._fused is None:
-        raise SystemExit("the fused CPU decode step is off here (no AVX-512 int4 kernels, or no C++ build)")
+        raise SystemExit("the fused CPU decode step is off here (no AVX-512, or no C++ build)")
     scores = agreement(model, args) if args.windows else {}
 
     times: dict[str, dict[int, float]] = {w: {} for w in WAYS}
@@ -122,8 +124,8 @@ def main() -> None:
                 times[way][n] = min(times[way].get(n, spent), spent)
 
     lines = [f"Measured {date.today()} on {platform.machine()}, {args.threads} threads, {model.info.name} "
-             f"({model.info.weights.quantization}); the engine's forward takes the int4 kernel below "
-             f"{crossover.DENSE_ROWS} rows.", "",
+             f"({model.info.weights.quantization}); the engine's forward takes the packed kernel below "
+             f"{crossover.AFFINE_DENSE_ROWS} rows (the affine kernel; {crossover.DENSE_ROWS} for the int4 one).", "",
              "| prefill | " + " | ".join(f"{n} tokens (ms)" for n in args.lengths)
              + (f" | argmax = float32's ({args.windows} windows) | mean KL from float32 |" if scores else " |"),
              "|---|" + "---:|" * (len(args.lengths) + (2 if scores else 0))]

@@ -24,7 +24,7 @@ from umakit.backends.torch.quant import forms
 from umakit.backends.torch.cuda import matvec  # noqa: E402
 
 N, K = 97, 384  # N: not a multiple of any BLOCK_N; K: of every group size but not of BLOCK_K 256 or 512
-BITS = (2, 4, 8)
+BITS = (2, 3, 4, 5, 6, 8)
 GROUPS = (32, 64, 128)
 HALF = (torch.float16, torch.bfloat16)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -134,6 +134,9 @@ def test_linear_layer_one_token_fused_and_many_dequantized(results, dtype, token
     (4, torch.float16, "TritonAffineLinear"),
     (8, torch.bfloat16, "TritonAffineLinear"),
     (2, torch.float32, "TritonAffineLinear"),
+    (5, torch.bfloat16, "TritonAffineLinear"),  # a GGUF's Q5_0/Q5_K layers
+    (6, torch.float16, "TritonAffineLinear"),
+    (3, torch.bfloat16, "TritonAffineLinear"),
 ])
 def test_cuda_forms_chosen_with_triton_installed(bits, dtype, kind):
     m = layer(bits, 64, torch.float16, rows=96, cols=256)

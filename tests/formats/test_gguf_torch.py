@@ -1,11 +1,16 @@
 """Every architecture of the GGUF import list runs on the default engine (torch on this CPU), as transformers
 runs the same GGUF file."""
 
+import itertools
+
 import numpy as np
 import pytest
 
 import umakit
-from support.gguf_files import EXACT_LAYERS, IDS, hf_forward, write_gguf
+from support.gguf_files import EXACT_LAYERS, IDS, LLAMA_FTYPES, hf_forward, llama_quantize, write_gguf
+from support.markers import LLAMA_PYTHON, requires_llama_quantizer
+from umakit.backends.torch.cpu import affine_kernel as affine
+from umakit.generate.sampling import SamplingParams
 from gguf import GGMLQuantizationType as T
 from umakit.checkpoint.gguf import import_gguf
 from umakit.checkpoint.gguf.arch import SPECS
@@ -24,3 +29,46 @@ def test_imported_gguf_runs_on_the_default_engine(arch, tmp_path, monkeypatch):
     assert (model.info.backend, model.info.device) == ("torch", "cpu")
     ours, ref = model.logits(IDS), hf_forward(src, IDS)
     assert np.abs(ours - ref).max() < 1e-4 * max(1.0, np.abs(ref).max()), np.abs(ours - ref).max()
+
+
+FLOAT_LAYER = dict(attn_q=T.F16, attn_k=T.F16, attn_v=T.F16, attn_output=T.F16, ffn_gate=T.F16, ffn_up=T.F16,
+                   ffn_down=T.F16)
+
+
+@pytest.fixture(scope="module")
+def float_gguf(tmp_path_factory):
+    """A tiny qwen2 (biases, a tied table) in float16, rows multiples of 256 so K-quants apply."""
+    return write_gguf(tmp_path_factory.mktemp("f16") / "tiny.F16.gguf", "qwen2", layers=[FLOAT_LAYER] * 2,
+                      tied=True, embed=T.F16)
+
+
+@requires_llama_quantizer
+@pytest.mark.parametrize("ftype", sorted(LLAMA_FTYPES))
+def test_files_quantized_by_llama_cpp_run_packed_as_transformers_reads_them(ftype, float_gguf, tmp_path,
+                                                                            monkeypatch):
+    """Each common type as llama.cpp's quantizer makes it (K-quant mixes with Q6_K and Q8_0 tensors among them):
+    imported, run on the default engine's packed kernels, against transformers' float32 reading of the file.
+    Tolerance: exact types differ by float16 scales (K-quants) and float32 sums; Q6_K tensors are re-quantized
+    to 8 bits (an eighth of a Q6_K step)."""
+    from umakit import backends
+
+    monkeypatch.setattr(backends, "is_apple_silicon", lambda: False)
+    monkeypatch.setattr(backends, "_cuda_available", lambda: False)
+    src = llama_quantize(LLAMA_PYTHON, float_gguf, tmp_path / f"tiny.{ftype}.gguf", ftype)
+    report = import_gguf(src, tmp_path / "out")
+    lossy = {t.from_type for t in report.lossy_tensors}
+    assert lossy <= {"Q6_K"}, lossy
+    model = umakit.load(tmp_path / "out")
+    kinds = {type(m).__name__ for m in model.engine.model.modules()}
+    if affine.available():
+        assert "AffineLinear" in kinds and "Linear" not in kinds, kinds  # every layer packed, none dequantized
+    tolerance = 0.02 if lossy else 2e-3
+    ours, ref = model.logits(IDS), hf_forward(src, IDS)
+    assert np.abs(ours - ref).max() <= tolerance * np.abs(ref).max()
+    # greedy tokens: each one transformers' argmax too, wherever its top two are further apart than the tolerance
+    stream = model.engine.generate_tokens(IDS, model.engine.make_cache(), SamplingParams(temperature=0))
+    tokens = list(itertools.islice(stream, 6))
+    ref = hf_forward(src, IDS + tokens[:-1])[len(IDS) - 1:]
+    for token, row in zip(tokens, ref, strict=True):
+        top2 = np.sort(row)[-2:]
+        assert token == row.argmax() or top2[1] - top2[0] <= 2 * tolerance * np.abs(row).max()

@@ -188,3 +188,23 @@ def hf_name_of(name, arch):
 
 
 IDS = [1, 40, 120, 260, 7, 99, 3, 270, 15, 200, 31]
+
+
+# llama.cpp's LLAMA_FTYPE_MOSTLY_* numbers of the types users download most
+LLAMA_FTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18}
+_QUANTIZE = """
+import sys, llama_cpp
+p = llama_cpp.llama_model_quantize_default_params()
+p.ftype, p.nthread = int(sys.argv[3]), 1
+sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), p))
+"""
+
+
+def llama_quantize(llama_python, src, dst, ftype: str):
+    """``src`` (a float GGUF) quantized by llama.cpp's own quantizer to ``ftype``, with its default mix per tensor."""
+    import subprocess
+
+    run = subprocess.run([llama_python, "-c", _QUANTIZE, str(src), str(dst), str(LLAMA_FTYPES[ftype])],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return Path(dst)

@@ -1,4 +1,5 @@
-"""The CUDA decode's fused dequantize-matvec, in Triton, for the layers torch's int4 kernels do not take.
+"""The CUDA decode's fused dequantize-matvec, in Triton, for the layers torch's int4 kernels do not take: every
+width MLX stores (2, 3, 4, 5, 6, 8 bits), read in MLX's own packing.
 
 Nothing here touches CUDA or imports Triton at import time, so the module
 imports on any machine. Its logic is tested without a GPU: `affine_matvec`
@@ -47,7 +48,6 @@ def _build_kernels():
     def matvec(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, K, WORDS, GROUPS,
                BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         # y[n] = sum_k x[k] * (s[n, k // GROUP] * q[n, k] + b[n, k // GROUP]), accumulated in float32.
-        PER_WORD: tl.constexpr = 32 // BITS
         pid = tl.program_id(0)
         rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
         row_ok = rows < N
@@ -55,9 +55,17 @@ def _build_kernels():
         for k0 in range(0, K, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)  # (BLOCK_K,)
             ok = row_ok[:, None] & (cols < K)[None, :]
-            # Each packed word is loaded PER_WORD times; the repeats hit L1.
-            words = tl.load(w_ptr + rows[:, None] * WORDS + (cols // PER_WORD)[None, :], mask=ok, other=0)
-            q = (words >> ((cols % PER_WORD) * BITS)[None, :]) & ((1 << BITS) - 1)  # int32 words: mask drops sign bits
+            if 32 % BITS == 0:  # 2, 4, 8 bits: a code never straddles two words
+                # Each packed word is loaded 32 // BITS times; the repeats hit L1.
+                words = tl.load(w_ptr + rows[:, None] * WORDS + (cols // (32 // BITS))[None, :], mask=ok, other=0)
+                q = (words >> ((cols % (32 // BITS)) * BITS)[None, :]) & ((1 << BITS) - 1)  # mask drops sign bits
+            else:  # 3, 5, 6 bits: a code may straddle two words, read as one 64-bit little-endian pair
+                at = cols * BITS
+                word = rows[:, None] * WORDS + (at // 32)[None, :]
+                lo = tl.load(w_ptr + word, mask=ok, other=0).to(tl.int64) & 0xFFFFFFFF
+                more = ok & ((at // 32 + 1) < WORDS)[None, :]
+                hi = tl.load(w_ptr + word + 1, mask=more, other=0).to(tl.int64) & 0xFFFFFFFF
+                q = (((hi << 32) | lo) >> (at % 32)[None, :]) & ((1 << BITS) - 1)
             g = rows[:, None] * GROUPS + (cols // GROUP)[None, :]
             s = tl.load(s_ptr + g, mask=ok, other=0.0).to(tl.float32)
             b = tl.load(b_ptr + g, mask=ok, other=0.0).to(tl.float32)

@@ -27,13 +27,15 @@ def cuda_linear(m: QuantizedLinear, dtype: torch.dtype) -> nn.Module:
     """The fastest CUDA form of ``m`` within float tolerance of dequantize-then-matmul in ``dtype``.
 
     4-bit in bfloat16: torch's tinygemm int4 kernels, after an exact repack.
-    Otherwise (8 or 2 bits, float16 or float32 compute, odd shapes): the Triton
-    kernel (cuda/matvec.py) for decode, dequantize + cuBLAS for prefill.
+    Otherwise (2, 3, 5, 6 or 8 bits, float16 or float32 compute, odd shapes):
+    the Triton kernel (cuda/matvec.py) for decode, dequantize + cuBLAS for
+    prefill. Never run on a GPU here: the kernel's logic is tested under
+    Triton's interpreter on CPU (tests/engines/test_triton_cpu.py).
     """
     device = m.weight.device
     if dtype == torch.bfloat16 and m.bits == 4 and Int4PackLinear.supports(m, device):
         return Int4PackLinear(m, device)
-    if triton_kernel() is not None and m.bits in (2, 4, 8):
+    if triton_kernel() is not None and m.bits in affine.KERNEL_BITS:
         return TritonAffineLinear(m, dtype)
     return dense(m, dtype)
 
