@@ -35,6 +35,7 @@ import json
 import math
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -268,7 +269,9 @@ def main() -> None:
     if args.worker:
         fn = {"llama.cpp": worker_llama, "hf": worker_hf, "mlx-lm": worker_mlx_lm}.get(args.worker, worker_umakit)
         fn = worker_first_token if args.first_only else fn
-        print(json.dumps(fn(args, args.t0)))
+        out = fn(args, args.t0)
+        out["peak"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # the whole process, Linux's KiB
+        print(json.dumps(out))
         return
 
     import umakit
@@ -321,21 +324,23 @@ def render(runs: dict[str, list[dict]], args, model: str, load_before, load_afte
         *notes,
         "",
         "| engine | weights | decode tok/s | prefill tok/s (512) | start to first token s | MB read/token | "
-        f"GB/s | perplexity ({args.corpus}), prompt | vs float32 | perplexity, decode steps | vs float32 |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"GB/s | peak RSS MB | perplexity ({args.corpus}), prompt | vs float32 | perplexity, decode steps | "
+        "vs float32 |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for e, rs in runs.items():
         if not rs:
-            lines.append(f"| {e} | failed | | | | | | | | | |")
+            lines.append(f"| {e} | failed | | | | | | | | | | |")
             continue
-        med = {k: statistics.median(r[k] for r in rs) for k in ("decode", "prefill", "first", "bytes")}
+        med = {k: statistics.median(r[k] for r in rs) for k in ("decode", "prefill", "first", "bytes", "peak")}
         cells = []
         for key in ("nll", "nll_step"):
             nll, base = rs[0].get(key), ref.get(key)
             cells.append(f"{math.exp(nll):.3f}" if nll is not None else "n/a")
             cells.append(f"{100 * (math.exp(nll - base) - 1):+.2f}%" if nll is not None and base is not None else "n/a")
         lines.append(f"| {e} | {rs[0]['weights']} | {med['decode']:.1f} | {med['prefill']:.0f} | {med['first']:.2f} | "
-                     f"{med['bytes'] / 1e6:.0f} | {med['bytes'] * med['decode'] / 1e9:.1f} | {' | '.join(cells)} |")
+                     f"{med['bytes'] / 1e6:.0f} | {med['bytes'] * med['decode'] / 1e9:.1f} | {med['peak'] / 1e6:.0f} | "
+                     f"{' | '.join(cells)} |")
     return "\n".join(lines)
 
 

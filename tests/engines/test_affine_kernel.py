@@ -1,9 +1,13 @@
 """umakit's CPU affine kernel (cpu/affine_kernel.py, csrc/affine_mm.cpp) against dequantize-then-matmul in float32.
 
-Tolerance: the kernel multiplies the checkpoint's own codes, scales and biases in float32, in another order
-than a GEMM does, so the two agree to float32's rounding of sums of a few hundred products (1e-5 of the
-largest output here). Scales and biases are float16 in the kernel's planes: exact for these layers, whose
-scales are float16 as MLX checkpoints store them.
+Tolerance, per form of the inputs:
+- float32 inputs: the kernel multiplies the checkpoint's own codes, scales and biases in float32, in another
+  order than a GEMM does, so the two agree to float32's rounding of sums of a few hundred products (1e-5 of the
+  largest output here). Scales and biases are float16 in the kernel's planes: exact for these layers, whose
+  scales are float16 as MLX checkpoints store them.
+- bfloat16 inputs (layers of at most 6 bits, where the library is built with AVX512-BF16): each input rounded
+  to 8 significant bits, as torch's int4 kernel rounds them, so an output is off by at most 2^-9 of
+  sum_k |w_nk x_k| (bounded here by 2^-8 of the largest such sum); products and sums stay float32.
 """
 
 import pytest
@@ -19,6 +23,15 @@ pytestmark = pytest.mark.skipif(not build.ensure(), reason="the C++ library cann
 RELATIVE = 1e-5
 
 
+@pytest.fixture(params=["float32", "bfloat16"], autouse=True)
+def inputs(request, monkeypatch):
+    """Every test runs on both forms of the inputs the kernel has."""
+    if request.param == "bfloat16" and not torch.ops.umakit.affine_features() & 2:
+        pytest.skip("the library is not built with AVX512-BF16 here")
+    monkeypatch.setattr(affine, "bf16_inputs", lambda: request.param == "bfloat16")
+    return request.param
+
+
 def layer(rows: int, cols: int, bits: int, group: int, seed: int = 0, bias: bool = False) -> layout.QuantizedLinear:
     g = torch.Generator().manual_seed(seed)
     packed, s, b = layout.quantize(torch.randn(rows, cols, generator=g) * 0.05, bits, group)
@@ -28,7 +41,12 @@ def layer(rows: int, cols: int, bits: int, group: int, seed: int = 0, bias: bool
     return m
 
 
-def assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
+def assert_close(got: torch.Tensor, want: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bits: int) -> None:
+    """Within the tolerance of the inputs' form (see the module's docstring)."""
+    if affine.bf16_inputs() and bits <= 6:
+        size = F.linear(x.abs(), weight.abs())
+        assert ((got - want).abs() <= 2**-8 * size.max()).all()
+        return
     worst = (got - want).abs().max() / want.abs().max()
     assert worst <= RELATIVE, f"off by {worst:.3g} of the largest output"
 
@@ -49,7 +67,8 @@ def test_the_kernel_equals_dequantize_then_matmul(bits, group, rows):
     m = layer(72, 256, bits, group, bias=True)
     run = affine.AffineLinear([m])
     x = torch.randn(2, rows, 256)
-    assert_close(run(x), F.linear(x, m.dequantized(torch.float32), m.bias))
+    w = m.dequantized(torch.float32)
+    assert_close(run(x), F.linear(x, w, m.bias), x, w, bits if rows < crossover.AFFINE_DENSE_ROWS else 8)
 
 
 @pytest.mark.parametrize("bits", [3, 4, 5, 8])
@@ -70,7 +89,8 @@ def test_parts_of_different_widths_are_one_projection():
     x = torch.randn(3, 256)
     want = torch.cat([F.linear(x, m.dequantized(torch.float32), m.bias) for m in parts], dim=-1)
     assert run(x).shape == (3, 128)
-    assert_close(run(x), want)
+    weight = torch.cat([m.dequantized(torch.float32) for m in parts])
+    assert_close(run(x), want, x, weight, 6)
 
 
 def test_a_stored_packing_is_used_only_when_it_fits():
@@ -87,6 +107,32 @@ def test_bad_shapes_are_refused_with_a_reason():
     m = layer(16, 128, 4, 32)
     codes, sb = affine.planes(m)
     with pytest.raises(RuntimeError, match="bits must be"):
-        torch.ops.umakit.affine_mm(torch.randn(1, 128), [codes], [sb], [7], [32], 1 << 30)
+        torch.ops.umakit.affine_mm(torch.randn(1, 128), [codes], [sb], [7], [32], 1 << 30, affine.bf16_inputs())
     with pytest.raises(RuntimeError, match="codes must be"):
-        torch.ops.umakit.affine_mm(torch.randn(1, 96), [codes], [sb], [4], [32], 1 << 30)
+        torch.ops.umakit.affine_mm(torch.randn(1, 96), [codes], [sb], [4], [32], 1 << 30, affine.bf16_inputs())
+
+
+def symmetric_layer(rows: int, cols: int, bits: int, group: int) -> layout.QuantizedLinear:
+    """A GGUF-style symmetric layer (Q4_0, Q5_0, Q8_0): w = scale * (code - 2^(bits-1))."""
+    g = torch.Generator().manual_seed(7)
+    w = (torch.randn(rows, cols, generator=g) * 0.05).view(rows, cols // group, group)
+    half = 2 ** (bits - 1)
+    scales = (w.abs().amax(-1) / (half - 1)).half()
+    q = (w / scales.float()[..., None]).round().clamp(-half, half - 1) + half
+    m = layout.QuantizedLinear(cols, rows, False, bits, group, device="meta")
+    m.weight, m.scales = layout.pack(q.view(rows, cols).to(torch.uint8), bits), scales
+    m.biases = scales * -half
+    return m
+
+
+@pytest.mark.parametrize("bits", [4, 5, 8])
+def test_symmetric_layers_keep_their_scales_alone(bits):
+    """Half the scale bytes of a Q5_0 or Q8_0 layer; the biases recomputed exactly."""
+    m = symmetric_layer(64, 256, bits, 32)
+    codes, sb = affine.planes(m)
+    assert sb.shape == (64, 1, 8)
+    assert torch.equal(torch.ops.umakit.affine_dequantize(codes, sb, bits, 32), m.dequantized(torch.float32))
+    x = torch.randn(3, 256)
+    w = m.dequantized(torch.float32)
+    assert_close(affine.AffineLinear([m])(x), F.linear(x, w), x, w, bits)
+    assert not affine.symmetric(layer(64, 256, bits, 32))  # min-max groups keep both

@@ -29,16 +29,30 @@ def available() -> bool:
     return torch.backends.cpu.get_cpu_capability() == "AVX512" and build.ensure()
 
 
+def bf16_inputs() -> bool:
+    """Whether the kernel's parts of at most 6 bits multiply x rounded to bfloat16, by AVX512-BF16's dot products
+    (vdpbf16ps: two products a lane, no int-to-float conversion): where the library is built with them. Measured
+    on Qwen2.5-0.5B's 5-bit projections: see `available`'s module docstring; the inputs are rounded as torch's int4
+    kernel rounds them (8 significant bits), the products and sums stay float32."""
+    return bool(torch.ops.umakit.affine_features() & 2)
+
+
 def supports(m: QuantizedLinear) -> bool:
     return m.bits in KERNEL_BITS and m.in_features % BLOCK == 0 and m.group_size % BLOCK == 0
 
 
+def symmetric(m: QuantizedLinear) -> bool:
+    """Whether every bias of ``m`` is -2^(bits-1) times its scale (a GGUF's Q4_0, Q5_0 and Q8_0 blocks): then the
+    kernel reads the scales alone and recomputes the biases, exactly."""
+    return torch.equal(m.biases.float(), m.scales.float() * -(2 ** (m.bits - 1)))
+
+
 def planes(m: QuantizedLinear) -> tuple[torch.Tensor, torch.Tensor]:
-    """``m``'s codes in the kernel's planes, (out, in * bits / 8) uint8, and its float16 (out, 2, groups) scales
-    and biases."""
+    """``m``'s codes in the kernel's planes, (out, in * bits / 8) uint8, and its float16 scales and biases,
+    (out, 2, groups), or its scales alone, (out, 1, groups), where it is `symmetric`."""
     codes = torch.ops.umakit.affine_planes(m.weight.contiguous(), m.bits)
-    sb = torch.stack([m.scales, m.biases], dim=1).to(torch.float16).contiguous()
-    return codes, sb
+    kept = [m.scales] if symmetric(m) else [m.scales, m.biases]
+    return codes, torch.stack(kept, dim=1).to(torch.float16).contiguous()
 
 
 class AffineLinear(nn.Module):
@@ -68,7 +82,7 @@ class AffineLinear(nn.Module):
         groups = m.in_features // m.group_size
         return (codes is not None and sb is not None and codes.dtype == torch.uint8 and sb.dtype == torch.float16
                 and tuple(codes.shape) == (m.out_features, m.in_features * m.bits // 8)
-                and tuple(sb.shape) == (m.out_features, 2, groups))
+                and tuple(sb.shape) == (m.out_features, 1 if symmetric(m) else 2, groups))
 
     def packing(self) -> dict[str, torch.Tensor]:
         """What `load/packed.py` keeps of this layer, by name."""
@@ -83,7 +97,24 @@ class AffineLinear(nn.Module):
         shape, dtype = x.shape[:-1], x.dtype
         codes, sb = self.parts
         y = torch.ops.umakit.affine_mm(x.reshape(-1, self.in_features).float(), codes, sb, self.bits, self.groups,
-                                       crossover.AFFINE_DENSE_ROWS)
+                                       crossover.AFFINE_DENSE_ROWS, bf16_inputs())
         if self.bias is not None:
             y = y + self.bias
         return y.to(dtype).view(*shape, self.out_features)
+
+
+class AffineEmbedding(nn.Module):
+    """A tied table's lookups read from its output head's planes: the table is held once, as the head reads it."""
+
+    def __init__(self, head: AffineLinear, dtype: torch.dtype):
+        super().__init__()
+        assert len(head.bits) == 1, "a table is one part"
+        self.head, self.dtype = [head], dtype  # a list: the head stays the model's own module, not a child here
+        self.bits, self.group = head.bits[0], head.groups[0]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        head = self.head[0]
+        flat = ids.reshape(-1)
+        rows = torch.ops.umakit.affine_dequantize(head.codes0[flat].contiguous(), head.sb0[flat].contiguous(),
+                                                  self.bits, self.group)
+        return rows.to(self.dtype).view(*ids.shape, -1)

@@ -39,7 +39,7 @@ from umakit.core.home import home_dir
 NAME = "umakit_fused"  # the library cpp_extension builds (its ops register as torch.ops.umakit)
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = (CSRC / "fused_decode.cpp", CSRC / "affine_mm.cpp")
-FLAGS = ("-O3", "-w")
+FLAGS = ("-O3", "-w", "-fopenmp")  # OpenMP: at::parallel_for is inline, so threads only where it is compiled so
 _AVX2_FLAGS = ("-mavx2", "-mfma", "-mf16c")  # for the loops, where torch itself found AVX2 (or AVX-512)
 _AVX512_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")  # the affine kernel's, where torch found them
 LOG = "build.log"
@@ -60,7 +60,18 @@ def flags() -> list[str]:
     x86 = platform.machine() in ("x86_64", "AMD64")
     capability = torch.backends.cpu.get_cpu_capability() if x86 else ""
     arch = _AVX2_FLAGS if capability in ("AVX2", "AVX512") else ()
-    return [*FLAGS, *arch, *(_AVX512_FLAGS if capability == "AVX512" else ())]
+    wide = _AVX512_FLAGS if capability == "AVX512" else ()
+    bf16 = ("-mavx512bf16",) if wide and "avx512_bf16" in _cpu_flags() else ()  # the affine kernel's dot products
+    return [*FLAGS, *arch, *wide, *bf16]
+
+
+def _cpu_flags() -> set[str]:
+    """This CPU's feature flags as Linux lists them (empty where it does not)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
 
 
 def build_dir(cxx: str) -> Path:
@@ -119,7 +130,8 @@ def _build(cxx: str, ninja: str, where: Path, log: Path) -> tuple[bool, str]:
 
     try:
         with _building(cxx, ninja):
-            cpp_extension.load(NAME, [str(s) for s in SOURCES], extra_cflags=flags(), build_directory=str(where),
+            cpp_extension.load(NAME, [str(s) for s in SOURCES], extra_cflags=flags(), extra_ldflags=["-fopenmp"],
+                               build_directory=str(where),
                                is_python_module=False, verbose=False)
     except (RuntimeError, OSError, subprocess.SubprocessError, ValueError) as e:
         output = [getattr(e, k, None) for k in ("output", "stderr")]  # a compiler check's own words

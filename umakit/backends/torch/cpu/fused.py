@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from umakit.backends.torch.cpu import affine_kernel
 from umakit.backends.torch.cpu.affine_kernel import AffineLinear
 from umakit.backends.torch.model.llama import MLP, RMSNorm, Transformer
 from umakit.backends.torch.quant.kernels import Int4PackLinear
@@ -103,7 +104,8 @@ class FusedDecoder:
     def _layers(self, tokens: torch.Tensor, positions: list[int], rows: list[int], k: torch.Tensor,
                 v: torch.Tensor, head: bool = True) -> torch.Tensor | None:
         x = self.model._embed(tokens)
-        x = torch.ops.umakit.decode_layers(x, self.inv_freq, positions, rows, k, v, *self.weights, *self.shape)
+        x = torch.ops.umakit.decode_layers(x, self.inv_freq, positions, rows, k, v, *self.weights, *self.shape,
+                                           affine_kernel.bf16_inputs())
         return self.model._head(x)[:, -1] if head else None
 
 

@@ -26,6 +26,7 @@ from umakit.backends.torch import quant
 from umakit.backends.torch.quant.forms import convert_model, cpu_auto_dtype
 from umakit.backends.torch.model.llama import ModelArgs, Transformer, fuse_projections, rope_inv_freq
 from umakit.backends.torch.model.moe import Experts, expert_slot, stacked_shapes
+from umakit.backends.torch.cpu.affine_kernel import AffineEmbedding, AffineLinear
 from umakit.backends.torch.load.packed import PackedCache
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -151,6 +152,8 @@ def build_model(args: ModelArgs, config: dict, shapes: dict, source, device: tor
         target = host if on_host else device
         if t.is_floating_point() and not name.endswith((".scales", ".biases")):
             t = t.to(device=target, dtype=dtype)
+        if t.device.type == "cpu" and t.numel() * t.element_size() < SMALL:
+            t = t.clone()  # a norm or a bias held in place would keep the whole checkpoint's map resident
         if slot is not None:
             _assign_expert(model, *slot, t.to(target))
         else:
@@ -176,8 +179,14 @@ def build_model(args: ModelArgs, config: dict, shapes: dict, source, device: tor
     if tied and isinstance(embed, quant.QuantizedEmbedding) and isinstance(model.lm_head, nn.Linear):
         # The tied head was dequantized: look rows up in it and drop the packed table.
         model.model.embed_tokens = nn.Embedding.from_pretrained(model.lm_head.weight, freeze=True)
+    elif tied and isinstance(embed, quant.QuantizedEmbedding) and isinstance(model.lm_head, AffineLinear):
+        # the head's planes serve the lookups too: the table is held once
+        model.model.embed_tokens = AffineEmbedding(model.lm_head, embed.out_dtype)
     model.inv_freq = rope_inv_freq(args).to(device)
     return model.eval()
+
+
+SMALL = 1 << 20  # bytes: tensors under this are copied out of the checkpoint's map, not held in it
 
 
 def layer_of(name: str) -> int | None:

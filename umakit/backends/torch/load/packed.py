@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save
 
 from umakit.errors import WriteError
 from umakit.core.fsutil import atomic_file
@@ -79,7 +79,7 @@ class PackedCache:
             return
         try:
             with atomic_file(self.path, "wb") as f:
-                f.write(_aligned_file(save({k: v.contiguous() for k, v in layers.items()})))
+                _write(f, layers)
         except WriteError:
             return  # a cache: the next load repacks
         # older keys' packings of the same checkpoint go
@@ -90,16 +90,28 @@ class PackedCache:
                     old.unlink()
 
 
-def _aligned_file(data: bytes) -> bytes:
-    """A safetensors file whose data starts at a multiple of `ALIGNMENT` (its header padded with spaces, as the
+_DTYPES = {torch.uint8: "U8", torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32",
+           torch.int32: "I32"}
+
+
+def _write(f, tensors: dict[str, torch.Tensor]) -> None:
+    """``tensors`` as a safetensors file, written a tensor at a time (never the whole file in memory: it is as
+    large as the model), its data starting at a multiple of `ALIGNMENT` (the header padded with spaces, as the
     format allows), so every tensor whose offset is one too is read in place, at the boundary, from the map."""
-    n = int.from_bytes(data[:8], "little")
-    pad = -(8 + n) % ALIGNMENT
-    return (n + pad).to_bytes(8, "little") + data[8:8 + n] + b" " * pad + data[8 + n:]
+    header, offset = {}, 0
+    for name, t in tensors.items():
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-(8 + len(text)) % ALIGNMENT)
+    f.write(len(text).to_bytes(8, "little") + text)
+    for t in tensors.values():
+        f.write(t.detach().contiguous().view(-1).view(torch.uint8).numpy().data)
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
     """``t`` at a 64-byte boundary, as torch allocates it: the int4 kernel read a packing 15-20% slower
     off the boundary (measured on the default model). The packing's sizes are multiples of 64 bytes, so
-    from `_aligned_file`'s files this is the mapped tensor itself; otherwise a copy."""
+    from `_write`'s files this is the mapped tensor itself; otherwise a copy."""
     return t if t.data_ptr() % ALIGNMENT == 0 else t.clone()

@@ -19,6 +19,9 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define UMAKIT_AVX512 1
+#if defined(__AVX512BF16__)
+#define UMAKIT_BF16 1
+#endif
 #endif
 
 namespace {
@@ -28,6 +31,16 @@ using at::Tensor;
 
 constexpr int64_t BLOCK = 32;  // weights a block of the planes holds
 constexpr int64_t TILE = 4;    // rows of x that share one decoding of a weight block
+#ifdef UMAKIT_AVX512
+constexpr bool kAVX512 = true;
+#else
+constexpr bool kAVX512 = false;
+#endif
+#ifdef UMAKIT_BF16
+constexpr bool kBF16 = true;
+#else
+constexpr bool kBF16 = false;
+#endif
 
 inline uint32_t load32(const uint8_t* p) {
   uint32_t w;
@@ -59,12 +72,25 @@ inline void codes_of(const uint8_t* p, int bits, int32_t* out) {
   }
 }
 
-// One part of a layer: (rows, K) weights in planes, their float16 (rows, 2, groups) scales and biases.
+void to_floats(const Half* h, float* f, int64_t n);
+
+// One part of a layer: (rows, K) weights in planes, their float16 (rows, 2, groups) scales and biases, or
+// (rows, 1, groups) scales alone where every bias is -2^(bits-1) times its scale (a symmetric layer: a GGUF's
+// Q4_0, Q5_0, Q8_0), which the kernel recomputes exactly instead of reading.
 struct Part {
   const uint8_t* codes;
   const Half* sb;
-  int64_t rows, bits, group, groups, row_bytes, col;  // col: where its outputs start in y
+  int64_t rows, bits, group, groups, row_bytes, col, planes;  // col: where its outputs start in y; planes: 1 or 2
 };
+
+// A row's scales and biases as float32, into sb (2 * groups): scales, then biases.
+void row_scales(const Part& p, int64_t n, float* sb) {
+  to_floats(p.sb + n * p.planes * p.groups, sb, p.planes * p.groups);
+  if (p.planes == 1) {
+    const float offset = -static_cast<float>(int64_t{1} << (p.bits - 1));
+    for (int64_t g = 0; g < p.groups; ++g) sb[p.groups + g] = offset * sb[g];
+  }
+}
 
 void to_floats(const Half* h, float* f, int64_t n) {
 #ifdef UMAKIT_AVX512
@@ -105,12 +131,17 @@ inline void decode(const uint8_t* p, __m512& f0, __m512& f1) {
   f1 = _mm512_cvtepi32_ps(v1);
 }
 
-// Outputs of one weight row for TM rows of x; each x row's arithmetic is the same whatever TM is.
+// Outputs of one weight row for TM rows of x; each x row's arithmetic is the same whatever TM is. Each row
+// keeps CHAINS accumulators, group g adding to chain g % CHAINS, so consecutive groups' scale multiplies do not
+// wait on each other (one chain held a row to a group per FMA latency).
+constexpr int CHAINS = 4;
+
 template <int BITS, int TM>
 void dot_rows(const Part& p, const uint8_t* codes, const float* scale, const float* bias, const float* x,
               const float* xsum, int64_t K, float* y, int64_t ldy) {
-  __m512 acc[TM];
-  for (int m = 0; m < TM; ++m) acc[m] = _mm512_setzero_ps();
+  __m512 acc[TM][CHAINS];
+  for (int m = 0; m < TM; ++m)
+    for (int c = 0; c < CHAINS; ++c) acc[m][c] = _mm512_setzero_ps();
   const int64_t blocks = p.group / BLOCK;
   const uint8_t* c = codes;
   for (int64_t g = 0, k = 0; g < p.groups; ++g) {
@@ -125,7 +156,7 @@ void dot_rows(const Part& p, const uint8_t* codes, const float* scale, const flo
       }
     }
     const __m512 s = _mm512_set1_ps(scale[g]);
-    for (int m = 0; m < TM; ++m) acc[m] = _mm512_fmadd_ps(d[m], s, acc[m]);
+    for (int m = 0; m < TM; ++m) acc[m][g % CHAINS] = _mm512_fmadd_ps(d[m], s, acc[m][g % CHAINS]);
   }
   for (int m = 0; m < TM; ++m) {
     __m512 t = _mm512_setzero_ps();
@@ -134,7 +165,8 @@ void dot_rows(const Part& p, const uint8_t* codes, const float* scale, const flo
       t = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, bias + g), _mm512_maskz_loadu_ps(mk, xsum + m * p.groups + g),
                           t);
     }
-    y[m * ldy] = _mm512_reduce_add_ps(acc[m]) + _mm512_reduce_add_ps(t);
+    const __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]), _mm512_add_ps(acc[m][2], acc[m][3]));
+    y[m * ldy] = _mm512_reduce_add_ps(sum) + _mm512_reduce_add_ps(t);
   }
 }
 
@@ -148,6 +180,78 @@ void tiles(const Part& p, const uint8_t* codes, const float* scale, const float*
     case 3: dot_rows<BITS, 3>(p, codes, scale, bias, x + m * K, xsum + m * p.groups, K, y + m * ldy, ldy); break;
     case 2: dot_rows<BITS, 2>(p, codes, scale, bias, x + m * K, xsum + m * p.groups, K, y + m * ldy, ldy); break;
     case 1: dot_rows<BITS, 1>(p, codes, scale, bias, x + m * K, xsum + m * p.groups, K, y + m * ldy, ldy); break;
+    default: break;
+  }
+}
+#endif
+
+#ifdef UMAKIT_BF16
+// 32 codes (at most 6 bits) as the bfloat16 values 128 + code: 0x4300 is 128's bits, and a code below 128 is
+// exactly its mantissa, so no conversion instruction is needed; the 128s come off with the biases.
+template <int BITS>
+inline __m512bh decode_bf16(const uint8_t* p) {
+  const __m256i magic = _mm256_set1_epi16(0x4300);
+  __m512i w;
+  if constexpr (BITS >= 4) {
+    const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m256i lo = _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi16(15)), magic);
+    const __m256i hi = _mm256_or_si256(_mm256_srli_epi16(v, 4), magic);
+    w = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+  } else {
+    w = _mm512_set1_epi16(0x4300);
+  }
+  constexpr int FIRST = BITS >= 4 ? 4 : 0;
+  const uint8_t* masks = p + (BITS >= 4 ? 16 : 0);
+  for (int k = 0; k < BITS - FIRST; ++k)  // the bit is clear before: adding sets it
+    w = _mm512_mask_add_epi16(w, static_cast<__mmask32>(load32(masks + 4 * k)), w,
+                              _mm512_set1_epi16(static_cast<int16_t>(1 << (FIRST + k))));
+  return reinterpret_cast<__m512bh>(w);
+}
+
+// dot_rows with x rounded to bfloat16 (xb) and the products summed by vdpbf16ps, pairs of weights at a time;
+// xsum holds the sums of the rounded x. y = sum_g s_g * sum_j (128 + q_j) x_j + (b_g - 128 s_g) * xsum_g.
+template <int BITS, int TM>
+void dot_rows_bf16(const Part& p, const uint8_t* codes, const float* scale, const float* bias, const uint16_t* xb,
+                   const float* xsum, int64_t K, float* y, int64_t ldy) {
+  __m512 acc[TM][CHAINS];
+  for (int m = 0; m < TM; ++m)
+    for (int c = 0; c < CHAINS; ++c) acc[m][c] = _mm512_setzero_ps();
+  const int64_t blocks = p.group / BLOCK;
+  const uint8_t* c = codes;
+  for (int64_t g = 0, k = 0; g < p.groups; ++g) {
+    __m512 d[TM];
+    for (int m = 0; m < TM; ++m) d[m] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b, k += BLOCK, c += 4 * BITS) {
+      const __m512bh w = decode_bf16<BITS>(c);
+      for (int m = 0; m < TM; ++m)
+        d[m] = _mm512_dpbf16_ps(d[m], w, reinterpret_cast<__m512bh>(_mm512_loadu_si512(xb + m * K + k)));
+    }
+    const __m512 s = _mm512_set1_ps(scale[g]);
+    for (int m = 0; m < TM; ++m) acc[m][g % CHAINS] = _mm512_fmadd_ps(d[m], s, acc[m][g % CHAINS]);
+  }
+  const __m512 minus128 = _mm512_set1_ps(-128.0f);
+  for (int m = 0; m < TM; ++m) {
+    __m512 t = _mm512_setzero_ps();
+    for (int64_t g = 0; g < p.groups; g += 16) {
+      const __mmask16 mk = p.groups - g >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (p.groups - g)) - 1);
+      const __m512 b = _mm512_fmadd_ps(minus128, _mm512_maskz_loadu_ps(mk, scale + g), _mm512_maskz_loadu_ps(mk, bias + g));
+      t = _mm512_fmadd_ps(b, _mm512_maskz_loadu_ps(mk, xsum + m * p.groups + g), t);
+    }
+    const __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]), _mm512_add_ps(acc[m][2], acc[m][3]));
+    y[m * ldy] = _mm512_reduce_add_ps(sum) + _mm512_reduce_add_ps(t);
+  }
+}
+
+template <int BITS>
+void tiles_bf16(const Part& p, const uint8_t* codes, const float* scale, const float* bias, const uint16_t* xb,
+                const float* xsum, int64_t M, int64_t K, float* y, int64_t ldy) {
+  int64_t m = 0;
+  for (; m + TILE <= M; m += TILE)
+    dot_rows_bf16<BITS, TILE>(p, codes, scale, bias, xb + m * K, xsum + m * p.groups, K, y + m * ldy, ldy);
+  switch (M - m) {
+    case 3: dot_rows_bf16<BITS, 3>(p, codes, scale, bias, xb + m * K, xsum + m * p.groups, K, y + m * ldy, ldy); break;
+    case 2: dot_rows_bf16<BITS, 2>(p, codes, scale, bias, xb + m * K, xsum + m * p.groups, K, y + m * ldy, ldy); break;
+    case 1: dot_rows_bf16<BITS, 1>(p, codes, scale, bias, xb + m * K, xsum + m * p.groups, K, y + m * ldy, ldy); break;
     default: break;
   }
 }
@@ -175,14 +279,28 @@ void dot_rows_scalar(const Part& p, const uint8_t* codes, const float* scale, co
   }
 }
 
-void part_rows(const Part& p, int64_t n0, int64_t n1, const float* x, const float* xsum, int64_t M, int64_t K,
-               float* y, int64_t ldy) {
+// Rows [n0, n1) of a part. With xb (x rounded to bfloat16; xsum then sums the rounded x) parts of at most 6 bits
+// take the bfloat16 dot products.
+void part_rows(const Part& p, int64_t n0, int64_t n1, const float* x, const uint16_t* xb, const float* xsum,
+               int64_t M, int64_t K, float* y, int64_t ldy) {
   std::vector<float> sb(2 * p.groups);
   for (int64_t n = n0; n < n1; ++n) {
-    to_floats(p.sb + n * 2 * p.groups, sb.data(), 2 * p.groups);
+    row_scales(p, n, sb.data());
     const float *scale = sb.data(), *bias = sb.data() + p.groups;
     const uint8_t* codes = p.codes + n * p.row_bytes;
     float* out = y + p.col + n;
+#ifdef UMAKIT_BF16
+    if (xb != nullptr) {
+      switch (p.bits) {
+        case 2: tiles_bf16<2>(p, codes, scale, bias, xb, xsum, M, K, out, ldy); continue;
+        case 3: tiles_bf16<3>(p, codes, scale, bias, xb, xsum, M, K, out, ldy); continue;
+        case 4: tiles_bf16<4>(p, codes, scale, bias, xb, xsum, M, K, out, ldy); continue;
+        case 5: tiles_bf16<5>(p, codes, scale, bias, xb, xsum, M, K, out, ldy); continue;
+        case 6: tiles_bf16<6>(p, codes, scale, bias, xb, xsum, M, K, out, ldy); continue;
+        default: break;
+      }
+    }
+#endif
 #ifdef UMAKIT_AVX512
     switch (p.bits) {
       case 2: tiles<2>(p, codes, scale, bias, x, xsum, M, K, out, ldy); continue;
@@ -203,7 +321,7 @@ void dequantize_rows(const Part& p, int64_t n0, int64_t n1, int64_t K, float* w)
   std::vector<float> sb(2 * p.groups);
   int32_t q[BLOCK];
   for (int64_t n = n0; n < n1; ++n) {
-    to_floats(p.sb + n * 2 * p.groups, sb.data(), 2 * p.groups);
+    row_scales(p, n, sb.data());
     const uint8_t* c = p.codes + n * p.row_bytes;
     float* row = w + (n - n0) * K;
     for (int64_t k = 0; k < K; k += BLOCK, c += 4 * p.bits) {
@@ -227,9 +345,11 @@ std::vector<Part> parts_of(at::TensorList codes, at::TensorList sb, at::IntArray
     TORCH_CHECK(g % BLOCK == 0 && K % g == 0, "group ", g, " must be a multiple of 32 dividing ", K);
     TORCH_CHECK(codes[i].scalar_type() == at::kByte && codes[i].is_contiguous() && codes[i].dim() == 2 &&
                     codes[i].size(1) == K * b / 8, "part ", i, ": codes must be contiguous uint8 (rows, K*bits/8)");
-    TORCH_CHECK(sb[i].scalar_type() == at::kHalf && sb[i].is_contiguous() && sb[i].numel() == rows * 2 * (K / g),
-                "part ", i, ": scales and biases must be contiguous float16 (rows, 2, K/group)");
-    parts.push_back({codes[i].data_ptr<uint8_t>(), sb[i].data_ptr<Half>(), rows, b, g, K / g, K * b / 8, col});
+    const int64_t planes = sb[i].dim() == 3 ? sb[i].size(1) : 0;
+    TORCH_CHECK(sb[i].scalar_type() == at::kHalf && sb[i].is_contiguous() && (planes == 1 || planes == 2) &&
+                    sb[i].size(0) == rows && sb[i].size(2) == K / g,
+                "part ", i, ": scales and biases must be contiguous float16 (rows, 2 or 1, K/group)");
+    parts.push_back({codes[i].data_ptr<uint8_t>(), sb[i].data_ptr<Half>(), rows, b, g, K / g, K * b / 8, col, planes});
     col += rows;
   }
   return parts;
@@ -240,7 +360,7 @@ std::vector<Part> parts_of(at::TensorList codes, at::TensorList sb, at::IntArray
 namespace umakit {
 
 Tensor affine_mm(const Tensor& x_in, at::TensorList codes, at::TensorList sb, at::IntArrayRef bits,
-                 at::IntArrayRef groups, int64_t dense_rows) {
+                 at::IntArrayRef groups, int64_t dense_rows, bool bf16_inputs) {
   TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.dim() == 2, "x must be float32 (rows, K)");
   const Tensor x = x_in.contiguous();
   const int64_t M = x.size(0), K = x.size(1);
@@ -262,11 +382,17 @@ Tensor affine_mm(const Tensor& x_in, at::TensorList codes, at::TensorList sb, at
     }
     return y;
   }
-  // the sums of x over each part's groups, (M, K / group)
+  // x rounded to bfloat16 where parts take the bfloat16 dot products (as torch rounds: to nearest, ties to even)
+  const bool round = bf16_inputs && kBF16;
+  const Tensor xr = round ? x.to(at::kBFloat16) : Tensor();
+  const Tensor xs = round ? xr.to(at::kFloat) : x;  // the values the products see
+  // per part: whether it takes the bfloat16 products, and the sums of what it multiplies over its groups (M, K/group)
+  std::vector<bool> rounded;
   std::vector<std::vector<float>> sums;
   for (const Part& p : parts) {
+    rounded.push_back(round && p.bits <= 6);
+    const float* xp = (rounded.back() ? xs : x).data_ptr<float>();
     std::vector<float> s(M * p.groups, 0.0f);
-    const float* xp = x.data_ptr<float>();
     for (int64_t m = 0; m < M; ++m)
       for (int64_t g = 0; g < p.groups; ++g) {
         float t = 0;
@@ -275,16 +401,20 @@ Tensor affine_mm(const Tensor& x_in, at::TensorList codes, at::TensorList sb, at
       }
     sums.push_back(std::move(s));
   }
+  const uint16_t* xb = round ? reinterpret_cast<const uint16_t*>(xr.data_ptr<at::BFloat16>()) : nullptr;
   at::parallel_for(0, N, 8, [&](int64_t a, int64_t b) {
     for (size_t i = 0; i < parts.size(); ++i) {
       const Part& p = parts[i];
       const int64_t lo = std::max(a, p.col), hi = std::min(b, p.col + p.rows);
       if (lo < hi)
-        part_rows(p, lo - p.col, hi - p.col, x.data_ptr<float>(), sums[i].data(), M, K, y.data_ptr<float>(), N);
+        part_rows(p, lo - p.col, hi - p.col, x.data_ptr<float>(), rounded[i] ? xb : nullptr, sums[i].data(), M, K,
+                  y.data_ptr<float>(), N);
     }
   });
   return y;
 }
+
+int64_t affine_features() { return (kAVX512 ? 1 : 0) | (kBF16 ? 2 : 0); }
 
 // MLX's packing (rows, K*bits/32 uint32: code j at bits [j*bits, (j+1)*bits) of the row) -> planes.
 Tensor affine_planes(const Tensor& weight, int64_t bits) {
@@ -342,10 +472,13 @@ Tensor affine_dequantize(const Tensor& codes, const Tensor& sb, int64_t bits, in
 }  // namespace umakit
 
 TORCH_LIBRARY_FRAGMENT(umakit, m) {
-  m.def("affine_mm(Tensor x, Tensor[] codes, Tensor[] sb, int[] bits, int[] groups, int dense_rows) -> Tensor");
+  m.def("affine_mm(Tensor x, Tensor[] codes, Tensor[] sb, int[] bits, int[] groups, int dense_rows, "
+        "bool bf16_inputs) -> Tensor");
+  m.def("affine_features() -> int");
   m.def("affine_planes(Tensor weight, int bits) -> Tensor");
   m.def("affine_dequantize(Tensor codes, Tensor sb, int bits, int group) -> Tensor");
   m.impl("affine_mm", c10::DispatchKey::CPU, TORCH_FN(umakit::affine_mm));
   m.impl("affine_planes", c10::DispatchKey::CPU, TORCH_FN(umakit::affine_planes));
+  m.impl("affine_features", c10::DispatchKey::CatchAll, TORCH_FN(umakit::affine_features));
   m.impl("affine_dequantize", c10::DispatchKey::CPU, TORCH_FN(umakit::affine_dequantize));
 }
