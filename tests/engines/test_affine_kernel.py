@@ -8,6 +8,10 @@ Tolerance, per form of the inputs:
 - bfloat16 inputs (layers of at most 6 bits, where the library is built with AVX512-BF16): each input rounded
   to 8 significant bits, as torch's int4 kernel rounds them, so an output is off by at most 2^-9 of
   sum_k |w_nk x_k| (bounded here by 2^-8 of the largest such sum); products and sums stay float32.
+- int8 inputs (where the library is built with AVX512-VNNI): x in blocks of 32, each scaled to +-127 and
+  rounded (llama.cpp's Q8_0), so input k is off by at most max|x| of its block / 254, and an output by at most
+  sum_k |scale_nk * (code_nk - 2^(bits-1))| * that (the codes centred; the biases meet exact sums of x);
+  products and sums are exact in int32.
 """
 
 import pytest
@@ -23,13 +27,17 @@ pytestmark = pytest.mark.skipif(not build.ensure(), reason="the C++ library cann
 RELATIVE = 1e-5
 
 
-@pytest.fixture(params=["float32", "bfloat16"], autouse=True)
+FORMS = {"float32": (affine.FLOAT32, 0), "bfloat16": (affine.BFLOAT16, 2), "int8": (affine.INT8, 4)}
+
+
+@pytest.fixture(params=sorted(FORMS), autouse=True)
 def inputs(request, monkeypatch):
-    """Every test runs on both forms of the inputs the kernel has."""
-    if request.param == "bfloat16" and not torch.ops.umakit.affine_features() & 2:
-        pytest.skip("the library is not built with AVX512-BF16 here")
-    monkeypatch.setattr(affine, "bf16_inputs", lambda: request.param == "bfloat16")
-    return request.param
+    """Every test runs on every form of the inputs the kernel is built for here."""
+    form, feature = FORMS[request.param]
+    if feature and not torch.ops.umakit.affine_features() & feature:
+        pytest.skip(f"the library is not built for {request.param} inputs here")
+    monkeypatch.setattr(affine, "inputs", lambda: form)
+    return form
 
 
 def layer(rows: int, cols: int, bits: int, group: int, seed: int = 0, bias: bool = False) -> layout.QuantizedLinear:
@@ -41,11 +49,22 @@ def layer(rows: int, cols: int, bits: int, group: int, seed: int = 0, bias: bool
     return m
 
 
-def assert_close(got: torch.Tensor, want: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bits: int) -> None:
-    """Within the tolerance of the inputs' form (see the module's docstring)."""
-    if affine.bf16_inputs() and bits <= 6:
+def assert_close(got: torch.Tensor, want: torch.Tensor, x: torch.Tensor, parts: list, exact: bool = False) -> None:
+    """Within the tolerance of the inputs' form (see the module's docstring); ``exact``: float32 whatever the form
+    (a GEMM's rows)."""
+    form = affine.FLOAT32 if exact else affine.inputs()
+    if form == affine.BFLOAT16:
+        weight = torch.cat([m.dequantized(torch.float32) for m in parts])
         size = F.linear(x.abs(), weight.abs())
-        assert ((got - want).abs() <= 2**-8 * size.max()).all()
+        bf16 = torch.tensor([m.bits <= 6 for m in parts for _ in range(m.out_features)])
+        assert ((got - want).abs() <= torch.where(bf16, 2**-8 * size.max(), RELATIVE * want.abs().max())).all()
+        return
+    if form == affine.INT8:
+        codes = torch.cat([layout.dequantize(m.weight, m.scales, m.scales * -(2 ** (m.bits - 1)), m.bits,
+                                             m.group_size) for m in parts])  # scale * (code - 2^(bits-1))
+        block = x.abs().unflatten(-1, (-1, 32)).amax(-1, keepdim=True).expand(*x.shape[:-1], -1, 32).flatten(-2)
+        bound = F.linear(block, codes.abs()) / 254
+        assert ((got - want).abs() <= bound * 1.001 + RELATIVE * want.abs().max()).all()
         return
     worst = (got - want).abs().max() / want.abs().max()
     assert worst <= RELATIVE, f"off by {worst:.3g} of the largest output"
@@ -67,8 +86,8 @@ def test_the_kernel_equals_dequantize_then_matmul(bits, group, rows):
     m = layer(72, 256, bits, group, bias=True)
     run = affine.AffineLinear([m])
     x = torch.randn(2, rows, 256)
-    w = m.dequantized(torch.float32)
-    assert_close(run(x), F.linear(x, w, m.bias), x, w, bits if rows < crossover.AFFINE_DENSE_ROWS else 8)
+    assert_close(run(x), F.linear(x, m.dequantized(torch.float32), m.bias), x, [m],
+                 exact=rows >= crossover.AFFINE_DENSE_ROWS)
 
 
 @pytest.mark.parametrize("bits", [3, 4, 5, 8])
@@ -89,8 +108,7 @@ def test_parts_of_different_widths_are_one_projection():
     x = torch.randn(3, 256)
     want = torch.cat([F.linear(x, m.dequantized(torch.float32), m.bias) for m in parts], dim=-1)
     assert run(x).shape == (3, 128)
-    weight = torch.cat([m.dequantized(torch.float32) for m in parts])
-    assert_close(run(x), want, x, weight, 6)
+    assert_close(run(x), want, x, parts)
 
 
 def test_a_stored_packing_is_used_only_when_it_fits():
@@ -107,9 +125,9 @@ def test_bad_shapes_are_refused_with_a_reason():
     m = layer(16, 128, 4, 32)
     codes, sb = affine.planes(m)
     with pytest.raises(RuntimeError, match="bits must be"):
-        torch.ops.umakit.affine_mm(torch.randn(1, 128), [codes], [sb], [7], [32], 1 << 30, affine.bf16_inputs())
+        torch.ops.umakit.affine_mm(torch.randn(1, 128), [codes], [sb], [7], [32], 1 << 30, affine.inputs())
     with pytest.raises(RuntimeError, match="codes must be"):
-        torch.ops.umakit.affine_mm(torch.randn(1, 96), [codes], [sb], [4], [32], 1 << 30, affine.bf16_inputs())
+        torch.ops.umakit.affine_mm(torch.randn(1, 96), [codes], [sb], [4], [32], 1 << 30, affine.inputs())
 
 
 def symmetric_layer(rows: int, cols: int, bits: int, group: int) -> layout.QuantizedLinear:
@@ -133,6 +151,5 @@ def test_symmetric_layers_keep_their_scales_alone(bits):
     assert sb.shape == (64, 1, 8)
     assert torch.equal(torch.ops.umakit.affine_dequantize(codes, sb, bits, 32), m.dequantized(torch.float32))
     x = torch.randn(3, 256)
-    w = m.dequantized(torch.float32)
-    assert_close(affine.AffineLinear([m])(x), F.linear(x, w), x, w, bits)
+    assert_close(affine.AffineLinear([m])(x), F.linear(x, m.dequantized(torch.float32)), x, [m])
     assert not affine.symmetric(layer(64, 256, bits, 32))  # min-max groups keep both

@@ -29,12 +29,14 @@ def available() -> bool:
     return torch.backends.cpu.get_cpu_capability() == "AVX512" and build.ensure()
 
 
-def bf16_inputs() -> bool:
-    """Whether the kernel's parts of at most 6 bits multiply x rounded to bfloat16, by AVX512-BF16's dot products
-    (vdpbf16ps: two products a lane, no int-to-float conversion): where the library is built with them. Measured
-    on Qwen2.5-0.5B's 5-bit projections: see `available`'s module docstring; the inputs are rounded as torch's int4
-    kernel rounds them (8 significant bits), the products and sums stay float32."""
-    return bool(torch.ops.umakit.affine_features() & 2)
+FLOAT32, BFLOAT16, INT8 = 0, 1, 2  # the forms the kernel multiplies x in (csrc/affine.h)
+
+
+def inputs() -> int:
+    """The form the kernel multiplies x in, the fastest this library is built for: int8 blocks of 32 (AVX512-VNNI),
+    else bfloat16 (AVX512-BF16; layers of at most 6 bits), else float32. See the module's docstring."""
+    features = torch.ops.umakit.affine_features()
+    return INT8 if features & 4 else BFLOAT16 if features & 2 else FLOAT32
 
 
 def supports(m: QuantizedLinear) -> bool:
@@ -97,7 +99,7 @@ class AffineLinear(nn.Module):
         shape, dtype = x.shape[:-1], x.dtype
         codes, sb = self.parts
         y = torch.ops.umakit.affine_mm(x.reshape(-1, self.in_features).float(), codes, sb, self.bits, self.groups,
-                                       crossover.AFFINE_DENSE_ROWS, bf16_inputs())
+                                       crossover.AFFINE_DENSE_ROWS, inputs())
         if self.bias is not None:
             y = y + self.bias
         return y.to(dtype).view(*shape, self.out_features)

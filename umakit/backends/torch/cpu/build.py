@@ -61,8 +61,9 @@ def flags() -> list[str]:
     capability = torch.backends.cpu.get_cpu_capability() if x86 else ""
     arch = _AVX2_FLAGS if capability in ("AVX2", "AVX512") else ()
     wide = _AVX512_FLAGS if capability == "AVX512" else ()
-    bf16 = ("-mavx512bf16",) if wide and "avx512_bf16" in _cpu_flags() else ()  # the affine kernel's dot products
-    return [*FLAGS, *arch, *wide, *bf16]
+    # the affine kernel's dot products, where this CPU has them
+    dots = [f"-m{f.replace('_', '')}" for f in ("avx512_bf16", "avx512_vnni") if wide and f in _cpu_flags()]
+    return [*FLAGS, *arch, *wide, *dots]
 
 
 def _cpu_flags() -> set[str]:

@@ -105,7 +105,7 @@ class FusedDecoder:
                 v: torch.Tensor, head: bool = True) -> torch.Tensor | None:
         x = self.model._embed(tokens)
         x = torch.ops.umakit.decode_layers(x, self.inv_freq, positions, rows, k, v, *self.weights, *self.shape,
-                                           affine_kernel.bf16_inputs())
+                                           affine_kernel.inputs())
         return self.model._head(x)[:, -1] if head else None
 
 

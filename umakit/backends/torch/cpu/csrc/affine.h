@@ -15,13 +15,14 @@ namespace umakit {
 
 // (M, K) float32 times the concatenated parts (each (N_p, K) in planes) -> (M, sum N_p) float32. Below
 // `dense_rows` rows every output row is a dot product of its own, so each row of x gets the bits it gets
-// alone; from `dense_rows` rows on, blocks of weights are dequantized once for a float32 GEMM. With
-// `bf16_inputs`, where the library is built with AVX512-BF16, parts of at most 6 bits multiply x rounded to
-// bfloat16 (as torch's int4 kernel does), by vdpbf16ps; otherwise x is multiplied as it is, in float32.
+// alone; from `dense_rows` rows on, blocks of weights are dequantized once for a float32 GEMM. `inputs`: the
+// form x is multiplied in below that: 0, float32, as it is; 1, rounded to bfloat16 (as torch's int4 kernel
+// rounds it; parts of at most 6 bits, by AVX512-BF16's vdpbf16ps); 2, int8 in blocks of 32 with a float scale
+// each (llama.cpp's Q8_0; by AVX512-VNNI's vpdpbusd). A form the library is not built for is float32.
 at::Tensor affine_mm(const at::Tensor& x, at::TensorList codes, at::TensorList sb, at::IntArrayRef bits,
-                     at::IntArrayRef groups, int64_t dense_rows, bool bf16_inputs);
+                     at::IntArrayRef groups, int64_t dense_rows, int64_t inputs);
 
-// Bit 0: the AVX-512 loops are built; bit 1: the AVX512-BF16 ones too.
+// Bit 0: the AVX-512 loops are built; bit 1: the AVX512-BF16 ones; bit 2: the AVX512-VNNI ones.
 int64_t affine_features();
 
 }  // namespace umakit

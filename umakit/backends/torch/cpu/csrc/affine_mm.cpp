@@ -13,6 +13,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -21,6 +22,9 @@
 #define UMAKIT_AVX512 1
 #if defined(__AVX512BF16__)
 #define UMAKIT_BF16 1
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define UMAKIT_VNNI 1
 #endif
 #endif
 
@@ -41,6 +45,21 @@ constexpr bool kBF16 = true;
 #else
 constexpr bool kBF16 = false;
 #endif
+#ifdef UMAKIT_VNNI
+constexpr bool kVNNI = true;
+#else
+constexpr bool kVNNI = false;
+#endif
+constexpr int64_t FLOAT32 = 0, BFLOAT16 = 1, INT8 = 2;  // the forms x is multiplied in (affine.h)
+
+// x as the parts multiply it: as is; rounded to bfloat16; or in int8 blocks of 32, block b of row m being
+// dx[m * K / 32 + b] * xq[m * K + 32 b ...].
+struct Inputs {
+  const float* x;
+  const uint16_t* xb;
+  const int8_t* xq;
+  const float* dx;
+};
 
 inline uint32_t load32(const uint8_t* p) {
   uint32_t w;
@@ -257,6 +276,88 @@ void tiles_bf16(const Part& p, const uint8_t* codes, const float* scale, const f
 }
 #endif
 
+#ifdef UMAKIT_VNNI
+// The 32 codes of a block as unsigned bytes, in order.
+template <int BITS>
+inline __m256i codes_u8(const uint8_t* p) {
+  if constexpr (BITS == 8) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  __m256i v = _mm256_setzero_si256();
+  if constexpr (BITS >= 4) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), low = _mm_set1_epi8(15);
+    v = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), low), _mm_and_si128(b, low));
+  }
+  constexpr int FIRST = BITS >= 4 ? 4 : 0;
+  const uint8_t* masks = p + (BITS >= 4 ? 16 : 0);
+  for (int k = 0; k < BITS - FIRST; ++k)  // the bit is clear before: adding sets it
+    v = _mm256_mask_add_epi8(v, static_cast<__mmask32>(load32(masks + 4 * k)), v,
+                             _mm256_set1_epi8(static_cast<char>(1 << (FIRST + k))));
+  return v;
+}
+
+inline float hsum(__m256 v) {
+  const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+}
+
+// dot_rows with x in int8 blocks (Inputs): each block's 32 products summed in int32 by vpdpbusd (unsigned codes
+// times signed inputs), then scaled by the block's scale times the weights' group scale; the biases meet the
+// float32 sums of x. The error is that of the codes centred, (code - c) * (rounded x - x) with c = 2^(bits-1),
+// as llama.cpp's symmetric blocks have it, not code * (rounded x - x), twice as large: xdiff holds each group's
+// sum of x minus the sum of its rounded values, and c * scale * xdiff goes back in.
+template <int BITS, int TM>
+void dot_rows_i8(const Part& p, const uint8_t* codes, const float* scale, const float* bias, const int8_t* xq,
+                 const float* dx, const float* xsum, const float* xdiff, int64_t K, float* y, int64_t ldy) {
+  __m256 acc[TM][CHAINS];
+  for (int m = 0; m < TM; ++m)
+    for (int c = 0; c < CHAINS; ++c) acc[m][c] = _mm256_setzero_ps();
+  const int64_t blocks = K / BLOCK, per = p.group / BLOCK;
+  const uint8_t* c = codes;
+  for (int64_t b = 0; b < blocks; ++b, c += 4 * BITS) {
+    const __m256i q = codes_u8<BITS>(c);
+    const float s = scale[b / per];
+    for (int m = 0; m < TM; ++m) {
+      const __m256i x8 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + m * K + b * BLOCK));
+      const __m256i d = _mm256_dpbusd_epi32(_mm256_setzero_si256(), q, x8);
+      acc[m][b % CHAINS] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(s * dx[m * blocks + b]),
+                                           acc[m][b % CHAINS]);
+    }
+  }
+  const __m512 centre = _mm512_set1_ps(static_cast<float>(1 << (BITS - 1)));
+  for (int m = 0; m < TM; ++m) {
+    __m512 t = _mm512_setzero_ps();
+    for (int64_t g = 0; g < p.groups; g += 16) {
+      const __mmask16 mk = p.groups - g >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (p.groups - g)) - 1);
+      t = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, bias + g), _mm512_maskz_loadu_ps(mk, xsum + m * p.groups + g),
+                          t);
+      t = _mm512_fmadd_ps(_mm512_mul_ps(centre, _mm512_maskz_loadu_ps(mk, scale + g)),
+                          _mm512_maskz_loadu_ps(mk, xdiff + m * p.groups + g), t);
+    }
+    const __m256 sum = _mm256_add_ps(_mm256_add_ps(acc[m][0], acc[m][1]), _mm256_add_ps(acc[m][2], acc[m][3]));
+    y[m * ldy] = hsum(sum) + _mm512_reduce_add_ps(t);
+  }
+}
+
+template <int BITS>
+void tiles_i8(const Part& p, const uint8_t* codes, const float* scale, const float* bias, const Inputs& in,
+              const float* xsum, const float* xdiff, int64_t M, int64_t K, float* y, int64_t ldy) {
+  const int64_t blocks = K / BLOCK, G = p.groups;
+  int64_t m = 0;
+  for (; m + TILE <= M; m += TILE)
+    dot_rows_i8<BITS, TILE>(p, codes, scale, bias, in.xq + m * K, in.dx + m * blocks, xsum + m * G, xdiff + m * G,
+                            K, y + m * ldy, ldy);
+  switch (M - m) {
+    case 3: dot_rows_i8<BITS, 3>(p, codes, scale, bias, in.xq + m * K, in.dx + m * blocks, xsum + m * G,
+                                 xdiff + m * G, K, y + m * ldy, ldy); break;
+    case 2: dot_rows_i8<BITS, 2>(p, codes, scale, bias, in.xq + m * K, in.dx + m * blocks, xsum + m * G,
+                                 xdiff + m * G, K, y + m * ldy, ldy); break;
+    case 1: dot_rows_i8<BITS, 1>(p, codes, scale, bias, in.xq + m * K, in.dx + m * blocks, xsum + m * G,
+                                 xdiff + m * G, K, y + m * ldy, ldy); break;
+    default: break;
+  }
+}
+#endif
+
 // The same sums in plain C++, in the same order per x row (a different rounding from the AVX-512 lanes').
 void dot_rows_scalar(const Part& p, const uint8_t* codes, const float* scale, const float* bias, const float* x,
                      const float* xsum, int64_t M, int64_t K, float* y, int64_t ldy) {
@@ -279,18 +380,33 @@ void dot_rows_scalar(const Part& p, const uint8_t* codes, const float* scale, co
   }
 }
 
-// Rows [n0, n1) of a part. With xb (x rounded to bfloat16; xsum then sums the rounded x) parts of at most 6 bits
-// take the bfloat16 dot products.
-void part_rows(const Part& p, int64_t n0, int64_t n1, const float* x, const uint16_t* xb, const float* xsum,
-               int64_t M, int64_t K, float* y, int64_t ldy) {
+// Rows [n0, n1) of a part, x multiplied in `form` (Inputs; xsum sums what is multiplied, except in int8, where
+// it sums x itself).
+void part_rows(const Part& p, int64_t n0, int64_t n1, const Inputs& in, int64_t form, const float* xsum,
+               const float* xdiff, int64_t M, int64_t K, float* y, int64_t ldy) {
+  const float* x = in.x;
   std::vector<float> sb(2 * p.groups);
   for (int64_t n = n0; n < n1; ++n) {
     row_scales(p, n, sb.data());
     const float *scale = sb.data(), *bias = sb.data() + p.groups;
     const uint8_t* codes = p.codes + n * p.row_bytes;
     float* out = y + p.col + n;
+#ifdef UMAKIT_VNNI
+    if (form == INT8) {
+      switch (p.bits) {
+        case 2: tiles_i8<2>(p, codes, scale, bias, in, xsum, xdiff, M, K, out, ldy); continue;
+        case 3: tiles_i8<3>(p, codes, scale, bias, in, xsum, xdiff, M, K, out, ldy); continue;
+        case 4: tiles_i8<4>(p, codes, scale, bias, in, xsum, xdiff, M, K, out, ldy); continue;
+        case 5: tiles_i8<5>(p, codes, scale, bias, in, xsum, xdiff, M, K, out, ldy); continue;
+        case 6: tiles_i8<6>(p, codes, scale, bias, in, xsum, xdiff, M, K, out, ldy); continue;
+        case 8: tiles_i8<8>(p, codes, scale, bias, in, xsum, xdiff, M, K, out, ldy); continue;
+        default: break;
+      }
+    }
+#endif
 #ifdef UMAKIT_BF16
-    if (xb != nullptr) {
+    if (form == BFLOAT16) {
+      const uint16_t* xb = in.xb;
       switch (p.bits) {
         case 2: tiles_bf16<2>(p, codes, scale, bias, xb, xsum, M, K, out, ldy); continue;
         case 3: tiles_bf16<3>(p, codes, scale, bias, xb, xsum, M, K, out, ldy); continue;
@@ -332,6 +448,18 @@ void dequantize_rows(const Part& p, int64_t n0, int64_t n1, int64_t K, float* w)
   }
 }
 
+// Blocks of 32 floats as int8 and a scale each (max |x| / 127, rounded to nearest): llama.cpp's Q8_0.
+void quantize_rows(const float* x, int64_t blocks, int8_t* q, float* d) {
+  for (int64_t b = 0; b < blocks; ++b) {
+    const float* v = x + b * BLOCK;
+    float amax = 0;
+    for (int j = 0; j < BLOCK; ++j) amax = std::max(amax, std::fabs(v[j]));
+    d[b] = amax / 127.0f;
+    const float inv = amax > 0 ? 127.0f / amax : 0.0f;
+    for (int j = 0; j < BLOCK; ++j) q[b * BLOCK + j] = static_cast<int8_t>(std::nearbyint(v[j] * inv));
+  }
+}
+
 std::vector<Part> parts_of(at::TensorList codes, at::TensorList sb, at::IntArrayRef bits, at::IntArrayRef groups,
                            int64_t K) {
   TORCH_CHECK(!codes.empty() && codes.size() == sb.size() && codes.size() == bits.size() &&
@@ -360,7 +488,7 @@ std::vector<Part> parts_of(at::TensorList codes, at::TensorList sb, at::IntArray
 namespace umakit {
 
 Tensor affine_mm(const Tensor& x_in, at::TensorList codes, at::TensorList sb, at::IntArrayRef bits,
-                 at::IntArrayRef groups, int64_t dense_rows, bool bf16_inputs) {
+                 at::IntArrayRef groups, int64_t dense_rows, int64_t inputs) {
   TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.dim() == 2, "x must be float32 (rows, K)");
   const Tensor x = x_in.contiguous();
   const int64_t M = x.size(0), K = x.size(1);
@@ -382,39 +510,52 @@ Tensor affine_mm(const Tensor& x_in, at::TensorList codes, at::TensorList sb, at
     }
     return y;
   }
-  // x rounded to bfloat16 where parts take the bfloat16 dot products (as torch rounds: to nearest, ties to even)
-  const bool round = bf16_inputs && kBF16;
-  const Tensor xr = round ? x.to(at::kBFloat16) : Tensor();
-  const Tensor xs = round ? xr.to(at::kFloat) : x;  // the values the products see
-  // per part: whether it takes the bfloat16 products, and the sums of what it multiplies over its groups (M, K/group)
-  std::vector<bool> rounded;
-  std::vector<std::vector<float>> sums;
-  for (const Part& p : parts) {
-    rounded.push_back(round && p.bits <= 6);
-    const float* xp = (rounded.back() ? xs : x).data_ptr<float>();
-    std::vector<float> s(M * p.groups, 0.0f);
+  // the form each part multiplies x in: bfloat16 for at most 6 bits (128 + code must be exact), int8 for any
+  const int64_t form = inputs == BFLOAT16 && kBF16 ? BFLOAT16 : inputs == INT8 && kVNNI ? INT8 : FLOAT32;
+  std::vector<int64_t> forms;
+  for (const Part& p : parts) forms.push_back(form == BFLOAT16 && p.bits > 6 ? FLOAT32 : form);
+  const Tensor xr = form == BFLOAT16 ? x.to(at::kBFloat16) : Tensor();  // as torch rounds: to nearest, ties even
+  const Tensor xs = form == BFLOAT16 ? xr.to(at::kFloat) : x;  // the values the bfloat16 products see
+  std::vector<int8_t> xq(form == INT8 ? M * K : 0);
+  std::vector<float> dx(form == INT8 ? M * K / BLOCK : 0);
+  if (form == INT8) quantize_rows(x.data_ptr<float>(), M * K / BLOCK, xq.data(), dx.data());
+  const Inputs in{x.data_ptr<float>(),
+                  form == BFLOAT16 ? reinterpret_cast<const uint16_t*>(xr.data_ptr<at::BFloat16>()) : nullptr,
+                  xq.data(), dx.data()};
+  // the sums of what each part multiplies over its groups, (M, K / group); in int8, the sums of x less those of
+  // its rounded values too
+  std::vector<std::vector<float>> sums, diffs;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const Part& p = parts[i];
+    const float* xp = (forms[i] == BFLOAT16 ? xs : x).data_ptr<float>();
+    std::vector<float> s(M * p.groups, 0.0f), d(forms[i] == INT8 ? M * p.groups : 0, 0.0f);
     for (int64_t m = 0; m < M; ++m)
       for (int64_t g = 0; g < p.groups; ++g) {
-        float t = 0;
-        for (int64_t j = 0; j < p.group; ++j) t += xp[m * K + g * p.group + j];
+        float t = 0, r = 0;
+        for (int64_t j = 0; j < p.group; ++j) {
+          const int64_t k = m * K + g * p.group + j;
+          t += xp[k];
+          if (forms[i] == INT8) r += xp[k] - dx[k / BLOCK] * xq[k];
+        }
         s[m * p.groups + g] = t;
+        if (forms[i] == INT8) d[m * p.groups + g] = r;
       }
     sums.push_back(std::move(s));
+    diffs.push_back(std::move(d));
   }
-  const uint16_t* xb = round ? reinterpret_cast<const uint16_t*>(xr.data_ptr<at::BFloat16>()) : nullptr;
   at::parallel_for(0, N, 8, [&](int64_t a, int64_t b) {
     for (size_t i = 0; i < parts.size(); ++i) {
       const Part& p = parts[i];
       const int64_t lo = std::max(a, p.col), hi = std::min(b, p.col + p.rows);
       if (lo < hi)
-        part_rows(p, lo - p.col, hi - p.col, x.data_ptr<float>(), rounded[i] ? xb : nullptr, sums[i].data(), M, K,
+        part_rows(p, lo - p.col, hi - p.col, in, forms[i], sums[i].data(), diffs[i].data(), M, K,
                   y.data_ptr<float>(), N);
     }
   });
   return y;
 }
 
-int64_t affine_features() { return (kAVX512 ? 1 : 0) | (kBF16 ? 2 : 0); }
+int64_t affine_features() { return (kAVX512 ? 1 : 0) | (kBF16 ? 2 : 0) | (kVNNI ? 4 : 0); }
 
 // MLX's packing (rows, K*bits/32 uint32: code j at bits [j*bits, (j+1)*bits) of the row) -> planes.
 Tensor affine_planes(const Tensor& weight, int64_t bits) {
@@ -473,7 +614,7 @@ Tensor affine_dequantize(const Tensor& codes, const Tensor& sb, int64_t bits, in
 
 TORCH_LIBRARY_FRAGMENT(umakit, m) {
   m.def("affine_mm(Tensor x, Tensor[] codes, Tensor[] sb, int[] bits, int[] groups, int dense_rows, "
-        "bool bf16_inputs) -> Tensor");
+        "int inputs) -> Tensor");
   m.def("affine_features() -> int");
   m.def("affine_planes(Tensor weight, int bits) -> Tensor");
   m.def("affine_dequantize(Tensor codes, Tensor sb, int bits, int group) -> Tensor");

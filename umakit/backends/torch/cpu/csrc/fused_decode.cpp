@@ -48,8 +48,8 @@ struct Linear {
 constexpr int64_t INT4 = 0, INT4_SPLIT = 1, AFFINE = 2;
 
 // (B, K) float32 -> (B, N) float32, each row as it is alone.
-Tensor apply(const Linear& l, const Tensor& x, bool bf16_inputs) {
-  if (l.kind == AFFINE) return umakit::affine_mm(x, l.a, l.b, l.bits, l.groups, INT64_MAX, bf16_inputs);
+Tensor apply(const Linear& l, const Tensor& x, int64_t inputs) {
+  if (l.kind == AFFINE) return umakit::affine_mm(x, l.a, l.b, l.bits, l.groups, INT64_MAX, inputs);
   Tensor xb = x.to(at::kBFloat16);
   if (l.kind == INT4_SPLIT) xb = at::cat({xb, xb}, 1);
   return at::_weight_int4pack_mm_for_cpu(xb, l.a[0], l.groups[0], l.b[0]).to(at::kFloat);
@@ -86,7 +86,7 @@ std::vector<Linear> linears(at::TensorList ta, at::TensorList tb, at::IntArrayRe
 // tokens of one sequence the T steps.
 // Per layer l: norms[2l] (input), norms[2l+1] (post-attention); projections 4l + j for j = qkv, o, gate_up,
 // down, each of kinds[4l + j] with counts[4l + j] parts in ta/tb/bits/groups; qkv_bias[l] and qk_norms[2l],
-// [2l+1] when given (else empty lists); bf16_inputs: as the affine kernel's (affine.h).
+// [2l+1] when given (else empty lists); inputs: the affine kernel's form of x (affine.h).
 }  // namespace
 
 namespace umakit {
@@ -96,7 +96,7 @@ Tensor decode_layers(const Tensor& x_in, const Tensor& inv_freq, at::IntArrayRef
                      at::TensorList qk_norms, at::TensorList ta, at::TensorList tb, at::IntArrayRef kinds,
                      at::IntArrayRef counts, at::IntArrayRef bits, at::IntArrayRef groups, at::TensorList qkv_bias,
                      int64_t nh, int64_t nkv, int64_t hd, double eps, double scale, int64_t window,
-                     bool bf16_inputs) {
+                     int64_t inputs) {
   TORCH_CHECK(x_in.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat, "float32 activations only");
   TORCH_CHECK(k_cache.dim() == 5 && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "the cache must be contiguous, (layers, rows, kv heads, capacity, head dim)");
@@ -141,7 +141,7 @@ Tensor decode_layers(const Tensor& x_in, const Tensor& inv_freq, at::IntArrayRef
     const int64_t j = 4 * l;
     // attention
     for (int64_t b = 0; b < B; ++b) rms_norm(xp + b * H, norms[2 * l].data_ptr<float>(), H, eps, np_ + b * H);
-    Tensor qkv = apply(lin[j], normed, bf16_inputs);
+    Tensor qkv = apply(lin[j], normed, inputs);
     const float* bias = qkv_bias.empty() ? nullptr : qkv_bias[l].data_ptr<float>();
     float* kl = k_cache[l].data_ptr<float>();  // (R, nkv, capacity, hd)
     float* vl = v_cache[l].data_ptr<float>();
@@ -175,13 +175,13 @@ Tensor decode_layers(const Tensor& x_in, const Tensor& inv_freq, at::IntArrayRef
                        .contiguous();
       std::copy(out.data_ptr<float>(), out.data_ptr<float>() + nh * hd, attn.data_ptr<float>() + b * nh * hd);
     }
-    Tensor o = apply(lin[j + 1], attn, bf16_inputs);
+    Tensor o = apply(lin[j + 1], attn, inputs);
     const float* op = o.data_ptr<float>();
     for (int64_t i = 0; i < B * H; ++i) xp[i] += op[i];
 
     // MLP
     for (int64_t b = 0; b < B; ++b) rms_norm(xp + b * H, norms[2 * l + 1].data_ptr<float>(), H, eps, np_ + b * H);
-    Tensor gu = apply(lin[j + 2], normed, bf16_inputs);
+    Tensor gu = apply(lin[j + 2], normed, inputs);
     const int64_t inter = gu.size(1) / 2;
     Tensor act = at::empty({B, inter}, x.options());
     for (int64_t b = 0; b < B; ++b) {
@@ -189,7 +189,7 @@ Tensor decode_layers(const Tensor& x_in, const Tensor& inv_freq, at::IntArrayRef
       float* a = act.data_ptr<float>() + b * inter;
       for (int64_t i = 0; i < inter; ++i) a[i] = g[i] / (1.0f + std::exp(-g[i])) * g[inter + i];
     }
-    Tensor d = apply(lin[j + 3], act, bf16_inputs);
+    Tensor d = apply(lin[j + 3], act, inputs);
     const float* dp = d.data_ptr<float>();
     for (int64_t i = 0; i < B * H; ++i) xp[i] += dp[i];
   }
@@ -202,6 +202,6 @@ TORCH_LIBRARY(umakit, m) {
   m.def("decode_layers(Tensor x, Tensor inv_freq, int[] positions, int[] cache_rows, Tensor(a!) k_cache, "
         "Tensor(b!) v_cache, Tensor[] norms, Tensor[] qk_norms, Tensor[] ta, Tensor[] tb, int[] kinds, "
         "int[] counts, int[] bits, int[] groups, Tensor[] qkv_bias, int nh, int nkv, int hd, float eps, "
-        "float scale, int window, bool bf16_inputs) -> Tensor");
+        "float scale, int window, int inputs) -> Tensor");
   m.impl("decode_layers", c10::DispatchKey::CPU, TORCH_FN(umakit::decode_layers));
 }
