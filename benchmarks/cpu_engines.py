@@ -7,10 +7,12 @@ Every measurement runs in a fresh process, the engines in rotation (so a
 burst of load from elsewhere hits each alike), and the median of the repeats
 is reported. Engines: umakit torch-CPU as ``--dtype auto`` loads it and in
 each weight form (float32: dequantized once at load, exact; float16: FBGEMM's
-float16 weights, float32 math; bfloat16: torch's int4 kernels on an exact
-repack, bfloat16 inputs), umakit MLX-CPU, llama.cpp through llama-cpp-python
-on the same GGUF (run by ``--llama-python``, a separate venv; skipped with a
-note when absent), and Hugging Face transformers on the same GGUF dequantized
+float16 weights, float32 math; bfloat16: the packed kernels, per layer
+torch's int4 kernel or umakit's affine one), umakit MLX-CPU, llama.cpp through
+llama-cpp-python on the same GGUF (run by ``--llama-python``, a separate venv
+built for this machine; skipped with a note when absent; ``llama.cpp-avx2``:
+the same library built for AVX2 only, run by ``--llama-avx2``), and Hugging
+Face transformers on the same GGUF dequantized
 to float32, and mlx-lm on umakit's MLX import of the GGUF (the same 4-bit
 weights, mlx-community's layout).
 
@@ -18,7 +20,8 @@ Columns: decode tok/s (greedy, ``--tokens`` new tokens after a short prompt),
 prefill tok/s of a 512-token prompt, seconds from process start to the first
 token of a one-shot generation (the import already cached; umakit's in a
 process of its own, started as `umakit generate` starts it), weight bytes read
-per token, the bandwidth that implies, and perplexity on the first
+per token, the bandwidth that implies, the decode process's peak resident
+memory (VmHWM: Python, the library and the model), and perplexity on the first
 ``--ppl-tokens`` tokens of the Austen corpus (or ``--corpus wiki``, the
 Wikipedia leads), in windows of 512 each scored from its second token (one
 scoring for every engine, so llama.cpp's is comparable), as a change from umakit's float32 path, twice: as a prompt is
@@ -49,10 +52,12 @@ WINDOW = 512
 OUT = Path(__file__).parent / "out" / "cpu_engines.md"
 UMAKIT = {"torch-auto": ("torch", "auto"), "torch-float32": ("torch", "float32"),
           "torch-float16": ("torch", "float16"), "torch-bfloat16": ("torch", "bfloat16"), "mlx": ("mlx", "float32")}
-ENGINES = (*UMAKIT, "llama.cpp", "hf", "mlx-lm")
+ENGINES = (*UMAKIT, "llama.cpp", "llama.cpp-avx2", "hf", "mlx-lm")
 # llama-cpp-python built for this machine (GGML_NATIVE=ON), in a venv of its own: $LLAMA_PYTHON, or where the
 # peers are usually built
 LLAMA_PYTHON = os.environ.get("LLAMA_PYTHON") or str(Path.home() / ".cache" / "umakit-peers" / "venv" / "bin" / "python")
+# the same llama-cpp-python built for AVX2 only (GGML_NATIVE=OFF GGML_AVX2=ON GGML_AVX512=OFF), to label a row so
+LLAMA_AVX2 = os.environ.get("LLAMA_AVX2") or str(Path.home() / ".cache" / "umakit-peers-avx2" / "venv" / "bin" / "python")
 
 
 # -- workers: each runs in its own process and prints one JSON line ---------------
@@ -77,6 +82,14 @@ def stepwise(logits_of_one, chunk: list[int]):
     import numpy as np
 
     return np.stack([np.asarray(logits_of_one(t, i == 0), dtype=np.float32).reshape(-1) for i, t in enumerate(chunk)])
+
+
+def peak_rss() -> int:
+    """This process's peak resident bytes: VmHWM, which an exec resets (getrusage's ru_maxrss keeps the parent's)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def worker_first_token(args, t0: float) -> dict:
@@ -231,7 +244,7 @@ def worker_mlx_lm(args, t0: float) -> dict:
 
 # -- the driver ----------------------------------------------------------------------
 def run_worker(engine: str, args, gguf: str, ppl: str | None, first_only: bool = False) -> dict | None:
-    python = args.llama_python if engine == "llama.cpp" else sys.executable
+    python = {"llama.cpp": args.llama_python, "llama.cpp-avx2": args.llama_avx2}.get(engine, sys.executable)
     cmd = [python, __file__, "--worker", engine, "--tokens", str(args.tokens), "--threads", str(args.threads),
            "--gguf", gguf, "--mlx-path", args.mlx_path or "", "--t0", repr(time.time())]
     cmd += (["--ppl", ppl] if ppl else []) + (["--ppl-mlx"] if args.ppl_mlx else [])
@@ -257,6 +270,8 @@ def main() -> None:
     ap.add_argument("--ppl-mlx", action="store_true", help="score the MLX engines' perplexity too (slow on CPU)")
     ap.add_argument("--engines", nargs="*", default=list(ENGINES), choices=ENGINES)
     ap.add_argument("--llama-python", default=LLAMA_PYTHON, help="a python with llama-cpp-python installed")
+    ap.add_argument("--llama-avx2", default=LLAMA_AVX2,
+                    help="a python with llama-cpp-python built for AVX2 only (engine llama.cpp-avx2)")
     ap.add_argument("--model", help="a GGUF to measure instead of the built-in one (imported once, outside the "
                                     "timings; perplexity means little on random weights: --ppl-tokens 0)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -267,10 +282,11 @@ def main() -> None:
     ap.add_argument("--first-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        fn = {"llama.cpp": worker_llama, "hf": worker_hf, "mlx-lm": worker_mlx_lm}.get(args.worker, worker_umakit)
+        fn = {"llama.cpp": worker_llama, "llama.cpp-avx2": worker_llama, "hf": worker_hf,
+              "mlx-lm": worker_mlx_lm}.get(args.worker, worker_umakit)
         fn = worker_first_token if args.first_only else fn
         out = fn(args, args.t0)
-        out["peak"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # the whole process, Linux's KiB
+        out["peak"] = peak_rss()
         print(json.dumps(out))
         return
 
@@ -287,9 +303,10 @@ def main() -> None:
     if not build.ensure():  # built once per machine, outside the timed start-ups
         notes.append(f"the fused CPU decode step is off ({build.reason()}): torch-CPU decodes eagerly")
     engines = list(args.engines)
-    if "llama.cpp" in engines and not Path(args.llama_python).exists():
-        engines.remove("llama.cpp")
-        notes.append(f"llama.cpp skipped: no {args.llama_python} (see the issue's build line for llama-cpp-python)")
+    for engine, python in (("llama.cpp", args.llama_python), ("llama.cpp-avx2", args.llama_avx2)):
+        if engine in engines and not Path(python).exists():
+            engines.remove(engine)
+            notes.append(f"{engine} skipped: no {python} (../shared/tools/build_llama_peers.sh builds the native one)")
     with tempfile.TemporaryDirectory() as tmp:
         ppl = None
         if args.ppl_tokens:

@@ -104,8 +104,10 @@ def write_f16(path: Path, shape: dict, name: str, tokenizer_from: Path) -> None:
 def quantize(llama_python: str, f16: Path, out: Path, qtype: str, embedding_type: int = -1) -> None:
     """``f16`` quantized by llama.cpp to ``qtype`` (``embedding_type``: a GGML type for the table, -1: llama.cpp's)."""
     part = out.with_suffix(".part")
-    subprocess.run([llama_python, "-c", QUANTIZE, str(f16), str(part), str(FTYPES[qtype]), str(embedding_type)],
-                   check=True, stdout=subprocess.DEVNULL)
+    run = subprocess.run([llama_python, "-c", QUANTIZE, str(f16), str(part), str(FTYPES[qtype]), str(embedding_type)],
+                         capture_output=True, text=True)
+    if run.returncode:
+        raise RuntimeError(f"llama.cpp could not quantize {f16.name} to {qtype}:\n{run.stderr[-2000:]}")
     part.rename(out)
 
 

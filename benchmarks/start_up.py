@@ -4,8 +4,8 @@
 
 Two models: the built-in SmolLM2-135M Q4_1 GGUF, and a GGUF of Qwen2.5-0.5B's
 exact shapes (24 layers, hidden 896, 14/2 heads, q/k/v biases, 151,936-token
-vocabulary, tied embeddings) with random weights, written here with the
-`gguf` package (the built-in model's tokenizer, padded with unused tokens to
+vocabulary, tied embeddings) with random weights, written here by
+shaped_ggufs.py (the built-in model's tokenizer, padded with unused tokens to
 Qwen's vocabulary) and quantized by llama.cpp itself to Q4_1 with a Q8_0
 table, as the built-in one is. Random weights cost the same to load and run
 as real ones; there is no 0.5B GGUF offline.
@@ -33,17 +33,13 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
+from shaped_ggufs import Q8_0_TYPE, SHAPES, quantize, write_f16
 
 PROMPT = "What is the capital of France?"
 OUT = Path(__file__).parent / "out" / "start_up.md"
 # llama-cpp-python built for this machine (GGML_NATIVE=ON), in a venv of its own: $LLAMA_PYTHON, or where the
 # peers are usually built
 LLAMA_PYTHON = os.environ.get("LLAMA_PYTHON") or str(Path.home() / ".cache" / "umakit-peers" / "venv" / "bin" / "python")
-QWEN05 = dict(layers=24, hidden=896, heads=14, kv_heads=2, inter=4864, vocab=151936, theta=1e6, eps=1e-6,
-              context=32768)
-Q4_1, Q8_0 = 3, 8  # llama.cpp's LLAMA_FTYPE_MOSTLY_Q4_1 and GGML_TYPE_Q8_0
-
 LLAMA_WORKER = """
 import sys, time
 t0 = float(sys.argv[3])
@@ -54,68 +50,6 @@ llm.eval([int(t) for t in ids.split(",")] if ids else llm.tokenize(sys.argv[5].e
 llm.sample(top_k=1, temp=0)
 print(time.time() - t0)
 """
-
-QUANTIZE = """
-import sys, llama_cpp
-p = llama_cpp.llama_model_quantize_default_params()
-p.ftype, p.token_embedding_type, p.nthread = int(sys.argv[3]), int(sys.argv[4]), 2
-assert llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), p) == 0
-"""
-
-
-def write_qwen05_f16(path: Path, tokenizer_from: Path) -> None:
-    """A float16 GGUF of Qwen2.5-0.5B's shapes, random weights, the given GGUF's tokenizer padded to its vocabulary."""
-    import gguf
-
-    s = QWEN05
-    src = gguf.GGUFReader(str(tokenizer_from))
-    field = lambda key: src.fields[key].contents()  # noqa: E731
-    tokens, types = field("tokenizer.ggml.tokens"), field("tokenizer.ggml.token_type")
-    pad = s["vocab"] - len(tokens)
-    w = gguf.GGUFWriter(str(path), "qwen2")
-    w.add_name("qwen2.5-0.5b-shaped, random weights")
-    w.add_context_length(s["context"])
-    w.add_embedding_length(s["hidden"])
-    w.add_block_count(s["layers"])
-    w.add_feed_forward_length(s["inter"])
-    w.add_head_count(s["heads"])
-    w.add_head_count_kv(s["kv_heads"])
-    w.add_rope_freq_base(s["theta"])
-    w.add_layer_norm_rms_eps(s["eps"])
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(field("tokenizer.ggml.pre"))
-    w.add_token_list(tokens + [f"<|unused_{i}|>" for i in range(pad)])
-    w.add_token_types(types + [gguf.TokenType.UNUSED] * pad)
-    w.add_token_merges(field("tokenizer.ggml.merges"))
-    w.add_bos_token_id(field("tokenizer.ggml.bos_token_id"))
-    w.add_eos_token_id(field("tokenizer.ggml.eos_token_id"))
-    w.add_add_bos_token(False)
-    w.add_chat_template(field("tokenizer.chat_template"))
-    rng = np.random.default_rng(0)
-    h, hd = s["hidden"], s["hidden"] // s["heads"]
-    kv = s["kv_heads"] * hd
-
-    def rand(*shape):  # GGUF lists dimensions innermost first; numpy arrays are (out, in)
-        return (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(np.float16)
-
-    w.add_tensor("token_embd.weight", rand(s["vocab"], h))
-    w.add_tensor("output_norm.weight", np.ones(h, dtype=np.float32))
-    for i in range(s["layers"]):
-        b = f"blk.{i}."
-        w.add_tensor(b + "attn_norm.weight", np.ones(h, dtype=np.float32))
-        w.add_tensor(b + "ffn_norm.weight", np.ones(h, dtype=np.float32))
-        for name, rows in (("attn_q", h), ("attn_k", kv), ("attn_v", kv)):
-            w.add_tensor(b + name + ".weight", rand(rows, h))
-            w.add_tensor(b + name + ".bias", rand(rows).astype(np.float32))
-        w.add_tensor(b + "attn_output.weight", rand(h, h))
-        w.add_tensor(b + "ffn_gate.weight", rand(s["inter"], h))
-        w.add_tensor(b + "ffn_up.weight", rand(s["inter"], h))
-        w.add_tensor(b + "ffn_down.weight", rand(h, s["inter"]))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
 
 
 def umakit_first_token(gguf_file: Path, threads: int) -> float:
@@ -165,8 +99,8 @@ def main() -> None:
         qwen = where / "qwen2.5-0.5b-shaped.Q4_1.gguf"
         if not qwen.exists():
             f16 = where / "qwen2.5-0.5b-shaped.F16.gguf"
-            write_qwen05_f16(f16, builtin)
-            subprocess.run([args.llama_python, "-c", QUANTIZE, str(f16), str(qwen), str(Q4_1), str(Q8_0)], check=True)
+            write_f16(f16, SHAPES["qwen2.5-0.5b"], "qwen2.5-0.5b", builtin)
+            quantize(args.llama_python, f16, qwen, "Q4_1", Q8_0_TYPE)
             f16.unlink()
         models = {"SmolLM2-135M-Instruct Q4_1 (built-in)": builtin, "Qwen2.5-0.5B shapes, Q4_1 (random)": qwen}
         for path in models.values():  # the one-time import and first load, as a first run does, outside the timings

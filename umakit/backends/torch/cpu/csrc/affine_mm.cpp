@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -123,6 +124,16 @@ void to_floats(const Half* h, float* f, int64_t n) {
 }
 
 #ifdef UMAKIT_AVX512
+// sum_g a[g] * b[g] over n groups, in 16 lanes (the same order whatever the row).
+inline float group_dot(const float* a, const float* b, int64_t n) {
+  __m512 t = _mm512_setzero_ps();
+  for (int64_t g = 0; g < n; g += 16) {
+    const __mmask16 mk = n - g >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - g)) - 1);
+    t = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, a + g), _mm512_maskz_loadu_ps(mk, b + g), t);
+  }
+  return _mm512_reduce_add_ps(t);
+}
+
 template <int BITS>
 inline void decode(const uint8_t* p, __m512& f0, __m512& f1) {
   __m512i v0, v1;
@@ -178,30 +189,11 @@ void dot_rows(const Part& p, const uint8_t* codes, const float* scale, const flo
     for (int m = 0; m < TM; ++m) acc[m][g % CHAINS] = _mm512_fmadd_ps(d[m], s, acc[m][g % CHAINS]);
   }
   for (int m = 0; m < TM; ++m) {
-    __m512 t = _mm512_setzero_ps();
-    for (int64_t g = 0; g < p.groups; g += 16) {
-      const __mmask16 mk = p.groups - g >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (p.groups - g)) - 1);
-      t = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, bias + g), _mm512_maskz_loadu_ps(mk, xsum + m * p.groups + g),
-                          t);
-    }
     const __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]), _mm512_add_ps(acc[m][2], acc[m][3]));
-    y[m * ldy] = _mm512_reduce_add_ps(sum) + _mm512_reduce_add_ps(t);
+    y[m * ldy] = _mm512_reduce_add_ps(sum) + group_dot(bias, xsum + m * p.groups, p.groups);
   }
 }
 
-template <int BITS>
-void tiles(const Part& p, const uint8_t* codes, const float* scale, const float* bias, const float* x,
-           const float* xsum, int64_t M, int64_t K, float* y, int64_t ldy) {
-  int64_t m = 0;
-  for (; m + TILE <= M; m += TILE)
-    dot_rows<BITS, TILE>(p, codes, scale, bias, x + m * K, xsum + m * p.groups, K, y + m * ldy, ldy);
-  switch (M - m) {
-    case 3: dot_rows<BITS, 3>(p, codes, scale, bias, x + m * K, xsum + m * p.groups, K, y + m * ldy, ldy); break;
-    case 2: dot_rows<BITS, 2>(p, codes, scale, bias, x + m * K, xsum + m * p.groups, K, y + m * ldy, ldy); break;
-    case 1: dot_rows<BITS, 1>(p, codes, scale, bias, x + m * K, xsum + m * p.groups, K, y + m * ldy, ldy); break;
-    default: break;
-  }
-}
 #endif
 
 #ifdef UMAKIT_BF16
@@ -248,32 +240,13 @@ void dot_rows_bf16(const Part& p, const uint8_t* codes, const float* scale, cons
     const __m512 s = _mm512_set1_ps(scale[g]);
     for (int m = 0; m < TM; ++m) acc[m][g % CHAINS] = _mm512_fmadd_ps(d[m], s, acc[m][g % CHAINS]);
   }
-  const __m512 minus128 = _mm512_set1_ps(-128.0f);
   for (int m = 0; m < TM; ++m) {
-    __m512 t = _mm512_setzero_ps();
-    for (int64_t g = 0; g < p.groups; g += 16) {
-      const __mmask16 mk = p.groups - g >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (p.groups - g)) - 1);
-      const __m512 b = _mm512_fmadd_ps(minus128, _mm512_maskz_loadu_ps(mk, scale + g), _mm512_maskz_loadu_ps(mk, bias + g));
-      t = _mm512_fmadd_ps(b, _mm512_maskz_loadu_ps(mk, xsum + m * p.groups + g), t);
-    }
+    const float* xs = xsum + m * p.groups;
     const __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]), _mm512_add_ps(acc[m][2], acc[m][3]));
-    y[m * ldy] = _mm512_reduce_add_ps(sum) + _mm512_reduce_add_ps(t);
+    y[m * ldy] = _mm512_reduce_add_ps(sum) + group_dot(bias, xs, p.groups) - 128.0f * group_dot(scale, xs, p.groups);
   }
 }
 
-template <int BITS>
-void tiles_bf16(const Part& p, const uint8_t* codes, const float* scale, const float* bias, const uint16_t* xb,
-                const float* xsum, int64_t M, int64_t K, float* y, int64_t ldy) {
-  int64_t m = 0;
-  for (; m + TILE <= M; m += TILE)
-    dot_rows_bf16<BITS, TILE>(p, codes, scale, bias, xb + m * K, xsum + m * p.groups, K, y + m * ldy, ldy);
-  switch (M - m) {
-    case 3: dot_rows_bf16<BITS, 3>(p, codes, scale, bias, xb + m * K, xsum + m * p.groups, K, y + m * ldy, ldy); break;
-    case 2: dot_rows_bf16<BITS, 2>(p, codes, scale, bias, xb + m * K, xsum + m * p.groups, K, y + m * ldy, ldy); break;
-    case 1: dot_rows_bf16<BITS, 1>(p, codes, scale, bias, xb + m * K, xsum + m * p.groups, K, y + m * ldy, ldy); break;
-    default: break;
-  }
-}
 #endif
 
 #ifdef UMAKIT_VNNI
@@ -323,39 +296,14 @@ void dot_rows_i8(const Part& p, const uint8_t* codes, const float* scale, const 
                                            acc[m][b % CHAINS]);
     }
   }
-  const __m512 centre = _mm512_set1_ps(static_cast<float>(1 << (BITS - 1)));
+  const float centre = static_cast<float>(1 << (BITS - 1));
   for (int m = 0; m < TM; ++m) {
-    __m512 t = _mm512_setzero_ps();
-    for (int64_t g = 0; g < p.groups; g += 16) {
-      const __mmask16 mk = p.groups - g >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (p.groups - g)) - 1);
-      t = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, bias + g), _mm512_maskz_loadu_ps(mk, xsum + m * p.groups + g),
-                          t);
-      t = _mm512_fmadd_ps(_mm512_mul_ps(centre, _mm512_maskz_loadu_ps(mk, scale + g)),
-                          _mm512_maskz_loadu_ps(mk, xdiff + m * p.groups + g), t);
-    }
     const __m256 sum = _mm256_add_ps(_mm256_add_ps(acc[m][0], acc[m][1]), _mm256_add_ps(acc[m][2], acc[m][3]));
-    y[m * ldy] = hsum(sum) + _mm512_reduce_add_ps(t);
+    y[m * ldy] = hsum(sum) + group_dot(bias, xsum + m * p.groups, p.groups) +
+                 centre * group_dot(scale, xdiff + m * p.groups, p.groups);
   }
 }
 
-template <int BITS>
-void tiles_i8(const Part& p, const uint8_t* codes, const float* scale, const float* bias, const Inputs& in,
-              const float* xsum, const float* xdiff, int64_t M, int64_t K, float* y, int64_t ldy) {
-  const int64_t blocks = K / BLOCK, G = p.groups;
-  int64_t m = 0;
-  for (; m + TILE <= M; m += TILE)
-    dot_rows_i8<BITS, TILE>(p, codes, scale, bias, in.xq + m * K, in.dx + m * blocks, xsum + m * G, xdiff + m * G,
-                            K, y + m * ldy, ldy);
-  switch (M - m) {
-    case 3: dot_rows_i8<BITS, 3>(p, codes, scale, bias, in.xq + m * K, in.dx + m * blocks, xsum + m * G,
-                                 xdiff + m * G, K, y + m * ldy, ldy); break;
-    case 2: dot_rows_i8<BITS, 2>(p, codes, scale, bias, in.xq + m * K, in.dx + m * blocks, xsum + m * G,
-                                 xdiff + m * G, K, y + m * ldy, ldy); break;
-    case 1: dot_rows_i8<BITS, 1>(p, codes, scale, bias, in.xq + m * K, in.dx + m * blocks, xsum + m * G,
-                                 xdiff + m * G, K, y + m * ldy, ldy); break;
-    default: break;
-  }
-}
 #endif
 
 // The same sums in plain C++, in the same order per x row (a different rounding from the AVX-512 lanes').
@@ -380,53 +328,64 @@ void dot_rows_scalar(const Part& p, const uint8_t* codes, const float* scale, co
   }
 }
 
+// f(std::integral_constant<int, B>) for the part's width B: each width's loops compiled apart.
+template <typename F>
+bool with_bits(int64_t bits, F&& f) {
+  switch (bits) {
+    case 2: f(std::integral_constant<int, 2>{}); return true;
+    case 3: f(std::integral_constant<int, 3>{}); return true;
+    case 4: f(std::integral_constant<int, 4>{}); return true;
+    case 5: f(std::integral_constant<int, 5>{}); return true;
+    case 6: f(std::integral_constant<int, 6>{}); return true;
+    case 8: f(std::integral_constant<int, 8>{}); return true;
+    default: return false;
+  }
+}
+
+// f(std::integral_constant<int, TM>, m) over x's rows m in tiles of TILE, then the 1-3 left.
+template <typename F>
+void over_tiles(int64_t M, F&& f) {
+  int64_t m = 0;
+  for (; m + TILE <= M; m += TILE) f(std::integral_constant<int, TILE>{}, m);
+  switch (M - m) {
+    case 3: f(std::integral_constant<int, 3>{}, m); break;
+    case 2: f(std::integral_constant<int, 2>{}, m); break;
+    case 1: f(std::integral_constant<int, 1>{}, m); break;
+    default: break;
+  }
+}
+
 // Rows [n0, n1) of a part, x multiplied in `form` (Inputs; xsum sums what is multiplied, except in int8, where
-// it sums x itself).
+// it sums x itself and xdiff what rounding took off).
 void part_rows(const Part& p, int64_t n0, int64_t n1, const Inputs& in, int64_t form, const float* xsum,
                const float* xdiff, int64_t M, int64_t K, float* y, int64_t ldy) {
   const float* x = in.x;
-  std::vector<float> sb(2 * p.groups);
+  const int64_t G = p.groups, blocks = K / BLOCK;
+  std::vector<float> sb(2 * G);
   for (int64_t n = n0; n < n1; ++n) {
     row_scales(p, n, sb.data());
-    const float *scale = sb.data(), *bias = sb.data() + p.groups;
+    const float *scale = sb.data(), *bias = sb.data() + G;
     const uint8_t* codes = p.codes + n * p.row_bytes;
     float* out = y + p.col + n;
+#ifdef UMAKIT_AVX512
+    const bool done = with_bits(p.bits, [&](auto width) {
+      constexpr int B = decltype(width)::value;
+      over_tiles(M, [&](auto tile, int64_t m) {
+        constexpr int TM = decltype(tile)::value;
 #ifdef UMAKIT_VNNI
-    if (form == INT8) {
-      switch (p.bits) {
-        case 2: tiles_i8<2>(p, codes, scale, bias, in, xsum, xdiff, M, K, out, ldy); continue;
-        case 3: tiles_i8<3>(p, codes, scale, bias, in, xsum, xdiff, M, K, out, ldy); continue;
-        case 4: tiles_i8<4>(p, codes, scale, bias, in, xsum, xdiff, M, K, out, ldy); continue;
-        case 5: tiles_i8<5>(p, codes, scale, bias, in, xsum, xdiff, M, K, out, ldy); continue;
-        case 6: tiles_i8<6>(p, codes, scale, bias, in, xsum, xdiff, M, K, out, ldy); continue;
-        case 8: tiles_i8<8>(p, codes, scale, bias, in, xsum, xdiff, M, K, out, ldy); continue;
-        default: break;
-      }
-    }
+        if (form == INT8)
+          return dot_rows_i8<B, TM>(p, codes, scale, bias, in.xq + m * K, in.dx + m * blocks, xsum + m * G,
+                                    xdiff + m * G, K, out + m * ldy, ldy);
 #endif
 #ifdef UMAKIT_BF16
-    if (form == BFLOAT16) {
-      const uint16_t* xb = in.xb;
-      switch (p.bits) {
-        case 2: tiles_bf16<2>(p, codes, scale, bias, xb, xsum, M, K, out, ldy); continue;
-        case 3: tiles_bf16<3>(p, codes, scale, bias, xb, xsum, M, K, out, ldy); continue;
-        case 4: tiles_bf16<4>(p, codes, scale, bias, xb, xsum, M, K, out, ldy); continue;
-        case 5: tiles_bf16<5>(p, codes, scale, bias, xb, xsum, M, K, out, ldy); continue;
-        case 6: tiles_bf16<6>(p, codes, scale, bias, xb, xsum, M, K, out, ldy); continue;
-        default: break;
-      }
-    }
+        if constexpr (B <= 6)
+          if (form == BFLOAT16)
+            return dot_rows_bf16<B, TM>(p, codes, scale, bias, in.xb + m * K, xsum + m * G, K, out + m * ldy, ldy);
 #endif
-#ifdef UMAKIT_AVX512
-    switch (p.bits) {
-      case 2: tiles<2>(p, codes, scale, bias, x, xsum, M, K, out, ldy); continue;
-      case 3: tiles<3>(p, codes, scale, bias, x, xsum, M, K, out, ldy); continue;
-      case 4: tiles<4>(p, codes, scale, bias, x, xsum, M, K, out, ldy); continue;
-      case 5: tiles<5>(p, codes, scale, bias, x, xsum, M, K, out, ldy); continue;
-      case 6: tiles<6>(p, codes, scale, bias, x, xsum, M, K, out, ldy); continue;
-      case 8: tiles<8>(p, codes, scale, bias, x, xsum, M, K, out, ldy); continue;
-      default: break;
-    }
+        dot_rows<B, TM>(p, codes, scale, bias, x + m * K, xsum + m * G, K, out + m * ldy, ldy);
+      });
+    });
+    if (done) continue;
 #endif
     dot_rows_scalar(p, codes, scale, bias, x, xsum, M, K, out, ldy);
   }
