@@ -1,17 +1,19 @@
 """umakit's CPU kernel for affine-quantized layers (csrc/affine_mm.cpp): every width from 2 to 8 bits, group sizes
-32, 64 and 128, float32 activations, one call for a projection whose parts differ in width.
+32, 64 and 128, one call for a projection whose parts differ in width.
 
 torch's int4 kernels hold 4 bits only (8 as two nibble planes, at twice the reads and work), and a layer of any
 other width ran dequantized (float16 or float32: 3-6x the bytes of its codes), so one 5-bit tensor sent a
 whole GGUF to float16. This kernel reads each layer's own codes, ``bits`` bits a weight in the planes
-affine.h describes, plus a float16 scale and bias per group, and multiplies in float32: the only rounding
-apart from float32's own is of the scales and biases to float16 (exact for MLX checkpoints, which store
-them so; 2^-11 relative for a GGUF's K-quant scales). Measured on this repository's CPUs (AVX-512) it is
-also faster than torch's int4 kernel at 4 bits (benchmarks/cpu_engines.py), so it is the CPU form of every
-quantized layer where it is built with AVX-512 (`available`).
+affine.h describes, plus a float16 scale and bias per group (the scale alone for a symmetric layer). Its
+outputs, activations and sums are float32; its inputs are multiplied in the form `inputs` names (int8 blocks,
+bfloat16 or float32, by what the CPU has). quant/forms.py gives it every quantized CPU layer but 4-bit ones
+with a bias per group, which torch's int4 kernel ran faster (measured there), where it is built with AVX-512
+(`available`).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import nn
@@ -32,9 +34,11 @@ def available() -> bool:
 FLOAT32, BFLOAT16, INT8 = 0, 1, 2  # the forms the kernel multiplies x in (csrc/affine.h)
 
 
+@functools.cache
 def inputs() -> int:
     """The form the kernel multiplies x in, the fastest this library is built for: int8 blocks of 32 (AVX512-VNNI),
-    else bfloat16 (AVX512-BF16; layers of at most 6 bits), else float32. See the module's docstring."""
+    else bfloat16 (AVX512-BF16; layers of at most 6 bits), else float32 (asked of the library once, not on every
+    call). See csrc/affine.h."""
     features = torch.ops.umakit.affine_features()
     return INT8 if features & 4 else BFLOAT16 if features & 2 else FLOAT32
 
