@@ -20,20 +20,18 @@ from umakit.generate.sampling import SamplingParams
 from support.markers import requires_default_model
 
 TEXT = "It is a truth universally acknowledged, that a single man in possession of a good fortune"
-# Both steps round the kernels' inputs to bfloat16 (8 significant bits), from float32 values that may
-# differ in their last bits (a norm's sum, an exp), so a rounding may differ here and there. On the
-# tiny models the two agree exactly here; a sign of RoPE flipped moves logits by 1-2% of the largest.
-# The steps compare with the affine kernel's inputs in bfloat16 (where it has them) for that reason: in int8
-# blocks (the CPU default where AVX512-VNNI is) a last-bit difference can move a code by a whole step, which
-# these random models carry to 3% of a logit over 24 steps (test_int8_inputs_keep_the_steps_close).
+# The two steps compute the same formulas from float32 values that may differ in their last bits (a norm's
+# sum, an exp), and torch's int4 kernel rounds its inputs to bfloat16, so a rounding may differ here and
+# there; a sign of RoPE flipped moves logits by 1-2% of the largest. The steps compare with the affine
+# kernel's inputs in float32 for that reason: in int8 blocks (the CPU default where AVX512-VNNI is) a
+# last-bit difference can move a code by a whole step, which these random models carry to 3% of a logit
+# over 24 steps (test_int8_inputs_keep_the_steps_close).
 RELATIVE = 0.005
 
 
 @pytest.fixture(autouse=True)
-def bfloat16_inputs(monkeypatch):
-    features = torch.ops.umakit.affine_features() if build.ensure() else 0
-    form = affine_kernel.BFLOAT16 if features & 2 else affine_kernel.FLOAT32
-    monkeypatch.setattr(affine_kernel, "inputs", lambda: form)
+def float32_inputs(monkeypatch):
+    monkeypatch.setattr(affine_kernel, "inputs", lambda: affine_kernel.FLOAT32)
 
 
 def teacher_forced(model, ids: list[int], eager: bool) -> np.ndarray:

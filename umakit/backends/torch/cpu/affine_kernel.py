@@ -3,12 +3,12 @@
 
 torch's int4 kernels hold 4 bits only (8 as two nibble planes, at twice the reads and work), and a layer of any
 other width ran dequantized (float16 or float32: 3-6x the bytes of its codes), so one 5-bit tensor sent a
-whole GGUF to float16. This kernel reads each layer's own codes, ``bits`` bits a weight in the planes
-affine.h describes, plus a float16 scale and bias per group (the scale alone for a symmetric layer). Its
-outputs, activations and sums are float32; its inputs are multiplied in the form `inputs` names (int8 blocks,
-bfloat16 or float32, by what the CPU has). quant/forms.py gives it every quantized CPU layer but 4-bit ones
-with a bias per group, which torch's int4 kernel ran faster (measured there), where it is built with AVX-512
-(`available`).
+whole GGUF to float16. This kernel reads each layer's own codes, ``bits`` bits a weight, with the rows in tiles
+of 8 that accumulate side by side in one register (csrc/affine.h), plus a float16 scale and bias per group (the
+scale alone for a symmetric layer). Its outputs, activations and sums are float32; its inputs are multiplied in
+int8 blocks where the CPU has AVX512-VNNI, else in float32 (`inputs`). quant/forms.py gives it every quantized
+CPU layer but 4-bit ones with a bias per group, which torch's int4 kernel ran faster (measured there), where it
+is built with AVX-512 (`available`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from umakit.backends.torch.cpu import build
 from umakit.backends.torch.quant.layout import QuantizedLinear
 
 KERNEL_BITS = (2, 3, 4, 5, 6, 8)
-BLOCK = 32  # weights per block of the planes
+BLOCK = 32  # weights of a row in a block of the tiles
+ROWS = 8  # rows in a tile
 
 
 def available() -> bool:
@@ -31,20 +32,23 @@ def available() -> bool:
     return torch.backends.cpu.get_cpu_capability() == "AVX512" and build.ensure()
 
 
-FLOAT32, BFLOAT16, INT8 = 0, 1, 2  # the forms the kernel multiplies x in (csrc/affine.h)
+FLOAT32, INT8 = 0, 2  # the forms the kernel multiplies x in (csrc/affine.h)
 
 
 @functools.cache
 def inputs() -> int:
     """The form the kernel multiplies x in, the fastest this library is built for: int8 blocks of 32 (AVX512-VNNI),
-    else bfloat16 (AVX512-BF16; layers of at most 6 bits), else float32 (asked of the library once, not on every
-    call). See csrc/affine.h."""
-    features = torch.ops.umakit.affine_features()
-    return INT8 if features & 4 else BFLOAT16 if features & 2 else FLOAT32
+    else float32 (asked of the library once, not on every call). See csrc/affine.h."""
+    return INT8 if torch.ops.umakit.affine_features() & 4 else FLOAT32
 
 
 def supports(m: QuantizedLinear) -> bool:
     return m.bits in KERNEL_BITS and m.in_features % BLOCK == 0 and m.group_size % BLOCK == 0
+
+
+def concatenates(parts: list[QuantizedLinear]) -> bool:
+    """Whether the kernel takes ``parts`` as one call: every part of a multiple of 8 rows, so none is padded."""
+    return all(m.out_features % ROWS == 0 for m in parts)
 
 
 def symmetric(m: QuantizedLinear) -> bool:
@@ -54,21 +58,34 @@ def symmetric(m: QuantizedLinear) -> bool:
 
 
 def planes(m: QuantizedLinear) -> tuple[torch.Tensor, torch.Tensor]:
-    """``m``'s codes in the kernel's planes, (out, in * bits / 8) uint8, and its float16 scales and biases,
-    (out, 2, groups), or its scales alone, (out, 1, groups), where it is `symmetric`."""
-    codes = torch.ops.umakit.affine_planes(m.weight.contiguous(), m.bits)
+    """``m``'s codes in the kernel's tiles, (rows, in * bits / 8) uint8, and its float16 scales and biases,
+    (rows / 8, groups, 2, 8), or its scales alone, (rows / 8, groups, 1, 8), where it is `symmetric`; rows is
+    ``m.out_features`` rounded up to a multiple of 8, the rows added all zero."""
+    rows = -(-m.out_features // ROWS) * ROWS
+    weight = m.weight.contiguous()
+    if rows > m.out_features:
+        weight = torch.cat([weight, weight.new_zeros(rows - m.out_features, weight.shape[1])])
+    codes = torch.ops.umakit.affine_planes(weight, m.bits)
     kept = [m.scales] if symmetric(m) else [m.scales, m.biases]
-    return codes, torch.stack(kept, dim=1).to(torch.float16).contiguous()
+    return codes, torch.stack([_tiled(t.to(torch.float16), rows) for t in kept], dim=2).contiguous()
+
+
+def _tiled(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """(out, groups) -> (rows / 8, groups, 8), zero past ``out``."""
+    padded = torch.cat([t, t.new_zeros(rows - t.shape[0], t.shape[1])])
+    return padded.view(rows // ROWS, ROWS, t.shape[1]).transpose(1, 2)
 
 
 class AffineLinear(nn.Module):
     """One or more `QuantizedLinear` parts of one input width on umakit's kernel, their outputs concatenated
-    (a q/k/v projection whose parts a GGUF stores at 5, 6 and 8 bits is still one call)."""
+    (a q/k/v projection whose parts a GGUF stores at 5, 6 and 8 bits is still one call). Every part but a lone
+    one has a multiple of 8 rows (`concatenates`); a lone one is padded to it and its outputs cut back."""
 
     def __init__(self, parts: list[QuantizedLinear], prepacked: dict | None = None):
         """``prepacked``: the planes an earlier load stored (load/packed.py), by `packing`'s names."""
         super().__init__()
         first = parts[0]
+        assert len(parts) == 1 or concatenates(parts), "parts of a multiple of 8 rows"
         self.in_features, self.out_features = first.in_features, sum(m.out_features for m in parts)
         self.bits = [m.bits for m in parts]
         self.groups = [m.group_size for m in parts]
@@ -85,14 +102,19 @@ class AffineLinear(nn.Module):
 
     @staticmethod
     def _fits(m: QuantizedLinear, codes: torch.Tensor | None, sb: torch.Tensor | None) -> bool:
-        groups = m.in_features // m.group_size
+        groups, rows = m.in_features // m.group_size, -(-m.out_features // ROWS) * ROWS
         return (codes is not None and sb is not None and codes.dtype == torch.uint8 and sb.dtype == torch.float16
-                and tuple(codes.shape) == (m.out_features, m.in_features * m.bits // 8)
-                and tuple(sb.shape) == (m.out_features, 1 if symmetric(m) else 2, groups))
+                and tuple(codes.shape) == (rows, m.in_features * m.bits // 8)
+                and tuple(sb.shape) == (rows // ROWS, groups, 1 if symmetric(m) else 2, ROWS))
 
     def packing(self) -> dict[str, torch.Tensor]:
         """What `load/packed.py` keeps of this layer, by name."""
         return {name: t for name, t in self.named_buffers() if name != "bias"}
+
+    @property
+    def padded(self) -> bool:
+        """Whether the kernel computes more outputs than the layer has (a lone part padded to 8 rows)."""
+        return self.codes0.shape[0] > self.out_features
 
     @property
     def parts(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -104,6 +126,8 @@ class AffineLinear(nn.Module):
         codes, sb = self.parts
         y = torch.ops.umakit.affine_mm(x.reshape(-1, self.in_features).float(), codes, sb, self.bits, self.groups,
                                        crossover.AFFINE_DENSE_ROWS, inputs())
+        if y.shape[1] > self.out_features:  # a lone part's padding rows
+            y = y[:, : self.out_features]
         if self.bias is not None:
             y = y + self.bias
         return y.to(dtype).view(*shape, self.out_features)
@@ -121,6 +145,5 @@ class AffineEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         head = self.head[0]
         flat = ids.reshape(-1)
-        rows = torch.ops.umakit.affine_dequantize(head.codes0[flat].contiguous(), head.sb0[flat].contiguous(),
-                                                  self.bits, self.group)
+        rows = torch.ops.umakit.affine_dequantize(head.codes0, head.sb0, self.bits, self.group, flat)
         return rows.to(self.dtype).view(*ids.shape, -1)

@@ -62,7 +62,7 @@ def flags() -> list[str]:
     arch = _AVX2_FLAGS if capability in ("AVX2", "AVX512") else ()
     wide = _AVX512_FLAGS if capability == "AVX512" else ()
     # the affine kernel's dot products, where this CPU has them
-    dots = [f"-m{f.replace('_', '')}" for f in ("avx512_bf16", "avx512_vnni") if wide and f in _cpu_flags()]
+    dots = [f"-m{f.replace('_', '')}" for f in ("avx512_vnni",) if wide and f in _cpu_flags()]
     return [*FLAGS, *arch, *wide, *dots]
 
 

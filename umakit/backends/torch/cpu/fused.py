@@ -35,7 +35,7 @@ def covers(model: Transformer) -> bool:
         if not isinstance(mlp, MLP):
             return False
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if not all(isinstance(m, (Int4PackLinear, AffineLinear)) for m in linears):
+        if not all(isinstance(m, Int4PackLinear) or isinstance(m, AffineLinear) and not m.padded for m in linears):
             return False
         if any(m.bias is not None for m in linears[1:]):
             return False

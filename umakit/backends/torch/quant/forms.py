@@ -45,8 +45,6 @@ def for_execution(m: QuantizedLinear, device: torch.device, dtype: torch.dtype, 
     ``prepacked``: its packing from an earlier CPU load (load/packed.py), a dict by the form's names."""
     if device.type == "cuda":
         return cuda_linear(m, dtype)
-    if dtype == torch.bfloat16 and _int4_first(m) and Int4PackLinear.supports(m, device):
-        return Int4PackLinear(m, device, prepacked)
     if dtype == torch.bfloat16 and affine.supports(m) and affine.available():
         return affine.AffineLinear([m], prepacked)
     if dtype == torch.bfloat16 and Int4PackLinear.supports(m, device):
@@ -56,13 +54,6 @@ def for_execution(m: QuantizedLinear, device: torch.device, dtype: torch.dtype, 
     # A layer the int4 kernels cannot take (a router of 8 experts, 2/3/5/6 bits) meets the float32
     # activations of a quantized model on CPU (activation_dtype): it runs dequantized in float32.
     return dense(m, activation_dtype(device, dtype, quantized=True))
-
-
-def _int4_first(m: QuantizedLinear) -> bool:
-    """A 4-bit layer with a bias per group runs on torch's int4 kernel, which reads as many bytes as umakit's
-    and decoded the built-in Q4_1 model ~4% faster (130-137 against 127-130 tok/s, 2026-12-02); a symmetric
-    one (a GGUF's Q4_0) takes umakit's kernel, which then reads half the scale bytes."""
-    return m.bits == 4 and not affine.symmetric(m)
 
 
 def activation_dtype(device: torch.device, dtype: torch.dtype, quantized: bool = False) -> torch.dtype:
@@ -117,7 +108,8 @@ def convert_model(model: nn.Module, device: torch.device, dtype: torch.dtype, te
     if device.type == "cpu" and dtype == torch.bfloat16 and affine.available():
         for path, module in list(model.named_modules()):  # parts of different widths: still one call
             parts = list(module.parts) if isinstance(module, Concat) else []
-            if parts and all(type(m) is QuantizedLinear and affine.supports(m) for m in parts):
+            if (parts and all(type(m) is QuantizedLinear and affine.supports(m) for m in parts)
+                    and affine.concatenates(parts)):
                 _replace(model, path, affine.AffineLinear(parts, prepacked(path)))
     for path, module in list(model.named_modules()):
         if isinstance(module, Concat) and fp16 and all(isinstance(m, (QuantizedLinear, nn.Linear)) for m in module.parts):

@@ -3,10 +3,11 @@
 // and 4-bit parts beside them in one projection).
 //
 // A row's dot product with x is, per group g of its weights, scale_g * sum_j code_j x_j + bias_g * sum_j x_j:
-// the codes are widened to float32 and multiplied by x exactly as a dequantize-then-matmul would, with one
-// scale multiply per group, and the biases meet precomputed group sums of x. The only rounding apart from
-// float32's own is the float16 of scales and biases. With AVX-512 the codes of 16 weights become floats in a
-// few instructions (a nibble plane widened, each further bit set under a mask); elsewhere a scalar loop.
+// the biases meet precomputed group sums of x, and one scale multiply serves a group. The rows are in tiles of
+// 8 whose outputs accumulate in the 8 lanes of a register: a block of 32 weights of 8 rows is decoded into 8
+// registers of bytes (a nibble plane split, each further bit added under a mask), then met by x's 32 values 4
+// at a time, broadcast: by vpdpbusd on int8 inputs (AVX512-VNNI), else widened to float32 for FMAs. No lane
+// is ever summed across, and every instruction does 8 rows' work. Elsewhere a scalar loop.
 #include "affine.h"
 
 #include <ATen/Parallel.h>
@@ -18,13 +19,10 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #define UMAKIT_AVX512 1
-#if defined(__AVX512BF16__)
-#define UMAKIT_BF16 1
-#endif
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#if defined(__AVX512VNNI__)
 #define UMAKIT_VNNI 1
 #endif
 #endif
@@ -34,30 +32,25 @@ namespace {
 using at::Half;
 using at::Tensor;
 
-constexpr int64_t BLOCK = 32;  // weights a block of the planes holds
-constexpr int64_t TILE = 4;    // rows of x that share one decoding of a weight block
+constexpr int64_t BLOCK = 32;  // weights of a row in a block
+constexpr int64_t ROWS = 8;    // rows in a tile
+constexpr int64_t XTILE = 4;   // rows of x that share one decoding of a tile-block
 #ifdef UMAKIT_AVX512
 constexpr bool kAVX512 = true;
 #else
 constexpr bool kAVX512 = false;
-#endif
-#ifdef UMAKIT_BF16
-constexpr bool kBF16 = true;
-#else
-constexpr bool kBF16 = false;
 #endif
 #ifdef UMAKIT_VNNI
 constexpr bool kVNNI = true;
 #else
 constexpr bool kVNNI = false;
 #endif
-constexpr int64_t FLOAT32 = 0, BFLOAT16 = 1, INT8 = 2;  // the forms x is multiplied in (affine.h)
+constexpr int64_t FLOAT32 = 0, INT8 = 2;  // the forms x is multiplied in (affine.h)
 
-// x as the parts multiply it: as is; rounded to bfloat16; or in int8 blocks of 32, block b of row m being
-// dx[m * K / 32 + b] * xq[m * K + 32 b ...].
+// x as the parts multiply it: as is, or in int8 blocks of 32, block b of row m being dx[m * K / 32 + b] *
+// xq[m * K + 32 b ...].
 struct Inputs {
   const float* x;
-  const uint16_t* xb;
   const int8_t* xq;
   const float* dx;
 };
@@ -68,263 +61,177 @@ inline uint32_t load32(const uint8_t* p) {
   return w;
 }
 
-// The 32 codes of one block of planes.
-inline void codes_of(const uint8_t* p, int bits, int32_t* out) {
-  if (bits == 8) {
-    for (int j = 0; j < 32; ++j) out[j] = p[j];
-    return;
-  }
-  int first = 0;
-  const uint8_t* masks = p;
+// The code of weight j of row r in a tile-block.
+inline int code_at(const uint8_t* tb, int bits, int r, int j) {
+  const int c = j / 4, lane = 4 * r + j % 4;
+  if (bits == 8) return tb[32 * c + lane];
+  int v = 0, first = 0;
+  const uint8_t* masks = tb;
   if (bits >= 4) {
-    for (int j = 0; j < 16; ++j) {
-      out[j] = p[j] & 15;
-      out[j + 16] = p[j] >> 4;
-    }
+    const uint8_t b = tb[32 * (c % 4) + lane];
+    v = c < 4 ? b & 15 : b >> 4;
     first = 4;
-    masks = p + 16;
-  } else {
-    std::fill(out, out + 32, 0);
+    masks = tb + 128;
   }
-  for (int k = 0; k < bits - first; ++k) {
-    const uint32_t w = load32(masks + 4 * k);
-    for (int j = 0; j < 32; ++j) out[j] |= static_cast<int32_t>((w >> j) & 1) << (first + k);
-  }
-}
-
-void to_floats(const Half* h, float* f, int64_t n);
-
-// One part of a layer: (rows, K) weights in planes, their float16 (rows, 2, groups) scales and biases, or
-// (rows, 1, groups) scales alone where every bias is -2^(bits-1) times its scale (a symmetric layer: a GGUF's
-// Q4_0, Q5_0, Q8_0), which the kernel recomputes exactly instead of reading.
-struct Part {
-  const uint8_t* codes;
-  const Half* sb;
-  int64_t rows, bits, group, groups, row_bytes, col, planes;  // col: where its outputs start in y; planes: 1 or 2
-};
-
-// A row's scales and biases as float32, into sb (2 * groups): scales, then biases.
-void row_scales(const Part& p, int64_t n, float* sb) {
-  to_floats(p.sb + n * p.planes * p.groups, sb, p.planes * p.groups);
-  if (p.planes == 1) {
-    const float offset = -static_cast<float>(int64_t{1} << (p.bits - 1));
-    for (int64_t g = 0; g < p.groups; ++g) sb[p.groups + g] = offset * sb[g];
-  }
-}
-
-void to_floats(const Half* h, float* f, int64_t n) {
-#ifdef UMAKIT_AVX512
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = n - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - i)) - 1);
-    _mm512_mask_storeu_ps(f + i, m, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, h + i)));
-  }
-#else
-  for (int64_t i = 0; i < n; ++i) f[i] = static_cast<float>(h[i]);
-#endif
-}
-
-#ifdef UMAKIT_AVX512
-// sum_g a[g] * b[g] over n groups, in 16 lanes (the same order whatever the row).
-inline float group_dot(const float* a, const float* b, int64_t n) {
-  __m512 t = _mm512_setzero_ps();
-  for (int64_t g = 0; g < n; g += 16) {
-    const __mmask16 mk = n - g >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - g)) - 1);
-    t = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, a + g), _mm512_maskz_loadu_ps(mk, b + g), t);
-  }
-  return _mm512_reduce_add_ps(t);
-}
-
-template <int BITS>
-inline void decode(const uint8_t* p, __m512& f0, __m512& f1) {
-  __m512i v0, v1;
-  if constexpr (BITS == 8) {
-    v0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    v1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
-  } else {
-    constexpr int FIRST = BITS >= 4 ? 4 : 0;
-    if constexpr (BITS >= 4) {
-      const __m512i n = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-      v0 = _mm512_and_si512(n, _mm512_set1_epi32(15));
-      v1 = _mm512_srli_epi32(n, 4);
-    } else {
-      v0 = v1 = _mm512_setzero_si512();
-    }
-    const uint8_t* masks = p + (BITS >= 4 ? 16 : 0);
-    for (int k = 0; k < BITS - FIRST; ++k) {
-      const uint32_t w = load32(masks + 4 * k);
-      const __m512i bit = _mm512_set1_epi32(1 << (FIRST + k));
-      v0 = _mm512_mask_or_epi32(v0, static_cast<__mmask16>(w), v0, bit);
-      v1 = _mm512_mask_or_epi32(v1, static_cast<__mmask16>(w >> 16), v1, bit);
-    }
-  }
-  f0 = _mm512_cvtepi32_ps(v0);
-  f1 = _mm512_cvtepi32_ps(v1);
-}
-
-// Outputs of one weight row for TM rows of x; each x row's arithmetic is the same whatever TM is. Each row
-// keeps CHAINS accumulators, group g adding to chain g % CHAINS, so consecutive groups' scale multiplies do not
-// wait on each other (one chain held a row to a group per FMA latency).
-constexpr int CHAINS = 4;
-
-template <int BITS, int TM>
-void dot_rows(const Part& p, const uint8_t* codes, const float* scale, const float* bias, const float* x,
-              const float* xsum, int64_t K, float* y, int64_t ldy) {
-  __m512 acc[TM][CHAINS];
-  for (int m = 0; m < TM; ++m)
-    for (int c = 0; c < CHAINS; ++c) acc[m][c] = _mm512_setzero_ps();
-  const int64_t blocks = p.group / BLOCK;
-  const uint8_t* c = codes;
-  for (int64_t g = 0, k = 0; g < p.groups; ++g) {
-    __m512 d[TM];
-    for (int m = 0; m < TM; ++m) d[m] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < blocks; ++b, k += BLOCK, c += 4 * BITS) {
-      __m512 q0, q1;
-      decode<BITS>(c, q0, q1);
-      for (int m = 0; m < TM; ++m) {
-        d[m] = _mm512_fmadd_ps(q0, _mm512_loadu_ps(x + m * K + k), d[m]);
-        d[m] = _mm512_fmadd_ps(q1, _mm512_loadu_ps(x + m * K + k + 16), d[m]);
-      }
-    }
-    const __m512 s = _mm512_set1_ps(scale[g]);
-    for (int m = 0; m < TM; ++m) acc[m][g % CHAINS] = _mm512_fmadd_ps(d[m], s, acc[m][g % CHAINS]);
-  }
-  for (int m = 0; m < TM; ++m) {
-    const __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]), _mm512_add_ps(acc[m][2], acc[m][3]));
-    y[m * ldy] = _mm512_reduce_add_ps(sum) + group_dot(bias, xsum + m * p.groups, p.groups);
-  }
-}
-
-#endif
-
-#ifdef UMAKIT_BF16
-// 32 codes (at most 6 bits) as the bfloat16 values 128 + code: 0x4300 is 128's bits, and a code below 128 is
-// exactly its mantissa, so no conversion instruction is needed; the 128s come off with the biases.
-template <int BITS>
-inline __m512bh decode_bf16(const uint8_t* p) {
-  const __m256i magic = _mm256_set1_epi16(0x4300);
-  __m512i w;
-  if constexpr (BITS >= 4) {
-    const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    const __m256i lo = _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi16(15)), magic);
-    const __m256i hi = _mm256_or_si256(_mm256_srli_epi16(v, 4), magic);
-    w = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-  } else {
-    w = _mm512_set1_epi16(0x4300);
-  }
-  constexpr int FIRST = BITS >= 4 ? 4 : 0;
-  const uint8_t* masks = p + (BITS >= 4 ? 16 : 0);
-  for (int k = 0; k < BITS - FIRST; ++k)  // the bit is clear before: adding sets it
-    w = _mm512_mask_add_epi16(w, static_cast<__mmask32>(load32(masks + 4 * k)), w,
-                              _mm512_set1_epi16(static_cast<int16_t>(1 << (FIRST + k))));
-  return reinterpret_cast<__m512bh>(w);
-}
-
-// dot_rows with x rounded to bfloat16 (xb) and the products summed by vdpbf16ps, pairs of weights at a time;
-// xsum holds the sums of the rounded x. y = sum_g s_g * sum_j (128 + q_j) x_j + (b_g - 128 s_g) * xsum_g.
-template <int BITS, int TM>
-void dot_rows_bf16(const Part& p, const uint8_t* codes, const float* scale, const float* bias, const uint16_t* xb,
-                   const float* xsum, int64_t K, float* y, int64_t ldy) {
-  __m512 acc[TM][CHAINS];
-  for (int m = 0; m < TM; ++m)
-    for (int c = 0; c < CHAINS; ++c) acc[m][c] = _mm512_setzero_ps();
-  const int64_t blocks = p.group / BLOCK;
-  const uint8_t* c = codes;
-  for (int64_t g = 0, k = 0; g < p.groups; ++g) {
-    __m512 d[TM];
-    for (int m = 0; m < TM; ++m) d[m] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < blocks; ++b, k += BLOCK, c += 4 * BITS) {
-      const __m512bh w = decode_bf16<BITS>(c);
-      for (int m = 0; m < TM; ++m)
-        d[m] = _mm512_dpbf16_ps(d[m], w, reinterpret_cast<__m512bh>(_mm512_loadu_si512(xb + m * K + k)));
-    }
-    const __m512 s = _mm512_set1_ps(scale[g]);
-    for (int m = 0; m < TM; ++m) acc[m][g % CHAINS] = _mm512_fmadd_ps(d[m], s, acc[m][g % CHAINS]);
-  }
-  for (int m = 0; m < TM; ++m) {
-    const float* xs = xsum + m * p.groups;
-    const __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]), _mm512_add_ps(acc[m][2], acc[m][3]));
-    y[m * ldy] = _mm512_reduce_add_ps(sum) + group_dot(bias, xs, p.groups) - 128.0f * group_dot(scale, xs, p.groups);
-  }
-}
-
-#endif
-
-#ifdef UMAKIT_VNNI
-// The 32 codes of a block as unsigned bytes, in order.
-template <int BITS>
-inline __m256i codes_u8(const uint8_t* p) {
-  if constexpr (BITS == 8) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  __m256i v = _mm256_setzero_si256();
-  if constexpr (BITS >= 4) {
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), low = _mm_set1_epi8(15);
-    v = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), low), _mm_and_si128(b, low));
-  }
-  constexpr int FIRST = BITS >= 4 ? 4 : 0;
-  const uint8_t* masks = p + (BITS >= 4 ? 16 : 0);
-  for (int k = 0; k < BITS - FIRST; ++k)  // the bit is clear before: adding sets it
-    v = _mm256_mask_add_epi8(v, static_cast<__mmask32>(load32(masks + 4 * k)), v,
-                             _mm256_set1_epi8(static_cast<char>(1 << (FIRST + k))));
+  for (int k = 0; k < bits - first; ++k)
+    v |= static_cast<int>((load32(masks + 32 * k + 4 * c) >> lane) & 1) << (first + k);
   return v;
 }
 
-inline float hsum(__m256 v) {
-  const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+// One part of a layer: (rows, K) weights in tiles, their float16 (rows / 8, groups, 2, 8) scales and biases, or
+// (rows / 8, groups, 1, 8) scales alone where every bias is -2^(bits-1) times its scale (a symmetric layer: a
+// GGUF's Q4_0, Q5_0, Q8_0), which the kernel recomputes exactly instead of reading.
+struct Part {
+  const uint8_t* codes;
+  const Half* sb;
+  int64_t rows, bits, group, groups, col, planes;  // col: where its outputs start in y; planes: 1 or 2
+
+  const uint8_t* tile(int64_t t, int64_t K) const { return codes + t * K * bits; }
+  const Half* tile_sb(int64_t t, int64_t g) const { return sb + (t * groups + g) * planes * ROWS; }
+};
+
+// A tile's 8 scales and 8 biases of group g as float32.
+void tile_scales(const Part& p, int64_t t, int64_t g, float* s, float* b) {
+  const Half* h = p.tile_sb(t, g);
+  const float offset = -static_cast<float>(int64_t{1} << (p.bits - 1));
+  for (int r = 0; r < ROWS; ++r) {
+    s[r] = static_cast<float>(h[r]);
+    b[r] = p.planes == 2 ? static_cast<float>(h[ROWS + r]) : offset * s[r];
+  }
 }
 
-// dot_rows with x in int8 blocks (Inputs): each block's 32 products summed in int32 by vpdpbusd (unsigned codes
-// times signed inputs), then scaled by the block's scale times the weights' group scale; the biases meet the
-// float32 sums of x. The error is that of the codes centred, (code - c) * (rounded x - x) with c = 2^(bits-1),
-// as llama.cpp's symmetric blocks have it, not code * (rounded x - x), twice as large: xdiff holds each group's
-// sum of x minus the sum of its rounded values, and c * scale * xdiff goes back in.
+#ifdef UMAKIT_AVX512
+inline __m256 halves8(const Half* h) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h))); }
+
+// A tile-block's codes as 8 registers of bytes, q[c] holding weights 4c..4c+3 of each row (affine.h).
+template <int BITS>
+inline void decode(const uint8_t* tb, __m256i* q) {
+  if constexpr (BITS == 8) {
+    for (int c = 0; c < 8; ++c) q[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tb + 32 * c));
+    return;
+  }
+  constexpr int FIRST = BITS >= 4 ? 4 : 0;
+  if constexpr (BITS >= 4) {
+    const __m256i low = _mm256_set1_epi8(15);
+    for (int c = 0; c < 4; ++c) {
+      const __m256i n = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tb + 32 * c));
+      q[c] = _mm256_and_si256(n, low);
+      q[c + 4] = _mm256_and_si256(_mm256_srli_epi16(n, 4), low);
+    }
+  } else {
+    for (int c = 0; c < 8; ++c) q[c] = _mm256_setzero_si256();
+  }
+  const uint8_t* masks = tb + (BITS >= 4 ? 128 : 0);
+  for (int k = 0; k < BITS - FIRST; ++k) {  // the bit is clear before: adding sets it
+    const __m256i bit = _mm256_set1_epi8(static_cast<char>(1 << (FIRST + k)));
+    for (int c = 0; c < 8; ++c)
+      q[c] = _mm256_mask_add_epi8(q[c], static_cast<__mmask32>(load32(masks + 32 * k + 4 * c)), q[c], bit);
+  }
+}
+
+// Outputs of tile t for TM rows of x, x in float32: per block, each chunk's 4 weights of 8 rows widened to
+// float32 and met by the broadcast x value. Each x row's arithmetic is the same whatever TM is.
 template <int BITS, int TM>
-void dot_rows_i8(const Part& p, const uint8_t* codes, const float* scale, const float* bias, const int8_t* xq,
-                 const float* dx, const float* xsum, const float* xdiff, int64_t K, float* y, int64_t ldy) {
-  __m256 acc[TM][CHAINS];
-  for (int m = 0; m < TM; ++m)
-    for (int c = 0; c < CHAINS; ++c) acc[m][c] = _mm256_setzero_ps();
-  const int64_t blocks = K / BLOCK, per = p.group / BLOCK;
-  const uint8_t* c = codes;
-  for (int64_t b = 0; b < blocks; ++b, c += 4 * BITS) {
-    const __m256i q = codes_u8<BITS>(c);
-    const float s = scale[b / per];
+void tile_f32(const Part& p, int64_t t, const float* x, const float* xsum, int64_t K, float* y, int64_t ldy) {
+  const int64_t per = p.group / BLOCK;
+  const uint8_t* tb = p.tile(t, K);
+  const __m256i byte = _mm256_set1_epi32(255);
+  const __m256 offset = _mm256_set1_ps(-static_cast<float>(1 << (BITS - 1)));
+  __m256 acc[TM];
+  for (int m = 0; m < TM; ++m) acc[m] = _mm256_setzero_ps();
+  for (int64_t g = 0, k = 0; g < p.groups; ++g) {
+    __m256 gs[TM];
+    for (int m = 0; m < TM; ++m) gs[m] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < per; ++j, k += BLOCK, tb += 32 * BITS) {
+      __m256i q[8];
+      decode<BITS>(tb, q);
+      for (int m = 0; m < TM; ++m) {
+        const float* xb = x + m * K + k;
+        __m256 d[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+        for (int c = 0; c < 8; ++c) {
+          d[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(q[c], byte)), _mm256_set1_ps(xb[4 * c]), d[0]);
+          d[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(q[c], 8), byte)),
+                                 _mm256_set1_ps(xb[4 * c + 1]), d[1]);
+          d[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(q[c], 16), byte)),
+                                 _mm256_set1_ps(xb[4 * c + 2]), d[2]);
+          d[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(q[c], 24)), _mm256_set1_ps(xb[4 * c + 3]), d[3]);
+        }
+        gs[m] = _mm256_add_ps(gs[m], _mm256_add_ps(_mm256_add_ps(d[0], d[1]), _mm256_add_ps(d[2], d[3])));
+      }
+    }
+    const Half* h = p.tile_sb(t, g);
+    const __m256 s = halves8(h), b = p.planes == 2 ? halves8(h + ROWS) : _mm256_mul_ps(s, offset);
     for (int m = 0; m < TM; ++m) {
-      const __m256i x8 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + m * K + b * BLOCK));
-      const __m256i d = _mm256_dpbusd_epi32(_mm256_setzero_si256(), q, x8);
-      acc[m][b % CHAINS] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(s * dx[m * blocks + b]),
-                                           acc[m][b % CHAINS]);
+      acc[m] = _mm256_fmadd_ps(s, gs[m], acc[m]);
+      acc[m] = _mm256_fmadd_ps(b, _mm256_set1_ps(xsum[m * p.groups + g]), acc[m]);
     }
   }
-  const float centre = static_cast<float>(1 << (BITS - 1));
-  for (int m = 0; m < TM; ++m) {
-    const __m256 sum = _mm256_add_ps(_mm256_add_ps(acc[m][0], acc[m][1]), _mm256_add_ps(acc[m][2], acc[m][3]));
-    y[m * ldy] = hsum(sum) + group_dot(bias, xsum + m * p.groups, p.groups) +
-                 centre * group_dot(scale, xdiff + m * p.groups, p.groups);
-  }
+  for (int m = 0; m < TM; ++m) _mm256_storeu_ps(y + m * ldy, acc[m]);
 }
-
 #endif
 
-// The same sums in plain C++, in the same order per x row (a different rounding from the AVX-512 lanes').
-void dot_rows_scalar(const Part& p, const uint8_t* codes, const float* scale, const float* bias, const float* x,
-                     const float* xsum, int64_t M, int64_t K, float* y, int64_t ldy) {
-  const int64_t blocks = p.group / BLOCK;
-  int32_t q[BLOCK];
-  for (int64_t m = 0; m < M; ++m) {
-    const float* xm = x + m * K;
-    const uint8_t* c = codes;
-    float acc = 0, t = 0;
-    for (int64_t g = 0, k = 0; g < p.groups; ++g) {
-      float d = 0;
-      for (int64_t b = 0; b < blocks; ++b, k += BLOCK, c += 4 * p.bits) {
-        codes_of(c, static_cast<int>(p.bits), q);
-        for (int j = 0; j < BLOCK; ++j) d += static_cast<float>(q[j]) * xm[k + j];
+#ifdef UMAKIT_VNNI
+// tile_f32 with x in int8 blocks (Inputs): each block's products summed in int32 by vpdpbusd (unsigned codes
+// times signed inputs, 4 at a time), then scaled by the block's input scale, and the group's sum by the weights'
+// scale; the biases meet the float32 sums of x. The error is that of the codes centred, (code - c) * (rounded x
+// - x) with c = 2^(bits-1), as llama.cpp's symmetric blocks have it, not code * (rounded x - x), twice as large:
+// xdiff holds each group's sum of x minus the sum of its rounded values, and c * scale * xdiff goes back in.
+template <int BITS, int TM>
+void tile_i8(const Part& p, int64_t t, const int8_t* xq, const float* dx, const float* xsum, const float* xdiff,
+             int64_t K, float* y, int64_t ldy) {
+  const int64_t per = p.group / BLOCK, blocks = K / BLOCK;
+  const uint8_t* tb = p.tile(t, K);
+  const float centre = static_cast<float>(1 << (BITS - 1));
+  const __m256 offset = _mm256_set1_ps(-centre);
+  __m256 acc[TM];
+  for (int m = 0; m < TM; ++m) acc[m] = _mm256_setzero_ps();
+  for (int64_t g = 0, b = 0; g < p.groups; ++g) {
+    __m256 gs[TM];
+    for (int m = 0; m < TM; ++m) gs[m] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < per; ++j, ++b, tb += 32 * BITS) {
+      __m256i q[8];
+      decode<BITS>(tb, q);
+      for (int m = 0; m < TM; ++m) {
+        const uint8_t* xb = reinterpret_cast<const uint8_t*>(xq + m * K + b * BLOCK);
+        __m256i i0 = _mm256_setzero_si256(), i1 = _mm256_setzero_si256();
+        for (int c = 0; c < 8; c += 2) {
+          i0 = _mm256_dpbusd_epi32(i0, q[c], _mm256_set1_epi32(static_cast<int>(load32(xb + 4 * c))));
+          i1 = _mm256_dpbusd_epi32(i1, q[c + 1], _mm256_set1_epi32(static_cast<int>(load32(xb + 4 * c + 4))));
+        }
+        gs[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(i0, i1)), _mm256_set1_ps(dx[m * blocks + b]),
+                                gs[m]);
       }
-      acc += d * scale[g];
-      t += bias[g] * xsum[m * p.groups + g];
     }
-    y[m * ldy] = acc + t;
+    const Half* h = p.tile_sb(t, g);
+    const __m256 s = halves8(h), bias = p.planes == 2 ? halves8(h + ROWS) : _mm256_mul_ps(s, offset);
+    for (int m = 0; m < TM; ++m) {
+      const __m256 sum = _mm256_add_ps(gs[m], _mm256_set1_ps(centre * xdiff[m * p.groups + g]));
+      acc[m] = _mm256_fmadd_ps(s, sum, acc[m]);
+      acc[m] = _mm256_fmadd_ps(bias, _mm256_set1_ps(xsum[m * p.groups + g]), acc[m]);
+    }
+  }
+  for (int m = 0; m < TM; ++m) _mm256_storeu_ps(y + m * ldy, acc[m]);
+}
+#endif
+
+// The same sums in plain C++, per row of the tile (a different rounding from the vector lanes').
+void tile_scalar(const Part& p, int64_t t, const float* x, const float* xsum, int64_t M, int64_t K, float* y,
+                 int64_t ldy) {
+  const int64_t per = p.group / BLOCK;
+  float s[ROWS], b[ROWS];
+  for (int64_t m = 0; m < M; ++m) {
+    float acc[ROWS] = {};
+    const uint8_t* tb = p.tile(t, K);
+    for (int64_t g = 0, k = 0; g < p.groups; ++g) {
+      tile_scales(p, t, g, s, b);
+      float d[ROWS] = {};
+      for (int64_t j = 0; j < per; ++j, k += BLOCK, tb += 32 * p.bits)
+        for (int r = 0; r < ROWS; ++r)
+          for (int i = 0; i < BLOCK; ++i)
+            d[r] += static_cast<float>(code_at(tb, static_cast<int>(p.bits), r, i)) * x[m * K + k + i];
+      for (int r = 0; r < ROWS; ++r) acc[r] += d[r] * s[r] + b[r] * xsum[m * p.groups + g];
+    }
+    for (int r = 0; r < ROWS; ++r) y[m * ldy + r] = acc[r];
   }
 }
 
@@ -342,11 +249,11 @@ bool with_bits(int64_t bits, F&& f) {
   }
 }
 
-// f(std::integral_constant<int, TM>, m) over x's rows m in tiles of TILE, then the 1-3 left.
+// f(std::integral_constant<int, TM>, m) over x's rows m in tiles of XTILE, then the 1-3 left.
 template <typename F>
-void over_tiles(int64_t M, F&& f) {
+void over_x_rows(int64_t M, F&& f) {
   int64_t m = 0;
-  for (; m + TILE <= M; m += TILE) f(std::integral_constant<int, TILE>{}, m);
+  for (; m + XTILE <= M; m += XTILE) f(std::integral_constant<int, XTILE>{}, m);
   switch (M - m) {
     case 3: f(std::integral_constant<int, 3>{}, m); break;
     case 2: f(std::integral_constant<int, 2>{}, m); break;
@@ -355,54 +262,61 @@ void over_tiles(int64_t M, F&& f) {
   }
 }
 
-// Rows [n0, n1) of a part, x multiplied in `form` (Inputs; xsum sums what is multiplied, except in int8, where
-// it sums x itself and xdiff what rounding took off).
-void part_rows(const Part& p, int64_t n0, int64_t n1, const Inputs& in, int64_t form, const float* xsum,
-               const float* xdiff, int64_t M, int64_t K, float* y, int64_t ldy) {
-  const float* x = in.x;
-  const int64_t G = p.groups, blocks = K / BLOCK;
-  std::vector<float> sb(2 * G);
-  for (int64_t n = n0; n < n1; ++n) {
-    row_scales(p, n, sb.data());
-    const float *scale = sb.data(), *bias = sb.data() + G;
-    const uint8_t* codes = p.codes + n * p.row_bytes;
-    float* out = y + p.col + n;
+// Tile t of a part, x multiplied in `form` (Inputs; xsum sums x, xdiff what int8 rounding took off it).
+void part_tile(const Part& p, int64_t t, const Inputs& in, int64_t form, const float* xsum, const float* xdiff,
+               int64_t M, int64_t K, float* y, int64_t ldy) {
+  float* out = y + p.col + t * ROWS;
 #ifdef UMAKIT_AVX512
-    const bool done = with_bits(p.bits, [&](auto width) {
-      constexpr int B = decltype(width)::value;
-      over_tiles(M, [&](auto tile, int64_t m) {
-        constexpr int TM = decltype(tile)::value;
+  const int64_t G = p.groups, blocks = K / BLOCK;
+  const bool done = with_bits(p.bits, [&](auto width) {
+    constexpr int B = decltype(width)::value;
+    over_x_rows(M, [&](auto tile, int64_t m) {
+      constexpr int TM = decltype(tile)::value;
 #ifdef UMAKIT_VNNI
-        if (form == INT8)
-          return dot_rows_i8<B, TM>(p, codes, scale, bias, in.xq + m * K, in.dx + m * blocks, xsum + m * G,
-                                    xdiff + m * G, K, out + m * ldy, ldy);
+      if (form == INT8)
+        return tile_i8<B, TM>(p, t, in.xq + m * K, in.dx + m * blocks, xsum + m * G, xdiff + m * G, K,
+                              out + m * ldy, ldy);
 #endif
-#ifdef UMAKIT_BF16
-        if constexpr (B <= 6)
-          if (form == BFLOAT16)
-            return dot_rows_bf16<B, TM>(p, codes, scale, bias, in.xb + m * K, xsum + m * G, K, out + m * ldy, ldy);
-#endif
-        dot_rows<B, TM>(p, codes, scale, bias, x + m * K, xsum + m * G, K, out + m * ldy, ldy);
-      });
+      tile_f32<B, TM>(p, t, in.x + m * K, xsum + m * G, K, out + m * ldy, ldy);
     });
-    if (done) continue;
+  });
+  if (done) return;
 #endif
-    dot_rows_scalar(p, codes, scale, bias, x, xsum, M, K, out, ldy);
-  }
+  tile_scalar(p, t, in.x, xsum, M, K, out, ldy);
 }
 
-// Weights [n0, n1) of a part as float32 (n1 - n0, K): scale * code + bias.
-void dequantize_rows(const Part& p, int64_t n0, int64_t n1, int64_t K, float* w) {
-  std::vector<float> sb(2 * p.groups);
-  int32_t q[BLOCK];
-  for (int64_t n = n0; n < n1; ++n) {
-    row_scales(p, n, sb.data());
-    const uint8_t* c = p.codes + n * p.row_bytes;
-    float* row = w + (n - n0) * K;
-    for (int64_t k = 0; k < K; k += BLOCK, c += 4 * p.bits) {
-      const int64_t g = k / p.group;
-      codes_of(c, static_cast<int>(p.bits), q);
-      for (int j = 0; j < BLOCK; ++j) row[k + j] = static_cast<float>(q[j]) * sb[g] + sb[p.groups + g];
+// A tile-block's codes as out[r][j], weight j of row r.
+void block_codes(const uint8_t* tb, int64_t bits, uint8_t (*out)[BLOCK]) {
+#ifdef UMAKIT_AVX512
+  const bool done = with_bits(bits, [&](auto width) {
+    __m256i q[8];
+    decode<decltype(width)::value>(tb, q);
+    alignas(32) uint8_t lanes[8][32];
+    for (int c = 0; c < 8; ++c) _mm256_store_si256(reinterpret_cast<__m256i*>(lanes[c]), q[c]);
+    for (int r = 0; r < ROWS; ++r)
+      for (int c = 0; c < 8; ++c) std::memcpy(&out[r][4 * c], &lanes[c][4 * r], 4);
+  });
+  if (done) return;
+#endif
+  for (int r = 0; r < ROWS; ++r)
+    for (int j = 0; j < BLOCK; ++j) out[r][j] = static_cast<uint8_t>(code_at(tb, static_cast<int>(bits), r, j));
+}
+
+// Tiles [t0, t1) of a part as float32 rows (8 (t1 - t0), K): scale * code + bias.
+void dequantize_tiles(const Part& p, int64_t t0, int64_t t1, int64_t K, float* w) {
+  float s[ROWS], b[ROWS];
+  uint8_t q[ROWS][BLOCK];
+  const int64_t per = p.group / BLOCK;
+  for (int64_t t = t0; t < t1; ++t) {
+    const uint8_t* tb = p.tile(t, K);
+    float* rows = w + (t - t0) * ROWS * K;
+    for (int64_t g = 0, k = 0; g < p.groups; ++g) {
+      tile_scales(p, t, g, s, b);
+      for (int64_t j = 0; j < per; ++j, k += BLOCK, tb += 32 * p.bits) {
+        block_codes(tb, p.bits, q);
+        for (int r = 0; r < ROWS; ++r)
+          for (int i = 0; i < BLOCK; ++i) rows[r * K + k + i] = static_cast<float>(q[r][i]) * s[r] + b[r];
+      }
     }
   }
 }
@@ -431,12 +345,13 @@ std::vector<Part> parts_of(at::TensorList codes, at::TensorList sb, at::IntArray
     TORCH_CHECK(b >= 2 && b <= 8 && b != 7, "bits must be 2, 3, 4, 5, 6 or 8, not ", b);
     TORCH_CHECK(g % BLOCK == 0 && K % g == 0, "group ", g, " must be a multiple of 32 dividing ", K);
     TORCH_CHECK(codes[i].scalar_type() == at::kByte && codes[i].is_contiguous() && codes[i].dim() == 2 &&
-                    codes[i].size(1) == K * b / 8, "part ", i, ": codes must be contiguous uint8 (rows, K*bits/8)");
-    const int64_t planes = sb[i].dim() == 3 ? sb[i].size(1) : 0;
+                    rows % ROWS == 0 && codes[i].size(1) == K * b / 8,
+                "part ", i, ": codes must be contiguous uint8 (rows, K*bits/8), rows a multiple of ", ROWS);
+    const int64_t planes = sb[i].dim() == 4 ? sb[i].size(2) : 0;
     TORCH_CHECK(sb[i].scalar_type() == at::kHalf && sb[i].is_contiguous() && (planes == 1 || planes == 2) &&
-                    sb[i].size(0) == rows && sb[i].size(2) == K / g,
-                "part ", i, ": scales and biases must be contiguous float16 (rows, 2 or 1, K/group)");
-    parts.push_back({codes[i].data_ptr<uint8_t>(), sb[i].data_ptr<Half>(), rows, b, g, K / g, K * b / 8, col, planes});
+                    sb[i].size(0) * ROWS == rows && sb[i].size(1) == K / g && sb[i].size(3) == ROWS,
+                "part ", i, ": scales and biases must be contiguous float16 (rows/8, K/group, 2 or 1, 8)");
+    parts.push_back({codes[i].data_ptr<uint8_t>(), sb[i].data_ptr<Half>(), rows, b, g, K / g, col, planes});
     col += rows;
   }
   return parts;
@@ -455,116 +370,135 @@ Tensor affine_mm(const Tensor& x_in, at::TensorList codes, at::TensorList sb, at
   const int64_t N = parts.back().col + parts.back().rows;
   Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;
-  if (M >= dense_rows) {  // a long prefill: dequantize blocks of rows once, then float32 GEMMs
+  if (M >= dense_rows) {  // a long prefill: dequantize blocks of tiles once, then float32 GEMMs
     for (const Part& p : parts) {
-      const int64_t block = std::max<int64_t>(64, (int64_t{8} << 20) / (4 * K));
-      for (int64_t n0 = 0; n0 < p.rows; n0 += block) {
-        const int64_t n1 = std::min(p.rows, n0 + block);
-        Tensor w = at::empty({n1 - n0, K}, x.options());
-        at::parallel_for(n0, n1, 16, [&](int64_t a, int64_t b) {
-          dequantize_rows(p, a, b, K, w.data_ptr<float>() + (a - n0) * K);
+      const int64_t tiles = p.rows / ROWS, block = std::max<int64_t>(8, (int64_t{1} << 20) / (ROWS * K));
+      for (int64_t t0 = 0; t0 < tiles; t0 += block) {
+        const int64_t t1 = std::min(tiles, t0 + block);
+        Tensor w = at::empty({(t1 - t0) * ROWS, K}, x.options());
+        at::parallel_for(t0, t1, 1, [&](int64_t a, int64_t b) {
+          dequantize_tiles(p, a, b, K, w.data_ptr<float>() + (a - t0) * ROWS * K);
         });
-        y.narrow(1, p.col + n0, n1 - n0).copy_(at::mm(x, w.t()));
+        y.narrow(1, p.col + t0 * ROWS, (t1 - t0) * ROWS).copy_(at::mm(x, w.t()));
       }
     }
     return y;
   }
-  // the form each part multiplies x in: bfloat16 for at most 6 bits (128 + code must be exact), int8 for any
-  const int64_t form = inputs == BFLOAT16 && kBF16 ? BFLOAT16 : inputs == INT8 && kVNNI ? INT8 : FLOAT32;
-  std::vector<int64_t> forms;
-  for (const Part& p : parts) forms.push_back(form == BFLOAT16 && p.bits > 6 ? FLOAT32 : form);
-  const Tensor xr = form == BFLOAT16 ? x.to(at::kBFloat16) : Tensor();  // as torch rounds: to nearest, ties even
-  const Tensor xs = form == BFLOAT16 ? xr.to(at::kFloat) : x;  // the values the bfloat16 products see
+  const int64_t form = inputs == INT8 && kVNNI ? INT8 : FLOAT32;
   std::vector<int8_t> xq(form == INT8 ? M * K : 0);
   std::vector<float> dx(form == INT8 ? M * K / BLOCK : 0);
   if (form == INT8) quantize_rows(x.data_ptr<float>(), M * K / BLOCK, xq.data(), dx.data());
-  const Inputs in{x.data_ptr<float>(),
-                  form == BFLOAT16 ? reinterpret_cast<const uint16_t*>(xr.data_ptr<at::BFloat16>()) : nullptr,
-                  xq.data(), dx.data()};
-  // the sums of what each part multiplies over its groups, (M, K / group); in int8, the sums of x less those of
-  // its rounded values too
+  const Inputs in{x.data_ptr<float>(), xq.data(), dx.data()};
+  // the sums of x over each part's groups, (M, K / group); in int8, the sums of x less those of its rounded
+  // values too
   std::vector<std::vector<float>> sums, diffs;
-  for (size_t i = 0; i < parts.size(); ++i) {
-    const Part& p = parts[i];
-    const float* xp = (forms[i] == BFLOAT16 ? xs : x).data_ptr<float>();
-    std::vector<float> s(M * p.groups, 0.0f), d(forms[i] == INT8 ? M * p.groups : 0, 0.0f);
+  const float* xp = x.data_ptr<float>();
+  for (const Part& p : parts) {
+    std::vector<float> s(M * p.groups, 0.0f), d(form == INT8 ? M * p.groups : 0, 0.0f);
     for (int64_t m = 0; m < M; ++m)
       for (int64_t g = 0; g < p.groups; ++g) {
         float t = 0, r = 0;
         for (int64_t j = 0; j < p.group; ++j) {
           const int64_t k = m * K + g * p.group + j;
           t += xp[k];
-          if (forms[i] == INT8) r += xp[k] - dx[k / BLOCK] * xq[k];
+          if (form == INT8) r += xp[k] - dx[k / BLOCK] * xq[k];
         }
         s[m * p.groups + g] = t;
-        if (forms[i] == INT8) d[m * p.groups + g] = r;
+        if (form == INT8) d[m * p.groups + g] = r;
       }
     sums.push_back(std::move(s));
     diffs.push_back(std::move(d));
   }
-  at::parallel_for(0, N, 8, [&](int64_t a, int64_t b) {
-    for (size_t i = 0; i < parts.size(); ++i) {
-      const Part& p = parts[i];
-      const int64_t lo = std::max(a, p.col), hi = std::min(b, p.col + p.rows);
-      if (lo < hi)
-        part_rows(p, lo - p.col, hi - p.col, in, forms[i], sums[i].data(), diffs[i].data(), M, K,
+  std::vector<int64_t> first_tile{0};  // part i's tiles are [first_tile[i], first_tile[i + 1])
+  for (const Part& p : parts) first_tile.push_back(first_tile.back() + p.rows / ROWS);
+  at::parallel_for(0, first_tile.back(), 4, [&](int64_t a, int64_t b) {
+    for (size_t i = 0; i < parts.size(); ++i)
+      for (int64_t t = std::max(a, first_tile[i]); t < std::min(b, first_tile[i + 1]); ++t)
+        part_tile(parts[i], t - first_tile[i], in, form, sums[i].data(), diffs[i].data(), M, K,
                   y.data_ptr<float>(), N);
-    }
   });
   return y;
 }
 
-int64_t affine_features() { return (kAVX512 ? 1 : 0) | (kBF16 ? 2 : 0) | (kVNNI ? 4 : 0); }
+int64_t affine_features() { return (kAVX512 ? 1 : 0) | (kVNNI ? 4 : 0); }
 
-// MLX's packing (rows, K*bits/32 uint32: code j at bits [j*bits, (j+1)*bits) of the row) -> planes.
+// MLX's packing (rows, K*bits/32 uint32: code j at bits [j*bits, (j+1)*bits) of the row) -> tiles (affine.h).
 Tensor affine_planes(const Tensor& weight, int64_t bits) {
   TORCH_CHECK(bits >= 2 && bits <= 8 && bits != 7, "bits must be 2, 3, 4, 5, 6 or 8, not ", bits);
   const Tensor w = weight.contiguous().view(at::kByte);
   const int64_t rows = w.size(0), row_bytes = w.size(1), K = row_bytes * 8 / bits;
   TORCH_CHECK(K % BLOCK == 0, "the input width must be a multiple of ", BLOCK);
+  TORCH_CHECK(rows % ROWS == 0, "the rows must be a multiple of ", ROWS);
   Tensor out = at::empty({rows, row_bytes}, w.options());
   const uint8_t* src = w.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
-  const int64_t step = 4 * bits;  // bytes of 32 codes, in either packing
-  at::parallel_for(0, rows, 64, [&](int64_t a, int64_t b) {
+  const int64_t step = 4 * bits;  // bytes of a row's 32 codes in MLX's packing
+  at::parallel_for(0, rows / ROWS, 8, [&](int64_t a, int64_t b) {
     uint8_t buf[40];
-    int32_t c[BLOCK];
-    for (int64_t r = a; r < b; ++r)
+    int32_t c[ROWS][BLOCK];
+    for (int64_t t = a; t < b; ++t)
       for (int64_t k = 0; k < K; k += BLOCK) {
-        const int64_t at_byte = r * row_bytes + k / BLOCK * step;
-        std::memset(buf, 0, sizeof(buf));
-        std::memcpy(buf, src + at_byte, step);
-        for (int j = 0; j < BLOCK; ++j) {
-          uint64_t word;
-          std::memcpy(&word, buf + j * bits / 8, 8);
-          c[j] = static_cast<int32_t>((word >> (j * bits % 8)) & ((1u << bits) - 1));
+        for (int r = 0; r < ROWS; ++r) {
+          std::memset(buf, 0, sizeof(buf));
+          std::memcpy(buf, src + (t * ROWS + r) * row_bytes + k / BLOCK * step, step);
+          for (int j = 0; j < BLOCK; ++j) {
+            uint64_t word;
+            std::memcpy(&word, buf + j * bits / 8, 8);
+            c[r][j] = static_cast<int32_t>((word >> (j * bits % 8)) & ((1u << bits) - 1));
+          }
         }
-        uint8_t* o = dst + at_byte;
+        uint8_t* o = dst + t * ROWS * row_bytes + k / BLOCK * ROWS * step;
         if (bits == 8) {
-          for (int j = 0; j < BLOCK; ++j) o[j] = static_cast<uint8_t>(c[j]);
+          for (int ch = 0; ch < 8; ++ch)
+            for (int r = 0; r < ROWS; ++r)
+              for (int i = 0; i < 4; ++i) o[32 * ch + 4 * r + i] = static_cast<uint8_t>(c[r][4 * ch + i]);
           continue;
         }
         const int first = bits >= 4 ? 4 : 0;
         if (bits >= 4) {
-          for (int j = 0; j < 16; ++j) o[j] = static_cast<uint8_t>((c[j] & 15) | ((c[j + 16] & 15) << 4));
-          o += 16;
+          for (int ch = 0; ch < 4; ++ch)
+            for (int r = 0; r < ROWS; ++r)
+              for (int i = 0; i < 4; ++i)
+                o[32 * ch + 4 * r + i] =
+                    static_cast<uint8_t>((c[r][4 * ch + i] & 15) | ((c[r][4 * (ch + 4) + i] & 15) << 4));
+          o += 128;
         }
-        for (int kk = 0; kk < bits - first; ++kk) {
-          uint32_t mask = 0;
-          for (int j = 0; j < BLOCK; ++j) mask |= static_cast<uint32_t>((c[j] >> (first + kk)) & 1) << j;
-          std::memcpy(o + 4 * kk, &mask, 4);
-        }
+        for (int kk = 0; kk < bits - first; ++kk)
+          for (int ch = 0; ch < 8; ++ch) {
+            uint32_t mask = 0;
+            for (int r = 0; r < ROWS; ++r)
+              for (int i = 0; i < 4; ++i)
+                mask |= static_cast<uint32_t>((c[r][4 * ch + i] >> (first + kk)) & 1) << (4 * r + i);
+            std::memcpy(o + 32 * kk + 4 * ch, &mask, 4);
+          }
       }
   });
   return out;
 }
 
-Tensor affine_dequantize(const Tensor& codes, const Tensor& sb, int64_t bits, int64_t group) {
+// Rows `ids` of a layer in tiles, as float32 (len(ids), K): a tied table's lookups, and the tests' reference.
+Tensor affine_dequantize(const Tensor& codes, const Tensor& sb, int64_t bits, int64_t group, const Tensor& ids) {
   const int64_t K = codes.size(1) * 8 / bits;
   const std::vector<Part> parts = parts_of({codes}, {sb}, {bits}, {group}, K);
-  Tensor w = at::empty({codes.size(0), K}, codes.options().dtype(at::kFloat));
-  at::parallel_for(0, codes.size(0), 16, [&](int64_t a, int64_t b) {
-    dequantize_rows(parts[0], a, b, K, w.data_ptr<float>() + a * K);
+  const Part& p = parts[0];
+  const Tensor rows = ids.to(at::kLong).contiguous();
+  const int64_t n = rows.numel();
+  const int64_t* id = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(id[i] >= 0 && id[i] < p.rows, "row ", id[i], " out of range");
+  Tensor w = at::empty({n, K}, codes.options().dtype(at::kFloat));
+  float* out = w.data_ptr<float>();
+  at::parallel_for(0, n, 16, [&](int64_t a, int64_t b) {
+    float s[ROWS], bias[ROWS];
+    for (int64_t i = a; i < b; ++i) {
+      const int64_t t = id[i] / ROWS;
+      const int r = static_cast<int>(id[i] % ROWS);
+      const uint8_t* tb = p.tile(t, K);
+      for (int64_t k = 0; k < K; k += BLOCK, tb += 32 * bits) {
+        if (k % group == 0) tile_scales(p, t, k / group, s, bias);
+        for (int j = 0; j < BLOCK; ++j)
+          out[i * K + k + j] = static_cast<float>(code_at(tb, static_cast<int>(bits), r, j)) * s[r] + bias[r];
+      }
+    }
   });
   return w;
 }
@@ -576,7 +510,7 @@ TORCH_LIBRARY_FRAGMENT(umakit, m) {
         "int inputs) -> Tensor");
   m.def("affine_features() -> int");
   m.def("affine_planes(Tensor weight, int bits) -> Tensor");
-  m.def("affine_dequantize(Tensor codes, Tensor sb, int bits, int group) -> Tensor");
+  m.def("affine_dequantize(Tensor codes, Tensor sb, int bits, int group, Tensor ids) -> Tensor");
   m.impl("affine_mm", c10::DispatchKey::CPU, TORCH_FN(umakit::affine_mm));
   m.impl("affine_planes", c10::DispatchKey::CPU, TORCH_FN(umakit::affine_planes));
   m.impl("affine_features", c10::DispatchKey::CatchAll, TORCH_FN(umakit::affine_features));
