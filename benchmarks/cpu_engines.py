@@ -249,7 +249,9 @@ def run_worker(engine: str, args, gguf: str, ppl: str | None, first_only: bool =
            "--gguf", gguf, "--mlx-path", args.mlx_path or "", "--t0", repr(time.time())]
     cmd += (["--ppl", ppl] if ppl else []) + (["--ppl-mlx"] if args.ppl_mlx else [])
     cmd += ["--first-only"] if first_only else []
-    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
+    # as installed packages start: compiled modules cached (pip compiles them at install; this shell may not)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    done = subprocess.run(cmd, capture_output=True, text=True, env={**env, "OMP_NUM_THREADS": str(args.threads)})
     if done.returncode:
         print(f"  {engine} failed:\n{done.stderr[-2000:]}", file=sys.stderr)
         return None

@@ -34,6 +34,7 @@ import torch
 
 import umakit
 from umakit.backends.torch import crossover
+from umakit.backends.torch.cpu import affine_kernel
 
 OUT = Path(__file__).parent / "out" / "prefill_rows.md"
 WAYS = ("packed kernel", "dequantize + GEMM", "fused rows")
@@ -41,12 +42,12 @@ WAYS = ("packed kernel", "dequantize + GEMM", "fused rows")
 
 @contextlib.contextmanager
 def dense_from(rows: int):
-    old = crossover.DENSE_ROWS, crossover.AFFINE_DENSE_ROWS
-    crossover.DENSE_ROWS = crossover.AFFINE_DENSE_ROWS = rows
+    old = crossover.DENSE_ROWS, crossover.AFFINE_DENSE_ROWS, crossover.AFFINE_INT8_DENSE_ROWS
+    crossover.DENSE_ROWS = crossover.AFFINE_DENSE_ROWS = crossover.AFFINE_INT8_DENSE_ROWS = rows
     try:
         yield
     finally:
-        crossover.DENSE_ROWS, crossover.AFFINE_DENSE_ROWS = old
+        crossover.DENSE_ROWS, crossover.AFFINE_DENSE_ROWS, crossover.AFFINE_INT8_DENSE_ROWS = old
 
 
 def prefill(engine, ids: list[int], way: str):
@@ -123,9 +124,11 @@ def main() -> None:
                 spent = time.perf_counter() - t
                 times[way][n] = min(times[way].get(n, spent), spent)
 
+    rows = affine_kernel.dense_rows()
+    below = "at every length" if rows > 1 << 30 else f"below {rows} rows"
     lines = [f"Measured {date.today()} on {platform.machine()}, {args.threads} threads, {model.info.name} "
-             f"({model.info.weights.quantization}); the engine's forward takes the packed kernel below "
-             f"{crossover.AFFINE_DENSE_ROWS} rows (the affine kernel; {crossover.DENSE_ROWS} for the int4 one).", "",
+             f"({model.info.weights.quantization}); the engine's forward takes the packed kernel {below} "
+             f"(the affine kernel; below {crossover.DENSE_ROWS} for the int4 one).", "",
              "| prefill | " + " | ".join(f"{n} tokens (ms)" for n in args.lengths)
              + (f" | argmax = float32's ({args.windows} windows) | mean KL from float32 |" if scores else " |"),
              "|---|" + "---:|" * (len(args.lengths) + (2 if scores else 0))]

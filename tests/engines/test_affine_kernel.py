@@ -22,6 +22,7 @@ from umakit.backends.torch.quant import layout
 pytestmark = pytest.mark.skipif(not build.ensure(), reason="the C++ library cannot be built here")
 
 RELATIVE = 1e-5
+DENSE = crossover.AFFINE_DENSE_ROWS  # float32 inputs take GEMMs from here (int8 ones never do)
 
 
 FORMS = {"float32": (affine.FLOAT32, 0), "int8": (affine.INT8, 4)}
@@ -88,28 +89,28 @@ def test_a_layer_of_rows_not_a_multiple_of_8_is_padded_and_cut_back(bits):
     assert not dequantize(codes, sb, bits, 64, 48)[43:].any()
     run = affine.AffineLinear([m])
     assert run.padded
-    for rows in (1, 5, crossover.AFFINE_DENSE_ROWS):
+    for rows in (1, 5, DENSE):
         x = torch.randn(rows, 256)
         assert_close(run(x), F.linear(x, m.dequantized(torch.float32), m.bias), x, [m],
-                     exact=rows >= crossover.AFFINE_DENSE_ROWS)
+                     exact=rows >= affine.dense_rows())
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
 @pytest.mark.parametrize("group", [32, 64, 128])
-@pytest.mark.parametrize("rows", [1, 3, 4, 7, crossover.AFFINE_DENSE_ROWS + 5])  # tiles of 4, remainders, GEMM
+@pytest.mark.parametrize("rows", [1, 3, 4, 7, DENSE + 5])  # tiles of 4, remainders, GEMM
 def test_the_kernel_equals_dequantize_then_matmul(bits, group, rows):
     m = layer(72, 256, bits, group, bias=True)
     run = affine.AffineLinear([m])
     x = torch.randn(2, rows, 256)
     assert_close(run(x), F.linear(x, m.dequantized(torch.float32), m.bias), x, [m],
-                 exact=rows >= crossover.AFFINE_DENSE_ROWS)
+                 exact=rows >= affine.dense_rows())
 
 
 @pytest.mark.parametrize("bits", [3, 4, 5, 8])
 def test_each_row_gets_the_bits_it_gets_alone(bits):
     """What lets a batch's rows and a verification's tokens reproduce their single decode steps."""
     run = affine.AffineLinear([layer(96, 512, bits, 64)])
-    x = torch.randn(crossover.AFFINE_DENSE_ROWS - 1, 512)
+    x = torch.randn(DENSE - 1, 512)
     together = run(x)
     for i in (0, 3, 4, len(x) - 1):
         assert torch.equal(run(x[i:i + 1])[0], together[i])

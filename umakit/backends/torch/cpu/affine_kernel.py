@@ -42,6 +42,11 @@ def inputs() -> int:
     return INT8 if torch.ops.umakit.affine_features() & 4 else FLOAT32
 
 
+def dense_rows() -> int:
+    """Input rows from which a layer dequantizes blocks of weights for float32 GEMMs (crossover.py, per form)."""
+    return crossover.AFFINE_INT8_DENSE_ROWS if inputs() == INT8 else crossover.AFFINE_DENSE_ROWS
+
+
 def supports(m: QuantizedLinear) -> bool:
     return m.bits in KERNEL_BITS and m.in_features % BLOCK == 0 and m.group_size % BLOCK == 0
 
@@ -125,7 +130,7 @@ class AffineLinear(nn.Module):
         shape, dtype = x.shape[:-1], x.dtype
         codes, sb = self.parts
         y = torch.ops.umakit.affine_mm(x.reshape(-1, self.in_features).float(), codes, sb, self.bits, self.groups,
-                                       crossover.AFFINE_DENSE_ROWS, inputs())
+                                       dense_rows(), inputs())
         if y.shape[1] > self.out_features:  # a lone part's padding rows
             y = y[:, : self.out_features]
         if self.bias is not None:

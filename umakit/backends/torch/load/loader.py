@@ -23,7 +23,7 @@ from umakit.plan.placement import RING_SLOTS, OffloadPlan, parse_size, plan_laye
 from umakit.plan.shapes import KV_RESERVE_TOKENS
 from umakit.backends.common import check_weights
 from umakit.backends.torch import quant
-from umakit.backends.torch.quant.forms import convert_model, cpu_auto_dtype
+from umakit.backends.torch.quant.forms import convert_model, cpu_auto_dtype, joiner
 from umakit.backends.torch.model.llama import ModelArgs, Transformer, fuse_projections, rope_inv_freq
 from umakit.backends.torch.model.moe import Experts, expert_slot, stacked_shapes
 from umakit.backends.torch.cpu.affine_kernel import AffineEmbedding, AffineLinear
@@ -166,7 +166,7 @@ def build_model(args: ModelArgs, config: dict, shapes: dict, source, device: tor
         else:
             model.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False, device="meta")
             model.lm_head.weight = embed.weight
-    fuse_projections(model, quant.concat)
+    fuse_projections(model, joiner(device, weights))
     for i in sorted(streamed):
         block = model.model.layers[i].to(device)
         convert_model(block, device, weights, tensors_only=lambda path: True)

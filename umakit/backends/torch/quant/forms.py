@@ -107,10 +107,8 @@ def convert_model(model: nn.Module, device: torch.device, dtype: torch.dtype, te
     fp16 = device.type == "cpu" and dtype == torch.float16 and Fp16Linear.available()
     if device.type == "cpu" and dtype == torch.bfloat16 and affine.available():
         for path, module in list(model.named_modules()):  # parts of different widths: still one call
-            parts = list(module.parts) if isinstance(module, Concat) else []
-            if (parts and all(type(m) is QuantizedLinear and affine.supports(m) for m in parts)
-                    and affine.concatenates(parts)):
-                _replace(model, path, affine.AffineLinear(parts, prepacked(path)))
+            if isinstance(module, Concat) and _affine_parts(list(module.parts)):
+                _replace(model, path, affine.AffineLinear(list(module.parts), prepacked(path)))
     for path, module in list(model.named_modules()):
         if isinstance(module, Concat) and fp16 and all(isinstance(m, (QuantizedLinear, nn.Linear)) for m in module.parts):
             # mixed bits: dequantize each part, then one matmul again
@@ -131,6 +129,20 @@ def convert_model(model: nn.Module, device: torch.device, dtype: torch.dtype, te
             elif isinstance(module, Experts) and module.bits is None:
                 # as Fp16Linear holds them: float16 weights, float32 math (each picked matrix cast on use)
                 module.weight = nn.Parameter(module.weight.to(torch.float16), requires_grad=False)
+
+
+def joiner(device: torch.device, dtype: torch.dtype):
+    """How the loader joins q/k/v and gate/up before `convert_model`: on CPU where umakit's affine kernel takes
+    them, left as parts (one call all the same, and the checkpoint's codes are never copied to be stacked: with a
+    stored packing they are never read at all); elsewhere stacked into one layer (quant/layout.py `concat`)."""
+    if device.type == "cpu" and dtype == torch.bfloat16 and affine.available():
+        return lambda layers: Concat(layers) if _affine_parts(layers) else concat(layers)
+    return concat
+
+
+def _affine_parts(parts: list) -> bool:
+    """Whether umakit's affine kernel takes ``parts`` as one call."""
+    return all(type(m) is QuantizedLinear and affine.supports(m) for m in parts) and affine.concatenates(parts)
 
 
 def _replace(model: nn.Module, path: str, new: nn.Module) -> None:
