@@ -155,6 +155,11 @@ def test_lossy_types_are_requantized_and_reported(tmp_path):
     assert set(config["umakit"]["lossy_tensors"]) == set(lossy)
     assert config["quantization"]["model.layers.0.self_attn.k_proj"] == {"group_size": 32, "bits": 3}
     assert report.exact_tensors + len(lossy) == len(reader.tensors)
+    # Q6_K's codes are centred on zero: re-quantized symmetric, so the torch engine reads its scales alone
+    arrays = mx.load(str(tmp_path / "out" / "model.safetensors"))
+    for name in ("model.layers.0.mlp.down_proj", "lm_head"):
+        scales, biases = (np.array(arrays[f"{name}.{k}"].astype(mx.float32)) for k in ("scales", "biases"))
+        assert np.array_equal(biases, scales * -128), name
 
 
 def test_tokenizer_files(tmp_path):

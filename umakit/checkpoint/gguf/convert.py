@@ -118,6 +118,8 @@ def _requantize(t, order: np.ndarray | None) -> tuple[tuple, int, float]:
     if order is not None:
         values = values[order]
     bits = quants.lossy_bits(t.tensor_type)
+    if t.tensor_type in quants.SYMMETRIC and bits == 8:
+        return quants.symmetric8(values)
     ref = mx.array(values)
     w, scales, biases = mx.quantize(ref, group_size=quants.GROUP_SIZE, bits=bits)
     half = scales.astype(mx.float16), biases.astype(mx.float16)

@@ -179,6 +179,31 @@ def lossy_bits(qtype: T) -> int:
     return next((b for b in MLX_BITS if b >= need), MLX_BITS[-1])
 
 
+# Block types whose values are a scale times a code centred on zero: re-quantized symmetric, as Q8_0 is.
+SYMMETRIC = frozenset({T.Q6_K, T.Q3_K})
+
+
+def symmetric8(values: np.ndarray) -> tuple[tuple, int, float]:
+    """(rows, cols) float32 -> 8-bit groups of 32 with bias = -128 * scale (Q8_0's form), as packed MLX arrays,
+    bits and the largest error. As fine a step as min-max groups (max |w| / 127 against (max - min) / 255),
+    and a CPU kernel that knows the bias from the scale reads half the scale bytes (a Q6_K tensor 8.5 bits a
+    weight on the torch engine, not 9)."""
+    rows, cols = values.shape
+    groups = values.reshape(rows, cols // GROUP_SIZE, GROUP_SIZE)
+    amax = np.abs(groups).max(axis=-1)
+    scales = amax / 127
+    half = scales.astype(np.float16).astype(np.float32)
+    if np.isfinite(half).all() and not ((half == 0) & (amax > 0)).any():
+        scales = half  # float16 where no group overflows or vanishes in it
+    safe = np.where(scales > 0, scales, 1)[..., None]
+    q = (np.clip(np.rint(groups / safe), -128, 127) + 128).astype(np.uint8).reshape(rows, cols)
+    biases = scales * -128
+    back = (q.reshape(groups.shape).astype(np.float32) * scales[..., None] + biases[..., None]).reshape(rows, cols)
+    err = float(np.abs(back - values).max()) if values.size else 0.0
+    dtype = pick_dtype(scales, biases)
+    return (pack(q, 8), scales.astype(dtype), biases.astype(dtype)), 8, err
+
+
 def can_dequantize(qtype: T) -> bool:
     """Whether the gguf package can dequantize ``qtype`` (probed on one zero block)."""
     from gguf import quants
