@@ -52,15 +52,19 @@ def _install(tmp: Path, target: Path) -> None:
     os.rename(tmp, target)
 
 
+IMPORTER = 2  # bump when an import's output changes (2: Q6_K and Q3_K re-quantized symmetric)
+
+
 def cached_import(gguf_path: str | os.PathLike) -> Path:
     """The imported directory for ``gguf_path`` under ``$UMAKIT_HOME/models/gguf``.
 
-    The cache key is the file's resolved path, size and modification time, so a
-    changed file is imported again and an unchanged one is not even parsed.
+    The cache key is the file's resolved path, size and modification time, and
+    `IMPORTER`, so a changed file (or importer) is imported again and an unchanged
+    one is not even parsed.
     """
     path = Path(gguf_path).expanduser().resolve()
     if not path.is_file():
         raise ModelNotFoundError(f"{path} does not exist or is not a file")
     stat = path.stat()
-    key = hashlib.sha256(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    key = hashlib.sha256(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}\0{IMPORTER}".encode()).hexdigest()[:12]
     return import_once(path, umakit_home() / "models" / "gguf" / f"{path.stem}-{key}")
