@@ -9,6 +9,9 @@ Tolerance, per form of the inputs:
   rounded (llama.cpp's Q8_0), so input k is off by at most max|x| of its block / 254, and an output by at most
   sum_k |scale_nk * (code_nk - 2^(bits-1))| * that (the codes centred; the biases meet exact sums of x);
   products and sums are exact in int32.
+- int8 inputs in two passes (the CPU default with AVX512-VNNI): the remainder of that rounding, at most max|x|
+  / 254, rounded the same way again, so input k is off by at most max|x| of its block / (254 * 254), and an
+  output by at most the same sum times that.
 """
 
 import pytest
@@ -25,7 +28,7 @@ RELATIVE = 1e-5
 DENSE = crossover.AFFINE_DENSE_ROWS  # float32 inputs take GEMMs from here (int8 ones never do)
 
 
-FORMS = {"float32": (affine.FLOAT32, 0), "int8": (affine.INT8, 4)}
+FORMS = {"float32": (affine.FLOAT32, 0), "int8": (affine.INT8, 4), "int8x2": (affine.INT8X2, 4)}
 
 
 @pytest.fixture(params=sorted(FORMS), autouse=True)
@@ -51,11 +54,11 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, x: torch.Tensor, parts: 
     """Within the tolerance of the inputs' form (see the module's docstring); ``exact``: float32 whatever the form
     (a GEMM's rows)."""
     form = affine.FLOAT32 if exact else affine.inputs()
-    if form == affine.INT8:
+    if form in (affine.INT8, affine.INT8X2):
         codes = torch.cat([layout.dequantize(m.weight, m.scales, m.scales * -(2 ** (m.bits - 1)), m.bits,
                                              m.group_size) for m in parts])  # scale * (code - 2^(bits-1))
         block = x.abs().unflatten(-1, (-1, 32)).amax(-1, keepdim=True).expand(*x.shape[:-1], -1, 32).flatten(-2)
-        bound = F.linear(block, codes.abs()) / 254
+        bound = F.linear(block, codes.abs()) / (254 if form == affine.INT8 else 254 * 254)
         assert ((got - want).abs() <= bound * 1.001 + RELATIVE * want.abs().max()).all()
         return
     worst = (got - want).abs().max() / want.abs().max()

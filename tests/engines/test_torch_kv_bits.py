@@ -156,11 +156,36 @@ def test_a_quantized_cache_decodes_eagerly(wide, monkeypatch):
     assert wide.engine.logits(PROMPT[:3], cache).shape[0] == 3
 
 
-def test_a_batch_row_refuses_a_quantized_cache_as_on_mlx(wide):
+@pytest.mark.parametrize("bits", BITS)
+def test_a_batch_of_quantized_caches_decodes_each_row_as_it_decodes_alone(wide, bits):
+    """`batch --kv-bits` and `serve --kv-bits`: every row's cache quantized as make_cache(kv_bits) quantizes it,
+    rows of different lengths side by side, rows leaving and exported."""
+    from umakit.generate.batch import generate_batch
+
+    prompts = ["The", "The quick brown fox jumps over the lazy dog. " * 3, "Paris is", "One two three four"]
+    reply = dict(raw=True, max_tokens=12, temperature=0)
+    alone = [wide.generate(p, kv_bits=bits, **reply) for p in prompts]
+    run = generate_batch(wide, [{"prompt": p} for p in prompts], batch_size=3, kv_bits=bits, **reply)
+    assert [r.tokens for r in run] == [r.tokens for r in alone]
+    assert run.stats.steps < run.stats.generated_tokens
+    float_run = generate_batch(wide, [{"prompt": p} for p in prompts], batch_size=3, **reply)
+    assert run.stats.bytes_read < float_run.stats.bytes_read  # the cache's bytes, read every step, are fewer
+
+
+def test_a_batch_takes_caches_of_its_own_bits_only(wide):
+    decoder = wide.engine.batch_decoder(8)
     cache = wide.make_cache(8)
     wide.engine.prefill(PROMPT[:3], cache)
-    with pytest.raises(InvalidArgumentError, match="a batch row's cache cannot be quantized"):
-        BatchRow(0, PROMPT, SamplingParams(), cache=cache)
+    decoder.add([BatchRow(0, PROMPT, SamplingParams(temperature=0), cache=cache)])  # a stored prefix
+    first = [decoder.step() for _ in range(4)]
+    copy = decoder.export(0)
+    assert copy.kv_bits == 8 and copy.offset in (len(PROMPT) + 3, len(PROMPT) + 4)  # the last token fed or not
+    for wrong, held in ((wide.make_cache(), "a float cache"), (wide.make_cache(4), "a 4-bit cache")):
+        wide.engine.prefill(PROMPT[:3], wrong)
+        with pytest.raises(InvalidArgumentError, match=f"brings {held}; this batch holds 8-bit caches"):
+            decoder.add([BatchRow(1, PROMPT, SamplingParams(), cache=wrong)])
+    single = wide.make_cache(8)
+    assert [t for _, t in sum(first, [])] == greedy(wide, single, 4)
 
 
 def test_generate_with_kv_bits_through_the_api_and_the_cli(wide, wide_dir):

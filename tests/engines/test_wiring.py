@@ -168,7 +168,7 @@ def spy(tiny_model, monkeypatch):
             spy.seen.append(spy.depth)
             yield t
 
-    def batch_decoder():
+    def batch_decoder(kv_bits=None):
         decoder = real_decoder()
         real_step = decoder.step
         decoder.step = lambda: spy.seen.append(spy.depth) or real_step()

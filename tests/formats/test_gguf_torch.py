@@ -62,10 +62,10 @@ def test_files_quantized_by_llama_cpp_run_packed_as_transformers_reads_them(ftyp
     kinds = {type(m).__name__ for m in model.engine.model.modules()}
     if affine.available():
         assert "AffineLinear" in kinds and "Linear" not in kinds, kinds  # every layer packed, none dequantized
-    # float32 inputs: float16 scales and float32 sums; int8 inputs (the CPU default where the affine kernel
-    # has them) round x to 8 bits, which these 2-layer random models carry to 1-3% of a logit
+    # float32 inputs: float16 scales and float32 sums; int8 inputs in one pass round x to 8 bits, which these
+    # 2-layer random models carry to 1-3% of a logit; in two (the CPU default where the kernel has them), 15
     form = affine.inputs() if affine.available() else affine.FLOAT32
-    tolerance = {affine.FLOAT32: 2e-3, affine.INT8: 0.04}[form] + (0.02 if lossy else 0)
+    tolerance = {affine.FLOAT32: 2e-3, affine.INT8: 0.04, affine.INT8X2: 2e-3}[form] + (0.02 if lossy else 0)
     ours, ref = model.logits(IDS), hf_forward(src, IDS)
     assert np.abs(ours - ref).max() <= tolerance * np.abs(ref).max()
     # greedy tokens: each one transformers' argmax too, wherever its top two are further apart than the tolerance

@@ -381,8 +381,8 @@ def test_worker_failure_is_a_500_with_the_reason_then_it_restarts(local, name, m
     real = local.engine.batch_decoder
     broken = {"left": 1}
 
-    def flaky():
-        decoder = real()
+    def flaky(kv_bits=None):
+        decoder = real(kv_bits)
         if broken["left"]:
             broken["left"] -= 1
 

@@ -22,16 +22,18 @@ from umakit.plan.shapes import PREFILL_CHUNK  # tokens per prefill chunk, every 
 if TYPE_CHECKING:
     import numpy as np
 
-__all__ = ["PREFILL_CHUNK", "MAX_LOGPROBS", "QUANTIZED_KV", "BATCH", "QUANTIZE", "OFFLOAD", "EXPORT", "FEATURES",
+__all__ = ["PREFILL_CHUNK", "MAX_LOGPROBS", "QUANTIZED_KV", "BATCH", "BATCH_KV_BITS", "QUANTIZE", "OFFLOAD", "EXPORT",
+           "FEATURES",
            "EngineSpec", "KVCache", "WeightInfo", "BatchRow", "BatchDecoder", "Engine", "refuse_options"]
 
 # Optional features an engine declares (its spec's ``features``):
 QUANTIZED_KV = "kv_bits"  # a quantized KV cache (make_cache(kv_bits=4|8))
 BATCH = "batch"  # batched decoding (batch_decoder())
+BATCH_KV_BITS = "batch_kv_bits"  # batches of quantized caches (batch_decoder(kv_bits=4|8))
 QUANTIZE = "quantize"  # quantize a float checkpoint on load (from_checkpoint(quantize=...))
 OFFLOAD = "offload"  # stream layers from host memory (from_checkpoint(gpu_layers=..., vram_budget=...))
 EXPORT = "export"  # hand its loaded weights back in checkpoint layout (export_weights())
-FEATURES = (QUANTIZED_KV, BATCH, QUANTIZE, OFFLOAD, EXPORT)
+FEATURES = (QUANTIZED_KV, BATCH, BATCH_KV_BITS, QUANTIZE, OFFLOAD, EXPORT)
 
 MAX_LOGPROBS = 20  # most alternatives a batch row may ask for (OpenAI's top_logprobs limit)
 
@@ -112,7 +114,7 @@ class BatchRow:
     """One sequence to decode: a caller-chosen id, its prompt ids and its sampling.
 
     ``cache``: a single-sequence cache from the same engine's ``make_cache()``
-    (no ``kv_bits``) that already holds the first ``cache.offset`` tokens of
+    (with the decoder's ``kv_bits``) that already holds the first ``cache.offset`` tokens of
     ``prompt``, 0 <= offset < len(prompt): a stored cache of an earlier request
     sharing a prefix, or one the caller prefilled chunk by chunk. The decoder
     takes it over (the caller must not use it again) and prefills only the rest.
@@ -134,8 +136,6 @@ class BatchRow:
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise InvalidArgumentError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
         if self.cache is not None:
-            if self.cache.kv_bits is not None:
-                raise InvalidArgumentError("a batch row's cache cannot be quantized; leave kv_bits unset")
             if not 0 <= self.cache.offset < len(self.prompt):
                 raise InvalidArgumentError(
                     f"a batch row's cache holds {self.cache.offset} tokens; it must hold fewer than its prompt's "
@@ -266,8 +266,9 @@ class Engine(Protocol):
     def logits(self, tokens: Sequence[int], cache: KVCache | None = None) -> np.ndarray:
         """Float32 logits (T, V) for ``tokens`` appended to ``cache`` (or alone)."""
 
-    def batch_decoder(self) -> BatchDecoder:
-        """A fresh batched decoder over this engine (feature ``batch``)."""
+    def batch_decoder(self, kv_bits: int | None = None) -> BatchDecoder:
+        """A fresh batched decoder over this engine (feature ``batch``); its rows' caches quantized to ``kv_bits``
+        (4 or 8; feature ``batch_kv_bits``) as ``make_cache(kv_bits)`` makes them."""
 
     def weight_info(self) -> WeightInfo: ...
 
@@ -288,7 +289,8 @@ def refuse_options(spec: EngineSpec, **options) -> None:
     """Raise for options given to an engine whose spec lacks their feature."""
     from umakit.errors import InvalidArgumentError
 
-    needs = {"quantize": QUANTIZE, "gpu_layers": OFFLOAD, "vram_budget": OFFLOAD}
+    needs = {"quantize": QUANTIZE, "gpu_layers": OFFLOAD, "vram_budget": OFFLOAD, "batch_kv_bits": BATCH_KV_BITS}
+    flags = {"batch_kv_bits": "--kv-bits in a batch"}
     for key, value in options.items():
         if value is not None and needs[key] not in spec.features:
-            raise InvalidArgumentError(f"the {spec.name} backend does not support {key.replace('_', '-')}")
+            raise InvalidArgumentError(f"the {spec.name} backend does not support {flags.get(key, key.replace('_', '-'))}")

@@ -221,12 +221,16 @@ def check_prompt(prompt: Sequence[int]) -> None:
         raise InvalidArgumentError("the prompt is empty: there is nothing to continue from")
 
 
-def check_rows(rows: Sequence[BatchRow], cache_type: type) -> None:
-    """Refuse rows a decoder cannot take: an empty prompt, or a cache from another engine (`BatchRow` checks the
-    rest)."""
+def check_rows(rows: Sequence[BatchRow], cache_type: type, kv_bits: int | None = None) -> None:
+    """Refuse rows a decoder cannot take: an empty prompt, or a cache from another engine or of other bits than
+    the decoder's ``kv_bits`` (`BatchRow` checks the rest)."""
     for row in rows:
         if not row.prompt:
             raise InvalidArgumentError("a prompt is empty: there is nothing to continue from")
+        if row.cache is not None and row.cache.kv_bits != kv_bits:
+            held = "a float cache" if row.cache.kv_bits is None else f"a {row.cache.kv_bits}-bit cache"
+            want = "float caches" if kv_bits is None else f"{kv_bits}-bit caches"
+            raise InvalidArgumentError(f"a batch row brings {held}; this batch holds {want}")
         if row.cache is not None and not isinstance(row.cache, cache_type):
             raise InvalidArgumentError("a batch row's cache must come from this engine's make_cache()")
 

@@ -11,8 +11,8 @@ import click
 from umakit.backends.base import BATCH
 from umakit.generate.batch import DEFAULT_BATCH_SIZE
 
-from umakit.cli.flags import (SAMPLING_KEYS, follow_unless_leader, load_model, model_options, offload_options, parallel_option,
-                      sampling_options)
+from umakit.cli.flags import (SAMPLING_KEYS, batch_kv_needs, follow_unless_leader, kv_bits_option, load_model,
+                              model_options, offload_options, parallel_option, sampling_options)
 
 
 class Progress:
@@ -72,19 +72,20 @@ class Progress:
 @click.option("--system", "-s", default=None, help="System prompt for items without their own.")
 @click.option("--raw", is_flag=True, help="Send prompts as plain text, without the chat template.")
 @click.option("--stop", multiple=True, help="Stop string (repeatable), for items without their own.")
+@kv_bits_option
 @sampling_options
 @model_options
 @offload_options
 @parallel_option
-def batch_cmd(model, input_path, output_path, batch_size, system, raw, stop, max_tokens, seed, backend, device, dtype,
-              peak_bandwidth, gpu_layers, vram_budget, parallel, **sampling):
+def batch_cmd(model, input_path, output_path, batch_size, system, raw, stop, kv_bits, max_tokens, seed, backend, device,
+              dtype, peak_bandwidth, gpu_layers, vram_budget, parallel, **sampling):
     """Generate a reply to every prompt of a JSON Lines file, in batches."""
     from umakit.generate import batch_io
     from umakit.core import fsutil, validate
     from umakit.generate.sampling import SamplingParams
 
-    load = dict(backend=backend, device=device, dtype=dtype, peak_bandwidth=peak_bandwidth, needs={BATCH},
-                gpu_layers=gpu_layers, vram_budget=vram_budget)
+    load = dict(backend=backend, device=device, dtype=dtype, peak_bandwidth=peak_bandwidth,
+                needs={BATCH} | batch_kv_needs(kv_bits), gpu_layers=gpu_layers, vram_budget=vram_budget)
     follow_unless_leader(parallel, model, **load)  # a follower reads no input and writes no output
     batch_io.check_paths(input_path, output_path)
     system = None if system is None else validate.text(system, "--system")
@@ -93,10 +94,10 @@ def batch_cmd(model, input_path, output_path, batch_size, system, raw, stop, max
     settings = dict(max_tokens=max_tokens, stop=stop, seed=seed, system=system, sampling=params)
     load["parallel"] = parallel
     with fsutil.locked(output_path):  # a second batch onto the same output is refused, not interleaved
-        _run(model, input_path, output_path, batch_size, raw, settings, load)
+        _run(model, input_path, output_path, batch_size, raw, kv_bits, settings, load)
 
 
-def _run(model, input_path, output_path, batch_size, raw, settings, load_kwargs) -> None:
+def _run(model, input_path, output_path, batch_size, raw, kv_bits, settings, load_kwargs) -> None:
     from umakit.generate import batch, batch_io
     from umakit.errors import InvalidArgumentError
 
@@ -122,8 +123,8 @@ def _run(model, input_path, output_path, batch_size, raw, settings, load_kwargs)
 
     try:
         if m is not None:
-            stream = batch.stream_batch(m, [it.fields for it in todo], batch_size=batch_size, raw=raw, on_error=skip,
-                                        **settings)
+            stream = batch.stream_batch(m, [it.fields for it in todo], batch_size=batch_size, raw=raw,
+                                        kv_bits=kv_bits, on_error=skip, **settings)
     finally:  # the skipped lines are reported even when the batch then cannot run
         _report(errors, output_path)
     if stream is not None and len(stream):

@@ -42,6 +42,13 @@ def kv_needs(kv_bits: int | None) -> frozenset[str]:
     return frozenset({QUANTIZED_KV}) if kv_bits is not None else frozenset()
 
 
+def batch_kv_needs(kv_bits: int | None) -> frozenset[str]:
+    """The engine features batches of quantized KV caches need (`batch`, `serve`)."""
+    from umakit.backends.base import BATCH_KV_BITS
+
+    return frozenset({BATCH_KV_BITS}) if kv_bits is not None else frozenset()
+
+
 def offload_options(f):
     """--gpu-layers, --vram-budget: stream the other layers from host memory (torch backend)."""
     f = click.option("--vram-budget", metavar="SIZE", default=None,

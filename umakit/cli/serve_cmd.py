@@ -17,7 +17,8 @@ from umakit.serve import DEFAULT_HOST, DEFAULT_MAX_BODY_BYTES, DEFAULT_PORT
 from umakit.serve.types import SchedulerSettings
 
 from umakit.cli.format import size
-from umakit.cli.flags import follow_unless_leader, load_model, model_options, offload_options, parallel_option
+from umakit.cli.flags import (batch_kv_needs, follow_unless_leader, kv_bits_option, load_model, model_options,
+                              offload_options, parallel_option)
 
 API_KEY_ENV = "UMAKIT_API_KEY"
 
@@ -49,24 +50,26 @@ def _size(ctx, param, value):
 @click.option("--request-timeout", type=click.FloatRange(min=0, min_open=True), metavar="S",
               default=SchedulerSettings.request_timeout_s, show_default=True,
               help="A request still running after S seconds, queueing included, fails with 504.")
+@kv_bits_option
 @model_options
 @offload_options
 @parallel_option
 def serve_cmd(model, host, port, api_key, max_concurrency, max_queue, prompt_cache_bytes, max_body_bytes,
-              request_timeout, backend, device, dtype, peak_bandwidth, gpu_layers, vram_budget, parallel):
+              request_timeout, kv_bits, backend, device, dtype, peak_bandwidth, gpu_layers, vram_budget, parallel):
     """Serve a model over an OpenAI-compatible HTTP API (chat and completions, streamed or not)."""
     import uvicorn
 
     from umakit.serve.app import make_app
     from umakit.serve.scheduler import Scheduler
 
-    load = dict(backend=backend, device=device, dtype=dtype, peak_bandwidth=peak_bandwidth, needs={BATCH},
-                gpu_layers=gpu_layers, vram_budget=vram_budget)
+    load = dict(backend=backend, device=device, dtype=dtype, peak_bandwidth=peak_bandwidth,
+                needs={BATCH} | batch_kv_needs(kv_bits), gpu_layers=gpu_layers, vram_budget=vram_budget)
     follow_unless_leader(parallel, model, **load)  # only rank 0 binds the port and answers HTTP
     sock = _bind(host, port)  # before the model loads: a port in use fails in a second, not after the load
     m = load_model(model, show_progress=sys.stderr.isatty(), parallel=parallel, **load)
     settings = SchedulerSettings(max_concurrency=max_concurrency, max_queue=max_queue,
-                                 prompt_cache_bytes=prompt_cache_bytes, request_timeout_s=request_timeout)
+                                 prompt_cache_bytes=prompt_cache_bytes, request_timeout_s=request_timeout,
+                                 kv_bits=kv_bits)
     scheduler = Scheduler(m, settings)
     app = make_app(m, scheduler, api_key=api_key, max_body_bytes=max_body_bytes, request_timeout_s=request_timeout)
     _log_to_stderr()

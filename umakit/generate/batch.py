@@ -162,16 +162,16 @@ class BatchStream:
     """
 
     def __init__(self, model, requests: Sequence[BatchRequest], batch_size: int = DEFAULT_BATCH_SIZE,
-                 indices: Sequence[int] | None = None):
+                 indices: Sequence[int] | None = None, kv_bits: int | None = None):
         self._model = model
         self.requests = list(requests)
         self.indices = list(range(len(self.requests))) if indices is None else list(indices)
         if len(self.indices) != len(self.requests):
             raise InvalidArgumentError(f"{len(self.indices)} indices for {len(self.requests)} requests")
-        self._decoder = model.engine.batch_decoder() if self.requests else None
+        self._decoder = model.engine.batch_decoder(kv_bits) if self.requests else None
         budget = self._decoder.kv_budget_bytes() if self._decoder else 0
-        w = model.info.weights
-        self.batch_size, self.note = plan_batch_size(self.requests, batch_size, w.kv_bytes_per_token, budget)
+        self._kv_per_token = model.engine.kv_bytes_per_token(kv_bits)  # of the cache the rows hold
+        self.batch_size, self.note = plan_batch_size(self.requests, batch_size, self._kv_per_token, budget)
         self.stats = BatchStats(items=len(self.requests), batch_size=self.batch_size,
                                 prompt_tokens=sum(len(r.prompt) for r in self.requests))
         self._started = False
@@ -214,7 +214,7 @@ class BatchStream:
                 now = time.perf_counter()
                 stats.decode_s += now - t
                 stats.steps += 1
-                stats.bytes_read += w.bytes_per_token + self._decoder.size * self._decoder.context_tokens() * w.kv_bytes_per_token
+                stats.bytes_read += w.bytes_per_token + self._decoder.size * self._decoder.context_tokens() * self._kv_per_token
                 finished = []
                 for i, token in out:
                     rows[i].feed(token, now)
@@ -276,7 +276,7 @@ def stream_batch(model, prompts: Sequence, *, options: GenerationOptions) -> Bat
                 raise InvalidArgumentError(f"prompt {i}: {e}") from e
             raise
         indices.append(i)
-    return BatchStream(model, requests, options.batch_size, indices)
+    return BatchStream(model, requests, options.batch_size, indices, options.kv_bits)
 
 
 @takes(*MANY)

@@ -80,7 +80,7 @@ LIMITS = ("max_tokens", "stop", "seed")
 SAMPLING = ("sampling", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "repetition_context")
 SPECULATION = ("draft", "draft_tokens", "prompt_lookup", "ngram")
 ONE = (*PROMPT, *LIMITS, "kv_bits", *SAMPLING, *SPECULATION)  # a reply: `Model.stream`, `Model.generate`
-MANY = ("batch_size", *LIMITS, "system", "raw", *SAMPLING)  # a batch: `Model.generate_batch`, umakit.generate.batch
+MANY = ("batch_size", "kv_bits", *LIMITS, "system", "raw", *SAMPLING)  # a batch: `Model.generate_batch`, umakit.generate.batch
 _FIELDS = {f.name: f for f in fields(GenerationOptions)}
 
 

@@ -114,7 +114,7 @@ class Scheduler:
         self.prompt_cache = PromptCache(self.settings.prompt_cache_bytes)
         w = model.info.weights
         self._weight_bytes = w.bytes_per_token
-        self._kv_bytes = model.engine.kv_bytes_per_token()
+        self._kv_bytes = model.engine.kv_bytes_per_token(self.settings.kv_bits)
         self._peak_gbps = model.device_info.peak_bandwidth_gbps
         self._counters = dict.fromkeys(
             ("requests_total", "requests_failed_total", "requests_cancelled_total", "requests_rejected_total",
@@ -234,7 +234,7 @@ class Scheduler:
             self._serve(ready, until)
 
     def _serve(self, ready: Callable[[], None] | None, until: Callable[[], bool]) -> None:
-        decoder = self.model.engine.batch_decoder()
+        decoder = self.model.engine.batch_decoder(self.settings.kv_bits)
         self._kv_budget = decoder.kv_budget_bytes()
         self._healthy = True
         if not self._ever_healthy:
@@ -293,7 +293,7 @@ class Scheduler:
                 self._waiting.popleft()
             prompt = job.request.prompt
             cache, n = self.prompt_cache.take(prompt)
-            job.cache = cache if cache is not None else self.model.engine.make_cache()
+            job.cache = cache if cache is not None else self.model.engine.make_cache(self.settings.kv_bits)
             job.prefilled = job.cached_tokens = n
             job.row = DecodeRow(self.model.tokenizer, job.request.max_tokens, job.request.stop,
                                 prompt_tokens=len(prompt) - n, cached_tokens=n, t_start=job.submitted)

@@ -74,4 +74,5 @@ class SchedulerSettings:
     prompt_cache_bytes: int = 512 << 20  # KV caches kept for reuse across requests
     prefill_chunk: int = 512  # tokens of one prompt prefilled between two decode steps
     request_timeout_s: float = 600.0
+    kv_bits: int | None = None  # 4 or 8: every request's KV cache quantized (the engine's batch_kv_bits feature)
     extra: dict = field(default_factory=dict)

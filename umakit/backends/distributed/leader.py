@@ -23,7 +23,7 @@ from importlib import metadata
 from typing import ClassVar, Iterable, Iterator, Sequence
 
 from umakit.generate.sampling import SamplingParams, seed_or_random
-from umakit.backends.base import BatchRow, EngineSpec, WeightInfo
+from umakit.backends.base import BatchRow, EngineSpec, WeightInfo, refuse_options
 from umakit.backends.distributed import TENSOR, DistributedError
 from umakit.backends.distributed.watchdog import stop_on_sigterm
 
@@ -230,7 +230,8 @@ class LeaderEngine:
         finally:
             tokens.close()
 
-    def batch_decoder(self) -> LeaderBatch:
+    def batch_decoder(self, kv_bits: int | None = None) -> LeaderBatch:
+        refuse_options(self.spec, batch_kv_bits=kv_bits)
         did = self.new_id()
         self.send("batch", batch=did)
         return LeaderBatch(self, did)

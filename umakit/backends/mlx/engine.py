@@ -265,7 +265,8 @@ class MLXEngine:
                 if n % CLEAR_EVERY == 0:
                     release_buffers()
 
-    def batch_decoder(self) -> MLXBatchDecoder:
+    def batch_decoder(self, kv_bits: int | None = None) -> MLXBatchDecoder:
+        refuse_options(SPEC, batch_kv_bits=kv_bits)
         return MLXBatchDecoder(self)
 
     def weight_info(self) -> WeightInfo:

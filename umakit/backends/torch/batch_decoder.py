@@ -23,41 +23,64 @@ from umakit.backends import common
 from umakit.backends.base import BatchRow
 from umakit.backends.common import TokenSampler
 from umakit.backends.torch.cache import GROW_STEP, StaticKVCache
+from umakit.backends.torch.quant_cache import QuantizedKVCache, check_kv_bits, dequantize, quantize
+from umakit.core.affine import KV_GROUP_SIZE
 from umakit.errors import InvalidArgumentError
 from umakit.generate.sampling import recent_tokens
 from umakit.hardware import cpu_kv_budget
 
 
 class BatchKVCache:
-    """K and V for all layers, (L, rows, nkv, capacity, hd), written at per-row positions."""
+    """K and V for all layers, in buffers (L, rows, nkv, capacity, width) written at per-row positions: the float
+    keys and values (``k``, ``v``), or with ``kv_bits`` their codes, scales and biases as a single
+    `QuantizedKVCache` holds them (quant_cache.py), each row read back dequantized."""
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, max_tokens: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, kv_bits: int | None = None):
+        if kv_bits is not None:
+            check_kv_bits(kv_bits, head_dim)
+        self.kv_bits = kv_bits
         self.shape = (layers, kv_heads, head_dim)
         self.max_tokens = max_tokens
         self.dtype, self.device = dtype, device
-        self.k = self.v = None
+        self.buffers: list[torch.Tensor] = []
         self._allocate(0, 0, 0)
+
+    def _planes(self) -> list[tuple[int, torch.dtype]]:
+        """Width and dtype of each buffer: K's, then V's."""
+        _, _, D = self.shape
+        if self.kv_bits is None:
+            return [(D, self.dtype)] * 2
+        return [(D * self.kv_bits // 8, torch.uint8), (D // KV_GROUP_SIZE, self.dtype),
+                (D // KV_GROUP_SIZE, self.dtype)] * 2
 
     def _allocate(self, rows: int, capacity: int, keep: int) -> None:
         """New buffers of ``rows`` x ``capacity``, keeping the first ``keep`` positions of the old rows."""
-        L, H, D = self.shape
-        k = torch.zeros(L, rows, H, capacity, D, dtype=self.dtype, device=self.device)
-        v = torch.zeros_like(k)
-        if self.k is not None and keep:
+        L, H, _ = self.shape
+        made = [torch.zeros(L, rows, H, capacity, width, dtype=dtype, device=self.device)
+                for width, dtype in self._planes()]
+        if self.buffers and keep:
             n = min(rows, self.rows)
-            k[:, :n, :, :keep] = self.k[:, :n, :, :keep]
-            v[:, :n, :, :keep] = self.v[:, :n, :, :keep]
-        self.k, self.v = k, v
-        self.layers = list(zip(k.unbind(0), v.unbind(0), strict=True))  # per-layer views, made once
+            for new, old in zip(made, self.buffers, strict=True):
+                new[:, :n, :, :keep] = old[:, :n, :, :keep]
+        self.buffers = made
+        self.layers = [tuple(b[i] for b in made) for i in range(L)]  # per-layer views, made once
+
+    @property
+    def k(self) -> torch.Tensor:
+        return self.buffers[0]  # the float keys (the fused step's), or the keys' codes
+
+    @property
+    def v(self) -> torch.Tensor:
+        return self.buffers[len(self.buffers) // 2]
 
     @property
     def rows(self) -> int:
-        return self.k.shape[1]
+        return self.buffers[0].shape[1]
 
     @property
     def capacity(self) -> int:
-        return self.k.shape[3]
+        return self.buffers[0].shape[3]
 
     def reserve(self, rows: int, tokens: int, used: int) -> None:
         """Room for ``rows`` rows of ``tokens`` positions; ``used`` positions hold data now."""
@@ -70,44 +93,57 @@ class BatchKVCache:
         capacity = max(self.capacity, min(-(-tokens // GROW_STEP) * GROW_STEP, self.max_tokens))
         self._allocate(max(rows, self.rows), capacity, used)
 
+    def _single(self, single) -> list[torch.Tensor]:
+        """A single-sequence cache's buffers, in this cache's order."""
+        return [single.k, single.v] if self.kv_bits is None else [*single.k, *single.v]
+
     def put(self, slot: int, single) -> None:
         """Copy a single-sequence cache's filled positions into row ``slot``."""
         n = single.offset
-        self.k[:, slot, :, :n] = single.k[:, 0, :, :n]
-        self.v[:, slot, :, :n] = single.v[:, 0, :, :n]
+        for mine, theirs in zip(self.buffers, self._single(single), strict=True):
+            mine[:, slot, :, :n] = theirs[:, 0, :, :n]
 
-    def get(self, slot: int, n: int, single: StaticKVCache) -> None:
+    def get(self, slot: int, n: int, single) -> None:
         """Copy row ``slot``'s first ``n`` positions into an empty single-sequence cache."""
         single.reserve(n)
-        single.k[:, 0, :, :n] = self.k[:, slot, :, :n]
-        single.v[:, 0, :, :n] = self.v[:, slot, :, :n]
+        for mine, theirs in zip(self.buffers, self._single(single), strict=True):
+            theirs[:, 0, :, :n] = mine[:, slot, :, :n]
         single.advance(n)
 
     def keep(self, slots: list[int], span: int) -> None:
         """Move rows ``slots`` to the front, in that order (their first ``span`` positions)."""
         index = torch.tensor(slots, device=self.device)
-        for buf in (self.k, self.v):
+        for buf in self.buffers:
             buf[:, : len(slots), :, :span] = buf[:, :, :, :span].index_select(1, index)
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, span: int):
         """Store k, v (B, nkv, 1, hd), row b at ``positions[b]``; return the rows' first ``span`` slots."""
-        kc, vc = self.layers[layer]
         B = k.shape[0]
         rows = torch.arange(B, device=k.device)
-        kc[rows, :, positions] = k[:, :, 0]  # (B, nkv, hd) at (row b, position b)
-        vc[rows, :, positions] = v[:, :, 0]
-        return kc[:B, :, :span], vc[:B, :, :span]  # (B, nkv, S, hd)
+        if self.kv_bits is None:
+            kc, vc = self.layers[layer]
+            kc[rows, :, positions] = k[:, :, 0]  # (B, nkv, hd) at (row b, position b)
+            vc[rows, :, positions] = v[:, :, 0]
+            return kc[:B, :, :span], vc[:B, :, :span]  # (B, nkv, S, hd)
+        planes = self.layers[layer]
+        out = []
+        for held, x in ((planes[:3], k), (planes[3:], v)):
+            for plane, part in zip(held, quantize(x, self.kv_bits), strict=True):
+                plane[rows, :, positions] = part[:, :, 0]
+            out.append(dequantize(*(plane[:B, :, :span] for plane in held), self.kv_bits, self.dtype))
+        return tuple(out)
 
 
 class TorchBatchDecoder:
     """`umakit.backends.base.BatchDecoder` for `TorchEngine`."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, kv_bits: int | None = None):
         self._engine = engine
         self._device = engine.torch_device
+        self._kv_bits = kv_bits
         a = engine.args
         self._cache = BatchKVCache(a.num_hidden_layers, a.num_key_value_heads, a.head_dim,
-                                   a.max_position_embeddings, engine.cache_dtype, self._device)
+                                   a.max_position_embeddings, engine.cache_dtype, self._device, kv_bits)
         self._ids: list[int] = []  # row i lives in cache slot i
         self._rows: list[TokenSampler] = []
         self._lengths: list[int] = []  # positions each row has in the cache
@@ -119,12 +155,12 @@ class TorchBatchDecoder:
         return len(self._ids)
 
     def add(self, rows: Sequence[BatchRow]) -> None:
-        common.check_rows(rows, StaticKVCache)
+        common.check_rows(rows, StaticKVCache if self._kv_bits is None else QuantizedKVCache, self._kv_bits)
         used = max(self._lengths, default=0)
         longest = max([used] + [len(r.prompt) for r in rows])
         self._cache.reserve(len(self._ids) + len(rows), longest, used)  # one reallocation at most
         for row in rows:
-            single = row.cache if row.cache is not None else self._engine.make_cache()
+            single = row.cache if row.cache is not None else self._engine.make_cache(self._kv_bits)
             # All but the last token, as generate_tokens does; a given cache holds a prefix already.
             self._engine.prefill(row.prompt[single.offset:-1], single)
             with torch.inference_mode():
@@ -154,11 +190,11 @@ class TorchBatchDecoder:
     def logprobs(self) -> dict[int, tuple[float, list[tuple[int, float]]]]:
         return dict(self._logprobs)
 
-    def export(self, row_id: int) -> StaticKVCache:
+    def export(self, row_id: int) -> StaticKVCache | QuantizedKVCache:
         # This decoder has not fed the latest token it returned: the copy holds prompt +
         # returned tokens but the last (all but the prompt's last before the row's first step).
         i = common.position(self._ids, row_id)
-        single = self._engine.make_cache()
+        single = self._engine.make_cache(self._kv_bits)
         with torch.inference_mode():
             self._cache.get(i, self._lengths[i], single)
         return single

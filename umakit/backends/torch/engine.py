@@ -259,13 +259,13 @@ class TorchEngine:
 
     def _decode_rows(self, tokens: torch.Tensor, positions: list[int], cache, span: int) -> torch.Tensor:
         """Logits (B, V) of one token a row of a batch cache (`TorchBatchDecoder`), row b at ``positions[b]``."""
-        fused = self._fusing()
+        fused = self._fusing(cache)
         if fused is not None:
             return fused.rows(tokens, positions, cache)
         where = torch.tensor(positions, dtype=torch.long, device=self.torch_device)
         return self.model.decode_rows(tokens, where, cache, span)
 
-    def _fusing(self, cache: StaticKVCache | QuantizedKVCache | None = None) -> FusedDecoder | None:
+    def _fusing(self, cache=None) -> FusedDecoder | None:
         """The fused CPU step where it is on and applies now (no hook on a layer it would bypass), and ``cache``,
         if given, is a float one: the step reads and writes its buffers in place."""
         fused = self._fused
@@ -294,8 +294,8 @@ class TorchEngine:
             if isinstance(m, quant.Fp16Linear):  # FBGEMM's packed weights are not tensors
                 yield name, m.packed_nbytes
 
-    def batch_decoder(self) -> TorchBatchDecoder:
-        return TorchBatchDecoder(self)
+    def batch_decoder(self, kv_bits: int | None = None) -> TorchBatchDecoder:
+        return TorchBatchDecoder(self, kv_bits)
 
     def weight_info(self) -> WeightInfo:
         by_cat: dict[str, int] = {}

@@ -32,19 +32,21 @@ def available() -> bool:
     return torch.backends.cpu.get_cpu_capability() == "AVX512" and build.ensure()
 
 
-FLOAT32, INT8 = 0, 2  # the forms the kernel multiplies x in (csrc/affine.h)
+FLOAT32, INT8, INT8X2 = 0, 2, 3  # the forms the kernel multiplies x in (csrc/affine.h)
 
 
 @functools.cache
 def inputs() -> int:
-    """The form the kernel multiplies x in, the fastest this library is built for: int8 blocks of 32 (AVX512-VNNI),
-    else float32 (asked of the library once, not on every call). See csrc/affine.h."""
-    return INT8 if torch.ops.umakit.affine_features() & 4 else FLOAT32
+    """The form the kernel multiplies x in (asked of the library once, not on every call; csrc/affine.h): where it
+    is built with AVX512-VNNI, int8 blocks of 32 in two passes, the value and then what rounding left of it; else
+    float32. One pass (llama.cpp's Q8_0 activations) turned the built-in model's "The capital of France is Paris."
+    into a run-on list of French words, as it does in llama.cpp; two keep its float32 answers (docs/quantization.md)."""
+    return INT8X2 if torch.ops.umakit.affine_features() & 4 else FLOAT32
 
 
 def dense_rows() -> int:
     """Input rows from which a layer dequantizes blocks of weights for float32 GEMMs (crossover.py, per form)."""
-    return crossover.AFFINE_INT8_DENSE_ROWS if inputs() == INT8 else crossover.AFFINE_DENSE_ROWS
+    return crossover.AFFINE_DENSE_ROWS if inputs() == FLOAT32 else crossover.AFFINE_INT8_DENSE_ROWS
 
 
 def supports(m: QuantizedLinear) -> bool:

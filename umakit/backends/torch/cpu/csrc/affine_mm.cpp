@@ -45,14 +45,14 @@ constexpr bool kVNNI = true;
 #else
 constexpr bool kVNNI = false;
 #endif
-constexpr int64_t FLOAT32 = 0, INT8 = 2;  // the forms x is multiplied in (affine.h)
+constexpr int64_t FLOAT32 = 0, INT8 = 2, INT8X2 = 3;  // the forms x is multiplied in (affine.h)
 
 // x as the parts multiply it: as is, or in int8 blocks of 32, block b of row m being dx[m * K / 32 + b] *
-// xq[m * K + 32 b ...].
+// xq[m * K + 32 b ...], plus, in two passes, the remainder in int8 blocks again (xq2, dx2).
 struct Inputs {
   const float* x;
-  const int8_t* xq;
-  const float* dx;
+  const int8_t *xq, *xq2;
+  const float *dx, *dx2;
 };
 
 inline uint32_t load32(const uint8_t* p) {
@@ -171,14 +171,26 @@ void tile_f32(const Part& p, int64_t t, const float* x, const float* xsum, int64
 #endif
 
 #ifdef UMAKIT_VNNI
+// 32 codes of 8 rows (q) times x's int8 block (xb, 4 values broadcast at a time), summed per row in int32.
+inline __m256i block_dot(const __m256i* q, const uint8_t* xb) {
+  __m256i i0 = _mm256_setzero_si256(), i1 = _mm256_setzero_si256();
+  for (int c = 0; c < 8; c += 2) {
+    i0 = _mm256_dpbusd_epi32(i0, q[c], _mm256_set1_epi32(static_cast<int>(load32(xb + 4 * c))));
+    i1 = _mm256_dpbusd_epi32(i1, q[c + 1], _mm256_set1_epi32(static_cast<int>(load32(xb + 4 * c + 4))));
+  }
+  return _mm256_add_epi32(i0, i1);
+}
+
 // tile_f32 with x in int8 blocks (Inputs): each block's products summed in int32 by vpdpbusd (unsigned codes
 // times signed inputs, 4 at a time), then scaled by the block's input scale, and the group's sum by the weights'
-// scale; the biases meet the float32 sums of x. The error is that of the codes centred, (code - c) * (rounded x
-// - x) with c = 2^(bits-1), as llama.cpp's symmetric blocks have it, not code * (rounded x - x), twice as large:
-// xdiff holds each group's sum of x minus the sum of its rounded values, and c * scale * xdiff goes back in.
-template <int BITS, int TM>
-void tile_i8(const Part& p, int64_t t, const int8_t* xq, const float* dx, const float* xsum, const float* xdiff,
-             int64_t K, float* y, int64_t ldy) {
+// scale; the biases meet the float32 sums of x. With PASSES 2 the remainder of x's rounding, itself in int8
+// blocks, is multiplied too: 15 bits of each block's largest value instead of 8. What rounding is left is that of
+// the codes centred, (code - c) * (rounded x - x) with c = 2^(bits-1), as llama.cpp's symmetric blocks have it,
+// not code * (rounded x - x), twice as large: xdiff holds each group's sum of x minus the sum of its rounded
+// values, and c * scale * xdiff goes back in.
+template <int BITS, int TM, int PASSES>
+void tile_i8(const Part& p, int64_t t, const Inputs& in, const float* xsum, const float* xdiff, int64_t K,
+             float* y, int64_t ldy) {
   const int64_t per = p.group / BLOCK, blocks = K / BLOCK;
   const uint8_t* tb = p.tile(t, K);
   const float centre = static_cast<float>(1 << (BITS - 1));
@@ -192,14 +204,12 @@ void tile_i8(const Part& p, int64_t t, const int8_t* xq, const float* dx, const 
       __m256i q[8];
       decode<BITS>(tb, q);
       for (int m = 0; m < TM; ++m) {
-        const uint8_t* xb = reinterpret_cast<const uint8_t*>(xq + m * K + b * BLOCK);
-        __m256i i0 = _mm256_setzero_si256(), i1 = _mm256_setzero_si256();
-        for (int c = 0; c < 8; c += 2) {
-          i0 = _mm256_dpbusd_epi32(i0, q[c], _mm256_set1_epi32(static_cast<int>(load32(xb + 4 * c))));
-          i1 = _mm256_dpbusd_epi32(i1, q[c + 1], _mm256_set1_epi32(static_cast<int>(load32(xb + 4 * c + 4))));
-        }
-        gs[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(i0, i1)), _mm256_set1_ps(dx[m * blocks + b]),
-                                gs[m]);
+        const int64_t at = m * K + b * BLOCK;
+        gs[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_dot(q, reinterpret_cast<const uint8_t*>(in.xq + at))),
+                                _mm256_set1_ps(in.dx[m * blocks + b]), gs[m]);
+        if constexpr (PASSES == 2)
+          gs[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_dot(q, reinterpret_cast<const uint8_t*>(in.xq2 + at))),
+                                  _mm256_set1_ps(in.dx2[m * blocks + b]), gs[m]);
       }
     }
     const Half* h = p.tile_sb(t, g);
@@ -267,15 +277,18 @@ void part_tile(const Part& p, int64_t t, const Inputs& in, int64_t form, const f
                int64_t M, int64_t K, float* y, int64_t ldy) {
   float* out = y + p.col + t * ROWS;
 #ifdef UMAKIT_AVX512
-  const int64_t G = p.groups, blocks = K / BLOCK;
+  const int64_t G = p.groups;
+  [[maybe_unused]] const int64_t blocks = K / BLOCK;
   const bool done = with_bits(p.bits, [&](auto width) {
     constexpr int B = decltype(width)::value;
     over_x_rows(M, [&](auto tile, int64_t m) {
       constexpr int TM = decltype(tile)::value;
 #ifdef UMAKIT_VNNI
-      if (form == INT8)
-        return tile_i8<B, TM>(p, t, in.xq + m * K, in.dx + m * blocks, xsum + m * G, xdiff + m * G, K,
-                              out + m * ldy, ldy);
+      if (form == INT8 || form == INT8X2) {
+        const Inputs at{nullptr, in.xq + m * K, in.xq2 + m * K, in.dx + m * blocks, in.dx2 + m * blocks};
+        if (form == INT8X2) return tile_i8<B, TM, 2>(p, t, at, xsum + m * G, xdiff + m * G, K, out + m * ldy, ldy);
+        return tile_i8<B, TM, 1>(p, t, at, xsum + m * G, xdiff + m * G, K, out + m * ldy, ldy);
+      }
 #endif
       tile_f32<B, TM>(p, t, in.x + m * K, xsum + m * G, K, out + m * ldy, ldy);
     });
@@ -384,27 +397,33 @@ Tensor affine_mm(const Tensor& x_in, at::TensorList codes, at::TensorList sb, at
     }
     return y;
   }
-  const int64_t form = inputs == INT8 && kVNNI ? INT8 : FLOAT32;
-  std::vector<int8_t> xq(form == INT8 ? M * K : 0);
-  std::vector<float> dx(form == INT8 ? M * K / BLOCK : 0);
-  if (form == INT8) quantize_rows(x.data_ptr<float>(), M * K / BLOCK, xq.data(), dx.data());
-  const Inputs in{x.data_ptr<float>(), xq.data(), dx.data()};
+  const int64_t form = (inputs == INT8 || inputs == INT8X2) && kVNNI ? inputs : FLOAT32;
+  const bool int8 = form != FLOAT32, two = form == INT8X2;
+  std::vector<int8_t> xq(int8 ? M * K : 0), xq2(two ? M * K : 0);
+  std::vector<float> dx(int8 ? M * K / BLOCK : 0), dx2(two ? M * K / BLOCK : 0), rest(two ? M * K : 0);
+  if (int8) quantize_rows(x.data_ptr<float>(), M * K / BLOCK, xq.data(), dx.data());
+  if (two) {  // what the first rounding left, rounded again
+    const float* xv = x.data_ptr<float>();
+    for (int64_t k = 0; k < M * K; ++k) rest[k] = xv[k] - dx[k / BLOCK] * xq[k];
+    quantize_rows(rest.data(), M * K / BLOCK, xq2.data(), dx2.data());
+  }
+  const Inputs in{x.data_ptr<float>(), xq.data(), xq2.data(), dx.data(), dx2.data()};
   // the sums of x over each part's groups, (M, K / group); in int8, the sums of x less those of its rounded
   // values too
   std::vector<std::vector<float>> sums, diffs;
   const float* xp = x.data_ptr<float>();
   for (const Part& p : parts) {
-    std::vector<float> s(M * p.groups, 0.0f), d(form == INT8 ? M * p.groups : 0, 0.0f);
+    std::vector<float> s(M * p.groups, 0.0f), d(int8 ? M * p.groups : 0, 0.0f);
     for (int64_t m = 0; m < M; ++m)
       for (int64_t g = 0; g < p.groups; ++g) {
         float t = 0, r = 0;
         for (int64_t j = 0; j < p.group; ++j) {
           const int64_t k = m * K + g * p.group + j;
           t += xp[k];
-          if (form == INT8) r += xp[k] - dx[k / BLOCK] * xq[k];
+          if (int8) r += two ? rest[k] - dx2[k / BLOCK] * xq2[k] : xp[k] - dx[k / BLOCK] * xq[k];
         }
         s[m * p.groups + g] = t;
-        if (form == INT8) d[m * p.groups + g] = r;
+        if (int8) d[m * p.groups + g] = r;
       }
     sums.push_back(std::move(s));
     diffs.push_back(std::move(d));
