@@ -42,12 +42,15 @@ WAYS = ("packed kernel", "dequantize + GEMM", "fused rows")
 
 @contextlib.contextmanager
 def dense_from(rows: int):
-    old = crossover.DENSE_ROWS, crossover.AFFINE_DENSE_ROWS, crossover.AFFINE_INT8_DENSE_ROWS
-    crossover.DENSE_ROWS = crossover.AFFINE_DENSE_ROWS = crossover.AFFINE_INT8_DENSE_ROWS = rows
+    names = ("DENSE_ROWS", "AFFINE_DENSE_ROWS", "AFFINE_INT8_DENSE_ROWS", "AFFINE_INT8X2_DENSE_ROWS")
+    old = [getattr(crossover, n) for n in names]
+    for n in names:
+        setattr(crossover, n, rows)
     try:
         yield
     finally:
-        crossover.DENSE_ROWS, crossover.AFFINE_DENSE_ROWS, crossover.AFFINE_INT8_DENSE_ROWS = old
+        for n, value in zip(names, old):
+            setattr(crossover, n, value)
 
 
 def prefill(engine, ids: list[int], way: str):

@@ -155,7 +155,7 @@ def test_budget_on_the_engine_and_its_errors(deep_dir):
     assert m.engine.offload.gpu_layers == LAYERS and m.engine.model.streamer is None
     with pytest.raises(InvalidArgumentError, match="resident minimum"):
         umakit.load(deep_dir, backend="torch", device="cpu", dtype="float32", vram_budget="10KB")
-    with pytest.raises(InvalidArgumentError, match="does not support offload"):
+    with pytest.raises(InvalidArgumentError, match="does not support --gpu-layers and --vram-budget"):
         umakit.load(deep_dir, backend="mlx", gpu_layers=1)
     # "auto" picks the engine that can offload
     assert umakit.load(deep_dir, gpu_layers=1, dtype="float32").info.backend == "torch"
@@ -197,7 +197,7 @@ def test_cli_offload_flags_and_their_errors(deep_dir):
     assert ok.exit_code == 0, ok.output
     assert "streamed" in ok.output and "offload ceiling" in ok.output
     for args, message in ((["--vram-budget", "2KB"], "resident minimum"), (["--vram-budget", "lots"], "as a size"),
-                          (["--backend", "mlx", "--gpu-layers", "1"], "does not support offload")):
+                          (["--backend", "mlx", "--gpu-layers", "1"], "does not support --gpu-layers and --vram-budget")):
         bad = runner.invoke(umakit.cli.main.main, ["generate", "-m", str(deep_dir), "-p", "hi", *args])
         assert bad.exit_code != 0 and message in bad.output and "Traceback" not in bad.output
 
@@ -278,7 +278,7 @@ def test_offload_sweep_refuses_what_it_cannot_do(llama_deep):
     both = runner.invoke(umakit.cli.main.main, ["bench", str(llama_deep), "--offload-sweep", "--gpu-layers", "1"])
     assert both.exit_code != 0 and "drop --gpu-layers" in both.output
     mlx = runner.invoke(umakit.cli.main.main, ["bench", str(llama_deep), "--offload-sweep", "--backend", "mlx"])
-    assert mlx.exit_code != 0 and "does not support offload" in mlx.output and "Traceback" not in mlx.output
+    assert mlx.exit_code != 0 and "does not support --gpu-layers and --vram-budget" in mlx.output and "Traceback" not in mlx.output
 
 
 def test_a_model_too_big_for_free_vram_is_refused_with_the_flag_that_streams_it(deep_dir):

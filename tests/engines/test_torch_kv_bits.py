@@ -188,6 +188,76 @@ def test_a_batch_takes_caches_of_its_own_bits_only(wide):
     assert [t for _, t in sum(first, [])] == greedy(wide, single, 4)
 
 
+def test_batch_cli_with_kv_bits_writes_what_generate_gives(wide, wide_dir, tmp_path):
+    from umakit.cli.main import main
+
+    prompts = ["The quick", "Paris is the capital of", "One two"]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"id": i, "prompt": p}) + "\n" for i, p in enumerate(prompts)))
+    out = tmp_path / "out.jsonl"
+    r = CliRunner().invoke(main, ["batch", str(wide_dir), "-i", str(tmp_path / "in.jsonl"), "-o", str(out), "--raw",
+                                  "--temp", "0", "--max-tokens", "8", "--kv-bits", "4", "-b", "2", "--backend",
+                                  "torch", "--device", "cpu", "--dtype", "float32"])
+    assert r.exit_code == 0, r.output
+    rows = {row["id"]: row["text"] for row in map(json.loads, out.read_text().splitlines())}
+    assert rows == {i: wide.generate(p, kv_bits=4, raw=True, max_tokens=8, temperature=0).text
+                    for i, p in enumerate(prompts)}
+
+
+def test_the_server_scheduler_quantizes_every_requests_cache(wide):
+    """`serve --kv-bits 8`: concurrent requests, then a follow-up turn that finds its quantized cache."""
+    import asyncio
+
+    from umakit.serve.scheduler import Scheduler
+    from umakit.serve.types import FinalEvent, GenerationRequest, SchedulerSettings, TokenEvent
+
+    greedy_ = SamplingParams(temperature=0)
+    loop = asyncio.new_event_loop()
+
+    def run(requests):
+        async def collect(h):
+            events = []
+            while not isinstance(events[-1:] and events[-1], FinalEvent):
+                events.append(await asyncio.wait_for(h.queue.get(), 60))
+            return [e.token for e in events if isinstance(e, TokenEvent)], events[-1]
+        handles = [s.submit(q, loop) for q in requests]
+
+        async def all_of():
+            return await asyncio.gather(*(collect(h) for h in handles))
+        return loop.run_until_complete(all_of())
+
+    s = Scheduler(wide, SchedulerSettings(kv_bits=8, prefill_chunk=4))
+    s.start()
+    try:
+        prompts = [wide.encode(p, raw=True) for p in ("The quick brown fox", "Paris is", "One two three")]
+        results = run([GenerationRequest(p, 10, greedy_) for p in prompts])
+        for p, (tokens, _) in zip(prompts, results):
+            alone = wide.engine.generate_tokens(p, wide.make_cache(8), greedy_)
+            assert tokens == [next(alone) for _ in range(len(tokens))]
+        follow = prompts[0] + results[0][0] + wide.encode(" and", raw=True)
+        ((tokens, final),) = run([GenerationRequest(follow, 6, greedy_)])
+        assert final.usage.cached_tokens > len(prompts[0])  # the stored quantized cache was taken
+        stream = wide.engine.generate_tokens(follow, wide.make_cache(8), greedy_)
+        assert tokens == [next(stream) for _ in range(len(tokens))]
+        assert s.metrics()["requests_failed_total"] == 0
+    finally:
+        s.stop()
+        loop.close()
+
+
+def test_mlx_batches_refuse_kv_bits_naming_the_flag(wide_dir, tmp_path):
+    pytest.importorskip("mlx_lm")
+    from umakit.cli.main import main
+
+    model = umakit.load(wide_dir, backend="mlx", device="cpu")
+    with pytest.raises(InvalidArgumentError, match="does not support --kv-bits in a batch"):
+        model.generate_batch(["The"], kv_bits=8, max_tokens=2)
+    (tmp_path / "in.jsonl").write_text('{"id": 1, "prompt": "The"}\n')
+    r = CliRunner().invoke(main, ["batch", str(wide_dir), "-i", str(tmp_path / "in.jsonl"), "-o",
+                                  str(tmp_path / "out.jsonl"), "--kv-bits", "8", "--backend", "mlx", "--device", "cpu"])
+    assert r.exit_code != 0 and "--kv-bits" in r.output and "Traceback" not in r.output
+    assert not (tmp_path / "out.jsonl").exists() or not (tmp_path / "out.jsonl").read_text()
+
+
 def test_generate_with_kv_bits_through_the_api_and_the_cli(wide, wide_dir):
     from umakit.cli.main import main
 

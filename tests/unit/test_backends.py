@@ -46,7 +46,7 @@ def test_auto_respects_needed_features(monkeypatch):
     _without_quantized_kv(monkeypatch, "torch")
     assert backends.resolve("auto", needs=frozenset({"kv_bits"})) == ("mlx", "cpu")
     assert backends.resolve("auto", needs=frozenset({"batch"})) == ("torch", "cpu")
-    with pytest.raises(InvalidArgumentError, match="torch backend does not support kv_bits yet; use --backend mlx"):
+    with pytest.raises(InvalidArgumentError, match="torch backend does not support --kv-bits yet; use --backend mlx"):
         backends.resolve("torch", needs=frozenset({"kv_bits"}))
 
 
@@ -101,8 +101,8 @@ def test_auto_honours_features_on_cuda_too(monkeypatch):
     _without_quantized_kv(monkeypatch, "torch")
     assert backends.choose("auto") == ("torch", "cuda", None)
     assert backends.choose("auto", needs=frozenset({"kv_bits"})) == (
-        "mlx", "cpu", "running on mlx (cpu): torch does not support kv_bits")
-    with pytest.raises(InvalidArgumentError, match="no backend supports kv_bits on cuda"):
+        "mlx", "cpu", "running on mlx (cpu): torch does not support --kv-bits")
+    with pytest.raises(InvalidArgumentError, match="no backend supports --kv-bits on cuda"):
         backends.choose("auto", "cuda", needs=frozenset({"kv_bits"}))
 
 

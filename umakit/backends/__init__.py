@@ -91,7 +91,7 @@ def choose(backend: str = "auto", device: str | None = None, needs: frozenset[st
     if missing:
         have = [e for e in ENGINES if missing <= ENGINES[e].features]
         raise InvalidArgumentError(
-            f"the {backend} backend does not support {', '.join(sorted(missing))} yet; use --backend {have[0]}"
+            f"the {backend} backend does not support {_named(missing)} yet; use --backend {have[0]}"
         )
     others = [e for e in ENGINES if ENGINES[e].runs(model_type)]
     if not spec.runs(model_type) and others:  # with no engine for it, the engine's own error lists what it runs
@@ -114,12 +114,19 @@ def _candidates(device: str | None) -> list[tuple[str, str]]:
     return out
 
 
+def _named(features) -> str:
+    """Features as the user asked for them (base.FEATURE_NAMES), for an error."""
+    from umakit.backends.base import FEATURE_NAMES
+
+    return ", ".join(sorted(FEATURE_NAMES.get(f, f) for f in features))
+
+
 def _why_not(engine: str, needs: frozenset[str], model_type: str | None) -> str | None:
     spec = ENGINES[engine]
     if not spec.runs(model_type):
         return f"{engine} does not run {model_type}"
     if not needs <= spec.features:
-        return f"{engine} does not support {', '.join(sorted(needs - spec.features))}"
+        return f"{engine} does not support {_named(needs - spec.features)}"
     return None
 
 
@@ -133,7 +140,7 @@ def _auto(device: str | None, needs: frozenset[str], model_type: str | None) -> 
         if any(not ENGINES[e].runs(model_type) for e in engines):
             names = "; ".join(f"{e} runs {ENGINES[e].named_architectures()}" for e in engines)
             raise UnsupportedModelError(f"model_type {model_type!r} is not supported by any engine: {names}")
-        raise InvalidArgumentError(f"no backend supports {', '.join(sorted(needs))} on {candidates[0][1]}")
+        raise InvalidArgumentError(f"no backend supports {_named(needs)} on {candidates[0][1]}")
     engine, where = next(((e, d) for e, d in able if _installed(ENGINES[e].dependency)), able[0])
     skipped = dict.fromkeys(r for e, _ in candidates[:candidates.index((engine, where))]
                             if (r := _why_not(e, needs, model_type)))

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     import numpy as np
 
 __all__ = ["PREFILL_CHUNK", "MAX_LOGPROBS", "QUANTIZED_KV", "BATCH", "BATCH_KV_BITS", "QUANTIZE", "OFFLOAD", "EXPORT",
-           "FEATURES",
+           "FEATURES", "FEATURE_NAMES",
            "EngineSpec", "KVCache", "WeightInfo", "BatchRow", "BatchDecoder", "Engine", "refuse_options"]
 
 # Optional features an engine declares (its spec's ``features``):
@@ -34,6 +34,9 @@ QUANTIZE = "quantize"  # quantize a float checkpoint on load (from_checkpoint(qu
 OFFLOAD = "offload"  # stream layers from host memory (from_checkpoint(gpu_layers=..., vram_budget=...))
 EXPORT = "export"  # hand its loaded weights back in checkpoint layout (export_weights())
 FEATURES = (QUANTIZED_KV, BATCH, BATCH_KV_BITS, QUANTIZE, OFFLOAD, EXPORT)
+# How an error names a feature to the user: the flag or option that asks for it.
+FEATURE_NAMES = {QUANTIZED_KV: "--kv-bits", BATCH: "batched decoding", BATCH_KV_BITS: "--kv-bits in a batch",
+                 QUANTIZE: "--quantize", OFFLOAD: "--gpu-layers and --vram-budget", EXPORT: "exporting its weights"}
 
 MAX_LOGPROBS = 20  # most alternatives a batch row may ask for (OpenAI's top_logprobs limit)
 

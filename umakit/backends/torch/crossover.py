@@ -8,10 +8,12 @@ Measured with benchmarks/prefill_rows.py (2026-12-02, 2 threads, AVX-512): the k
 on the built-in 135M model and up to 192 on Qwen2.5-0.5B's shapes, the GEMM from 256 on both (1.4-1.6x at 512).
 
 umakit's affine kernel (cpu/affine_kernel.py) decodes each block of weights once for up to four input rows.
-With int8 inputs (AVX512-VNNI, the default where the CPU has it) it never takes a GEMM: its int8 dot products
-have four times float32 FMAs' throughput, and measured with benchmarks/prefill_rows.py on Qwen2.5-0.5B's shapes
-at Q4_K_M (2026-12-02, 2 threads) the kernel took 138, 352, 1919, 3952 and 9930 ms at 32, 96, 512, 1024 and
-2048 tokens, dequantizing for float32 GEMMs 688, 594, 2622, 5368 and 12095 ms. With float32 inputs it
+With int8 inputs in one pass it never takes a GEMM: its int8 dot products have four times float32 FMAs'
+throughput, and measured with benchmarks/prefill_rows.py on Qwen2.5-0.5B's shapes at Q4_K_M (2026-12-02, 2
+threads) the kernel took 138, 352, 1919, 3952 and 9930 ms at 32, 96, 512, 1024 and 2048 tokens, dequantizing for
+float32 GEMMs 688, 594, 2622, 5368 and 12095 ms. In two passes (the default with AVX512-VNNI) it takes the GEMM
+from `AFFINE_INT8X2_DENSE_ROWS` rows: the same file, the same day, best of 2, 170, 499, 941, 1125, 1752 and
+4121 ms at 32, 64, 128, 192, 256 and 512 tokens against 284, 649, 1211, 1006, 1311 and 3257. With float32 inputs it
 dequantizes blocks of rows for a GEMM from `AFFINE_DENSE_ROWS` rows on (measured on its earlier layout, one
 row a lane: 339, 561 and 1037 ms at 32, 64 and 128 tokens against 755, 824 and 785 ms).
 
@@ -24,4 +26,5 @@ DENSE_ROWS = 192  # input rows from which a CPU int4 layer dequantizes and runs 
 DENSE_BLOCK = 4096  # output rows dequantized at a time: a float32 block of a 49152-row head stays ~20 MB
 FUSED_ROWS = 32  # logits of fewer tokens than this come from the fused step, row by row
 AFFINE_DENSE_ROWS = 96  # input rows from which the affine kernel on float32 inputs takes float32 GEMMs
-AFFINE_INT8_DENSE_ROWS = 1 << 62  # on int8 inputs: never (faster at every length measured, to 2048)
+AFFINE_INT8_DENSE_ROWS = 1 << 62  # on int8 inputs in one pass: never (faster at every length measured, to 2048)
+AFFINE_INT8X2_DENSE_ROWS = 192  # on int8 inputs in two passes (the VNNI default)

@@ -46,7 +46,9 @@ def inputs() -> int:
 
 def dense_rows() -> int:
     """Input rows from which a layer dequantizes blocks of weights for float32 GEMMs (crossover.py, per form)."""
-    return crossover.AFFINE_DENSE_ROWS if inputs() == FLOAT32 else crossover.AFFINE_INT8_DENSE_ROWS
+    form = inputs()
+    return {FLOAT32: crossover.AFFINE_DENSE_ROWS, INT8: crossover.AFFINE_INT8_DENSE_ROWS}.get(
+        form, crossover.AFFINE_INT8X2_DENSE_ROWS)
 
 
 def supports(m: QuantizedLinear) -> bool:
