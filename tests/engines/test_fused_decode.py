@@ -70,11 +70,12 @@ def test_fused_step_gives_the_eager_steps_logits(quantized, family, bits, overri
     assert_close(teacher_forced(model, ids, eager=False), teacher_forced(model, ids, eager=True))
 
 
+@pytest.mark.parametrize("form", ["INT8", "INT8X2"])
 @pytest.mark.parametrize("family, bits", [("llama", 8), ("qwen2", 4)])
-def test_int8_inputs_keep_the_steps_close(quantized, family, bits, monkeypatch):
+def test_int8_inputs_keep_the_steps_close(quantized, family, bits, form, monkeypatch):
     if not torch.ops.umakit.affine_features() & 4:
         pytest.skip("the library is not built with AVX512-VNNI here")
-    monkeypatch.setattr(affine_kernel, "inputs", lambda: affine_kernel.INT8)
+    monkeypatch.setattr(affine_kernel, "inputs", lambda: getattr(affine_kernel, form))
     model = umakit.load(quantized(family, bits), backend="torch", device="cpu", dtype="bfloat16")
     ids = model.tokenizer.encode(TEXT)[:40]
     assert_close(teacher_forced(model, ids, eager=False), teacher_forced(model, ids, eager=True), relative=0.05)

@@ -293,7 +293,7 @@ def refuse_options(spec: EngineSpec, **options) -> None:
     from umakit.errors import InvalidArgumentError
 
     needs = {"quantize": QUANTIZE, "gpu_layers": OFFLOAD, "vram_budget": OFFLOAD, "batch_kv_bits": BATCH_KV_BITS}
-    flags = {"batch_kv_bits": "--kv-bits in a batch"}
     for key, value in options.items():
         if value is not None and needs[key] not in spec.features:
-            raise InvalidArgumentError(f"the {spec.name} backend does not support {flags.get(key, key.replace('_', '-'))}")
+            name = FEATURE_NAMES[BATCH_KV_BITS] if needs[key] == BATCH_KV_BITS else key.replace("_", "-")
+            raise InvalidArgumentError(f"the {spec.name} backend does not support {name}")

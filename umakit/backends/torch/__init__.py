@@ -10,8 +10,8 @@ from umakit.backends.base import BATCH, BATCH_KV_BITS, OFFLOAD, QUANTIZED_KV, En
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "mixtral", "qwen3_moe")
 
 SPEC = EngineSpec(name="torch", module="umakit.backends.torch.engine", cls="TorchEngine", dependency="torch",
-                  extra="umakit[cuda]", devices=("cuda", "cpu"), features=frozenset({QUANTIZED_KV, BATCH, BATCH_KV_BITS, OFFLOAD}),
-                  architectures=ARCHITECTURES)
+                  extra="umakit[cuda]", devices=("cuda", "cpu"),
+                  features=frozenset({QUANTIZED_KV, BATCH, BATCH_KV_BITS, OFFLOAD}), architectures=ARCHITECTURES)
 
 
 def __getattr__(name):

@@ -7,8 +7,7 @@ whole GGUF to float16. This kernel reads each layer's own codes, ``bits`` bits a
 of 8 that accumulate side by side in one register (csrc/affine.h), plus a float16 scale and bias per group (the
 scale alone for a symmetric layer). Its outputs, activations and sums are float32; its inputs are multiplied in
 int8 blocks where the CPU has AVX512-VNNI, else in float32 (`inputs`). quant/forms.py gives it every quantized
-CPU layer but 4-bit ones with a bias per group, which torch's int4 kernel ran faster (measured there), where it
-is built with AVX-512 (`available`).
+CPU layer where it is built with AVX-512 (`available`).
 """
 
 from __future__ import annotations
@@ -47,8 +46,9 @@ def inputs() -> int:
 def dense_rows() -> int:
     """Input rows from which a layer dequantizes blocks of weights for float32 GEMMs (crossover.py, per form)."""
     form = inputs()
-    return {FLOAT32: crossover.AFFINE_DENSE_ROWS, INT8: crossover.AFFINE_INT8_DENSE_ROWS}.get(
-        form, crossover.AFFINE_INT8X2_DENSE_ROWS)
+    if form == FLOAT32:
+        return crossover.AFFINE_DENSE_ROWS
+    return crossover.AFFINE_INT8_DENSE_ROWS if form == INT8 else crossover.AFFINE_INT8X2_DENSE_ROWS
 
 
 def supports(m: QuantizedLinear) -> bool:
@@ -70,13 +70,18 @@ def planes(m: QuantizedLinear) -> tuple[torch.Tensor, torch.Tensor]:
     """``m``'s codes in the kernel's tiles, (rows, in * bits / 8) uint8, and its float16 scales and biases,
     (rows / 8, groups, 2, 8), or its scales alone, (rows / 8, groups, 1, 8), where it is `symmetric`; rows is
     ``m.out_features`` rounded up to a multiple of 8, the rows added all zero."""
-    rows = -(-m.out_features // ROWS) * ROWS
+    rows = _padded_rows(m)
     weight = m.weight.contiguous()
     if rows > m.out_features:
         weight = torch.cat([weight, weight.new_zeros(rows - m.out_features, weight.shape[1])])
     codes = torch.ops.umakit.affine_planes(weight, m.bits)
     kept = [m.scales] if symmetric(m) else [m.scales, m.biases]
     return codes, torch.stack([_tiled(t.to(torch.float16), rows) for t in kept], dim=2).contiguous()
+
+
+def _padded_rows(m: QuantizedLinear) -> int:
+    """``m``'s rows rounded up to a whole tile."""
+    return -(-m.out_features // ROWS) * ROWS
 
 
 def _tiled(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -111,10 +116,13 @@ class AffineLinear(nn.Module):
 
     @staticmethod
     def _fits(m: QuantizedLinear, codes: torch.Tensor | None, sb: torch.Tensor | None) -> bool:
-        groups, rows = m.in_features // m.group_size, -(-m.out_features // ROWS) * ROWS
+        groups, rows = m.in_features // m.group_size, _padded_rows(m)
+        # scales alone or with biases, as the packing found them (`symmetric` would read the checkpoint's scales;
+        # the stored packing is keyed by the checkpoint's files)
         return (codes is not None and sb is not None and codes.dtype == torch.uint8 and sb.dtype == torch.float16
                 and tuple(codes.shape) == (rows, m.in_features * m.bits // 8)
-                and tuple(sb.shape) == (rows // ROWS, groups, 1 if symmetric(m) else 2, ROWS))
+                and sb.dim() == 4 and tuple(sb.shape[:2]) == (rows // ROWS, groups) and sb.shape[2] in (1, 2)
+                and sb.shape[3] == ROWS)
 
     def packing(self) -> dict[str, torch.Tensor]:
         """What `load/packed.py` keeps of this layer, by name."""

@@ -27,7 +27,8 @@ from umakit.core.fsutil import atomic_file
 from umakit.core.home import home_dir
 
 ALIGNMENT = 64  # bytes: torch's CPU allocator's, and AVX-512's loads
-FORMAT_VERSION = 4  # bump when a packed form or the file layout changes (2: 64-byte aligned data; 3: affine planes; 4: affine tiles)
+# bump when a packed form or the file layout changes (2: 64-byte aligned data; 3: affine planes; 4: affine tiles)
+FORMAT_VERSION = 4
 SUFFIX = ".safetensors"
 
 
