@@ -15,10 +15,11 @@ from umakit.plan import roofline
 from umakit.generate import speculative
 from umakit.core import validate
 from umakit.core.affine import DEFAULT_GROUP_SIZE
-from umakit.backends.base import OFFLOAD, QUANTIZE, Engine, KVCache, WeightInfo
+from umakit.backends.base import OFFLOAD, QUANTIZE, Engine, KVCache, TokenConstraint, WeightInfo, refuse_options
 from umakit.errors import InvalidArgumentError
 from umakit.generate.batch import BatchRun, BatchStream, generate_batch, stream_batch
-from umakit.generate.options import MANY, ONE, SPECULATION, GenerationOptions, takes
+from umakit.generate.constrain import from_options
+from umakit.generate.options import CONSTRAINTS, MANY, ONE, SPECULATION, GenerationOptions, takes
 from umakit.generate.stream import Chunk, GenerationResult, collect, stream_generate
 from umakit.hardware import DeviceInfo, detect_local, memory_warnings
 from umakit.plan.placement import OffloadPlan, StreamedRun
@@ -100,16 +101,25 @@ class Model:
         """Yield text chunks as they are generated; the last chunk has the finish reason and stats.
 
         Give ``prompt`` (a user message, sent through the chat template unless
-        ``raw``) or ``messages``. Speculative decoding is lossless: greedy text
+        ``raw``) or ``messages``. ``schema``, ``regex``, ``choices`` or ``grammar``
+        constrain the reply: with greedy sampling a schema's reply always parses and validates. Speculative decoding is lossless: greedy text
         is unchanged and sampled text keeps its distribution; ``draft`` or
         ``prompt_lookup`` propose up to ``draft_tokens`` tokens that one target
         step verifies.
         """
         o = options
         stop = validate.request(prompt, o.messages, o.system, o.max_tokens, o.stop)
+        constraint = from_options(**o.pick(CONSTRAINTS))
+        speculator = self.speculator(**o.pick(SPECULATION))
+        if constraint is not None:
+            if speculator is not None:
+                raise InvalidArgumentError(f"speculative decoding does not apply {constraint.describe()}'s mask: "
+                                           "give one or the other")
+            refuse_options(self.engine.spec, constrain=True)
         ids = self.encode(prompt, o.messages, o.system, o.raw)
         return self.stream_tokens(ids, self.make_cache(o.kv_bits), max_tokens=o.max_tokens, stop=stop, seed=o.seed,
-                                  sampling=o.sampling_params(), speculator=self.speculator(**o.pick(SPECULATION)))
+                                  sampling=o.sampling_params(), speculator=speculator,
+                                  constraint=None if constraint is None else constraint.matcher(self.tokenizer))
 
     @takes(*ONE)
     def generate(self, prompt: str | None = None, *, options: GenerationOptions) -> GenerationResult:
@@ -127,11 +137,13 @@ class Model:
         history: Sequence[int] = (),
         sampling: SamplingParams | None = None,
         speculator: SpeculativeDecoder | None = None,
+        constraint: TokenConstraint | None = None,
     ) -> Iterator[Chunk]:
         """The token-level entry point: continue ``cache`` with ``prompt`` ids.
 
         ``history`` is the text already in ``cache``, for the repetition penalty;
-        ``speculator`` (from `Model.speculator`) decodes speculatively.
+        ``speculator`` (from `Model.speculator`) decodes speculatively; ``constraint``
+        (`umakit.generate.constrain.Constraint.matcher`; ``cache`` empty) masks every token.
         """
         if max_tokens < 1:
             raise InvalidArgumentError(f"max_tokens must be at least 1, got {max_tokens}")
@@ -149,7 +161,7 @@ class Model:
             self.engine, self.tokenizer, prompt, cache, params, max_tokens, stop=stops, seed=seed,
             history=history, measure=lambda tps, context, streamed=None: self.measure_decode(tps, context, kv,
                                                                                            streamed),
-            speculator=speculator,
+            speculator=speculator, constraint=constraint,
         ))
 
     @takes(*SPECULATION)

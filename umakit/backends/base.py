@@ -22,20 +22,22 @@ from umakit.plan.shapes import PREFILL_CHUNK  # tokens per prefill chunk, every 
 if TYPE_CHECKING:
     import numpy as np
 
-__all__ = ["PREFILL_CHUNK", "MAX_LOGPROBS", "QUANTIZED_KV", "BATCH", "BATCH_KV_BITS", "QUANTIZE", "OFFLOAD", "EXPORT",
-           "FEATURES", "FEATURE_NAMES",
-           "EngineSpec", "KVCache", "WeightInfo", "BatchRow", "BatchDecoder", "Engine", "refuse_options"]
+__all__ = ["PREFILL_CHUNK", "MAX_LOGPROBS", "QUANTIZED_KV", "BATCH", "BATCH_KV_BITS", "CONSTRAIN", "QUANTIZE", "OFFLOAD",
+           "EXPORT", "FEATURES", "FEATURE_NAMES", "EngineSpec", "KVCache", "WeightInfo", "TokenConstraint", "BatchRow",
+           "BatchDecoder", "Engine", "refuse_options"]
 
 # Optional features an engine declares (its spec's ``features``):
 QUANTIZED_KV = "kv_bits"  # a quantized KV cache (make_cache(kv_bits=4|8))
 BATCH = "batch"  # batched decoding (batch_decoder())
 BATCH_KV_BITS = "batch_kv_bits"  # batches of quantized caches (batch_decoder(kv_bits=4|8))
+CONSTRAIN = "constrain"  # batch rows with a token mask (BatchRow.constraint: a schema, regex, grammar, tool call)
 QUANTIZE = "quantize"  # quantize a float checkpoint on load (from_checkpoint(quantize=...))
 OFFLOAD = "offload"  # stream layers from host memory (from_checkpoint(gpu_layers=..., vram_budget=...))
 EXPORT = "export"  # hand its loaded weights back in checkpoint layout (export_weights())
-FEATURES = (QUANTIZED_KV, BATCH, BATCH_KV_BITS, QUANTIZE, OFFLOAD, EXPORT)
+FEATURES = (QUANTIZED_KV, BATCH, BATCH_KV_BITS, CONSTRAIN, QUANTIZE, OFFLOAD, EXPORT)
 # How an error names a feature to the user: the flag or option that asks for it.
 FEATURE_NAMES = {QUANTIZED_KV: "--kv-bits", BATCH: "batched decoding", BATCH_KV_BITS: "--kv-bits in a batch",
+                 CONSTRAIN: "constrained decoding (a schema, regex, grammar or forced tool call)",
                  QUANTIZE: "--quantize", OFFLOAD: "--gpu-layers and --vram-budget", EXPORT: "exporting its weights"}
 
 MAX_LOGPROBS = 20  # most alternatives a batch row may ask for (OpenAI's top_logprobs limit)
@@ -112,6 +114,18 @@ class WeightInfo:
         return 8 * self.total_bytes / self.params if self.params else 0.0
 
 
+@runtime_checkable
+class TokenConstraint(Protocol):
+    """What a batch row's next token may be (`umakit.generate.constrain.Matcher` is the one umakit makes)."""
+
+    def allowed(self) -> np.ndarray | None:
+        """A boolean mask over token ids, True where the token may come next (it may be shorter or longer than
+        the logits: ids past it are not allowed, mask entries past the logits are ignored); None: any token."""
+
+    def accept(self, token: int) -> None:
+        """The token the row returned (drawn from the last mask); raises if it breaks the constraint."""
+
+
 @dataclass(frozen=True)
 class BatchRow:
     """One sequence to decode: a caller-chosen id, its prompt ids and its sampling.
@@ -124,6 +138,10 @@ class BatchRow:
 
     ``logprobs``: None asks for none; 0 for the chosen token's log-probability;
     n (<= `MAX_LOGPROBS`) also for the n most likely tokens (`BatchDecoder.logprobs`).
+
+    ``constraint`` (feature ``constrain``): every token the row samples is drawn from the tokens it allows
+    (-inf on the others, before the repetition penalty and temperature; the log-probabilities see the mask),
+    and it is told each token the row returns, before the row's next token is drawn.
     """
 
     id: int
@@ -132,6 +150,7 @@ class BatchRow:
     seed: int | None = None
     cache: KVCache | None = None
     logprobs: int | None = None
+    constraint: TokenConstraint | None = None
 
     def __post_init__(self):
         from umakit.errors import InvalidArgumentError
@@ -292,8 +311,9 @@ def refuse_options(spec: EngineSpec, **options) -> None:
     """Raise for options given to an engine whose spec lacks their feature."""
     from umakit.errors import InvalidArgumentError
 
-    needs = {"quantize": QUANTIZE, "gpu_layers": OFFLOAD, "vram_budget": OFFLOAD, "batch_kv_bits": BATCH_KV_BITS}
+    needs = {"quantize": QUANTIZE, "gpu_layers": OFFLOAD, "vram_budget": OFFLOAD, "batch_kv_bits": BATCH_KV_BITS,
+             "constrain": CONSTRAIN}
     for key, value in options.items():
         if value is not None and needs[key] not in spec.features:
-            name = FEATURE_NAMES[BATCH_KV_BITS] if needs[key] == BATCH_KV_BITS else key.replace("_", "-")
+            name = FEATURE_NAMES[needs[key]] if needs[key] in (BATCH_KV_BITS, CONSTRAIN) else key.replace("_", "-")
             raise InvalidArgumentError(f"the {spec.name} backend does not support {name}")

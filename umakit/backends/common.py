@@ -21,9 +21,11 @@ import sys
 from dataclasses import replace
 from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence
 
+import numpy as np
+
 from umakit.core import affine
 from umakit.errors import CheckpointError, InvalidArgumentError
-from umakit.backends.base import BatchRow, WeightInfo
+from umakit.backends.base import BatchRow, TokenConstraint, WeightInfo
 from umakit.generate.sampling import ArrayOps, SamplingParams, make_sampler, penalize
 
 
@@ -161,6 +163,7 @@ class EngineOps(ArrayOps, Protocol):
     def concat(self, xs: list): ...  # along the first axis
     def log_softmax(self, x): ...
     def top(self, x, n: int): ...  # (ids, values) (1, n) of the n largest, descending
+    def host(self, x: np.ndarray): ...  # a numpy array as the engine's array, on its device
 
 
 class TokenSampler:
@@ -169,9 +172,11 @@ class TokenSampler:
     seeded single sequence draws."""
 
     def __init__(self, ops: EngineOps, sampling: SamplingParams, seed: int | None, recent: Sequence[int],
-                 logprobs: int | None = None):
-        """``recent``: `umakit.generate.sampling.recent_tokens` of the sequence."""
+                 logprobs: int | None = None, constraint: TokenConstraint | None = None):
+        """``recent``: `umakit.generate.sampling.recent_tokens` of the sequence; ``constraint``: a batch row's
+        (`BatchRow.constraint`), which `sample_rows` applies and the decoder tells each token (`accept`)."""
         self.ops = ops
+        self.constraint = constraint
         self.penalty, self.window = sampling.repetition_penalty, sampling.repetition_context
         self.plain = sampling.greedy and self.penalty == 1.0  # a batched argmax serves it
         self.logprobs = logprobs
@@ -190,9 +195,40 @@ class TokenSampler:
         return token, logits
 
 
+    def accept(self, token: int) -> None:
+        """The token this row returned (its constraint, if any, moves past it)."""
+        if self.constraint is not None:
+            self.constraint.accept(token)
+
+
+def constrained(rows: Sequence[TokenSampler]) -> bool:
+    """Whether any row carries a constraint (a decoder then needs each token on the host before the next step)."""
+    return any(r.constraint is not None for r in rows)
+
+
+def masked(ops: EngineOps, rows: Sequence[TokenSampler], logits):
+    """``logits`` (B, V) with -inf on every token a row's constraint does not allow next.
+
+    A mask shorter than the logits (a vocabulary padded in the weights) allows none of the extra ids;
+    a row without a constraint, or whose constraint is off (not started, or finished), keeps all.
+    """
+    masks = [None if r.constraint is None else r.constraint.allowed() for r in rows]
+    if all(m is None for m in masks):
+        return logits
+    width = logits.shape[-1]
+    keep = np.ones((len(rows), width), dtype=bool)
+    for i, m in enumerate(masks):
+        if m is not None:
+            n = min(len(m), width)
+            keep[i, :n] = m[:n]
+            keep[i, n:] = False
+    return ops.where(ops.host(keep), logits, ops.neg_inf)
+
+
 def sample_rows(ops: EngineOps, rows: Sequence[TokenSampler], logits) -> tuple[Any, list]:
-    """A batch step's tokens (B,) from its logits (B, V), each row by its own sampler, and each row's
-    log-probability figures (`figures`; None for a row that asked for none)."""
+    """A batch step's tokens (B,) from its logits (B, V), each row by its own sampler after its constraint's
+    mask (`masked`), and each row's log-probability figures (`figures`; None for a row that asked for none)."""
+    logits = masked(ops, rows, logits)
     greedy = ops.tokens(ops.argmax(logits)) if any(r.plain for r in rows) else None
     own = {i: r.sample(logits[i:i + 1]) for i, r in enumerate(rows) if not r.plain}  # (token, drawn from)
     tokens = ops.concat([own[i][0] if i in own else greedy[i:i + 1] for i in range(len(rows))]) if own else greedy

@@ -89,6 +89,10 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
+    def backend_json(self) -> str:
+        """The tokenizer as tokenizer.json holds it (for a grammar engine that reads every token's bytes)."""
+        return self._tok.to_str()
+
     # -- chat ---------------------------------------------------------------
     @cached_property
     def _template(self):

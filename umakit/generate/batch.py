@@ -18,17 +18,18 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Iterator, Sequence
 
-from umakit.backends.base import BatchRow
+from umakit.backends.base import BatchRow, refuse_options
 from umakit.core import validate
 from umakit.errors import InvalidArgumentError, UmakitError
-from umakit.generate.options import DEFAULT_BATCH_SIZE, LIMITS, MANY, SAMPLING, GenerationOptions, takes
+from umakit.generate.constrain import Constraint, from_options
+from umakit.generate.options import CONSTRAINTS, DEFAULT_BATCH_SIZE, LIMITS, MANY, SAMPLING, GenerationOptions, takes
 from umakit.generate.sampling import DEFAULT_MAX_TOKENS, SamplingParams
 from umakit.generate.stream import DecodeRow, GenerationResult
 
 KV_BLOCK = 256  # batch caches grow in blocks of this many positions
 SAMPLING_FIELDS = tuple(SamplingParams.__dataclass_fields__)
 # what a batch item may set for itself: its prompt, and the options `check_item` takes but `sampling` (the object)
-ITEM_KEYS = frozenset({"prompt", "messages", "system", *LIMITS, *SAMPLING_FIELDS})
+ITEM_KEYS = frozenset({"prompt", "messages", "system", *LIMITS, *SAMPLING_FIELDS, *CONSTRAINTS})
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,7 @@ class BatchRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    constraint: Constraint | None = None  # what the reply must match: each row gets its own matcher
 
 
 @dataclass
@@ -75,12 +77,13 @@ class BatchStats:
                 "achieved_gbps": self.achieved_gbps}
 
 
-@takes(*LIMITS, "system", *SAMPLING)
+@takes(*LIMITS, "system", *SAMPLING, *CONSTRAINTS)
 def check_item(item, *, options: GenerationOptions) -> dict:
     """Check one prompt without a model: its shape and every setting, the options as defaults.
 
     Returns the resolved fields (prompt or messages, system, max_tokens, seed,
-    stop, sampling); a bad item raises `InvalidArgumentError` before any model
+    stop, sampling, constraint); an item's own schema, regex, choices or grammar replaces
+    the options' one. A bad item raises `InvalidArgumentError` before any model
     work, so the CLI can set it aside before loading.
     """
     if isinstance(item, str):
@@ -101,20 +104,22 @@ def check_item(item, *, options: GenerationOptions) -> dict:
     max_tokens = fields.get("max_tokens", o.max_tokens)
     stop = validate.request(fields.get("prompt"), fields.get("messages"), system, max_tokens, fields.get("stop", o.stop))
     overrides = {k: validate.sampling_field(k, fields[k]) for k in SAMPLING_FIELDS if k in fields}
+    own = {k: fields[k] for k in CONSTRAINTS if fields.get(k) is not None}
+    constraint = from_options(**(own or options.pick(CONSTRAINTS)))
     return {
         "prompt": fields.get("prompt"), "messages": fields.get("messages"), "system": system,
         "max_tokens": max_tokens, "seed": validate.seed(fields.get("seed", o.seed)), "stop": stop,
-        "sampling": o.sampling_params().with_overrides(**overrides),
+        "sampling": o.sampling_params().with_overrides(**overrides), "constraint": constraint,
     }
 
 
-@takes(*LIMITS, "system", "raw", *SAMPLING)
+@takes(*LIMITS, "system", "raw", *SAMPLING, *CONSTRAINTS)
 def make_request(model, item, *, options: GenerationOptions) -> BatchRequest:
     """Encode one prompt: a string, a message list, or a dict with ``prompt`` or
     ``messages`` and optional per-item settings that override the options (`check_item`)."""
     if isinstance(item, BatchRequest):
         return item
-    c = check_item(item, **options.pick((*LIMITS, "system", *SAMPLING)))
+    c = check_item(item, **options.pick((*LIMITS, "system", *SAMPLING, *CONSTRAINTS)))
     ids = model.encode(c["prompt"], c["messages"], c["system"], options.raw)
     if not ids:
         raise InvalidArgumentError("the prompt is empty: there is nothing to continue from")
@@ -124,7 +129,7 @@ def make_request(model, item, *, options: GenerationOptions) -> BatchRequest:
         max_tokens = limit - len(ids)
         if max_tokens < 1:
             raise InvalidArgumentError(f"the prompt ({len(ids)} tokens) fills the model's context of {limit} tokens")
-    return BatchRequest(tuple(ids), max_tokens, c["sampling"], c["seed"], c["stop"])
+    return BatchRequest(tuple(ids), max_tokens, c["sampling"], c["seed"], c["stop"], c["constraint"])
 
 
 def plan_batch_size(requests: Sequence[BatchRequest], requested: int, kv_bytes_per_token: float,
@@ -168,6 +173,8 @@ class BatchStream:
         self.indices = list(range(len(self.requests))) if indices is None else list(indices)
         if len(self.indices) != len(self.requests):
             raise InvalidArgumentError(f"{len(self.indices)} indices for {len(self.requests)} requests")
+        if any(r.constraint is not None for r in self.requests):
+            refuse_options(model.engine.spec, constrain=True)
         self._decoder = model.engine.batch_decoder(kv_bits) if self.requests else None
         budget = self._decoder.kv_budget_bytes() if self._decoder else 0
         self._kv_per_token = model.engine.kv_bytes_per_token(kv_bits)  # of the cache the rows hold
@@ -192,7 +199,8 @@ class BatchStream:
         r, tokenizer = self.requests, self._model.tokenizer
         rows.update((i, DecodeRow(tokenizer, r[i].max_tokens, r[i].stop, prompt_tokens=len(r[i].prompt), t_start=t))
                     for i in new)
-        self._decoder.add([BatchRow(i, r[i].prompt, r[i].sampling, r[i].seed) for i in new])
+        self._decoder.add([BatchRow(i, r[i].prompt, r[i].sampling, r[i].seed, constraint=None if r[i].constraint is None
+                                    else r[i].constraint.matcher(tokenizer)) for i in new])
         self.stats.prefill_s += time.perf_counter() - t
 
     def _run(self) -> Iterator[tuple[int, GenerationResult]]:
@@ -259,7 +267,8 @@ def stream_batch(model, prompts: Sequence, *, options: GenerationOptions) -> Bat
     """Prepare a batched run of ``prompts``; iterate it for ``(index, result)`` as each finishes.
 
     Each prompt is a string, a message list, a dict (``prompt`` or ``messages``
-    plus any of max_tokens, stop, seed, system and the sampling fields) or a
+    plus any of max_tokens, stop, seed, system, the sampling fields and one of schema, regex,
+    choices and grammar) or a
     `BatchRequest`; the options here are the defaults a dict's own settings
     override. Every prompt is encoded and checked before anything runs.
     A ``seed`` makes each row reproduce ``model.generate(..., seed=seed)``.
@@ -267,7 +276,8 @@ def stream_batch(model, prompts: Sequence, *, options: GenerationOptions) -> Bat
     requests, indices = [], []
     for i, item in enumerate(prompts):
         try:
-            requests.append(make_request(model, item, **options.pick((*LIMITS, "system", "raw", *SAMPLING))))
+            requests.append(make_request(model, item, **options.pick((*LIMITS, "system", "raw", *SAMPLING,
+                                                                      *CONSTRAINTS))))
         except UmakitError as e:
             if options.on_error is not None:
                 options.on_error(i, e)

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     import os
 
     from umakit.checkpoint.tokenizer import Message
+    from umakit.generate.constrain import Constraint
     from umakit.errors import UmakitError
 
 DEFAULT_BATCH_SIZE = 8
@@ -55,6 +56,11 @@ class GenerationOptions:
     min_p: float | None = _option(None, "drop tokens less likely than this share of the most likely one")
     repetition_penalty: float | None = _option(None, "divide the recent tokens' positive logits by this (1: off)")
     repetition_context: int | None = _option(None, "how many recent tokens the penalty looks at")
+    schema: dict | str | Constraint | None = _option(
+        None, "the reply must be JSON valid against this JSON schema (a dict, JSON text, or a `Constraint`)")
+    regex: str | None = _option(None, "the reply must match this regular expression in full")
+    choices: Sequence[str] | None = _option(None, "the reply must be exactly one of these strings")
+    grammar: str | None = _option(None, "the reply must match this Lark grammar (llguidance's dialect)")
     # Model is umakit.Model, only named here: this module is below it (annotations are never evaluated)
     draft: Model | str | os.PathLike | None = _option(
         None, "speculate with this smaller model (a `Model`, or its path), same tokenizer")
@@ -79,8 +85,10 @@ PROMPT = ("messages", "system", "raw")
 LIMITS = ("max_tokens", "stop", "seed")
 SAMPLING = ("sampling", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "repetition_context")
 SPECULATION = ("draft", "draft_tokens", "prompt_lookup", "ngram")
-ONE = (*PROMPT, *LIMITS, "kv_bits", *SAMPLING, *SPECULATION)  # a reply: `Model.stream`, `Model.generate`
-MANY = ("batch_size", "kv_bits", *LIMITS, "system", "raw", *SAMPLING)  # a batch: `Model.generate_batch`, umakit.generate.batch
+CONSTRAINTS = ("schema", "regex", "choices", "grammar")  # at most one: umakit.generate.constrain.from_options
+ONE = (*PROMPT, *LIMITS, "kv_bits", *SAMPLING, *CONSTRAINTS, *SPECULATION)  # a reply: `Model.stream`, `Model.generate`
+# a batch: `Model.generate_batch`, umakit.generate.batch
+MANY = ("batch_size", "kv_bits", *LIMITS, "system", "raw", *SAMPLING, *CONSTRAINTS)
 _FIELDS = {f.name: f for f in fields(GenerationOptions)}
 
 

@@ -13,7 +13,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator, Sequence
 
-from umakit.backends.base import Engine, KVCache
+from umakit.backends.base import BatchRow, Engine, KVCache
+from umakit.errors import InvalidArgumentError
 from umakit.plan.placement import ROUTED_EXPERTS
 from umakit.plan.roofline import OffloadStats, RooflineStats
 from umakit.generate.sampling import SamplingParams
@@ -309,6 +310,7 @@ def stream_generate(
     history: Sequence[int] = (),
     measure=None,
     speculator=None,
+    constraint=None,
 ) -> Iterator[Chunk]:
     """Generate after ``prompt`` (appended to what ``cache`` holds), yielding text chunks.
 
@@ -316,12 +318,16 @@ def stream_generate(
     OffloadStats or None), see `umakit.plan.roofline.measure_decode`; ``streamed`` is what the
     engine's copy counters (`OffloadPlan.counters`) saw over the decode, or None. With a
     ``speculator`` (`umakit.generate.speculative.SpeculativeDecoder`) its tokens replace
-    the engine's, and its stats join the run's.
+    the engine's, and its stats join the run's. With a ``constraint`` (`umakit.backends.base.TokenConstraint`;
+    ``cache`` empty) the row decodes through the engine's batch decoder, which applies it.
     """
     engine.reset_peak_memory()
     row = DecodeRow(tokenizer, max_tokens, stop, prompt_tokens=len(prompt), cached_tokens=cache.offset)
-    source = speculator if speculator is not None else engine
-    tokens = source.generate_tokens(prompt, cache, sampling, seed=seed, history=history)
+    if constraint is not None:
+        tokens = constrained_tokens(engine, prompt, cache, sampling, seed, constraint)
+    else:
+        source = speculator if speculator is not None else engine
+        tokens = source.generate_tokens(prompt, cache, sampling, seed=seed, history=history)
     counters = engine.offload.counters if engine.offload is not None else None
     first = None  # the copy counters once the first token is out: the decode steps' copies come after
     try:
@@ -346,6 +352,22 @@ def stream_generate(
         stats.speculative = speculator.stats
         speculator.stats.target_bytes_per_step = stats.bytes_per_token
     yield Chunk("", None, finish_reason=row.finish, stats=stats)
+
+
+def constrained_tokens(engine: Engine, prompt: Sequence[int], cache: KVCache, sampling: SamplingParams,
+                       seed: int | None, constraint) -> Iterator[int]:
+    """``engine.generate_tokens`` for one sequence under a constraint: a batch of one row, whose decoder applies the
+    mask (`BatchRow.constraint`). ``cache`` must be empty: the decoder keeps the row's cache for itself."""
+    if cache.offset:
+        raise InvalidArgumentError("a constrained reply starts from an empty cache")
+    decoder = engine.batch_decoder(cache.kv_bits) if cache.kv_bits is not None else engine.batch_decoder()
+    decoder.add([BatchRow(0, list(prompt), sampling, seed, constraint=constraint)])
+    try:
+        while True:
+            for _, token in decoder.step():
+                yield token
+    finally:
+        decoder.remove([0])
 
 
 def collect(chunks: Iterator[Chunk]) -> GenerationResult:

@@ -113,6 +113,8 @@ class LeaderBatch:
         return self.inner.size
 
     def add(self, rows: Sequence[BatchRow]) -> None:
+        if any(r.constraint is not None for r in rows):  # the followers would draw unmasked tokens
+            refuse_options(self._leader.spec, constrain=True)
         # Seeds are drawn here and sent, so that every rank's sampler draws the same tokens.
         rows = [BatchRow(r.id, list(r.prompt), r.sampling, seed_or_random(r.seed), r.cache, r.logprobs) for r in rows]
         self._leader.send("batch_add", batch=self.id, rows=[

@@ -137,8 +137,8 @@ class MLXBatchDecoder:
         last = mx.array([r.prompt[-1] for r in group], dtype=mx.uint32)
         self._next = last if self._next is None else mx.concatenate([self._next, last])
         self._ids += [r.id for r in group]
-        self._rows += [TokenSampler(MLXOps, r.sampling, r.seed, recent_tokens(r.sampling, r.prompt), r.logprobs)
-                       for r in group]
+        self._rows += [TokenSampler(MLXOps, r.sampling, r.seed, recent_tokens(r.sampling, r.prompt), r.logprobs,
+                                    r.constraint) for r in group]
         self._ready += [False] * len(group)
         self._figures += [None] * len(group)
 
@@ -148,13 +148,20 @@ class MLXBatchDecoder:
             return []
         with mx.stream(self._device):
             inputs, figures = self._next, self._figures
+            report = [i for i, ready in enumerate(self._ready) if ready]
+            tokens = None
+            if common.constrained(self._rows):
+                # A constraint's next mask depends on the token before: read it now (no step ahead).
+                tokens = inputs.tolist()
+                for i in report:
+                    self._rows[i].accept(tokens[i])
             logits = self._model(inputs[:, None], cache=self._cache)[:, -1, :]  # (B, V)
             self._next, self._figures = common.sample_rows(MLXOps, self._rows, logits)
             # Queue step n+1 before reading step n: the device computes while
             # the caller detokenizes and checks stops.
             mx.async_eval(self._next, [f for f in self._figures if f is not None])
-            report = [i for i, ready in enumerate(self._ready) if ready]
-            tokens = inputs.tolist() if report else []
+            if tokens is None:
+                tokens = inputs.tolist() if report else []
             # The figures travel with the sampled token and are read when it is returned.
             self._logprobs = {self._ids[i]: common.read_figures(figures[i]) for i in report if figures[i] is not None}
         self._ready = [True] * len(self._ids)

@@ -98,6 +98,10 @@ class MLXOps:
         order = mx.argsort(-values, axis=-1)
         return mx.take_along_axis(top, order, axis=-1), mx.take_along_axis(values, order, axis=-1)
 
+    @staticmethod
+    def host(x):
+        return mx.array(x)
+
 
 class _Keys:
     """One sequence's random source: a fresh key per sampled token, split off a chain seeded once (a greedy

@@ -4,14 +4,14 @@ Importing this package imports no torch: the registry reads `SPEC` here and
 imports `engine` only when the engine is chosen.
 """
 
-from umakit.backends.base import BATCH, BATCH_KV_BITS, OFFLOAD, QUANTIZED_KV, EngineSpec
+from umakit.backends.base import BATCH, BATCH_KV_BITS, CONSTRAIN, OFFLOAD, QUANTIZED_KV, EngineSpec
 
 # The model types backends/torch/model/llama.py runs (config.json's, of the language model).
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "mixtral", "qwen3_moe")
 
 SPEC = EngineSpec(name="torch", module="umakit.backends.torch.engine", cls="TorchEngine", dependency="torch",
                   extra="umakit[cuda]", devices=("cuda", "cpu"),
-                  features=frozenset({QUANTIZED_KV, BATCH, BATCH_KV_BITS, OFFLOAD}), architectures=ARCHITECTURES)
+                  features=frozenset({QUANTIZED_KV, BATCH, BATCH_KV_BITS, OFFLOAD, CONSTRAIN}), architectures=ARCHITECTURES)
 
 
 def __getattr__(name):

@@ -167,7 +167,7 @@ class TorchBatchDecoder:
                 self._cache.put(len(self._ids), single)
             self._ids.append(row.id)
             self._rows.append(TokenSampler(self._engine._ops, row.sampling, row.seed,
-                                           recent_tokens(row.sampling, row.prompt), row.logprobs))
+                                           recent_tokens(row.sampling, row.prompt), row.logprobs, row.constraint))
             self._lengths.append(single.offset)
             self._next.append(row.prompt[-1])
 
@@ -182,6 +182,8 @@ class TorchBatchDecoder:
             logits = self._engine._decode_rows(tokens, self._lengths, self._cache, span)  # (B, V)
             picked, figures = common.sample_rows(self._engine._ops, self._rows, logits)
             picked = picked.tolist()  # the one wait for the device; the figures are ready after it
+            for row, token in zip(self._rows, picked):
+                row.accept(token)
             self._logprobs = {rid: common.read_figures(f) for rid, f in zip(self._ids, figures) if f is not None}
         self._lengths = [n + 1 for n in self._lengths]
         self._next = picked

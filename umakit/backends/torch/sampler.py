@@ -101,6 +101,9 @@ class TorchOps:
         top = x.topk(n, dim=-1)  # sorted
         return top.indices, top.values
 
+    def host(self, x):
+        return torch.from_numpy(x).to(self.device)
+
 
 def make_sampler(p: SamplingParams) -> Callable[[torch.Tensor, torch.Tensor, torch.Generator], torch.Tensor]:
     """``sampler(logits (B, V), recent (B, n) int64, generator) -> tokens (B,) int64``."""
