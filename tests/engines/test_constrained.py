@@ -186,3 +186,20 @@ def test_the_built_in_model_answers_a_schema_in_full():
     assert data["country"].lower().startswith("fr")
     row = BatchRow(0, model.encode("Hi"), GREEDY)
     assert row.constraint is None
+
+
+# -- OpenAI's presence and frequency penalties (the server maps them; cheap, so implemented on both engines) ------
+def test_presence_and_frequency_penalties_cut_repeats(model):
+    prompt = "fox " * 30
+    plain = model.generate(prompt, temperature=0, max_tokens=30, raw=True)
+    penalized = model.generate(prompt, temperature=0, max_tokens=30, raw=True, frequency_penalty=2.0,
+                               presence_penalty=2.0)
+    assert len(set(penalized.tokens)) > len(set(plain.tokens))
+    # a batch row counts its own tokens exactly as a lone sequence does
+    run = generate_batch(model, [prompt, "The"], temperature=0, max_tokens=30, raw=True, frequency_penalty=2.0,
+                         presence_penalty=2.0)
+    assert run[0].tokens == penalized.tokens
+    with pytest.raises(InvalidArgumentError, match="presence_penalty"):
+        model.generate("The", presence_penalty=3)
+    with pytest.raises(InvalidArgumentError, match="presence and frequency"):
+        model.generate("The", presence_penalty=1, prompt_lookup=True)

@@ -206,10 +206,16 @@ def test_malformed_and_incomplete_requests(server, name):
     image = [{"type": "image_url", "image_url": {"url": "http://x"}}]
     assert_error(raw(server, "/v1/chat/completions", {"model": name, "messages": [{"role": "user", "content": image}]}),
                  400, param="messages[0].content")
-    # unknown fields are ignored, as OpenAI does
+    # a field umakit does not implement is refused by name, as OpenAI refuses one it does not know; fields that
+    # cannot change the answer pass, and the penalties are implemented
     r = raw(server, "/v1/chat/completions", {"model": name, "messages": user("hi"), "max_tokens": 2,
-                                              "frequency_penalty": 0.5, "user": "me", "whatever": {"a": 1}})
+                                              "frequency_penalty": 0.5, "presence_penalty": 0.5, "user": "me",
+                                              "metadata": {"a": "b"}})
     assert r.status_code == 200, r.text
+    for field, value in [("whatever", {"a": 1}), ("logit_bias", {"5": 10}), ("functions", [])]:
+        err = assert_error(raw(server, "/v1/chat/completions", {"model": name, "messages": user("hi"), field: value}),
+                           400, param=field)
+        assert field in err["message"]
 
 
 def test_oversize_body_413(server, name):

@@ -48,14 +48,16 @@ FAMILIES = {
 ALL_FAMILIES = sorted(FAMILIES)
 
 
-def write_tokenizer(path: Path, template: str | None = CHATML) -> None:
+def write_tokenizer(path: Path, template: str | None = CHATML, extra_specials: tuple[str, ...] = ()) -> None:
+    """A byte-level BPE of `VOCAB` tokens; ``extra_specials`` (``<tool_call>``, say) become added tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        vocab_size=VOCAB, special_tokens=SPECIALS + list(extra_specials),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
     tok.train_from_iterator([TRAIN_TEXT], trainer)
     tok.save(str(path / "tokenizer.json"))

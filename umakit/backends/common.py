@@ -26,7 +26,7 @@ import numpy as np
 from umakit.core import affine
 from umakit.errors import CheckpointError, InvalidArgumentError
 from umakit.backends.base import BatchRow, TokenConstraint, WeightInfo
-from umakit.generate.sampling import ArrayOps, SamplingParams, make_sampler, penalize
+from umakit.generate.sampling import ArrayOps, SamplingParams, make_sampler, penalize, penalize_counts
 
 
 def category(name: str) -> str:
@@ -164,6 +164,7 @@ class EngineOps(ArrayOps, Protocol):
     def log_softmax(self, x): ...
     def top(self, x, n: int): ...  # (ids, values) (1, n) of the n largest, descending
     def host(self, x: np.ndarray): ...  # a numpy array as the engine's array, on its device
+    def zeros(self, shape: tuple[int, ...]): ...  # float32 zeros on the device
 
 
 class TokenSampler:
@@ -178,7 +179,9 @@ class TokenSampler:
         self.ops = ops
         self.constraint = constraint
         self.penalty, self.window = sampling.repetition_penalty, sampling.repetition_context
-        self.plain = sampling.greedy and self.penalty == 1.0  # a batched argmax serves it
+        self.sampling = sampling
+        self.counts = None  # (1, V): how often each token was drawn, for the presence and frequency penalties
+        self.plain = sampling.greedy and self.penalty == 1.0 and not sampling.counts_tokens  # a batched argmax serves it
         self.logprobs = logprobs
         # The penalty is applied in `sample`, not in the sampler, so that log-probabilities see it.
         self._draw = make_sampler(ops, replace(sampling, repetition_penalty=1.0), ops.draw)
@@ -189,9 +192,16 @@ class TokenSampler:
         """logits (1, V) -> (token (1,), the penalised logits it was drawn from (1, V)); ``agree`` turns the draw
         into the token fed next (a sharded engine's: rank 0's). Advances the random source and the window."""
         logits = penalize(self.ops, logits, self.recent, self.penalty)
+        if self.sampling.counts_tokens:
+            if self.counts is None:
+                self.counts = self.ops.zeros(tuple(logits.shape))
+            logits = penalize_counts(self.ops, logits, self.counts, self.sampling)
         token = agree(self.ops.tokens(self._draw(logits, self.recent, self._random())))
         if self.penalty != 1.0:
             self.recent = self.ops.append(self.recent, token, self.window)
+        if self.counts is not None:
+            at = token[:, None]
+            self.counts = self.ops.scatter(self.counts, at, self.ops.gather(self.counts, at) + 1)
         return token, logits
 
 

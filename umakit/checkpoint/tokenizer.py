@@ -112,14 +112,25 @@ class Tokenizer:
         except Exception as e:  # jinja2.TemplateSyntaxError and friends
             raise TokenizerError(f"the model's chat template does not parse: {e}") from e
 
-    def render_chat(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
-        """Render messages with the model's chat template into prompt text."""
+    def render_chat(self, messages: Sequence[Message], add_generation_prompt: bool = True,
+                    tools: Sequence[dict] | None = None, **template_kwargs) -> str:
+        """Render messages with the model's chat template into prompt text.
+
+        ``tools`` (OpenAI's ``[{"type": "function", "function": {...}}]``) and ``template_kwargs``
+        (``enable_thinking=False``, say) reach the template as transformers' ``apply_chat_template``
+        passes them; a message may carry what templates read beside its content (``tool_calls``, ...).
+        """
         for m in messages:
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise TokenizerError("each message needs 'role' and 'content' keys")
+        reserved = {"messages", "add_generation_prompt", "bos_token", "eos_token", "tools"} & set(template_kwargs)
+        if reserved:
+            raise TokenizerError(f"chat template arguments {', '.join(sorted(reserved))} are set by umakit")
         try:
             return self._template.render(
+                **template_kwargs,
                 messages=list(messages),
+                tools=list(tools) if tools else None,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
@@ -132,6 +143,10 @@ class Tokenizer:
     def encode_chat(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of a rendered chat. Templates that write the BOS themselves get no second one."""
         return self.encode(self.render_chat(messages, add_generation_prompt))
+
+    def added_tokens(self) -> dict[str, int]:
+        """The text and id of every token added to the vocabulary (special or not)."""
+        return {t.content: i for i, t in self._tok.get_added_tokens_decoder().items()}
 
 
 class StreamingDetokenizer:

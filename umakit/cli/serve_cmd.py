@@ -50,13 +50,18 @@ def _size(ctx, param, value):
 @click.option("--request-timeout", type=click.FloatRange(min=0, min_open=True), metavar="S",
               default=SchedulerSettings.request_timeout_s, show_default=True,
               help="A request still running after S seconds, queueing included, fails with 504.")
+@click.option("--allowed-origins", metavar="ORIGINS", default="",
+              help="Comma-separated origins (e.g. http://localhost:3000, or *) whose browser pages may call the "
+                   "server: CORS preflights are answered for them (default: none).")
 @kv_bits_option
 @model_options
 @offload_options
 @parallel_option
 def serve_cmd(model, host, port, api_key, max_concurrency, max_queue, prompt_cache_bytes, max_body_bytes,
-              request_timeout, kv_bits, backend, device, dtype, peak_bandwidth, gpu_layers, vram_budget, parallel):
-    """Serve a model over an OpenAI-compatible HTTP API (chat and completions, streamed or not)."""
+              request_timeout, allowed_origins, kv_bits, backend, device, dtype, peak_bandwidth, gpu_layers,
+              vram_budget, parallel):
+    """Serve a model over OpenAI's and Anthropic's HTTP APIs: chat completions, completions, responses and
+    messages, streamed or not, with tool calls and structured outputs."""
     import uvicorn
 
     from umakit.serve.app import make_app
@@ -71,7 +76,9 @@ def serve_cmd(model, host, port, api_key, max_concurrency, max_queue, prompt_cac
                                  prompt_cache_bytes=prompt_cache_bytes, request_timeout_s=request_timeout,
                                  kv_bits=kv_bits)
     scheduler = Scheduler(m, settings)
-    app = make_app(m, scheduler, api_key=api_key, max_body_bytes=max_body_bytes, request_timeout_s=request_timeout)
+    origins = tuple(o.strip().rstrip("/") for o in allowed_origins.split(",") if o.strip())
+    app = make_app(m, scheduler, api_key=api_key, max_body_bytes=max_body_bytes, request_timeout_s=request_timeout,
+                   allowed_origins=origins)
     _log_to_stderr()
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off"))
     try:

@@ -27,6 +27,8 @@ SAMPLING_RANGES: dict[str, tuple[bool, float | None, float | None, bool, bool]] 
     "min_p": (False, 0, 1, False, True),
     "repetition_penalty": (False, 0, None, True, False),
     "repetition_context": (True, 1, None, False, False),
+    "presence_penalty": (False, -2, 2, False, False),  # OpenAI's range
+    "frequency_penalty": (False, -2, 2, False, False),
 }
 
 

@@ -185,6 +185,13 @@ def vocabulary(tokenizer: Tokenizer):
     return held
 
 
+def special_tokens(tokenizer: Tokenizer) -> dict[str, int]:
+    """The added tokens llguidance treats as special (a grammar names them as ``<[id]>``; a string literal
+    never matches one): text -> id."""
+    vocab = vocabulary(tokenizer)
+    return {text: i for text, i in tokenizer.added_tokens().items() if vocab.is_special_token(i)}
+
+
 class Matcher:
     """One row's constraint as it decodes (`umakit.backends.base.TokenConstraint`)."""
 

@@ -56,6 +56,10 @@ class GenerationOptions:
     min_p: float | None = _option(None, "drop tokens less likely than this share of the most likely one")
     repetition_penalty: float | None = _option(None, "divide the recent tokens' positive logits by this (1: off)")
     repetition_context: int | None = _option(None, "how many recent tokens the penalty looks at")
+    presence_penalty: float | None = _option(
+        None, "OpenAI's: subtract this from the logit of every token generated so far (-2 to 2; 0: off)")
+    frequency_penalty: float | None = _option(
+        None, "OpenAI's: subtract this times a token's count so far from its logit (-2 to 2; 0: off)")
     schema: dict | str | Constraint | None = _option(
         None, "the reply must be JSON valid against this JSON schema (a dict, JSON text, or a `Constraint`)")
     regex: str | None = _option(None, "the reply must match this regular expression in full")
@@ -83,7 +87,8 @@ class GenerationOptions:
 
 PROMPT = ("messages", "system", "raw")
 LIMITS = ("max_tokens", "stop", "seed")
-SAMPLING = ("sampling", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "repetition_context")
+SAMPLING = ("sampling", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "repetition_context",
+            "presence_penalty", "frequency_penalty")
 SPECULATION = ("draft", "draft_tokens", "prompt_lookup", "ngram")
 CONSTRAINTS = ("schema", "regex", "choices", "grammar")  # at most one: umakit.generate.constrain.from_options
 ONE = (*PROMPT, *LIMITS, "kv_bits", *SAMPLING, *CONSTRAINTS, *SPECULATION)  # a reply: `Model.stream`, `Model.generate`

@@ -4,7 +4,8 @@ A sampler is a pure function ``(logits, recent tokens, random source) -> tokens`
 and these are its rules, in this order:
 
 1. repetition penalty over the last `repetition_context` tokens (positive logits divided by the penalty,
-   negative ones multiplied, as in transformers);
+   negative ones multiplied, as in transformers); then OpenAI's presence and frequency penalties over the
+   tokens generated so far (`penalize_counts`: minus frequency x count, minus presence once a token came);
 2. temperature 0 is greedy (argmax); otherwise the logits are divided by it;
 3. top-k, then top-p (nucleus), then min-p filtering of the tempered distribution;
 4. one categorical draw, from the engine's own random source.
@@ -32,6 +33,8 @@ DEFAULT_TOP_K = 0
 DEFAULT_MIN_P = 0.0
 DEFAULT_REPETITION_PENALTY = 1.0
 DEFAULT_REPETITION_CONTEXT = 64
+DEFAULT_PRESENCE_PENALTY = 0.0
+DEFAULT_FREQUENCY_PENALTY = 0.0
 SAMPLING_FIELDS = tuple(validate.SAMPLING_RANGES)
 
 
@@ -43,6 +46,8 @@ class SamplingParams:
     min_p: float = DEFAULT_MIN_P  # 0 disables
     repetition_penalty: float = DEFAULT_REPETITION_PENALTY  # 1 disables
     repetition_context: int = DEFAULT_REPETITION_CONTEXT
+    presence_penalty: float = DEFAULT_PRESENCE_PENALTY  # 0 disables
+    frequency_penalty: float = DEFAULT_FREQUENCY_PENALTY  # 0 disables
 
     def __post_init__(self):
         # Every way in (CLI flags, /set, batch lines, API keywords) builds one of these: the checks live here once.
@@ -52,6 +57,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def counts_tokens(self) -> bool:
+        """Whether the presence or frequency penalty is on (the sampler then counts the tokens it draws)."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0
 
     def with_overrides(self, **kwargs) -> "SamplingParams":
         """A copy with the given fields replaced (None values are ignored)."""
@@ -95,6 +105,11 @@ def penalize(ops: ArrayOps, logits, recent, penalty: float):
         return logits
     picked = ops.gather(logits, recent)
     return ops.scatter(logits, recent, ops.where(picked > 0, picked / penalty, picked * penalty))
+
+
+def penalize_counts(ops: ArrayOps, logits, counts, p: SamplingParams):
+    """``logits`` less OpenAI's penalties, from ``counts`` (..., V): how often each token was generated so far."""
+    return ops.floating(logits) - p.frequency_penalty * counts - p.presence_penalty * (counts > 0)
 
 
 def filtered(ops: ArrayOps, logits, p: SamplingParams):

@@ -193,16 +193,18 @@ class StopStringFilter:
     def __init__(self, stops: Sequence[str]):
         self.stops = [s for s in stops if s]
         self.pending = ""
+        self.matched: str | None = None  # the stop string that was hit (the earliest in the text)
 
     def feed(self, text: str) -> tuple[str, bool]:
         """Returns (text safe to emit, whether a stop string was hit)."""
         if not self.stops:
             return text, False
         buf = self.pending + text
-        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, s) for s, i in ((s, buf.find(s)) for s in self.stops) if i >= 0]
         if hits:
             self.pending = ""
-            return buf[: min(hits)], True
+            at, self.matched = min(hits, key=lambda h: h[0])
+            return buf[:at], True
         hold = 0
         for s in self.stops:
             for k in range(min(len(s) - 1, len(buf)), 0, -1):

@@ -15,20 +15,23 @@ import logging
 import math
 import secrets
 import time
-import uuid
 from collections import Counter
-from functools import partial
+
+from dataclasses import dataclass
+from typing import Callable
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from umakit.serve import DEFAULT_MAX_BODY_BYTES
-from umakit.serve.protocol import (APIError, ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatDelta,
-                       ChatMessageOut, ChatRequest, Completion, CompletionChoice, CompletionRequest, UsageInfo,
-                       chat_logprobs, completion_logprobs, generation_request, parse_request)
+from umakit.serve import DEFAULT_MAX_BODY_BYTES, anthropic, openai_responses
+from umakit.serve.outputs import ChatOutput, CompletionOutput, Output, Submission, request_id
+from umakit.serve.errors import APIError
+from umakit.serve.protocol import ChatRequest, CompletionRequest, generation_request, parse_request
 from umakit.serve.scheduler import QueueFull
 from umakit.serve.types import ErrorEvent, FinalEvent, SchedulerSettings, TokenEvent
 
@@ -62,26 +65,58 @@ METRIC_HELP = {
 }
 
 
-def make_app(model, scheduler, *, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-             request_timeout_s: float | None = SchedulerSettings.request_timeout_s) -> Starlette:
-    """The OpenAI-compatible app serving ``model`` through ``scheduler`` (started and stopped by the caller).
+@dataclass(frozen=True)
+class API:
+    """One API's routes' ways: its request reader and its error body."""
 
-    With ``api_key`` every route but /health needs ``Authorization: Bearer <api_key>``.
+    prefix: str  # of request ids
+    read: Callable  # (model, decoded JSON, request id, timeout_s) -> Submission
+    error_body: Callable[[APIError], dict] = APIError.body
+
+
+def _openai(kind: type, output: type) -> Callable:
+    def read(model, data, rid: str, timeout_s: float | None) -> Submission:
+        req = parse_request(kind, data)
+        gen, prepared = generation_request(req, model, id=rid, timeout_s=timeout_s)
+        out = output(rid, model.info.name, model.tokenizer, prepared.parser() if prepared is not None else None)
+        return Submission(gen, out, bool(req.stream), req.include_usage)
+    return read
+
+
+OPENAI_CHAT = API("chatcmpl", _openai(ChatRequest, ChatOutput))
+OPENAI_COMPLETIONS = API("cmpl", _openai(CompletionRequest, CompletionOutput))
+ANTHROPIC_MESSAGES = API("msg", anthropic.read, anthropic.error_body)
+OPENAI_RESPONSES = API("resp", openai_responses.read)
+
+
+def make_app(model, scheduler, *, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+             request_timeout_s: float | None = SchedulerSettings.request_timeout_s,
+             allowed_origins: tuple[str, ...] = ()) -> Starlette:
+    """The app serving ``model`` through ``scheduler`` (started and stopped by the caller): OpenAI's chat
+    completions, completions and responses, and Anthropic's messages.
+
+    With ``api_key`` every route but /health needs ``Authorization: Bearer <api_key>`` (or Anthropic's
+    ``x-api-key: <api_key>``). ``allowed_origins`` (``"*"`` for any) may call it from a browser page:
+    CORS preflights are answered for them, and for no origin by default.
     """
     server = _Server(model, scheduler, api_key, max_body_bytes, request_timeout_s)
     routes = [
-        Route("/v1/chat/completions", partial(server.complete, ChatRequest), methods=["POST"]),
-        Route("/v1/completions", partial(server.complete, CompletionRequest), methods=["POST"]),
+        Route("/v1/chat/completions", server.endpoint(OPENAI_CHAT), methods=["POST"]),
+        Route("/v1/completions", server.endpoint(OPENAI_COMPLETIONS), methods=["POST"]),
+        Route("/v1/messages", server.endpoint(ANTHROPIC_MESSAGES), methods=["POST"]),
+        Route("/v1/responses", server.endpoint(OPENAI_RESPONSES), methods=["POST"]),
         Route("/v1/models", server.models, methods=["GET"]),
         Route("/v1/models/{model_id:path}", server.model_card, methods=["GET"]),
         Route("/health", server.health, methods=["GET"]),
         Route("/metrics", server.metrics, methods=["GET"]),
     ]
-    return Starlette(routes=routes, exception_handlers={HTTPException: server.http_error})
+    middleware = [Middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
+                             allow_headers=["*"], max_age=600)] if allowed_origins else []
+    return Starlette(routes=routes, middleware=middleware, exception_handlers={HTTPException: server.http_error})
 
 
-def _error_response(err: APIError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+def _error_response(err: APIError, api: API = OPENAI_CHAT) -> JSONResponse:
+    return JSONResponse(api.error_body(err), status_code=err.status, headers=err.headers)
 
 
 class _Server:
@@ -138,24 +173,27 @@ class _Server:
     def _authorize(self, request: Request) -> None:
         if self.api_key is None:
             return
-        header = request.headers.get("authorization", "")
-        if not header:
+        header, anthropic_key = request.headers.get("authorization", ""), request.headers.get("x-api-key")
+        if not header and anthropic_key is None:
             raise APIError(401, "you didn't provide an API key: send 'Authorization: Bearer YOUR_KEY'",
                            headers={"WWW-Authenticate": "Bearer"})
-        scheme, _, key = header.partition(" ")
+        scheme, _, key = header.partition(" ") if header else ("bearer", "", anthropic_key)
         if scheme.lower() != "bearer" or not secrets.compare_digest(key.strip().encode(), self.api_key.encode()):
             raise APIError(401, "incorrect API key provided", headers={"WWW-Authenticate": "Bearer"})
 
     # -- completions ----------------------------------------------------------------------------------
-    async def complete(self, kind: type, request: Request) -> Response:
-        out = (_ChatOutput if kind is ChatRequest else _CompletionOutput)(self)
-        t0 = time.perf_counter()
+    def endpoint(self, api: API):
+        async def serve(request: Request) -> Response:
+            return await self.complete(api, request)
+        return serve
+
+    async def complete(self, api: API, request: Request) -> Response:
+        rid, t0 = request_id(api.prefix), time.perf_counter()
         try:
             self._authorize(request)
-            req = parse_request(kind, await self._json(request))
-            gen = generation_request(req, self.model, id=out.id, timeout_s=self.timeout_s)
+            sub = api.read(self.model, await self._json(request), rid, self.timeout_s)
             try:
-                handle = self.scheduler.submit(gen, asyncio.get_running_loop())
+                handle = self.scheduler.submit(sub.request, asyncio.get_running_loop())
             except QueueFull as e:
                 raise APIError(429, str(e), headers={"Retry-After": str(max(1, math.ceil(e.retry_after_s)))}) from e
             watcher = asyncio.create_task(_watch_disconnect(request, handle))
@@ -166,25 +204,25 @@ class _Server:
                 watcher.cancel()
                 handle.cancel()
                 raise
-            if req.stream:
+            if sub.stream:
                 return self._count(StreamingResponse(
-                    self._stream(out, first, events, handle, watcher, req.include_usage, t0),
+                    self._stream(api, sub, first, events, handle, watcher, t0),
                     media_type="text/event-stream", headers=SSE_HEADERS))
             try:
-                response = await self._collect(out, first, events)
+                body = await self._collect(sub.output, first, events)
             finally:
                 watcher.cancel()
-            _log(out.id, 200, out.final, t0)
-            return self._count(JSONResponse(response.model_dump(mode="json")))
+            _log(rid, 200, sub.output.final, t0)
+            return self._count(JSONResponse(body))
         except APIError as e:
-            _log(out.id, e.status, None, t0, e.message)
-            return self._count(_error_response(e))
+            _log(rid, e.status, None, t0, e.message)
+            return self._count(_error_response(e, api))
         except _ClientGone:
-            _log(out.id, 499, None, t0, "the client went away")
+            _log(rid, 499, None, t0, "the client went away")
             return Response(status_code=499)
-        except Exception as e:  # a bug of ours: still an answer in OpenAI's shape, and a traceback in the log
-            log.exception("%s failed", out.id)
-            return self._count(_error_response(APIError(500, f"internal error ({type(e).__name__}: {e})")))
+        except Exception as e:  # a bug of ours: still an answer in the API's shape, and a traceback in the log
+            log.exception("%s failed", rid)
+            return self._count(_error_response(APIError(500, f"internal error ({type(e).__name__}: {e})"), api))
 
     async def _json(self, request: Request):
         declared = request.headers.get("content-length")
@@ -204,39 +242,33 @@ class _Server:
         return APIError(413, f"the request body is larger than this server's limit of {self.max_body_bytes} bytes "
                              "(umakit serve --max-body-bytes)")
 
-    async def _collect(self, out, first, events):
+    async def _collect(self, out: Output, first, events) -> dict:
         tokens = [first]
         async for event in events:
             tokens.append(event)
         final = tokens.pop()
         return out.full(tokens, final)
 
-    async def _stream(self, out, first, events, handle, watcher, include_usage, t0):
-        final, status, error = None, 200, None
+    async def _stream(self, api: API, sub: Submission, first, events, handle, watcher, t0):
+        out, final, status, error = sub.output, None, 200, None
         try:
-            start = out.start()
-            if start is not None:
-                yield _sse(start)
+            for data in out.start():
+                yield data
             event = first
             while True:
                 if isinstance(event, TokenEvent):
-                    chunk = out.token(event)
-                    if chunk is not None:
-                        yield _sse(chunk)
+                    for data in out.token(event):
+                        yield data
                 else:
                     final = event
                     break
                 event = await anext(events)
-            if final.text:
-                yield _sse(out.piece(final.text, []))
-            yield _sse(out.end(final))
-            if include_usage:
-                yield _sse(out.usage_chunk(final.usage))
-            yield b"data: [DONE]\n\n"
+            for data in out.end(final, sub.include_usage):
+                yield data
         except APIError as e:  # after the status line went out: the error travels as an event, as OpenAI's does
             status, error = e.status, e.message
-            yield f"data: {json.dumps(e.body())}\n\n".encode()
-            yield b"data: [DONE]\n\n"
+            for data in out.error(api.error_body(e)):
+                yield data
         except _ClientGone:
             status, error = 499, "the client went away"
         finally:
@@ -276,89 +308,6 @@ async def _events(handle, timeout_s: float | None):
         yield event
         if isinstance(event, FinalEvent):
             return
-
-
-def _sse(chunk) -> bytes:
-    return b"data: " + chunk.model_dump_json().encode() + b"\n\n"
-
-
-class _Output:
-    """What one request's events become: the chunks of a stream, or one whole response."""
-
-    prefix = ""
-    chunk_type: type = Completion
-
-    def __init__(self, server: _Server):
-        self.id = f"{self.prefix}-{uuid.uuid4().hex[:24]}"
-        self.name, self.tokenizer = server.name, server.model.tokenizer
-        self.created = int(time.time())
-        self.final: FinalEvent | None = None
-
-    def _meta(self) -> dict:
-        return {"id": self.id, "created": self.created, "model": self.name}
-
-    def start(self):
-        return None
-
-    def token(self, e: TokenEvent):
-        if not e.text and e.logprob is None:
-            return None  # text held back while a stop string may still form
-        return self.piece(e.text, [] if e.logprob is None else [e])
-
-    def end(self, final: FinalEvent):
-        self.final = final
-        return self.piece(None, [], final.finish_reason)
-
-    def usage_chunk(self, usage):
-        return self.chunk_type(**self._meta(), choices=[], usage=UsageInfo.of(usage))
-
-    def full(self, tokens: list[TokenEvent], final: FinalEvent):
-        self.final = final
-        text = "".join(e.text for e in tokens) + final.text
-        return self.whole(text, [e for e in tokens if e.logprob is not None], final)
-
-    def piece(self, text: str | None, scored: list[TokenEvent], finish: str | None = None):
-        raise NotImplementedError
-
-    def whole(self, text: str, scored: list[TokenEvent], final: FinalEvent):
-        raise NotImplementedError
-
-
-class _ChatOutput(_Output):
-    prefix, chunk_type = "chatcmpl", ChatCompletionChunk
-
-    def start(self):
-        return ChatCompletionChunk(**self._meta(), choices=[ChatChunkChoice(delta=ChatDelta(role="assistant",
-                                                                                            content=""))])
-
-    def piece(self, text, scored, finish=None):
-        return ChatCompletionChunk(**self._meta(), choices=[ChatChunkChoice(
-            delta=ChatDelta(content=text), finish_reason=finish,
-            logprobs=chat_logprobs(self.tokenizer, scored) if scored else None)])
-
-    def whole(self, text, scored, final):
-        return ChatCompletion(**self._meta(), usage=UsageInfo.of(final.usage), choices=[ChatChoice(
-            message=ChatMessageOut(content=text), finish_reason=final.finish_reason,
-            logprobs=chat_logprobs(self.tokenizer, scored) if scored else None)])
-
-
-class _CompletionOutput(_Output):
-    prefix, chunk_type = "cmpl", Completion
-
-    def __init__(self, server: _Server):
-        super().__init__(server)
-        self.sent = 0  # characters streamed so far: the logprobs' text_offset
-
-    def piece(self, text, scored, finish=None):
-        logprobs = completion_logprobs(self.tokenizer, scored, self.sent) if scored else None
-        self.sent += len(text or "")
-        return Completion(**self._meta(), choices=[CompletionChoice(text=text or "", logprobs=logprobs,
-                                                                    finish_reason=finish)])
-
-    def whole(self, text, scored, final):
-        return Completion(**self._meta(), usage=UsageInfo.of(final.usage), choices=[CompletionChoice(
-            text=text, finish_reason=final.finish_reason,
-            logprobs=completion_logprobs(self.tokenizer, scored) if scored else None)])
 
 
 def _log(rid: str, status: int, final: FinalEvent | None, t0: float, error: str | None = None) -> None:

@@ -1,74 +1,79 @@
-"""OpenAI's wire format: request models that validate once, the mapping to a `GenerationRequest`,
-the response and chunk shapes, and every error body, built in one place (`APIError`).
+"""OpenAI's requests: models that validate once, every error body (`APIError`), and the mapping of a request
+to the scheduler's `GenerationRequest` (with, for a chat, its `umakit.serve.conversation.Prepared`).
 
-Only the fields umakit supports are declared; the rest are ignored, as
-OpenAI's API ignores what it does not know. Sampling ranges are
-`umakit.generate.sampling.SamplingParams`'s own checks, turned into 400s that name the
-field.
+The fields umakit implements are declared. Any other top-level field is refused
+with a 400 that names it, as OpenAI's API refuses an argument it does not
+recognise: a field that would change the answer is never accepted and dropped.
+A few that cannot change it (``user``, ``metadata``, ...) are accepted.
+Sampling ranges are `umakit.generate.sampling.SamplingParams`'s own checks,
+turned into 400s that name the field.
 """
 
 from __future__ import annotations
 
-import math
-import time
-from typing import Literal, Sequence
+import json
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from umakit.backends.base import CONSTRAIN
 from umakit.errors import InvalidArgumentError, UmakitError
+from umakit.generate.constrain import Constraint
 from umakit.generate.sampling import DEFAULT_MAX_TOKENS, SamplingParams
-from umakit.serve.types import GenerationRequest, Usage
+from umakit.serve.conversation import ChatCall, Prepared, prepare
+from umakit.serve.errors import APIError
+from umakit.serve.types import GenerationRequest
 
 MAX_STOP = 4  # stop strings per request, as OpenAI allows
 MAX_TOP_LOGPROBS = 20
 INT64 = 2**63
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-
-# status -> (OpenAI error type, default code)
-ERROR_TYPES = {
-    400: ("invalid_request_error", None),
-    401: ("invalid_request_error", "invalid_api_key"),
-    404: ("invalid_request_error", "model_not_found"),
-    405: ("invalid_request_error", "method_not_allowed"),
-    413: ("invalid_request_error", "request_too_large"),
-    429: ("rate_limit_error", "rate_limit_exceeded"),
-    500: ("server_error", None),
-    503: ("server_error", "unavailable"),
-    504: ("server_error", "timeout"),
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                   "frequency_penalty")
+# Fields that cannot change the answer: accepted, and otherwise unused.
+IGNORED = frozenset({"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key"})
+# Why some fields clients send are refused (any other unknown field is refused too).
+REFUSED = {
+    "logit_bias": "logit_bias is not supported",
+    "functions": "'functions' is not supported: use 'tools'",
+    "function_call": "'function_call' is not supported: use 'tool_choice'",
+    "audio": "audio output is not supported", "prediction": "predicted outputs are not supported",
+    "web_search_options": "web search is not supported", "best_of": "best_of is not supported",
+    "echo": "echo is not supported", "suffix": "suffix is not supported",
 }
 
-
-class APIError(Exception):
-    """An HTTP error answered in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
-
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.headers = status, message, param, headers or {}
-        kind, default_code = ERROR_TYPES.get(status, ERROR_TYPES[500 if status >= 500 else 400])
-        self.type, self.code = kind, code if code is not None else default_code
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
 # -- requests ----------------------------------------------------------------------------------------
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+class WireModel(BaseModel):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, populate_by_name=True)
 
 
-class StreamOptions(_Model):
+class StreamOptions(WireModel):
     include_usage: bool | None = False
 
 
-class ContentPart(_Model):
+class ContentPart(WireModel):
     type: str
     text: str | None = None
 
 
-class ChatMessage(_Model):
+class CalledFunction(WireModel):
+    name: str
+    arguments: str | dict = "{}"
+
+
+class MessageToolCall(WireModel):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
+class ChatMessage(WireModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None  # a reasoning model's thinking, as llama.cpp and vLLM return it
+    reasoning: str | None = None  # ... and as OpenRouter and Ollama do
 
     @field_validator("content")
     @classmethod
@@ -80,14 +85,87 @@ class ChatMessage(_Model):
         return content
 
     def as_message(self) -> dict:
-        """The message as a chat template takes it: a system role for OpenAI's 'developer', text joined."""
+        """The message as `umakit.serve.conversation.ChatCall` takes it: a system role for OpenAI's 'developer',
+        text parts joined, tool calls with their arguments as JSON text."""
         content = self.content
         if isinstance(content, list):
             content = "\n".join(p.text for p in content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+        out = {"role": "system" if self.role == "developer" else self.role,
+               "content": content if content is not None or self.tool_calls else ""}
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": c.function.arguments if isinstance(c.function.arguments, str)
+                else json.dumps(c.function.arguments)}} for c in self.tool_calls]
+        if self.role == "tool":
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        thinking = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        if thinking is not None:
+            out["reasoning_content"] = thinking
+        return out
 
 
-class _Request(_Model):
+class FunctionDef(WireModel):
+    name: str
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class ToolDef(WireModel):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class ChosenFunction(WireModel):
+    name: str
+
+
+class NamedToolChoice(WireModel):
+    type: Literal["function"]
+    function: ChosenFunction
+
+
+class JSONSchemaFormat(WireModel):
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(WireModel):
+    """OpenAI's ``text``, ``json_object`` and ``json_schema``; llama.cpp's ``json_object`` with a ``schema``;
+    and umakit's ``regex``, ``choice`` and ``grammar`` (a Lark grammar, llguidance's dialect)."""
+
+    type: Literal["text", "json_object", "json_schema", "regex", "choice", "grammar"]
+    json_schema: JSONSchemaFormat | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    regex: str | None = None
+    choices: list[str] | None = None
+    grammar: str | None = None
+
+    def constraint(self) -> Constraint | None:
+        t = self.type
+        if t == "text":
+            return None
+        if t == "json_object":
+            return Constraint.json_schema(self.schema_) if self.schema_ is not None else Constraint.json_object()
+        if t == "json_schema":
+            if self.json_schema is None or self.json_schema.json_schema is None:
+                raise APIError(400, "response_format json_schema needs json_schema.schema",
+                               param="response_format.json_schema")
+            return Constraint.json_schema(self.json_schema.json_schema)
+        if t == "regex":
+            return Constraint.regex(self.regex)
+        if t == "choice":
+            return Constraint.choice(self.choices or [])
+        return Constraint.grammar(self.grammar)
+
+
+class RequestBase(WireModel):
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, populate_by_name=True)  # extras: refused by name
+
     model: str
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = None
@@ -95,11 +173,14 @@ class _Request(_Model):
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     seed: int | None = Field(None, ge=-INT64, lt=INT64)
     stop: str | list[str] | None = None
     n: int | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
 
     @field_validator("stop")
     @classmethod
@@ -119,11 +200,31 @@ class _Request(_Model):
         return self.max_tokens
 
 
-class ChatRequest(_Request):
+class ChatRequest(RequestBase):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    modalities: list[Literal["text"]] | None = None
+
+    def chat_call(self) -> ChatCall:
+        """The request in the terms every chat API shares."""
+        for i, m in enumerate(self.messages):
+            if m.role == "tool" and not m.tool_call_id:
+                raise APIError(400, "a tool message needs the tool_call_id it answers", param=f"messages[{i}]")
+        choice = self.tool_choice
+        return ChatCall(
+            messages=[m.as_message() for m in self.messages],
+            tools=[t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None,
+            tool_choice=choice.function.name if isinstance(choice, NamedToolChoice) else choice or "auto",
+            parallel_tool_calls=self.parallel_tool_calls is not False,
+            response=self.response_format.constraint() if self.response_format else None,
+            template_kwargs=dict(self.chat_template_kwargs or {}), reasoning_effort=self.reasoning_effort)
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -134,7 +235,7 @@ class ChatRequest(_Request):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-class CompletionRequest(_Request):
+class CompletionRequest(RequestBase):
     prompt: str | list[str]
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
@@ -153,16 +254,19 @@ class CompletionRequest(_Request):
 
 # Every field name of the models above: a validation error's location keeps these and indices,
 # not pydantic's union-member tags.
-_FIELDS = frozenset(name for m in (ChatRequest, CompletionRequest, ChatMessage, ContentPart, StreamOptions)
-                    for name in m.model_fields)
+_FIELDS = frozenset(
+    field.alias or name for m in (ChatRequest, CompletionRequest, ChatMessage, ContentPart, StreamOptions,
+                                  CalledFunction, MessageToolCall, FunctionDef, ToolDef, ChosenFunction,
+                                  NamedToolChoice, JSONSchemaFormat, ResponseFormat)
+    for name, field in m.model_fields.items())
 
 
-def parse_request(cls: type[_Request], data) -> _Request:
+def parse_request(cls: type[RequestBase], data) -> RequestBase:
     """``data`` (decoded JSON) validated as ``cls``; the first problem becomes a 400 naming its field."""
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object")
     try:
-        return cls.model_validate(data)
+        req = cls.model_validate(data)
     except ValidationError as e:
         err = e.errors(include_url=False)[0]
         param = ""
@@ -176,9 +280,19 @@ def parse_request(cls: type[_Request], data) -> _Request:
             message = f"you must provide '{param}'"
         raise APIError(400, f"invalid '{param}': {message}" if err["type"] != "missing" else message,
                        param=param or None) from e
+    refuse_unknown(req.model_extra or {})
+    return req
 
 
-def sampling_from(req: _Request) -> SamplingParams:
+def refuse_unknown(extra: dict) -> None:
+    """A 400 naming the first field umakit does not implement (those in `IGNORED` pass)."""
+    for key in extra:
+        if key not in IGNORED:
+            reason = REFUSED.get(key, f"unrecognized request argument supplied: {key}")
+            raise APIError(400, f"{reason} (umakit serve refuses fields it does not implement)", param=key)
+
+
+def sampling_from(req: RequestBase) -> SamplingParams:
     """The request's sampling settings over umakit's defaults; each is checked alone, so a 400 names it."""
     given = {k: getattr(req, k) for k in SAMPLING_FIELDS if getattr(req, k) is not None}
     for key, value in given.items():
@@ -189,38 +303,69 @@ def sampling_from(req: _Request) -> SamplingParams:
     return SamplingParams().with_overrides(**given)
 
 
-def generation_request(req: _Request, model, *, id: str, timeout_s: float | None) -> GenerationRequest:
-    """Validate what the models alone cannot (model name, n, context) and build the scheduler's request."""
-    if req.model != model.info.name:
-        raise APIError(404, f"the model '{req.model}' does not exist; this server serves '{model.info.name}'",
-                       param="model")
+def check_model(name: str, model) -> None:
+    if name != model.info.name:
+        raise APIError(404, f"the model '{name}' does not exist; this server serves '{model.info.name}'", param="model")
+
+
+def generation_request(req: RequestBase, model, *, id: str, timeout_s: float | None
+                       ) -> tuple[GenerationRequest, Prepared | None]:
+    """Validate what the models alone cannot (model name, n, context, tools, constraints) and build the
+    scheduler's request, with a chat's `Prepared` (its reply's format)."""
+    check_model(req.model, model)
     if req.n not in (None, 1):
         raise APIError(400, f"n must be 1: umakit serve returns one choice per request (got n={req.n})", param="n")
     logprobs = req.logprobs_count()
     sampling = sampling_from(req)
-    where = "messages" if isinstance(req, ChatRequest) else "prompt"
+    if isinstance(req, ChatRequest):
+        return chat_request(model, req.chat_call(), req.requested_max_tokens(), sampling=sampling, seed=req.seed,
+                            stop=req.stop, logprobs=logprobs, id=id, timeout_s=timeout_s)
+    constraint = _checked(lambda: req.response_format.constraint() if req.response_format else None,
+                          "response_format")
+    prompt = _checked(lambda: model.encode(req.prompt, raw=True), "prompt")
+    return _request(model, prompt, constraint, req.requested_max_tokens(), "prompt", sampling=sampling,
+                    seed=req.seed, stop=req.stop, logprobs=logprobs, id=id, timeout_s=timeout_s), None
+
+
+def chat_request(model, call: ChatCall, max_tokens: int | None, **settings) -> tuple[GenerationRequest, Prepared]:
+    """A chat (whichever API it came through) as the scheduler's request and its reply's format."""
+    where = "tools" if call.tools and call.tool_choice != "auto" else "messages"
+    prepared = _checked(lambda: prepare(model, call), where)
+    return _request(model, prepared.prompt, prepared.constraint, max_tokens, "messages", **settings), prepared
+
+
+def _checked(build, where: str):
     try:
-        if isinstance(req, ChatRequest):
-            prompt = model.encode(messages=[m.as_message() for m in req.messages])
-        else:
-            prompt = model.encode(req.prompt, raw=True)
-    except UmakitError as e:  # a chat template that refuses the conversation, for one
+        return build()
+    except APIError:
+        raise
+    except UmakitError as e:  # a chat template that refuses the conversation, a schema umakit cannot enforce
         raise APIError(400, str(e), param=where) from e
+
+
+def _request(model, prompt: list[int], constraint: Constraint | None, max_tokens: int | None, where: str, *,
+             sampling: SamplingParams, seed: int | None, stop, logprobs: int | None, id: str,
+             timeout_s: float | None) -> GenerationRequest:
     if not prompt:
         raise APIError(400, f"the {where} is empty", param=where)
-    return GenerationRequest(prompt=prompt, max_tokens=_max_tokens(req, len(prompt), model.info.context_length),
-                             sampling=sampling, seed=req.seed,  # seed_or_random maps any int64 into range
-                             stop=tuple(req.stop or ()), logprobs=logprobs,
-                             timeout_s=timeout_s, id=id)
+    matcher = None
+    if constraint is not None:
+        if CONSTRAIN not in model.engine.features:
+            raise APIError(400, f"the {model.engine.name} backend here does not support constrained decoding "
+                                f"({constraint.describe()})", param="response_format")
+        matcher = _checked(lambda: constraint.matcher(model.tokenizer), "response_format")
+    return GenerationRequest(prompt=prompt, max_tokens=_max_tokens(max_tokens, len(prompt), model.info.context_length,
+                                                                   where),
+                             sampling=sampling, seed=seed,  # seed_or_random maps any int64 into range
+                             stop=tuple(stop or ()), logprobs=logprobs, timeout_s=timeout_s, id=id,
+                             constraint=matcher)
 
 
-def _max_tokens(req: _Request, prompt_tokens: int, limit: int) -> int:
+def _max_tokens(asked: int | None, prompt_tokens: int, limit: int, where: str) -> int:
     """The tokens asked for, or by default as many as fit up to `DEFAULT_MAX_TOKENS`; 400 when they do not fit."""
-    asked = req.requested_max_tokens()
     if not limit:
         return asked or DEFAULT_MAX_TOKENS
     if prompt_tokens + (asked or 1) > limit:
-        where = "messages" if isinstance(req, ChatRequest) else "prompt"
         raise APIError(
             400, f"This model's maximum context length is {limit} tokens. However, you requested "
                  f"{prompt_tokens + (asked or 1)} tokens ({prompt_tokens} in the {where}, {asked or 1} in the "
@@ -229,135 +374,3 @@ def _max_tokens(req: _Request, prompt_tokens: int, limit: int) -> int:
     return asked or min(DEFAULT_MAX_TOKENS, limit - prompt_tokens)
 
 
-# -- responses ---------------------------------------------------------------------------------------
-class PromptTokensDetails(BaseModel):
-    cached_tokens: int = 0
-
-
-class UmakitUsage(BaseModel):
-    """umakit's own figures for the request (an extension: OpenAI clients keep unknown fields)."""
-
-    ttft_s: float
-    decode_tps: float
-    achieved_gbps: float
-    peak_gbps: float
-    mbu: float
-    batch_rows: float
-
-
-class UsageInfo(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails
-    umakit: UmakitUsage
-
-    @classmethod
-    def of(cls, u: Usage) -> UsageInfo:
-        return cls(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
-                   total_tokens=u.prompt_tokens + u.completion_tokens,
-                   prompt_tokens_details=PromptTokensDetails(cached_tokens=u.cached_tokens),
-                   umakit=UmakitUsage(ttft_s=u.ttft_s, decode_tps=u.decode_tps, achieved_gbps=u.achieved_gbps,
-                                      peak_gbps=u.peak_gbps, mbu=u.mbu, batch_rows=u.batch_rows))
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int]
-
-
-class TokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob]
-
-
-class ChatLogprobs(BaseModel):
-    content: list[TokenLogprob]
-
-
-class CompletionLogprobs(BaseModel):
-    tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
-    text_offset: list[int]
-
-
-class ChatDelta(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-
-class ChatMessageOut(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str
-
-
-class ChatChoice(BaseModel):
-    index: int = 0
-    message: ChatMessageOut
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str
-
-
-class ChatChunkChoice(BaseModel):
-    index: int = 0
-    delta: ChatDelta
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class CompletionChoice(BaseModel):
-    index: int = 0
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class _Response(BaseModel):
-    id: str
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    usage: UsageInfo | None = None
-
-
-class ChatCompletion(_Response):
-    object: Literal["chat.completion"] = "chat.completion"
-    choices: list[ChatChoice]
-
-
-class ChatCompletionChunk(_Response):
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    choices: list[ChatChunkChoice]
-
-
-class Completion(_Response):
-    object: Literal["text_completion"] = "text_completion"
-    choices: list[CompletionChoice]
-
-
-def _finite(x: float) -> float:
-    return x if math.isfinite(x) else -9999.0  # a logprob of -inf (a token masked out) is not valid JSON
-
-
-def chat_logprobs(tokenizer, entries: Sequence) -> ChatLogprobs:
-    """OpenAI's chat logprobs of ``entries``: `TokenEvent`s that carry a logprob."""
-    def top(token: int, logprob: float) -> TopLogprob:
-        text = tokenizer.decode([token])
-        return TopLogprob(token=text, logprob=_finite(logprob), bytes=list(text.encode()))
-
-    return ChatLogprobs(content=[
-        TokenLogprob(**top(e.token, e.logprob).model_dump(), top_logprobs=[top(t, lp) for t, lp in e.top_logprobs or ()])
-        for e in entries])
-
-
-def completion_logprobs(tokenizer, entries: Sequence, offset: int = 0) -> CompletionLogprobs:
-    """The legacy completions shape: parallel lists; ``offset`` is the text already sent before these tokens."""
-    out = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
-    for e in entries:
-        text = tokenizer.decode([e.token])
-        out.tokens.append(text)
-        out.token_logprobs.append(_finite(e.logprob))
-        out.top_logprobs.append({tokenizer.decode([t]): _finite(lp) for t, lp in e.top_logprobs or ()})
-        out.text_offset.append(offset)
-        offset += len(text)
-    return out

@@ -326,7 +326,8 @@ class Scheduler:
             job.prefilled = end
         if job.prefilled >= len(prompt) - 1:
             r = job.request
-            decoder.add([BatchRow(row_id, prompt, r.sampling, r.seed, cache=job.cache, logprobs=r.logprobs)])
+            decoder.add([BatchRow(row_id, prompt, r.sampling, r.seed, cache=job.cache, logprobs=r.logprobs,
+                                  constraint=r.constraint)])
             job.cache = None
             job.start = (time.perf_counter(), self._bytes_read, self._counters["decode_steps_total"],
                          self._rows_summed)
@@ -383,6 +384,6 @@ class Scheduler:
         self._counters["prompt_tokens_total"] += len(job.request.prompt)
         self._counters["cached_tokens_total"] += job.cached_tokens
         finish = "stop" if job.row.finish in ("stop", "stop_string") else "length"
-        job.handle.put(FinalEvent(finish, usage, tail))
+        job.handle.put(FinalEvent(finish, usage, tail, job.row.stops.matched))
         self._service_s = 0.8 * self._service_s + 0.2 * (now - job.submitted)
         self._failures = 0

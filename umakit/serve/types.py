@@ -25,6 +25,7 @@ class GenerationRequest:
     logprobs: int | None = None  # None: none; 0: the chosen token's; n: also the n most likely
     timeout_s: float | None = None  # the request fails with a timeout after this long in all
     id: str = ""  # for the log line
+    constraint: object = None  # a `umakit.backends.base.TokenConstraint` every token is drawn under, or None
 
 
 @dataclass
@@ -55,6 +56,7 @@ class FinalEvent:
     finish_reason: str  # "stop" | "length"
     usage: Usage
     text: str = ""  # any text held back until the end (emitted after the last TokenEvent)
+    stop: str | None = None  # the stop string that ended it, if one did
 
 
 @dataclass

@@ -102,6 +102,10 @@ class MLXOps:
     def host(x):
         return mx.array(x)
 
+    @staticmethod
+    def zeros(shape):
+        return mx.zeros(shape, dtype=mx.float32)
+
 
 class _Keys:
     """One sequence's random source: a fresh key per sampled token, split off a chain seeded once (a greedy

@@ -104,6 +104,9 @@ class TorchOps:
     def host(self, x):
         return torch.from_numpy(x).to(self.device)
 
+    def zeros(self, shape):
+        return torch.zeros(shape, dtype=torch.float32, device=self.device)
+
 
 def make_sampler(p: SamplingParams) -> Callable[[torch.Tensor, torch.Tensor, torch.Generator], torch.Tensor]:
     """``sampler(logits (B, V), recent (B, n) int64, generator) -> tokens (B,) int64``."""

@@ -1,0 +1,208 @@
+"""A reply's text as each API returns it: reasoning, content and tool calls split out of the model's one stream.
+
+`ReplyParser` on recorded outputs, fed whole and one character at a time (so every marker is split across
+chunks somewhere); then the app in process over a scheduler that replays a scripted reply, for OpenAI's chat
+completions, Anthropic's messages and OpenAI's responses, streamed and not: no marker leaks into content,
+the calls come back whole, a call cut by max_tokens is plain content.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from umakit.serve.conversation import THINK_END, THINK_START
+from umakit.serve.replies import ReplyParser, Thinking, parse_reply
+from umakit.serve.toolcalls import GenericFormat, HermesFormat
+from support.tiny import make_tiny_model, write_tokenizer
+
+THINKING = Thinking(THINK_START, THINK_END)
+# A Qwen3-like template, written for these tests: ChatML, Hermes tool calls, thinking that a switch turns off.
+TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n# Tools\n<tools>\n{%- for t in tools %}{{ t | tojson }}\n{%- endfor %}"
+    "</tools>\nCall a function as <tool_call>\n{\"name\": <name>, \"arguments\": <args>}\n</tool_call><|im_end|>\n"
+    "{%- endif %}"
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n{%- if m.content %}{{ m.content }}{%- endif %}"
+    "{%- if m.tool_calls %}{%- for c in m.tool_calls %}<tool_call>\n{\"name\": \"{{ c.function.name }}\", "
+    "\"arguments\": {{ c.function.arguments | tojson }}}\n</tool_call>{%- endfor %}{%- endif %}<|im_end|>\n"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n"
+    "{%- if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{%- endif %}"
+    "{%- endif %}"
+)
+SPECIALS = ("<tool_call>", "</tool_call>", "<think>", "</think>")
+CALL = '<tool_call>\n{"name": "weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
+
+
+def _split(parser: ReplyParser, text: str, step: int):
+    pieces = []
+    for i in range(0, len(text), step):
+        pieces += parser.feed(text[i:i + step])
+    pieces += parser.finish()
+    return pieces, parser.reply
+
+
+@pytest.mark.parametrize("step", [1, 2, 3, 1000])
+def test_thinking_content_and_a_call_split_anywhere(step):
+    text = "<think>I should look it up.</think>\n\nLet me check." + CALL
+    pieces, reply = _split(ReplyParser(THINKING, HermesFormat()), text, step)
+    assert reply.reasoning == "I should look it up." and reply.content == "Let me check."
+    assert [(c.name, json.loads(c.arguments)) for c in reply.calls] == [("weather", {"city": "Paris", "days": 2})]
+    streamed = "".join(p.text for p in pieces if p.kind == "content")
+    assert streamed == "Let me check." and "<" not in streamed  # no marker ever leaked into content
+
+
+def test_a_prompt_that_opened_thinking_and_markers_that_are_only_prefixes():
+    reply = parse_reply("still thinking </thi no </think>Answer <tool_ca", Thinking(THINK_START, THINK_END, True),
+                        HermesFormat())
+    assert reply.reasoning == "still thinking </thi no " and reply.content == "Answer <tool_ca" and not reply.calls
+
+
+def test_a_call_cut_by_max_tokens_or_not_json_stays_content():
+    cut = parse_reply("Sure. <tool_call>\n{\"name\": \"weather\", \"argu", None, HermesFormat())
+    assert cut.calls == [] and cut.content == 'Sure. <tool_call>\n{"name": "weather", "argu'
+    bad = parse_reply("<tool_call>\nnot json\n</tool_call>", None, HermesFormat())
+    assert bad.calls == [] and "not json" in bad.content
+
+
+def test_parallel_calls_and_the_generic_form():
+    reply = parse_reply(CALL + "\n" + CALL.replace("Paris", "Rome"), None, HermesFormat())
+    assert [json.loads(c.arguments)["city"] for c in reply.calls] == ["Paris", "Rome"]
+    assert len({c.id for c in reply.calls}) == 2
+    generic = parse_reply('{"tool_call": {"name": "f", "arguments": {"x": 1}}}', None, GenericFormat())
+    assert generic.calls[0].name == "f" and generic.content == ""
+    assert parse_reply('{"response": "Hello"}', None, GenericFormat()).content == "Hello"
+
+
+def test_no_thinking_markers_means_plain_content():
+    assert parse_reply("<think>x</think>y").content == "<think>x</think>y"
+
+
+# -- the app in process, over a scripted reply ---------------------------------------------------------
+class Scripted:
+    """A scheduler that answers every request with ``text``, cut into ``step``-character tokens."""
+
+    healthy = True
+
+    def __init__(self):
+        self.text, self.step, self.finish, self.stop = "", 3, "stop", None
+        self.requests = []
+
+    def submit(self, request, loop):
+        from umakit.serve.scheduler import Handle
+        from umakit.serve.types import FinalEvent, TokenEvent, Usage
+
+        self.requests.append(request)
+        handle = Handle(request.id, loop, lambda: None)
+        pieces = [self.text[i:i + self.step] for i in range(0, len(self.text), self.step)]
+        for p in pieces:
+            handle.queue.put_nowait(TokenEvent(p, 5))
+        handle.queue.put_nowait(FinalEvent(self.finish, Usage(len(request.prompt), len(pieces)), "", self.stop))
+        return handle
+
+    def metrics(self):
+        return {}
+
+
+@pytest.fixture(scope="module")
+def app(tmp_path_factory):
+    import umakit
+    from umakit.serve.app import make_app
+
+    path = make_tiny_model("qwen2", tmp_path_factory.mktemp("thinking"))
+    write_tokenizer(path, TEMPLATE, extra_specials=SPECIALS)
+    model = umakit.load(path, backend="torch", dtype="float32")
+    scripted = Scripted()
+    scripted.tokenizer = model.tokenizer
+    return make_app(model, scripted), scripted, model.info.name
+
+
+def _post(app, path, payload, stream=False):
+    import asyncio
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=30) as c:
+            r = await c.post(path, json=payload)
+            return r.status_code, r.text
+
+    status, text = asyncio.run(go())
+    assert status == 200, text
+    if not stream:
+        return json.loads(text)
+    events = []
+    for block in text.strip().split("\n\n"):
+        data = [line[6:] for line in block.split("\n") if line.startswith("data: ")]
+        if data and data[0] != "[DONE]":
+            events.append(json.loads(data[0]))
+    return events
+
+
+TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}]
+REPLY = "<think>Look it up.</think>\n\nChecking." + CALL
+
+
+def test_openai_chat_streamed_and_whole(app):
+    app, scripted, name = app
+    scripted.text = REPLY
+    body = {"model": name, "messages": [{"role": "user", "content": "Weather?"}], "tools": TOOLS}
+    whole = _post(app, "/v1/chat/completions", body)
+    choice = whole["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    m = choice["message"]
+    assert m["content"] == "Checking." and m["reasoning_content"] == m["reasoning"] == "Look it up."
+    assert json.loads(m["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris", "days": 2}
+    chunks = _post(app, "/v1/chat/completions", {**body, "stream": True}, stream=True)
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert "".join(d.get("content") or "" for d in deltas) == "Checking."
+    assert "".join(d.get("reasoning_content") or "" for d in deltas) == "Look it up."
+    calls = [c for d in deltas for c in d.get("tool_calls") or ()]
+    assert len(calls) == 1 and calls[0]["index"] == 0 and calls[0]["function"]["name"] == "weather"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_anthropic_messages_blocks_and_events(app):
+    app, scripted, name = app
+    scripted.text = REPLY
+    tools = [{"name": "weather", "input_schema": TOOLS[0]["function"]["parameters"]}]
+    body = {"model": name, "max_tokens": 50, "messages": [{"role": "user", "content": "Weather?"}], "tools": tools}
+    whole = _post(app, "/v1/messages", body)
+    assert [b["type"] for b in whole["content"]] == ["thinking", "text", "tool_use"]
+    assert whole["content"][2]["input"] == {"city": "Paris", "days": 2} and whole["stop_reason"] == "tool_use"
+    events = _post(app, "/v1/messages", {**body, "stream": True}, stream=True)
+    kinds = [e["type"] for e in events]
+    assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"]
+    text = "".join(e["delta"].get("text", "") for e in events if e["type"] == "content_block_delta")
+    assert text == "Checking."
+    scripted.text, scripted.stop = "Hi", "STOP"
+    stopped = _post(app, "/v1/messages", {**body, "stop_sequences": ["STOP"]})
+    assert stopped["stop_reason"] == "stop_sequence" and stopped["stop_sequence"] == "STOP"
+    scripted.stop = None
+
+
+def test_openai_responses_items_and_events(app):
+    app, scripted, name = app
+    scripted.text = REPLY
+    tools = [{"type": "function", "name": "weather", "parameters": TOOLS[0]["function"]["parameters"]}]
+    whole = _post(app, "/v1/responses", {"model": name, "input": "Weather?", "tools": tools})
+    assert [i["type"] for i in whole["output"]] == ["reasoning", "message", "function_call"]
+    assert whole["output"][1]["content"][0]["text"] == "Checking." and whole["status"] == "completed"
+    assert json.loads(whole["output"][2]["arguments"])["city"] == "Paris"
+    events = _post(app, "/v1/responses", {"model": name, "input": "Weather?", "tools": tools, "stream": True},
+                   stream=True)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert events[-1]["type"] == "response.completed"
+    assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == "Checking."
+
+
+def test_thinking_off_and_reasoning_effort_reach_the_template(app):
+    app, scripted, name = app
+    scripted.text = "Plain."
+    body = {"model": name, "messages": [{"role": "user", "content": "Hi"}]}
+    _post(app, "/v1/chat/completions", body)
+    _post(app, "/v1/chat/completions", {**body, "chat_template_kwargs": {"enable_thinking": False}})
+    _post(app, "/v1/chat/completions", {**body, "reasoning_effort": "none"})
+    on, off, effort = (scripted.tokenizer.decode(r.prompt) for r in scripted.requests[-3:])
+    assert off.endswith("<think>\n\n</think>") and effort == off and "</think>" not in on

@@ -1,0 +1,345 @@
+"""Tool-call formats: detected from real chat templates, rendered as transformers renders them, parsed
+back from model text, and forced by grammars that llguidance compiles. Offline: the templates are
+fixtures (tests/support/fixtures/templates/README.md), the tokenizer a tiny BPE trained here."""
+
+import copy
+import json
+import re
+from pathlib import Path
+
+import llguidance as lg
+import pytest
+
+from umakit.checkpoint.tokenizer import Tokenizer
+from umakit.errors import InvalidArgumentError
+from umakit.serve import toolcalls as tc
+
+TEMPLATES = Path(__file__).resolve().parent.parent / "support" / "fixtures" / "templates"
+BOS, EOS = "<s>", "</s>"
+# Markers as real tokenizers hold them: the [..] ones are special tokens, <tool_call> an added token
+# (llguidance treats every added <...> token as special, so a string literal never matches it).
+SPECIALS = [BOS, EOS, "<|im_start|>", "<|im_end|>", "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "<|python_tag|>"]
+ADDED = ["<tool_call>", "</tool_call>"]
+TRAIN_TEXT = '{"name": "get_weather", "arguments": {"city": "Paris"}} <parameter=city> Lyon Zürich 東京 ' * 10
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city.",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "description": "City name"},
+        "unit": {"type": "string", "description": "c or f", "enum": ["c", "f"]}}, "required": ["city"]}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "Local time in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "City name"}},
+                   "required": ["city"]}}}
+TOOLS = [WEATHER, TIME]
+CALL_ID = "call_0123456789abcdef01234567"
+# An OpenAI conversation; the reply after the tool result keeps user/assistant alternating, which
+# Mistral's templates insist on.
+CONVERSATION = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [{"id": CALL_ID, "type": "function", "function": {
+        "name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'}}]},
+    {"role": "tool", "tool_call_id": CALL_ID, "content": '{"temp": 21}'},
+    {"role": "assistant", "content": "21 °C."},
+    {"role": "user", "content": "And the time?"},
+]
+MISTRAL_ID = tc.MistralFormat()._template_id(CALL_ID)
+ARGS = {"city": "Paris", "unit": "c"}
+
+HERMES_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>'
+LLAMA_CALL = '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "c"}}'
+# fixture -> (format name, the text its template writes for the conversation's call)
+FIXTURES = {
+    "Qwen-Qwen2.5-7B-Instruct": ("hermes", HERMES_CALL),
+    "NousResearch-Hermes-3-Llama-3.1-8B-tool_use": ("hermes", HERMES_CALL),
+    "Qwen3-Coder": ("qwen3_xml", "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+                                 "<parameter=unit>\nc\n</parameter>\n</function>\n</tool_call>"),
+    "meta-llama-Llama-3.1-8B-Instruct": ("llama3", LLAMA_CALL),
+    "meta-llama-Llama-3.2-3B-Instruct": ("llama3", LLAMA_CALL),
+    "mistralai-Mistral-Nemo-Instruct-2407": (
+        "mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}, '
+                   f'"id": "{MISTRAL_ID}"}}]'),
+    "Mistral-Small-3.2-24B-Instruct-2506": (
+        "mistral", f'[TOOL_CALLS]get_weather[CALL_ID]{MISTRAL_ID}[ARGS]{{"city": "Paris", "unit": "c"}}'),
+    "HuggingFaceTB-SmolLM2-135M-Instruct": (
+        "generic", '{"tool_call": {"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}}'),
+}
+
+
+def template(name: str) -> str:
+    return (TEMPLATES / f"{name}.jinja").read_text()
+
+
+@pytest.fixture(scope="module")
+def tokenizer_json() -> str:
+    from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([TRAIN_TEXT], trainer)
+    tok.add_tokens([AddedToken(t, special=False) for t in ADDED])
+    return tok.to_str()
+
+
+# -- detection -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(FIXTURES))
+def test_detect_reads_the_format_from_the_template(name):
+    fmt = tc.detect(template(name))
+    assert fmt.name == FIXTURES[name][0]
+    if fmt.name == "mistral":  # the newer [ARGS] syntax only where the template writes it
+        assert fmt.args_form == ("Small-3.2" in name)
+    assert tc.template_supports_tools(template(name)) == (fmt.name != "generic")
+
+
+def test_no_template_is_generic():
+    assert tc.detect(None).name == "generic"
+    assert not tc.template_supports_tools(None)
+    assert not tc.template_supports_tools("{{ 'tools' }} tools")  # text, not the variable
+
+
+# -- rendering: umakit's template engine against transformers' own -----------------
+
+
+def umakit_render(tmp_path, chat_template, messages, tools):
+    """What umakit's Tokenizer renders (its bos and eos from tmp_path's tokenizer_config.json)."""
+    tok = Tokenizer(tmp_path)
+    tok.chat_template = chat_template
+    return tok.render_chat(messages, add_generation_prompt=True, tools=tools)
+
+
+def transformers_render(tokenizer_json, chat_template, messages, tools):
+    from tokenizers import Tokenizer as HFTokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast(tokenizer_object=HFTokenizer.from_str(tokenizer_json), bos_token=BOS, eos_token=EOS)
+    tok.chat_template = chat_template
+    return tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+
+
+def undated(text: str) -> str:
+    return re.sub(r"Today Date: [^\n]*", "Today Date: -", text)
+
+
+@pytest.mark.parametrize("name", sorted(FIXTURES))
+def test_rendering_matches_transformers_and_teaches_what_parse_reads(name, tmp_path, tokenizer_json):
+    (tmp_path / "tokenizer.json").write_text(tokenizer_json)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": BOS, "eos_token": EOS}))
+    fmt = tc.detect(template(name))
+    before = copy.deepcopy(CONVERSATION)
+    messages, tools = fmt.template_messages(CONVERSATION, TOOLS)
+    assert CONVERSATION == before  # the request's messages are not changed
+
+    ours = undated(umakit_render(tmp_path, template(name), messages, tools))
+    theirs = undated(transformers_render(tokenizer_json, template(name), messages, tools))
+    assert ours == theirs
+    call_text = FIXTURES[name][1]
+    assert call_text in ours  # the past call as the template writes it ...
+    content, calls = fmt.parse(call_text)  # ... is what parse reads back
+    assert content == "" and [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", ARGS)]
+    assert "get_time" in ours  # the tools reach the prompt
+
+
+def test_template_messages_parse_arguments_and_shorten_ids_for_mistral():
+    messages, tools = tc.HermesFormat().template_messages(CONVERSATION, TOOLS)
+    assert messages[2]["tool_calls"][0]["function"]["arguments"] == ARGS
+    assert messages[3]["tool_call_id"] == CALL_ID and tools == TOOLS
+    assert "tool_calls" not in messages[4]  # Llama's template tests `'tool_calls' in message`
+    assert tc.HermesFormat().template_messages(CONVERSATION, [])[1] is None
+
+    messages, _ = tc.MistralFormat().template_messages(CONVERSATION, TOOLS)
+    short = messages[2]["tool_calls"][0]["id"]
+    assert re.fullmatch(r"[A-Za-z0-9]{9}", short) and messages[3]["tool_call_id"] == short
+
+
+def test_llama_gets_one_call_per_message(tmp_path, tokenizer_json):
+    """Llama's templates refuse a message with two calls; parallel calls are written one after the other."""
+    parallel = copy.deepcopy(CONVERSATION)
+    second = {"id": "call_2", "type": "function", "function": {"name": "get_time", "arguments": '{"city": "Paris"}'}}
+    parallel[2]["tool_calls"].append(second)
+    parallel.insert(4, {"role": "tool", "tool_call_id": "call_2", "content": "noon"})
+    messages, tools = tc.Llama3Format().template_messages(parallel, TOOLS)
+    assert [len(m.get("tool_calls", [])) for m in messages] == [0, 0, 1, 1, 0, 0, 0, 0]
+    name = "meta-llama-Llama-3.1-8B-Instruct"
+    text = transformers_render(tokenizer_json, template(name), messages, tools)
+    assert LLAMA_CALL in text and '{"name": "get_time", "parameters": {"city": "Paris"}}' in text
+
+
+def test_generic_describes_tools_in_the_system_message():
+    messages, tools = tc.GenericFormat().template_messages(CONVERSATION, TOOLS)
+    assert tools is None
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "user", "assistant", "user"]
+    assert messages[0]["content"].startswith("You are terse.\n\n") and '"get_time"' in messages[0]["content"]
+    assert json.loads(messages[2]["content"]) == {"tool_call": {"name": "get_weather", "arguments": ARGS}}
+    assert "get_weather" in messages[3]["content"] and CALL_ID in messages[3]["content"]
+    assert messages[3]["content"].endswith('{"temp": 21}')
+    no_system, _ = tc.GenericFormat().template_messages(CONVERSATION[1:2], TOOLS)
+    assert no_system[0]["role"] == "system" and no_system[1] == CONVERSATION[1]
+
+
+def test_arguments_that_are_not_a_json_object_are_refused():
+    bad = copy.deepcopy(CONVERSATION)
+    bad[2]["tool_calls"][0]["function"]["arguments"] = "[1, 2]"
+    with pytest.raises(InvalidArgumentError, match="get_weather"):
+        tc.HermesFormat().template_messages(bad, TOOLS)
+
+
+# -- parsing ---------------------------------------------------------------------
+
+PARIS, TOKYO = {"city": "Paris"}, {"city": "東京"}
+HERMES_TWO = ('I will check both.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+              '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"city": "東京"}}\n</tool_call>')
+XML_TWO = ("Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nSão Paulo\n</parameter>\n"
+           "<parameter=days>\n3\n</parameter>\n<parameter=detail>\n{\"wind\": true}\n</parameter>\n"
+           "</function>\n</tool_call>\n<tool_call>\n<function=get_time>\n<parameter=city>\nLyon\n</parameter>\n"
+           "</function>\n</tool_call>")
+XML_ARGS = {"city": "São Paulo", "days": 3, "detail": {"wind": True}}  # JSON where it parses, else text
+SAME = None  # the whole text stays content
+# (format, case, model text, content, [(name, arguments)])
+PARSE_CASES = [
+    ("hermes", "one", HERMES_CALL, "", [("get_weather", ARGS)]),
+    ("hermes", "parallel, text before", HERMES_TWO, "I will check both.",
+     [("get_weather", PARIS), ("get_time", TOKYO)]),
+    ("hermes", "bad JSON", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par\n</tool_call>', SAME, []),
+    ("hermes", "cut", '<tool_call>\n{"name": "get_weather", "argum', SAME, []),
+    ("hermes", "cut, then a call", '<tool_call>\n{"name": "get_w' + HERMES_CALL, '<tool_call>\n{"name": "get_w',
+     [("get_weather", ARGS)]),
+    ("hermes", "no name", '<tool_call>\n{"arguments": {"city": "Paris"}}\n</tool_call>', SAME, []),
+    ("hermes", "arguments a list", '<tool_call>\n{"name": "f", "arguments": [1]}\n</tool_call>', SAME, []),
+    ("hermes", "no call", "Just text, no call.", SAME, []),
+    ("qwen3_xml", "parallel, text before", XML_TWO, "Checking.",
+     [("get_weather", XML_ARGS), ("get_time", {"city": "Lyon"})]),
+    ("qwen3_xml", "no wrapper", "<function=get_time>\n</function>", "", [("get_time", {})]),
+    ("qwen3_xml", "cut", "<tool_call>\n<function=get_weather>\n<parameter=city>\nPar", SAME, []),
+    ("qwen3_xml", "stray text", "<tool_call>\n<function=get_weather>\nwords\n</function>\n</tool_call>", SAME, []),
+    ("llama3", "one", '{"name": "get_weather", "parameters": {"city": "Zürich"}}', "",
+     [("get_weather", {"city": "Zürich"})]),
+    ("llama3", "python_tag, parallel",
+     '<|python_tag|>{"name": "get_weather", "arguments": {"city": "Paris"}}; {"name": "get_time", "parameters": {}}',
+     "", [("get_weather", PARIS), ("get_time", {})]),
+    ("llama3", "a JSON answer", '{"name": "Ada", "age": 36}', SAME, []),
+    ("llama3", "cut", '{"name": "get_weather", "parameters": {"city": "Pa', SAME, []),
+    ("llama3", "not at the start", 'The call would be {"name": "get_weather", "parameters": {}}', SAME, []),
+    ("mistral", "array, parallel",
+     '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}, "id": "a1b2c3d4e"}, '
+     '{"name": "get_time", "arguments": {"city": "東京"}}]</s>', "", [("get_weather", PARIS), ("get_time", TOKYO)]),
+    ("mistral", "[ARGS], text before",
+     'Sure.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}'
+     '[TOOL_CALLS]get_time[CALL_ID]123456789[ARGS]{"city": "東京"}',
+     "Sure.", [("get_weather", PARIS), ("get_time", TOKYO)]),
+    ("mistral", "cut", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Par', SAME, []),
+    ("mistral", "bad JSON", "[TOOL_CALLS]get_weather[ARGS]not json", SAME, []),
+    ("generic", "call", '{"tool_call": {"name": "get_weather", "arguments": {"city": "Paris"}}}', "",
+     [("get_weather", PARIS)]),
+    ("generic", "response", '  {"response": "It is sunny ☀."}\n', "It is sunny ☀.", []),
+    ("generic", "arguments a string", '{"tool_call": {"name": "get_weather", "arguments": "Paris"}}', SAME, []),
+    ("generic", "cut", '{"tool_call": {"name": "get_weather", "argu', SAME, []),
+    ("generic", "plain text", "Plain words.", SAME, []),
+]
+FORMATS = {"hermes": tc.HermesFormat(), "qwen3_xml": tc.Qwen3XmlFormat(), "llama3": tc.Llama3Format(),
+           "mistral": tc.MistralFormat(), "generic": tc.GenericFormat()}
+
+
+@pytest.mark.parametrize("fmt, text, content, expected", [c[:1] + c[2:] for c in PARSE_CASES],
+                         ids=[f"{c[0]}-{c[1]}" for c in PARSE_CASES])
+def test_parse(fmt, text, content, expected):
+    got_content, calls = FORMATS[fmt].parse(text)
+    assert got_content == (text if content is SAME else content)
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == expected
+    for c in calls:
+        assert re.fullmatch(r"call_[0-9a-f]{24}", c.id) and isinstance(json.loads(c.arguments), dict)
+    assert len({c.id for c in calls}) == len(calls)
+
+
+def test_unicode_arguments_stay_readable():
+    text = '<tool_call>\n{"name": "f", "arguments": {"q": "\\u6771\\u4eac"}}\n</tool_call>'
+    (call,) = tc.HermesFormat().parse(text)[1]
+    assert call.arguments == '{"q": "東京"}'
+
+
+# -- grammars --------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llg(tokenizer_json):
+    """The llguidance tokenizer, and the marker texts it holds as special tokens -> ids."""
+    tok = lg.LLTokenizer(tokenizer_json, eos_token=[SPECIALS.index(EOS)])
+    added = json.loads(tokenizer_json)["added_tokens"]
+    return tok, {a["content"]: a["id"] for a in added if tok.is_special_token(a["id"])}
+
+
+def accepts(llg, grammar: str, text: str) -> bool:
+    tok, _ = llg
+    m = lg.LLMatcher(tok, lg.LLMatcher.grammar_from_lark(grammar), log_level=0)
+    assert not m.is_error(), m.get_error()
+    return all(m.consume_token(t) for t in tok.tokenize_str(text)) and m.is_accepting()
+
+
+WEATHER_CALLS = {
+    "hermes": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+    "qwen3_xml": "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n"
+                 "</tool_call>",
+    "llama3": '{"name": "get_weather", "parameters": {"city": "Paris"}}',
+    "mistral": '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]',
+    "mistral_args": '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}',
+    "generic": '{"tool_call": {"name": "get_weather", "arguments": {"city": "Paris"}}}',
+}
+GRAMMAR_FORMATS = {**FORMATS, "mistral_args": tc.MistralFormat(args_form=True)}
+
+
+def two_calls(fmt: str) -> str:
+    first, second = WEATHER_CALLS[fmt], WEATHER_CALLS[fmt].replace("get_weather", "get_time")
+    if fmt == "mistral":
+        return first[:-1] + ", " + second.removeprefix("[TOOL_CALLS][")
+    return first + {"hermes": "\n", "qwen3_xml": "\n", "llama3": "; "}.get(fmt, "") + second
+
+
+@pytest.mark.parametrize("fmt", sorted(WEATHER_CALLS))
+def test_grammar_forces_a_call_to_the_named_function(fmt, llg):
+    f, special = GRAMMAR_FORMATS[fmt], llg[1]
+    required = f.grammar(TOOLS, None, special_tokens=special)
+    named = f.grammar(TOOLS, "get_time", special_tokens=special)
+    weather, time = WEATHER_CALLS[fmt], WEATHER_CALLS[fmt].replace("get_weather", "get_time")
+    assert accepts(llg, required, weather) and accepts(llg, required, time)
+    assert accepts(llg, named, time) and not accepts(llg, named, weather)
+    assert not accepts(llg, required, weather.replace("city", "town"))  # the schema's required key
+    assert not accepts(llg, required, "Sure, let me check. " + weather)
+    if fmt != "generic":  # one JSON object by design
+        assert accepts(llg, required, two_calls(fmt))
+        assert not accepts(llg, f.grammar(TOOLS, None, parallel=False, special_tokens=special), two_calls(fmt))
+
+
+def test_grammar_checks_argument_types_and_free_text_values(llg):
+    hermes = tc.HermesFormat().grammar([WEATHER], None, special_tokens=llg[1])
+    assert not accepts(llg, hermes, WEATHER_CALLS["hermes"].replace('"Paris"}', '"Paris", "unit": "k"}'))
+    xml = tc.Qwen3XmlFormat().grammar([WEATHER], None, special_tokens=llg[1])
+    optional = WEATHER_CALLS["qwen3_xml"].replace("</function>", "<parameter=unit>\nc\n</parameter>\n</function>")
+    assert accepts(llg, xml, optional)
+    assert accepts(llg, xml, WEATHER_CALLS["qwen3_xml"].replace("Paris", "two\nlines < & >"))
+    assert not accepts(llg, xml, WEATHER_CALLS["qwen3_xml"].replace("city", "town"))
+    bare = {"type": "function", "function": {"name": "ping"}}  # no parameters: any object
+    assert accepts(llg, tc.HermesFormat().grammar([bare], None, special_tokens=llg[1]),
+                   '<tool_call>\n{"name": "ping", "arguments": {"x": [1]}}\n</tool_call>')
+
+
+def test_markers_must_be_given_as_special_tokens(llg):
+    """Without the ids, a grammar spells '<tool_call>' out and refuses the token the model writes."""
+    assert not accepts(llg, tc.HermesFormat().grammar(TOOLS, None), WEATHER_CALLS["hermes"])
+
+
+def test_generic_auto_allows_a_call_or_a_response(llg):
+    g = tc.generic_auto_grammar(TOOLS)
+    assert accepts(llg, g, WEATHER_CALLS["generic"]) and accepts(llg, g, '{"response": "Hi ☀"}')
+    assert not accepts(llg, g, "Hi")
+
+
+def test_bad_choice_is_an_invalid_argument():
+    with pytest.raises(InvalidArgumentError, match="get_date"):
+        tc.HermesFormat().grammar(TOOLS, "get_date")
+    with pytest.raises(InvalidArgumentError):
+        tc.Llama3Format().grammar([], None)

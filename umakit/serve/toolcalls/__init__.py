@@ -1,0 +1,58 @@
+"""Tool calls in each model family's own syntax, chosen from its chat template.
+
+A model calls tools in the syntax it was trained on, and its chat template is
+the one place that syntax is written down: Qwen2.5 and Hermes wrap JSON in
+``<tool_call>`` tags, Qwen3-Coder writes XML-like ``<function=...>`` blocks,
+Mistral prefixes ``[TOOL_CALLS]``, Llama 3.x replies with a bare JSON object.
+So the format is judged from the template text, never from the model's name
+(a Hermes fine-tune of Llama speaks Hermes). Each format does three things:
+
+- `template_messages`: reshape OpenAI messages into what the template expects
+  (transformers' ``apply_chat_template(messages, tools=...)`` convention);
+- `parse`: turn the generated text back into OpenAI tool calls; a call the
+  model got wrong stays in the content as text, so nothing is lost or raised;
+- `grammar`: a Lark grammar (llguidance's dialect) that forces a call when
+  ``tool_choice`` is ``required`` or names a function.
+
+Templates with no tool syntax get the ``generic`` format: the tools are
+described in a system message and the model answers with one JSON object.
+
+The markers in a grammar (``<tool_call>``, ``[TOOL_CALLS]``) are single tokens
+in the models that use them, and llguidance treats them as special tokens,
+which a string literal never matches. `grammar` therefore takes the ids of
+those the tokenizer holds as special tokens and writes them as ``<[id]>``.
+"""
+
+from __future__ import annotations
+
+import re
+
+from umakit.serve.toolcalls.common import ToolCall, ToolFormat
+from umakit.serve.toolcalls.formats import HermesFormat, Llama3Format, MistralFormat, Qwen3XmlFormat
+from umakit.serve.toolcalls.generic import GenericFormat, generic_auto_grammar
+
+__all__ = ["ToolCall", "ToolFormat", "HermesFormat", "Qwen3XmlFormat", "MistralFormat", "Llama3Format", "GenericFormat",
+           "generic_auto_grammar", "detect", "template_supports_tools"]
+
+# -- choosing a format -----------------------------------------------------------
+
+_JINJA_CODE = re.compile(r"\{%.*?%\}|\{\{.*?\}\}", re.S)
+_JINJA_STRING = re.compile(r"'(?:\\.|[^'\\])*'|\"(?:\\.|[^\"\\])*\"", re.S)
+
+
+def template_supports_tools(chat_template: str | None) -> bool:
+    """Whether the template's code (not its text or string literals) reads a ``tools`` variable."""
+    codes = (_JINJA_STRING.sub("", code) for code in _JINJA_CODE.findall(chat_template or ""))
+    return any(re.search(r"\btools\b", code) for code in codes)
+
+
+def detect(chat_template: str | None) -> ToolFormat:
+    """The format of the template's own tool syntax, judged from its text (not the model's name)."""
+    t = chat_template or ""
+    if "<tool_call>" in t:
+        return Qwen3XmlFormat() if "<function=" in t else HermesFormat()
+    if "[TOOL_CALLS]" in t:
+        return MistralFormat(args_form="[ARGS]" in t)
+    if "<|python_tag|>" in t or ('"parameters"' in t and ("<|eom_id|>" in t or "ipython" in t)):
+        return Llama3Format()
+    return GenericFormat()
