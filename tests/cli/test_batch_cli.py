@@ -2,9 +2,11 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
+import jsonschema
 import pytest
 from click.testing import CliRunner
 
@@ -125,6 +127,48 @@ def test_the_note_is_printed_when_the_batch_size_is_lowered(tiny_dir, tiny_model
     assert r.exit_code == 0, r.output
     assert "Note: batch size lowered from 3 to 1: each sequence may hold 256 tokens" in r.stderr
     assert len(read_jsonl(tmp_path / "out.jsonl")) == 3
+
+
+# Bounded everywhere, so that even a random model's greedy reply must end inside --max-tokens.
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 6}, "age": {"type": "integer", "minimum": 0, "maximum": 99},
+                   "size": {"enum": ["S", "M", "L"]}},
+    "required": ["name", "age", "size"],
+    "additionalProperties": False,
+}
+
+
+def test_a_default_json_schema_and_an_item_that_replaces_it(tiny_dir, tmp_path):
+    schema = tmp_path / "person.json"
+    schema.write_text(json.dumps(PERSON))
+    inp = write_jsonl(tmp_path / "in.jsonl", [
+        {"id": "a", "prompt": "The quick"},
+        {"id": "b", "messages": [{"role": "user", "content": "Paris is"}]},
+        {"id": "c", "prompt": "dog", "regex": "[ab]{4}"},
+        {"id": "d", "prompt": "fox", "grammar": "start: undefined_rule"},  # set aside before the model loads
+    ])
+    out = tmp_path / "out.jsonl"
+    r = run(tiny_dir("llama"), "-i", inp, "-o", out, "--json-schema", schema, "--temp", "0", "--max-tokens", "100",
+            "-b", "3")
+    assert r.exit_code == 1 and "Skipped line 4: a grammar umakit cannot enforce" in r.stderr, r.output
+    rows = {row["id"]: row for row in read_jsonl(out)}
+    assert set(rows) == {"a", "b", "c"}
+    for key in ("a", "b"):
+        assert rows[key]["finish_reason"] == "stop"
+        jsonschema.validate(json.loads(rows[key]["text"]), PERSON)
+    assert re.fullmatch("[ab]{4}", rows["c"]["text"])
+
+
+def test_a_bad_default_constraint_is_one_error_before_anything_runs(tiny_dir, tmp_path):
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "prompt": "x"}])
+    out = tmp_path / "out.jsonl"
+    r = run(tiny_dir("llama"), "-i", inp, "-o", out, "--json-schema", tmp_path / "nope.json")
+    assert r.exit_code == 1 and r.output.strip() == f"Error: no such JSON schema file: {tmp_path / 'nope.json'}"
+    r = run(tiny_dir("llama"), "-i", inp, "-o", out, "--regex", "a+", "--choice", "yes")
+    assert r.exit_code == 1
+    assert r.output.strip() == "Error: give at most one of --json-schema, --regex, --choice and --grammar (got --regex and --choice)"
+    assert not out.exists()
 
 
 @pytest.mark.slow

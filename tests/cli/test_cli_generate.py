@@ -2,9 +2,11 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
+import jsonschema
 import pytest
 from click.testing import CliRunner
 
@@ -51,6 +53,70 @@ def test_user_mistakes_are_one_line_errors(tiny_dir, tmp_path):
     assert r.exit_code == 1 and "unknown backend 'tpu'" in r.output and "Traceback" not in r.output
     r = run("generate", "-m", str(tiny_dir("llama")), "-p", "x", "--temp", "-1")
     assert r.exit_code == 2 and "Traceback" not in r.output
+
+
+# Bounded everywhere, so that even a random model's greedy reply must end inside --max-tokens.
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer", "minimum": 0, "maximum": 99},
+        "pets": {"type": "array", "items": {"enum": ["cat", "dog"]}, "maxItems": 2},
+        "size": {"enum": ["S", "M", "L"]},
+    },
+    "required": ["name", "age", "pets", "size"],
+    "additionalProperties": False,
+}
+
+
+def test_generate_under_a_json_schema_prints_json_that_validates(tiny_dir, tmp_path):
+    schema = tmp_path / "person.json"
+    schema.write_text(json.dumps(PERSON))
+    r = run("generate", "-m", str(tiny_dir("llama")), "-p", "The quick", "--temp", "0", "--max-tokens", "120",
+            "--json-schema", str(schema))
+    assert r.exit_code == 0, r.output
+    assert r.stderr.startswith("[stop] ")
+    jsonschema.validate(json.loads(r.stdout), PERSON)
+
+
+def test_generate_under_a_regex_a_choice_and_a_grammar(tiny_dir, tmp_path):
+    args = ["generate", "-m", str(tiny_dir("llama")), "-p", "The quick", "--temp", "0", "--max-tokens", "20", "--raw"]
+    r = run(*args, "--regex", "[0-9]{3}-[a-z]{2}")
+    assert r.exit_code == 0, r.output
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2}\n", r.stdout)
+    r = run(*args, "--choice", "alpha", "--choice", "beta", "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["text"] in ("alpha", "beta")
+    grammar = tmp_path / "assign.lark"
+    grammar.write_text('start: "x=" NUM\nNUM: /[1-9][0-9]?/\n')
+    r = run(*args, "--grammar", str(grammar))
+    assert r.exit_code == 0, r.output
+    assert re.fullmatch(r"x=[1-9][0-9]?\n", r.stdout)
+
+
+def test_bad_constraints_are_one_line_errors_before_the_model_loads(tmp_path):
+    """Each is refused before loading: the model path here does not even exist."""
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps(PERSON))
+    bad_json = tmp_path / "bad.json"
+    bad_json.write_text('{"type": "object",')
+    bogus = tmp_path / "bogus.json"
+    bogus.write_text('{"type": "string", "format": "bogus"}')
+    cases = [
+        (["--json-schema", str(good), "--regex", "a+"],
+         "Error: give at most one of --json-schema, --regex, --choice and --grammar (got --json-schema and --regex)"),
+        (["--json-schema", str(tmp_path / "nope.json")], f"Error: no such JSON schema file: {tmp_path / 'nope.json'}"),
+        (["--json-schema", str(tmp_path)], f"Error: {tmp_path} is a directory, not a JSON schema file"),
+        (["--json-schema", str(bad_json)], "Error: the JSON schema is not valid JSON ("),
+        (["--json-schema", str(bogus)], "Error: a JSON schema umakit cannot enforce: "),
+        (["--regex", "(?<=a)b"], "Error: a regex umakit cannot enforce: "),
+        (["--grammar", str(tmp_path / "nope.lark")], f"Error: no such grammar file: {tmp_path / 'nope.lark'}"),
+    ]
+    for flags, error in cases:
+        r = run("generate", "-m", str(tmp_path / "missing"), "-p", "x", *flags)
+        assert r.exit_code == 1, (flags, r.output)
+        lines = r.output.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(error), (flags, r.output)
 
 
 def test_installed_command_in_a_subprocess(tiny_dir):

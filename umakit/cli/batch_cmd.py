@@ -11,8 +11,9 @@ import click
 from umakit.backends.base import BATCH
 from umakit.generate.batch import DEFAULT_BATCH_SIZE
 
-from umakit.cli.flags import (SAMPLING_KEYS, batch_kv_needs, follow_unless_leader, kv_bits_option, load_model,
-                              model_options, offload_options, parallel_option, sampling_options)
+from umakit.cli.flags import (SAMPLING_KEYS, batch_kv_needs, constraint_options, follow_unless_leader, kv_bits_option,
+                              load_model, model_options, offload_options, parallel_option, read_constraint,
+                              sampling_options)
 
 
 class Progress:
@@ -64,7 +65,8 @@ class Progress:
 @click.command("batch")
 @click.argument("model", required=False)
 @click.option("--input", "-i", "input_path", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help='JSON Lines: {"id": ..., "prompt": "..."} or {"id": ..., "messages": [...]}, plus per-item settings.')
+              help='JSON Lines: {"id": ..., "prompt": "..."} or {"id": ..., "messages": [...]}, plus per-item settings '
+                   '(max_tokens, stop, seed, system, sampling fields, schema, regex, choices, grammar).')
 @click.option("--output", "-o", "output_path", required=True, type=click.Path(dir_okay=False, path_type=Path),
               help="Results are appended here as they finish; ids already in it are skipped (resume).")
 @click.option("--batch-size", "-b", type=click.IntRange(min=1), default=DEFAULT_BATCH_SIZE, show_default=True,
@@ -73,12 +75,14 @@ class Progress:
 @click.option("--raw", is_flag=True, help="Send prompts as plain text, without the chat template.")
 @click.option("--stop", multiple=True, help="Stop string (repeatable), for items without their own.")
 @kv_bits_option
+@constraint_options(for_items=True)
 @sampling_options
 @model_options
 @offload_options
 @parallel_option
-def batch_cmd(model, input_path, output_path, batch_size, system, raw, stop, kv_bits, max_tokens, seed, backend, device,
-              dtype, peak_bandwidth, gpu_layers, vram_budget, parallel, **sampling):
+def batch_cmd(model, input_path, output_path, batch_size, system, raw, stop, kv_bits, json_schema, regex, choices,
+              grammar, max_tokens, seed, backend, device, dtype, peak_bandwidth, gpu_layers, vram_budget, parallel,
+              **sampling):
     """Generate a reply to every prompt of a JSON Lines file, in batches."""
     from umakit.generate import batch_io
     from umakit.core import fsutil, validate
@@ -91,7 +95,8 @@ def batch_cmd(model, input_path, output_path, batch_size, system, raw, stop, kv_
     system = None if system is None else validate.text(system, "--system")
     stop = tuple(validate.text(s, "--stop") for s in stop)
     params = SamplingParams().with_overrides(**{k: sampling[k] for k in SAMPLING_KEYS})
-    settings = dict(max_tokens=max_tokens, stop=stop, seed=seed, system=system, sampling=params)
+    settings = dict(max_tokens=max_tokens, stop=stop, seed=seed, system=system, sampling=params,
+                    **read_constraint(json_schema, regex, choices, grammar))
     load["parallel"] = parallel
     with fsutil.locked(output_path):  # a second batch onto the same output is refused, not interleaved
         _run(model, input_path, output_path, batch_size, raw, kv_bits, settings, load)

@@ -185,3 +185,44 @@ def speculative_options(f):
 def load_draft(m, draft):
     """The --draft model, loaded on the target's engine and device (None without --draft)."""
     return None if draft is None else load_model(draft, backend=m.info.backend, device=m.info.device)
+
+
+def constraint_options(for_items: bool = False):
+    """--json-schema, --regex, --choice, --grammar: what the reply must match (at most one).
+
+    ``for_items`` (`batch`): each is the default for items without their own schema, regex, choices or grammar.
+    """
+    tail = ", for items without a constraint of their own." if for_items else "."
+
+    def decorate(f):
+        f = click.option("--grammar", metavar="FILE", default=None,
+                         help="The reply matches the Lark grammar in FILE (llguidance's dialect)" + tail)(f)
+        f = click.option("--choice", "choices", metavar="TEXT", multiple=True,
+                         help="The reply is exactly one of these (repeatable)" + tail)(f)
+        f = click.option("--regex", metavar="PATTERN", default=None,
+                         help="The reply matches this regular expression in full" + tail)(f)
+        f = click.option("--json-schema", metavar="FILE", default=None,
+                         help="The reply is JSON valid against the JSON schema in FILE" + tail)(f)
+        return f
+
+    return decorate
+
+
+def read_constraint(json_schema, regex, choices, grammar) -> dict:
+    """The constraint flags as the library's ``schema``, ``regex``, ``choices`` and ``grammar`` (files read whole),
+    checked by the library before any model loads: a bad file, pattern or grammar, or two at once, is an error."""
+    from umakit.core import validate
+    from umakit.errors import InvalidArgumentError
+    from umakit.generate.constrain import from_options
+
+    flags = [f for f, v in (("--json-schema", json_schema), ("--regex", regex), ("--choice", choices or None),
+                            ("--grammar", grammar)) if v is not None]
+    if len(flags) > 1:
+        raise InvalidArgumentError(f"give at most one of --json-schema, --regex, --choice and --grammar "
+                                   f"(got {' and '.join(flags)})")
+    given = dict(schema=None if json_schema is None else validate.read_text(json_schema, "JSON schema file"),
+                 regex=None if regex is None else validate.text(regex, "--regex"),
+                 choices=tuple(validate.text(c, "--choice") for c in choices) or None,
+                 grammar=None if grammar is None else validate.read_text(grammar, "grammar file"))
+    from_options(**given)
+    return given

@@ -10,6 +10,7 @@ import click
 from umakit.cli.format import stats_line
 from umakit.cli.flags import (
     SAMPLING_KEYS,
+    constraint_options,
     follow_unless_leader,
     kv_bits_option,
     kv_needs,
@@ -19,6 +20,7 @@ from umakit.cli.flags import (
     offload_options,
     parallel_option,
     quantize_option,
+    read_constraint,
     sampling_options,
     speculative_options,
 )
@@ -31,6 +33,7 @@ from umakit.cli.flags import (
 @click.option("--raw", is_flag=True, help="Send the prompt as plain text, without the chat template.")
 @click.option("--stop", multiple=True, help="Stop string (repeatable); it is not printed.")
 @kv_bits_option
+@constraint_options()
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, tokens, finish reason, stats).")
 @sampling_options
 @model_options
@@ -38,9 +41,9 @@ from umakit.cli.flags import (
 @quantize_option
 @speculative_options
 @parallel_option
-def generate(model, prompt, system, raw, stop, kv_bits, as_json, max_tokens, seed, backend, device, dtype,
-             peak_bandwidth, gpu_layers, vram_budget, quantize, draft, draft_tokens, prompt_lookup, ngram, parallel,
-             **sampling):
+def generate(model, prompt, system, raw, stop, kv_bits, json_schema, regex, choices, grammar, as_json, max_tokens, seed,
+             backend, device, dtype, peak_bandwidth, gpu_layers, vram_budget, quantize, draft, draft_tokens,
+             prompt_lookup, ngram, parallel, **sampling):
     """Generate a reply to one prompt."""
     from umakit.core import validate
     from umakit.generate.stream import collect
@@ -52,11 +55,12 @@ def generate(model, prompt, system, raw, stop, kv_bits, as_json, max_tokens, see
     prompt = validate.decode_utf8(sys.stdin.buffer.read(), "stdin") if prompt == "-" else validate.text(prompt, "--prompt")
     system = None if system is None else validate.text(system, "--system")
     stop = tuple(validate.text(s, "--stop") for s in stop)
+    constraint = read_constraint(json_schema, regex, choices, grammar)
     m = load_model(model, parallel=parallel, **load)
     m.device_info  # the stats line needs it: a probe whose cache cannot be written fails here, before any reply
     chunks = m.stream(prompt, system=system, raw=raw, max_tokens=max_tokens, stop=stop, seed=seed, kv_bits=kv_bits,
                       draft=load_draft(m, draft), draft_tokens=draft_tokens, prompt_lookup=prompt_lookup, ngram=ngram,
-                      **{k: sampling[k] for k in SAMPLING_KEYS})
+                      **constraint, **{k: sampling[k] for k in SAMPLING_KEYS})
     with m.engine.wired():
         if as_json:
             result = collect(chunks)

@@ -40,9 +40,9 @@ if TYPE_CHECKING:
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 _JSON_OBJECT = {"type": "object"}
-# JSON as ``{"a": 1, "b": [2, 3]}``: no free whitespace, so a reply cannot run on in blank space (a schema's own
-# "x-guidance" options may still ask for more).
-_COMPACT = {"whitespace_flexible": False}
+# JSON as json.dumps writes it, ``{"a": 1, "b": [2, 3]}``, and no other whitespace, so a reply cannot run on in
+# blank space (a schema's own "x-guidance" options may still ask for more).
+_COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 def _guidance():

@@ -19,6 +19,8 @@ from typing import Any, Literal
 
 from pydantic import Field
 
+from umakit.errors import InvalidArgumentError
+from umakit.generate.constrain import Constraint
 from umakit.serve.conversation import ChatCall
 from umakit.serve.outputs import Output, Submission, named_sse
 from umakit.serve.errors import APIError
@@ -64,8 +66,19 @@ class ToolChoice(WireModel):
 
 
 class Thinking(WireModel):
-    type: Literal["enabled", "disabled", "adaptive"]
+    type: Literal["enabled", "disabled", "adaptive", "between_tools"]
     budget_tokens: int | None = None
+    display: str | None = None
+
+
+class OutputFormat(WireModel):
+    type: Literal["json_schema"]
+    json_schema: dict = Field(alias="schema")
+
+
+class OutputConfig(WireModel):
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+    format: OutputFormat | None = None
 
 
 class MessagesRequest(RequestBase):
@@ -77,8 +90,13 @@ class MessagesRequest(RequestBase):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
+    output_config: OutputConfig | None = None
     seed: int | None = Field(None, ge=-INT64, lt=INT64)  # umakit's, for reproducible sampling
 
+
+# Fields that cannot change the answer (prompt-cache hints, routing, accounting): accepted and unused.
+IGNORED = frozenset({"metadata", "service_tier", "cache_control", "inference_geo", "speed", "user_profile_id",
+                     "workspace_id", "diagnostics"})
 
 NOT_ANTHROPIC = ("stop", "n", "stream_options", "response_format", "min_p", "repetition_penalty",
                  "presence_penalty", "frequency_penalty")
@@ -149,17 +167,19 @@ def _call(req: MessagesRequest) -> ChatCall:
         choice = {"auto": "auto", "any": "required", "none": "none"}.get(c.type) or c.name or ""
         parallel = not c.disable_parallel_tool_use
     kwargs: dict[str, Any] = {}
-    effort = None
+    config = req.output_config or OutputConfig()
+    effort = None if config.effort is None else "high" if config.effort in ("xhigh", "max") else config.effort
     if req.thinking is not None and req.thinking.type != "disabled":
-        effort = "medium"  # mapped onto the template's switch; refused where it has none
+        effort = effort or "medium"  # mapped onto the template's switch; refused where it has none
     elif req.thinking is not None:
         kwargs["enable_thinking"] = False
+    response = None if config.format is None else Constraint.json_schema(config.format.json_schema)
     return ChatCall(messages=_messages(req), tools=tools, tool_choice=choice, parallel_tool_calls=parallel,
-                    template_kwargs=kwargs, reasoning_effort=effort)
+                    response=response, template_kwargs=kwargs, reasoning_effort=effort)
 
 
 def read(model, data, rid: str, timeout_s: float | None):
-    req = parse_request(MessagesRequest, data)
+    req = parse_request(MessagesRequest, data, IGNORED)
     for name in NOT_ANTHROPIC:
         if getattr(req, name) not in (None, False, []):
             raise APIError(400, f"'{name}' is not a Messages API field", param=name)
@@ -167,7 +187,10 @@ def read(model, data, rid: str, timeout_s: float | None):
     stops = req.stop_sequences or []
     if len(stops) > MAX_STOP_SEQUENCES or any(s == "" for s in stops):
         raise APIError(400, f"stop_sequences: at most {MAX_STOP_SEQUENCES}, none empty", param="stop_sequences")
-    call = _call(req)
+    try:
+        call = _call(req)
+    except InvalidArgumentError as e:  # a schema umakit cannot enforce
+        raise APIError(400, str(e), param="output_config.format") from e
     gen, prepared = chat_request(model, call, req.max_tokens, sampling=sampling_from(req), seed=req.seed,
                                  stop=stops, logprobs=None, id=rid, timeout_s=timeout_s)
     out = MessagesOutput(rid, model.info.name, model.tokenizer, prepared.parser(), len(gen.prompt))

@@ -261,7 +261,7 @@ _FIELDS = frozenset(
     for name, field in m.model_fields.items())
 
 
-def parse_request(cls: type[RequestBase], data) -> RequestBase:
+def parse_request(cls: type[RequestBase], data, ignored: frozenset[str] = IGNORED) -> RequestBase:
     """``data`` (decoded JSON) validated as ``cls``; the first problem becomes a 400 naming its field."""
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object")
@@ -280,14 +280,14 @@ def parse_request(cls: type[RequestBase], data) -> RequestBase:
             message = f"you must provide '{param}'"
         raise APIError(400, f"invalid '{param}': {message}" if err["type"] != "missing" else message,
                        param=param or None) from e
-    refuse_unknown(req.model_extra or {})
+    refuse_unknown(req.model_extra or {}, ignored)
     return req
 
 
-def refuse_unknown(extra: dict) -> None:
-    """A 400 naming the first field umakit does not implement (those in `IGNORED` pass)."""
+def refuse_unknown(extra: dict, ignored: frozenset[str] = IGNORED) -> None:
+    """A 400 naming the first field umakit does not implement (those in ``ignored`` pass)."""
     for key in extra:
-        if key not in IGNORED:
+        if key not in ignored:
             reason = REFUSED.get(key, f"unrecognized request argument supplied: {key}")
             raise APIError(400, f"{reason} (umakit serve refuses fields it does not implement)", param=key)
 
@@ -318,7 +318,7 @@ def generation_request(req: RequestBase, model, *, id: str, timeout_s: float | N
     logprobs = req.logprobs_count()
     sampling = sampling_from(req)
     if isinstance(req, ChatRequest):
-        return chat_request(model, req.chat_call(), req.requested_max_tokens(), sampling=sampling, seed=req.seed,
+        return chat_request(model, _checked(req.chat_call, "response_format"), req.requested_max_tokens(), sampling=sampling, seed=req.seed,
                             stop=req.stop, logprobs=logprobs, id=id, timeout_s=timeout_s)
     constraint = _checked(lambda: req.response_format.constraint() if req.response_format else None,
                           "response_format")

@@ -87,8 +87,14 @@ def marker(text: str, special: Mapping[str, int]) -> str:
     return f"<[{special[text]}]>" if text in special else literal(text)
 
 
+# JSON as json.dumps (and a template's tojson) writes it, ``{"a": 1, "b": 2}``, with no other whitespace: a call
+# cannot run on in blank lines.
+COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
 def json_rule(schema: dict) -> str:
-    return "%json " + json.dumps(schema, ensure_ascii=False)
+    return "%json " + json.dumps({**schema, "x-guidance": {**COMPACT, **schema.get("x-guidance", {})}},
+                                 ensure_ascii=False)
 
 
 def arguments_dict(call: dict) -> dict:

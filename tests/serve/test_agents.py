@@ -1,0 +1,300 @@
+"""What agents and extraction scripts send, through a real `umakit serve` and the official clients.
+
+Two tiny random models: one with a ChatML template that has no tool syntax (tools in the generic JSON form),
+one with Qwen2.5's real template (Hermes ``<tool_call>`` blocks, its markers added tokens). A random model
+says nothing sensible, so what is checked is what the server guarantees whatever the model: a forced call
+always names a tool and its arguments validate, a reply under a schema always parses and validates (the
+schemas are bounded, so a reply ends), Anthropic's and the Responses API's shapes hold, and errors are clear.
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import jsonschema
+import pytest
+
+from support.serve_helpers import ServerProcess, read_metrics
+from support.tiny import make_tiny_model, write_tokenizer
+
+openai = pytest.importorskip("openai")
+anthropic = pytest.importorskip("anthropic")
+
+pytestmark = pytest.mark.slow
+
+KEY = "agent-key"
+PEAK = "100"
+TEMPLATES = Path(__file__).resolve().parent.parent / "support" / "fixtures" / "templates"
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                            "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+           "required": ["city", "days"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "weather", "description": "The forecast for a city.",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "clock", "description": "The time now.",
+                                           "parameters": {"type": "object", "properties": {}}}}]
+RECORD = {  # nested objects, arrays, enums, required fields; bounded
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 10},
+        "kind": {"enum": ["city", "town", "village"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 5}, "maxItems": 3},
+        "where": {"type": "object", "properties": {"lat": {"type": "integer", "minimum": -90, "maximum": 90},
+                                                   "ok": {"type": "boolean"}},
+                  "required": ["lat", "ok"], "additionalProperties": False},
+    },
+    "required": ["name", "kind", "tags", "where"], "additionalProperties": False,
+}
+
+
+def _server(path, tmp_path_factory, *extra):
+    home = tmp_path_factory.getbasetemp() / "umakit_home"
+    srv = ServerProcess(path, ["--backend", "torch", "--api-key", KEY, "--peak-bandwidth", PEAK, *extra],
+                        tmp_path_factory.mktemp("serve") / "server.log", env={"UMAKIT_HOME": str(home)})
+    try:
+        srv.wait_healthy()
+    except BaseException:
+        srv.stop()
+        raise
+    return srv
+
+
+LONG = 4096  # context: the tools' descriptions take hundreds of the tiny vocabulary's tokens
+
+
+@pytest.fixture(scope="module")
+def generic(tmp_path_factory):
+    path = make_tiny_model("llama", tmp_path_factory.mktemp("chatml"), max_position_embeddings=LONG)
+    srv = _server(path, tmp_path_factory, "--allowed-origins", "http://localhost:3000")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def hermes(tmp_path_factory):
+    path = make_tiny_model("qwen2", tmp_path_factory.mktemp("qwen25"), max_position_embeddings=LONG)
+    write_tokenizer(path, (TEMPLATES / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text(),
+                    extra_specials=("<tool_call>", "</tool_call>"))
+    srv = _server(path, tmp_path_factory)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(params=["generic", "hermes"])
+def server(request):
+    return request.getfixturevalue(request.param)
+
+
+def client(srv):
+    return openai.OpenAI(base_url=f"{srv.url}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def name_of(srv) -> str:
+    return client(srv).models.list().data[0].id
+
+
+def user(text):
+    return [{"role": "user", "content": text}]
+
+
+def _valid_call(call, name=None):
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name in ("weather", "clock") and (name is None or call.function.name == name)
+    args = json.loads(call.function.arguments)
+    jsonschema.validate(args, WEATHER if call.function.name == "weather" else {"type": "object"})
+    return args
+
+
+# -- OpenAI: tools ---------------------------------------------------------------------------------
+def test_tool_round_trip_required_then_the_answer(server):
+    c, name = client(server), name_of(server)
+    messages = user("What's the weather in Paris for 2 days?")
+    r = c.chat.completions.create(model=name, messages=messages, tools=TOOLS, tool_choice="required",
+                                  temperature=0, max_tokens=80)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    for call in choice.message.tool_calls:
+        _valid_call(call)
+    messages += [choice.message.model_dump(exclude_none=True)]
+    messages += [{"role": "tool", "tool_call_id": call.id, "content": json.dumps({"forecast": "sun"})}
+                 for call in choice.message.tool_calls]
+    final = c.chat.completions.create(model=name, messages=messages, tools=TOOLS, tool_choice="none",
+                                      temperature=0, max_tokens=12)
+    assert final.choices[0].message.tool_calls is None and final.choices[0].finish_reason in ("stop", "length")
+    assert isinstance(final.choices[0].message.content, str)
+
+
+def test_named_tool_streamed(server):
+    c, name = client(server), name_of(server)
+    stream = c.chat.completions.create(model=name, messages=user("Weather?"), tools=TOOLS, stream=True,
+                                       tool_choice={"type": "function", "function": {"name": "weather"}},
+                                       temperature=0.8, seed=3, max_tokens=80)
+    calls, finish, content = {}, None, ""
+    for chunk in stream:
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for tc in delta.tool_calls or ():
+            calls.setdefault(tc.index, {"id": tc.id, "name": tc.function.name, "arguments": ""})
+            calls[tc.index]["arguments"] += tc.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls" and [v["name"] for v in calls.values()] == ["weather"]
+    jsonschema.validate(json.loads(calls[0]["arguments"]), WEATHER)
+    assert "<tool_call>" not in content and "tool_call" not in content
+
+
+def test_auto_never_fails_the_request(server):
+    c, name = client(server), name_of(server)
+    for seed in range(3):
+        r = c.chat.completions.create(model=name, messages=user("Hi"), tools=TOOLS, temperature=1.0, seed=seed,
+                                      max_tokens=40)
+        m = r.choices[0].message
+        for call in m.tool_calls or ():
+            _valid_call(call)
+        assert m.tool_calls or isinstance(m.content, str)
+
+
+def test_tool_errors_are_400s_naming_the_field(server):
+    c, name = client(server), name_of(server)
+    with pytest.raises(openai.BadRequestError, match="not among the tools"):
+        c.chat.completions.create(model=name, messages=user("x"), tools=TOOLS,
+                                  tool_choice={"type": "function", "function": {"name": "nope"}})
+    with pytest.raises(openai.BadRequestError, match="needs tools"):
+        c.chat.completions.create(model=name, messages=user("x"), tool_choice="required")
+    with pytest.raises(openai.BadRequestError, match="tool_call_id"):
+        c.chat.completions.create(model=name, messages=[{"role": "tool", "content": "x"}])
+
+
+# -- OpenAI: structured outputs ------------------------------------------------------------------------
+def test_json_schema_replies_validate_streamed_and_not(server):
+    c, name = client(server), name_of(server)
+    fmt = {"type": "json_schema", "json_schema": {"name": "place", "schema": RECORD, "strict": True}}
+    r = c.chat.completions.create(model=name, messages=user("A place as JSON"), response_format=fmt,
+                                  temperature=0, max_tokens=250)
+    jsonschema.validate(json.loads(r.choices[0].message.content), RECORD)
+    text = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
+        model=name, messages=user("Another"), response_format=fmt, temperature=0.9, seed=5, max_tokens=250,
+        stream=True) if ch.choices)
+    jsonschema.validate(json.loads(text), RECORD)
+    obj = c.chat.completions.create(model=name, messages=user("x"), response_format={"type": "json_object"},
+                                    temperature=0, max_tokens=60, extra_body={"top_k": 3})
+    assert obj.choices[0].finish_reason == "length" or isinstance(json.loads(obj.choices[0].message.content), dict)
+
+
+def test_sixteen_requests_with_their_own_schemas_share_the_steps(generic):
+    c, name = client(generic), name_of(generic)
+    schemas = [{"type": "object", "properties": {f"k{i}": {"enum": [i, i + 100]}}, "required": [f"k{i}"],
+                "additionalProperties": False} for i in range(12)] + [None] * 4
+
+    def ask(i):
+        fmt = None if schemas[i] is None else {"type": "json_schema",
+                                               "json_schema": {"name": f"s{i}", "schema": schemas[i]}}
+        kwargs = {"response_format": fmt} if fmt else {}
+        return c.chat.completions.create(model=name, messages=user(f"item {i}"), temperature=0, max_tokens=24,
+                                         **kwargs)
+
+    with ThreadPoolExecutor(16) as pool:
+        replies = list(pool.map(ask, range(16)))
+    for schema, r in zip(schemas, replies):
+        if schema is not None:
+            jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    metrics = read_metrics(httpx.get(f"{generic.url}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text)
+    assert metrics["umakit_max_active_rows"] > 1
+
+
+def test_completions_take_a_response_format_and_bad_schemas_are_400(generic):
+    c, name = client(generic), name_of(generic)
+    r = c.completions.create(model=name, prompt="The", max_tokens=10, temperature=0,
+                             extra_body={"response_format": {"type": "regex", "regex": "[0-9]{4}"}})
+    assert len(r.choices[0].text) == 4 and r.choices[0].text.isdigit()
+    with pytest.raises(openai.BadRequestError, match="cannot enforce"):
+        c.chat.completions.create(model=name, messages=user("x"), response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "format": "nope"}}})
+
+
+# -- Anthropic's Messages API ---------------------------------------------------------------------------
+def aclient(srv, key=KEY):
+    return anthropic.Anthropic(base_url=srv.url, api_key=key, max_retries=0, timeout=120)
+
+
+def test_anthropic_text_and_stream(generic):
+    a, name = aclient(generic), name_of(generic)
+    m = a.messages.create(model=name, max_tokens=8, system="Be brief.", messages=user("Hello"), extra_body={"temperature": 0})
+    assert m.role == "assistant" and m.content[0].type == "text" and m.stop_reason in ("end_turn", "max_tokens")
+    assert m.usage.input_tokens > 0 and m.usage.output_tokens > 0
+    with a.messages.stream(model=name, max_tokens=8, system="Be brief.", messages=user("Hello"),
+                           extra_body={"temperature": 0}) as stream:
+        streamed = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert streamed == m.content[0].text == final.content[0].text
+    shaped = a.messages.create(model=name, max_tokens=250, messages=user("A place"), extra_body={"temperature": 0},
+                               output_config={"format": {"type": "json_schema", "schema": RECORD}},
+                               cache_control={"type": "ephemeral"})
+    jsonschema.validate(json.loads(shaped.content[0].text), RECORD)
+
+
+def test_anthropic_tool_round_trip(server):
+    a, name = aclient(server), name_of(server)
+    tools = [{"name": "weather", "description": "The forecast.", "input_schema": WEATHER}]
+    m = a.messages.create(model=name, max_tokens=80, messages=user("Weather in Paris?"), tools=tools,
+                          tool_choice={"type": "any"}, extra_body={"temperature": 0})
+    uses = [b for b in m.content if b.type == "tool_use"]
+    assert m.stop_reason == "tool_use" and uses and uses[0].name == "weather"
+    jsonschema.validate(uses[0].input, WEATHER)
+    follow = a.messages.create(model=name, max_tokens=8, tools=tools, extra_body={"temperature": 0}, messages=[
+        *user("Weather in Paris?"), {"role": "assistant", "content": m.content},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": uses[0].id, "content": "Sunny"}]}],
+        tool_choice={"type": "none"})
+    assert follow.content and follow.content[0].type == "text"
+
+
+def test_anthropic_errors_in_anthropics_shape(generic):
+    name = name_of(generic)
+    with pytest.raises(anthropic.AuthenticationError):
+        aclient(generic, key="wrong").messages.create(model=name, max_tokens=4, messages=user("x"))
+    with pytest.raises(anthropic.BadRequestError) as e:
+        aclient(generic).messages.create(model=name, max_tokens=4, messages=user("x"), extra_body={"logit_bias": {}})
+    assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "invalid_request_error"
+    r = httpx.post(f"{generic.url}/v1/messages", headers={"x-api-key": KEY},
+                   json={"model": name, "messages": user("x")})  # no max_tokens
+    assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"]
+
+
+# -- OpenAI's Responses API ------------------------------------------------------------------------------
+def test_responses_text_stream_and_function(server):
+    c, name = client(server), name_of(server)
+    r = c.responses.create(model=name, input="Hello", instructions="Be brief.", max_output_tokens=8,
+                           temperature=0)
+    assert r.status in ("completed", "incomplete") and isinstance(r.output_text, str)
+    with c.responses.stream(model=name, input="Hello", instructions="Be brief.", max_output_tokens=8,
+                            temperature=0) as stream:
+        events = list(stream)
+    # cut by max_output_tokens: the stream ends with response.incomplete, as OpenAI's does
+    assert events[-1].type == f"response.{r.status}" and events[-1].response.output_text == r.output_text
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r.output_text
+    tools = [{"type": "function", "name": "weather", "parameters": WEATHER, "strict": True}]
+    called = c.responses.create(model=name, input="Weather in Paris?", tools=tools, tool_choice="required",
+                                max_output_tokens=80, temperature=0)
+    calls = [i for i in called.output if i.type == "function_call"]
+    assert calls and calls[0].name == "weather"
+    jsonschema.validate(json.loads(calls[0].arguments), WEATHER)
+    answered = c.responses.create(model=name, tools=tools, max_output_tokens=8, temperature=0, tool_choice="none",
+                                  input=[{"role": "user", "content": "Weather in Paris?"}, calls[0].model_dump(),
+                                         {"type": "function_call_output", "call_id": calls[0].call_id,
+                                          "output": "Sunny"}])
+    assert isinstance(answered.output_text, str)
+    with pytest.raises(openai.BadRequestError, match="previous_response_id"):
+        c.responses.create(model=name, input="x", previous_response_id="resp_1")
+
+
+# -- CORS ------------------------------------------------------------------------------------------------
+def test_cors_preflight_for_allowed_origins_only(generic, hermes):
+    preflight = {"Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization,content-type"}
+    r = httpx.options(f"{generic.url}/v1/chat/completions", headers=preflight)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://localhost:3000"
+    other = httpx.options(f"{generic.url}/v1/chat/completions", headers={**preflight, "Origin": "http://evil.test"})
+    assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+    none = httpx.options(f"{hermes.url}/v1/chat/completions", headers=preflight)  # no --allowed-origins
+    assert "access-control-allow-origin" not in none.headers
