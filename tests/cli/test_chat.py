@@ -2,6 +2,7 @@
 
 import copy
 import json
+import re
 
 import pytest
 
@@ -356,3 +357,47 @@ def test_rescue_saves_under_umakit_home(tiny_model, tmp_path, monkeypatch):
     assert path.parent == tmp_path / "home" / "sessions"
     t = session(tiny_model)
     assert t.load(path) > 0 and t.messages == s.messages
+
+
+# -- a reasoning model's thinking: dimmed, and switched with /think ------------------------------------------
+THINKING = (  # Qwen3's switch, written for this test: the prompt opens the thinking unless it is off
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and not enable_thinking %}"
+    "<think>\n\n</think>\n\n{% else %}<think>\n{% endif %}{% endif %}"
+)
+
+
+def test_thinking_shows_dimmed_and_think_off_skips_it(tiny_model, monkeypatch):
+    import click
+
+    from umakit.cli.chat_ui import Repl
+
+    m = copy.copy(tiny_model)
+    m.tokenizer = Tokenizer(tiny_model.info.path)
+    m.tokenizer.chat_template = THINKING
+    s = session(m)
+    assert s.thinking_switch and s.thinking_markers == ("<think>", "</think>")
+    printed = []  # what reaches the terminal, styles kept (click drops them on a pipe)
+    monkeypatch.setattr(click, "echo", lambda message="", nl=True, err=False, **_: printed.append(str(message)))
+    repl = Repl(s, color=True, show_stats=False)
+    repl.reply("hi")
+    out = "".join(printed)
+    dimmed = "".join(re.findall(r"\x1b\[2m(.*?)\x1b\[0m", out, re.S))
+    assert s.opens_thinking and s.messages[-1]["content"] and dimmed == s.messages[-1]["content"]  # all thinking
+    repl.command("/think off")
+    assert s.settings.thinking is False and printed[-1] == "(thinking off)"
+    printed.clear()
+    repl.reply("again")
+    assert not s.opens_thinking and s.settings.to_dict()["thinking"] is False
+    out = "".join(printed)
+    assert s.messages[-1]["content"] in out and "\x1b[2m" not in out  # no thinking: plain content
+
+
+def test_think_needs_a_template_with_a_switch(tiny_model):
+    from umakit.cli.chat_ui import Repl
+
+    repl = Repl(session(tiny_model), color=False)
+    with pytest.raises(InvalidArgumentError, match="no thinking switch"):
+        repl.command("/think on")
+    with pytest.raises(InvalidArgumentError, match="usage: /think on"):
+        repl.command("/think maybe")

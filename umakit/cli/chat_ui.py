@@ -21,6 +21,7 @@ import click
 from umakit.cli import crashlog
 from umakit.core import validate
 from umakit.generate.chat import ChatSession, Stopped, TurnInfo
+from umakit.serve.replies import CONTENT, Piece, ReplyParser, Thinking
 from umakit.errors import InvalidArgumentError, UmakitError
 
 from umakit.cli.format import decode_line, size
@@ -30,6 +31,7 @@ HELP = """\
 /reset              clear the conversation and the cache
 /system TEXT        set the system prompt (empty: remove it); starts a new conversation
 /set NAME VALUE     change a setting: temp, top_p, top_k, min_p, repetition_penalty, max_tokens, seed
+/think on|off       a reasoning model thinks first, or not (its thinking shows dimmed)
 /stats              totals for this session
 /save FILE          write the transcript (messages, settings, stats) as JSON
 /load FILE          restore a transcript and prefill it
@@ -160,10 +162,15 @@ class Repl:
             self._info = info
 
         stats = None
+        markers = self.session.thinking_markers
+        parser = None
         for chunk in self.session.send(text, on_ready=ready, should_stop=lambda: stop.hit):
-            click.echo(chunk.text, nl=False)
-            sys.stdout.flush()
+            if markers is not None and parser is None:
+                parser = ReplyParser(Thinking(*markers, open=self.session.opens_thinking))
+            self._show(parser.feed(chunk.text) if parser is not None else [Piece(CONTENT, chunk.text)])
             stats = chunk.stats or stats
+        if parser is not None:
+            self._show(parser.finish())
         if self._info.cancelled:
             self.notice("(stopped before the reply; the message was dropped)")
             return
@@ -172,6 +179,11 @@ class Repl:
             self.notice("(reply stopped; it stays in the history, marked as cut)")
         elif stats is not None and self.show_stats:
             self.notice(footer(self._info, stats))
+
+    def _show(self, pieces) -> None:
+        for p in pieces:
+            click.echo(p.text if p.kind == CONTENT else self.style(p.text, dim=True), nl=False)
+        sys.stdout.flush()
 
     # -- commands ---------------------------------------------------------------------
     def command(self, line: str, stop: Interrupt | None = None) -> bool:
@@ -201,6 +213,13 @@ class Repl:
         elif name == "load":
             n = s.load(_path(arg, "/load FILE"), should_stop=(lambda: stop.hit) if stop else lambda: False)
             click.echo(f"(loaded {len(s.messages)} messages from {arg}; prefilled {n} tokens)")
+        elif name == "think":
+            if arg not in ("on", "off"):
+                raise InvalidArgumentError("usage: /think on|off")
+            if not s.thinking_switch:
+                raise InvalidArgumentError("this model's chat template has no thinking switch")
+            s.settings.thinking = arg == "on"
+            click.echo(f"(thinking {arg})")
         elif name == "set":
             parts = arg.split(None, 1)
             if len(parts) != 2:

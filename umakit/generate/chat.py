@@ -30,6 +30,7 @@ from umakit.generate.sampling import DEFAULT_MAX_TOKENS, SamplingParams
 from umakit.plan.shapes import INTERRUPT_PREFILL_CHUNK, PREFILL_CHUNK
 
 CUT_MARK = " [cut]"  # appended to a reply the user interrupted
+THINK_START, THINK_END = "<think>", "</think>"  # a reasoning model's thinking, in the templates that mark it
 TRANSCRIPT_VERSION = 1
 SESSIONS_DIR = "sessions"  # under $UMAKIT_HOME: transcripts saved when a chat had to end on an error
 DEFAULT_CONTEXT = 4096  # a model that does not say its context length
@@ -112,6 +113,7 @@ class ChatSettings:
     kv_bits: int | None = None  # 4 or 8: a quantized KV cache; None: the compute dtype
     seed: int | None = None  # makes every reply's sampling reproducible
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    thinking: bool | None = None  # a reasoning model's switch (the template's enable_thinking); None: its default
 
     def __post_init__(self):
         # Settings come from CLI flags, /set and transcript files alike: checked here once.
@@ -123,6 +125,8 @@ class ChatSettings:
         if self.kv_bits is not None and (isinstance(self.kv_bits, bool) or self.kv_bits not in KV_BITS):
             raise InvalidArgumentError(f"kv_bits must be 4, 8 or null, got {self.kv_bits!r}")
         validate.seed(self.seed)
+        if self.thinking is not None and not isinstance(self.thinking, bool):
+            raise InvalidArgumentError(f"thinking must be true, false or null, got {self.thinking!r}")
         if not isinstance(self.sampling, SamplingParams):
             raise InvalidArgumentError(f"sampling must be SamplingParams, got {type(self.sampling).__name__}")
 
@@ -165,6 +169,7 @@ class ChatSession:
         self.settings.max_context = self._context_limit(self.settings.max_context)
         self.messages: list[dict] = []
         self.totals = SessionTotals()
+        self.opens_thinking = False  # whether the last prompt left the reply inside the thinking markers
         self.reset()
 
     def _context_limit(self, wanted: int | None) -> int:
@@ -200,8 +205,23 @@ class ChatSession:
         sys = [{"role": "system", "content": self.settings.system}] if self.settings.system else []
         return sys + self.messages
 
+    @property
+    def thinking_switch(self) -> bool:
+        """Whether the model's chat template turns thinking on and off (``enable_thinking``, as Qwen3's)."""
+        return "enable_thinking" in (self.model.tokenizer.chat_template or "")
+
+    @property
+    def thinking_markers(self) -> tuple[str, str] | None:
+        """The template's thinking markers, when it has them: the reply's text between them is reasoning."""
+        template = self.model.tokenizer.chat_template or ""
+        return (THINK_START, THINK_END) if THINK_START in template and THINK_END in template else None
+
     def _render(self, add_generation_prompt: bool = True) -> list[int]:
-        return self.model.tokenizer.encode_chat(self._conversation(), add_generation_prompt=add_generation_prompt)
+        kwargs = {} if self.settings.thinking is None else {"enable_thinking": self.settings.thinking}
+        tok = self.model.tokenizer
+        text = tok.render_chat(self._conversation(), add_generation_prompt=add_generation_prompt, **kwargs)
+        self.opens_thinking = text.rstrip().endswith(THINK_START)  # the reply begins inside the thinking
+        return tok.encode(text)
 
     def _rewind(self, ids: Sequence[int]) -> int:
         """Make the cache hold a prefix of ``ids`` (leaving at least one token to run)."""

@@ -25,11 +25,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from umakit.errors import InvalidArgumentError
+from umakit.generate.chat import THINK_END, THINK_START
 from umakit.generate.constrain import Constraint, special_tokens
 from umakit.serve.replies import ReplyParser, Thinking
 from umakit.serve.toolcalls import GenericFormat, ToolFormat, detect, generic_auto_grammar
 
-THINK_START, THINK_END = "<think>", "</think>"
 EFFORTS = ("none", "minimal", "low", "medium", "high")
 _NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 
