@@ -162,7 +162,8 @@ def test_speculation_on_the_cpu_default_gives_plain_decodings_text(monkeypatch):
     """On the built-in model's int4 default, greedy prompt lookup once gave other text than plain decoding
     on two of these prompts: its verification ran the eager multi-token forward, plain decoding the fused step."""
     model = umakit.load(backend="torch", device="cpu")
-    assert model.engine._fused is not None, build.reason()
+    if fused.covers(model.engine.model):  # the default's layers here (not on a CPU whose default is float16)
+        assert model.engine._fused is not None, build.reason()
     for prompt in ("What are three good habits for learning a new language? Explain each briefly.",
                    "Describe a walk through a forest in autumn."):
         plain = model.generate(prompt, max_tokens=128, temperature=0)

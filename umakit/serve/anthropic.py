@@ -23,7 +23,7 @@ from umakit.errors import InvalidArgumentError
 from umakit.generate.constrain import Constraint
 from umakit.serve.conversation import ChatCall
 from umakit.serve.outputs import Output, Submission, named_sse
-from umakit.serve.errors import APIError
+from umakit.serve.api_errors import APIError
 from umakit.serve.protocol import INT64, RequestBase, WireModel, check_model, chat_request, parse_request, sampling_from
 from umakit.serve.replies import REASONING, Piece
 from umakit.serve.types import FinalEvent, TokenEvent

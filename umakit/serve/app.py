@@ -30,7 +30,7 @@ from starlette.routing import Route
 
 from umakit.serve import DEFAULT_MAX_BODY_BYTES, anthropic, openai_responses
 from umakit.serve.outputs import ChatOutput, CompletionOutput, Output, Submission, request_id
-from umakit.serve.errors import APIError
+from umakit.serve.api_errors import APIError
 from umakit.serve.protocol import ChatRequest, CompletionRequest, generation_request, parse_request
 from umakit.serve.scheduler import QueueFull
 from umakit.serve.types import ErrorEvent, FinalEvent, SchedulerSettings, TokenEvent

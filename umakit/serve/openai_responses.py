@@ -21,7 +21,7 @@ from pydantic import Field
 
 from umakit.serve.conversation import ChatCall
 from umakit.serve.outputs import Output, Submission, named_sse
-from umakit.serve.errors import APIError
+from umakit.serve.api_errors import APIError
 from umakit.serve.protocol import (JSONSchemaFormat, RequestBase, WireModel, check_model, chat_request,
                                    parse_request, sampling_from)
 from umakit.generate.constrain import Constraint

@@ -17,7 +17,7 @@ import uuid
 from dataclasses import dataclass
 
 from umakit.serve.replies import CONTENT, Piece, ReplyParser
-from umakit.serve.shapes import (ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatDelta,
+from umakit.serve.openai_shapes import (ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatDelta,
                                  ChatMessageOut, Completion, CompletionChoice, FunctionCallOut, ToolCallDelta,
                                  ToolCallOut, UsageInfo, chat_logprobs, completion_logprobs)
 from umakit.serve.types import FinalEvent, GenerationRequest, TokenEvent

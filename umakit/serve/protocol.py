@@ -21,7 +21,7 @@ from umakit.errors import InvalidArgumentError, UmakitError
 from umakit.generate.constrain import Constraint
 from umakit.generate.sampling import DEFAULT_MAX_TOKENS, SamplingParams
 from umakit.serve.conversation import ChatCall, Prepared, prepare
-from umakit.serve.errors import APIError
+from umakit.serve.api_errors import APIError
 from umakit.serve.types import GenerationRequest
 
 MAX_STOP = 4  # stop strings per request, as OpenAI allows

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import re
 
-from umakit.serve.toolcalls.common import ToolCall, ToolFormat
+from umakit.serve.toolcalls.syntax import ToolCall, ToolFormat
 from umakit.serve.toolcalls.formats import HermesFormat, Llama3Format, MistralFormat, Qwen3XmlFormat
 from umakit.serve.toolcalls.generic import GenericFormat, generic_auto_grammar
 

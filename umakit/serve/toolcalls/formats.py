@@ -7,7 +7,7 @@ import json
 import re
 from typing import Mapping
 
-from umakit.serve.toolcalls.common import (DECODER, ToolCall, ToolFormat, call_from_object, call_schema, functions_of,
+from umakit.serve.toolcalls.syntax import (DECODER, ToolCall, ToolFormat, call_from_object, call_schema, functions_of,
                                            json_rule, literal, marker, new_call, one_of, parameters_of)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from umakit.serve.toolcalls.common import (ToolFormat, arguments_dict, call_from_object, call_schema, functions_of,
+from umakit.serve.toolcalls.syntax import (ToolFormat, arguments_dict, call_from_object, call_schema, functions_of,
                                            json_rule, one_of)
 
 

@@ -46,7 +46,7 @@ class Int4PackLinear(nn.Module):
         self.register_buffer("scales_and_zeros", sz)
         ops = torch.ops.aten
         self.op = ops._weight_int4pack_mm if device.type == "cuda" else ops._weight_int4pack_mm_for_cpu
-        self.dense_prefill = device.type == "cpu" and self.out_features % 64 == 0 and _cpu_layout_known()
+        self.dense_prefill = device.type == "cpu" and self.out_features % 64 == 0 and cpu_layout_known()
         self.register_buffer("packed", packed)
         self.register_buffer("bias", None if m.bias is None else m.bias.float())  # cast to the input dtype on use
 
@@ -116,7 +116,7 @@ def unpack_cpu_int4pack(packed: torch.Tensor) -> torch.Tensor:
     """Codes (N, K) uint8 of torch's CPU int4 packing (N, K/2), N a multiple of 64.
 
     In each block of 64 rows, byte k*32 + n holds row n's code k (low nibble)
-    and row n + 32's (high nibble); `_cpu_layout_known` checks this once.
+    and row n + 32's (high nibble); `cpu_layout_known` checks this once.
     """
     n, half = packed.shape
     b = packed.reshape(n // 64, half * 2, 32)  # (blocks, K, 32)
@@ -124,7 +124,7 @@ def unpack_cpu_int4pack(packed: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
-def _cpu_layout_known() -> bool:
+def cpu_layout_known() -> bool:
     q = torch.randint(0, 16, (128, 64), generator=torch.Generator().manual_seed(0), dtype=torch.int32)
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
     return packed.shape == (128, 32) and torch.equal(unpack_cpu_int4pack(packed).to(torch.int32), q)
