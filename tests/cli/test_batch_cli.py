@@ -13,6 +13,7 @@ from click.testing import CliRunner
 from umakit.cli.main import COMMANDS, main
 
 from support import proc_helpers
+from support.schemas import PERSON
 
 REGISTER = "from umakit.cli.main import COMMANDS, main; COMMANDS.setdefault('batch', 'cli.batch_cmd:batch_cmd'); main()"
 
@@ -127,16 +128,6 @@ def test_the_note_is_printed_when_the_batch_size_is_lowered(tiny_dir, tiny_model
     assert r.exit_code == 0, r.output
     assert "Note: batch size lowered from 3 to 1: each sequence may hold 256 tokens" in r.stderr
     assert len(read_jsonl(tmp_path / "out.jsonl")) == 3
-
-
-# Bounded everywhere, so that even a random model's greedy reply must end inside --max-tokens.
-PERSON = {
-    "type": "object",
-    "properties": {"name": {"type": "string", "maxLength": 6}, "age": {"type": "integer", "minimum": 0, "maximum": 99},
-                   "size": {"enum": ["S", "M", "L"]}},
-    "required": ["name", "age", "size"],
-    "additionalProperties": False,
-}
 
 
 def test_a_default_json_schema_and_an_item_that_replaces_it(tiny_dir, tmp_path):

@@ -12,6 +12,7 @@ from click.testing import CliRunner
 
 from umakit.cli.main import main
 from support.markers import requires_default_model
+from support.schemas import PERSON
 
 
 def run(*args, input=None):
@@ -53,20 +54,6 @@ def test_user_mistakes_are_one_line_errors(tiny_dir, tmp_path):
     assert r.exit_code == 1 and "unknown backend 'tpu'" in r.output and "Traceback" not in r.output
     r = run("generate", "-m", str(tiny_dir("llama")), "-p", "x", "--temp", "-1")
     assert r.exit_code == 2 and "Traceback" not in r.output
-
-
-# Bounded everywhere, so that even a random model's greedy reply must end inside --max-tokens.
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 6},
-        "age": {"type": "integer", "minimum": 0, "maximum": 99},
-        "pets": {"type": "array", "items": {"enum": ["cat", "dog"]}, "maxItems": 2},
-        "size": {"enum": ["S", "M", "L"]},
-    },
-    "required": ["name", "age", "pets", "size"],
-    "additionalProperties": False,
-}
 
 
 def test_generate_under_a_json_schema_prints_json_that_validates(tiny_dir, tmp_path):
