@@ -32,6 +32,8 @@ def test_greedy_reply_under_a_schema_parses_and_validates(model):
     result = model.generate("The", schema=PERSON, temperature=0, max_tokens=120, raw=True)
     assert result.finish_reason == "stop", result.text
     jsonschema.validate(json.loads(result.text), PERSON)
+    # written as json.dumps writes it, and no other whitespace: nothing to run on in
+    assert json.dumps(json.loads(result.text), ensure_ascii=False) == result.text
 
 
 def test_sampled_replies_validate_too(model):

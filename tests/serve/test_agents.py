@@ -249,6 +249,17 @@ def test_anthropic_tool_round_trip(server):
     assert follow.content and follow.content[0].type == "text"
 
 
+def test_anthropic_token_count_and_model_list(server):
+    a, name = aclient(server), name_of(server)
+    tools = [{"name": "weather", "description": "The forecast.", "input_schema": WEATHER}]
+    plain = a.messages.count_tokens(model=name, messages=user("Weather in Paris?"))
+    with_tools = a.messages.count_tokens(model=name, messages=user("Weather in Paris?"), tools=tools)
+    assert 0 < plain.input_tokens < with_tools.input_tokens  # the tools are part of the prompt
+    sent = a.messages.create(model=name, max_tokens=1, messages=user("Weather in Paris?"), tools=tools)
+    assert sent.usage.input_tokens == with_tools.input_tokens
+    assert [m.id for m in a.models.list()] == [name]
+
+
 def test_anthropic_errors_in_anthropics_shape(generic):
     name = name_of(generic)
     with pytest.raises(anthropic.AuthenticationError):

@@ -21,7 +21,7 @@ from pydantic import Field
 
 from umakit.errors import InvalidArgumentError
 from umakit.generate.constrain import Constraint
-from umakit.serve.conversation import ChatCall
+from umakit.serve.conversation import ChatCall, prepare
 from umakit.serve.outputs import Output, Submission, named_sse
 from umakit.serve.api_errors import APIError
 from umakit.serve.protocol import INT64, RequestBase, WireModel, check_model, chat_request, parse_request, sampling_from
@@ -195,6 +195,20 @@ def read(model, data, rid: str, timeout_s: float | None):
                                  stop=stops, logprobs=None, id=rid, timeout_s=timeout_s)
     out = MessagesOutput(rid, model.info.name, model.tokenizer, prepared.parser(), len(gen.prompt))
     return Submission(gen, out, bool(req.stream))
+
+
+class CountRequest(MessagesRequest):
+    max_tokens: int | None = Field(None, ge=1)  # not part of a count
+
+
+def count_tokens(model, data) -> dict:
+    """``POST /v1/messages/count_tokens``: the prompt's tokens as the request would be run (tools included)."""
+    req = parse_request(CountRequest, data, IGNORED)
+    check_model(req.model, model)
+    try:
+        return {"input_tokens": len(prepare(model, _call(req)).prompt)}
+    except InvalidArgumentError as e:
+        raise APIError(400, str(e), param="messages") from e
 
 
 class MessagesOutput(Output):

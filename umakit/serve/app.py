@@ -16,6 +16,7 @@ import math
 import secrets
 import time
 from collections import Counter
+from datetime import datetime, timezone
 
 from dataclasses import dataclass
 from typing import Callable
@@ -104,6 +105,7 @@ def make_app(model, scheduler, *, api_key: str | None = None, max_body_bytes: in
         Route("/v1/chat/completions", server.endpoint(OPENAI_CHAT), methods=["POST"]),
         Route("/v1/completions", server.endpoint(OPENAI_COMPLETIONS), methods=["POST"]),
         Route("/v1/messages", server.endpoint(ANTHROPIC_MESSAGES), methods=["POST"]),
+        Route("/v1/messages/count_tokens", server.count_tokens, methods=["POST"]),
         Route("/v1/responses", server.endpoint(OPENAI_RESPONSES), methods=["POST"]),
         Route("/v1/models", server.models, methods=["GET"]),
         Route("/v1/models/{model_id:path}", server.model_card, methods=["GET"]),
@@ -153,8 +155,19 @@ class _Server:
         message = f"{request.method} {request.url.path}: {exc.detail}"
         return self._count(_error_response(APIError(exc.status_code, message, code=code)))
 
+    async def count_tokens(self, request: Request) -> Response:
+        """Anthropic's token count of a Messages request (Claude Code asks before it sends)."""
+        try:
+            self._authorize(request)
+            return self._count(JSONResponse(anthropic.count_tokens(self.model, await self._json(request))))
+        except APIError as e:
+            return self._count(_error_response(e, ANTHROPIC_MESSAGES))
+
     def _card(self) -> dict:
-        return {"id": self.name, "object": "model", "created": self.created, "owned_by": "umakit"}
+        """The model as OpenAI's list describes it, and Anthropic's (``type``, ``display_name``, ``created_at``)."""
+        created = datetime.fromtimestamp(self.created, timezone.utc).isoformat().replace("+00:00", "Z")
+        return {"id": self.name, "object": "model", "created": self.created, "owned_by": "umakit",
+                "type": "model", "display_name": self.name, "created_at": created}
 
     async def _guarded(self, request: Request, respond) -> Response:
         try:
