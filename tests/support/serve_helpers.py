@@ -19,14 +19,15 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """``python -m umakit.cli.main serve MODEL ARGS`` on 127.0.0.1 and a free port; its stderr goes to ``log``."""
+    """``python -m umakit.cli.main serve MODEL ARGS`` on 127.0.0.1 and a free port; its stderr goes to ``log``.
+    Without a model (None), the server serves models by name."""
 
-    def __init__(self, model: Path, args: list[str], log: Path, env: dict[str, str] | None = None):
+    def __init__(self, model: Path | None, args: list[str], log: Path, env: dict[str, str] | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
-        cmd = [sys.executable, "-m", "umakit.cli.main", "serve", str(model), "--host", "127.0.0.1",
-               "--port", str(self.port), *args]
+        cmd = [sys.executable, "-m", "umakit.cli.main", "serve", *([str(model)] if model is not None else []),
+               "--host", "127.0.0.1", "--port", str(self.port), *args]
         self._stderr = open(log, "w")
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self._stderr,
                                      env={**os.environ, **(env or {})})

@@ -171,3 +171,26 @@ def engine_class(name: str):
     if not _installed(spec.dependency):
         raise BackendUnavailableError(f"the {name} backend needs {spec.dependency}: pip install '{spec.extra}'")
     return getattr(importlib.import_module(spec.module), spec.cls)
+
+
+def trim_heap() -> None:
+    """Hand the C heap's freed pages back to the system: glibc keeps them (a load's temporaries, an unloaded
+    model's arrays) resident for the process's life otherwise. Nothing where the C library has no malloc_trim."""
+    if sys.platform != "linux":
+        return
+    import contextlib
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).malloc_trim(0)
+
+
+def release_memory(device: str) -> None:
+    """After a model's arrays are dropped: hand back what the allocators still cache for ``device`` (CUDA's
+    caching allocator, MLX's buffer cache) and the C heap's freed pages. Engines never imported are left alone."""
+    if device == "cuda" and "torch" in sys.modules:
+        sys.modules["torch"].cuda.empty_cache()
+    if "mlx.core" in sys.modules:
+        sys.modules["mlx.core"].clear_cache()
+    trim_heap()
+

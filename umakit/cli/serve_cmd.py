@@ -33,7 +33,7 @@ def _size(ctx, param, value):
 
 
 @click.command("serve")
-@click.argument("model", required=False)
+@click.argument("models", nargs=-1)
 @click.option("--host", default=DEFAULT_HOST, show_default=True, help="Address to bind (any other than loopback: set a key).")
 @click.option("--port", type=click.IntRange(0, 65535), default=DEFAULT_PORT, show_default=True, help="0 picks a free one.")
 @click.option("--api-key", envvar=API_KEY_ENV, default=None, metavar="KEY",
@@ -50,6 +50,12 @@ def _size(ctx, param, value):
 @click.option("--request-timeout", type=click.FloatRange(min=0, min_open=True), metavar="S",
               default=SchedulerSettings.request_timeout_s, show_default=True,
               help="A request still running after S seconds, queueing included, fails with 504.")
+@click.option("--models", "models_file", metavar="FILE", default=None,
+              help="Serve models by name, loading those listed in FILE (one a line) at start.")
+@click.option("--keep-alive", metavar="DURATION", default="5m", show_default=True,
+              help="Serving models by name: unload a model idle this long (0: after each request; -1: never).")
+@click.option("--memory-budget", metavar="SIZE", default=None,
+              help="Serving models by name: bytes the loaded models may take (default: the device's memory).")
 @click.option("--allowed-origins", metavar="ORIGINS", default="",
               help="Comma-separated origins (e.g. http://localhost:3000, or *) whose browser pages may call the "
                    "server: CORS preflights are answered for them (default: none).")
@@ -57,11 +63,15 @@ def _size(ctx, param, value):
 @model_options
 @offload_options
 @parallel_option
-def serve_cmd(model, host, port, api_key, max_concurrency, max_queue, prompt_cache_bytes, max_body_bytes,
-              request_timeout, allowed_origins, kv_bits, backend, device, dtype, peak_bandwidth, gpu_layers,
-              vram_budget, parallel):
-    """Serve a model over OpenAI's and Anthropic's HTTP APIs: chat completions, completions, responses and
-    messages, streamed or not, with tool calls and structured outputs."""
+def serve_cmd(models, models_file, keep_alive, memory_budget, host, port, api_key, max_concurrency, max_queue,
+              prompt_cache_bytes, max_body_bytes, request_timeout, allowed_origins, kv_bits, backend, device, dtype,
+              peak_bandwidth, gpu_layers, vram_budget, parallel):
+    """Serve models over OpenAI's and Anthropic's HTTP APIs: chat completions, completions, responses and
+    messages, streamed or not, with tool calls and structured outputs.
+
+    With one MODEL it is loaded before the port opens and served alone. With none, several or --models, a
+    request's "model" may name any model umakit loads (a directory, a .gguf, a Hub id, the built-in model's
+    name): it loads on first use and unloads when idle, within --memory-budget."""
     import uvicorn
 
     from umakit.serve.app import make_app
@@ -69,16 +79,23 @@ def serve_cmd(model, host, port, api_key, max_concurrency, max_queue, prompt_cac
 
     load = dict(backend=backend, device=device, dtype=dtype, peak_bandwidth=peak_bandwidth,
                 needs={BATCH} | batch_kv_needs(kv_bits), gpu_layers=gpu_layers, vram_budget=vram_budget)
-    follow_unless_leader(parallel, model, **load)  # only rank 0 binds the port and answers HTTP
-    sock = _bind(host, port)  # before the model loads: a port in use fails in a second, not after the load
-    m = load_model(model, show_progress=sys.stderr.isatty(), parallel=parallel, **load)
+    origins = tuple(o.strip().rstrip("/") for o in allowed_origins.split(",") if o.strip())
     settings = SchedulerSettings(max_concurrency=max_concurrency, max_queue=max_queue,
                                  prompt_cache_bytes=prompt_cache_bytes, request_timeout_s=request_timeout,
                                  kv_bits=kv_bits)
+    web = dict(api_key=api_key, max_body_bytes=max_body_bytes, request_timeout_s=request_timeout,
+               allowed_origins=origins)
+    if models_file is not None or len(models) != 1:
+        if parallel is not None:
+            raise click.UsageError("--parallel serves one model: give it as MODEL")
+        listed = list(models) + (_read_models(models_file) if models_file else [])
+        return _serve_by_name(listed, keep_alive, memory_budget, host, port, settings, web, load)
+    model = models[0]
+    follow_unless_leader(parallel, model, **load)  # only rank 0 binds the port and answers HTTP
+    sock = _bind(host, port)  # before the model loads: a port in use fails in a second, not after the load
+    m = load_model(model, show_progress=sys.stderr.isatty(), parallel=parallel, **load)
     scheduler = Scheduler(m, settings)
-    origins = tuple(o.strip().rstrip("/") for o in allowed_origins.split(",") if o.strip())
-    app = make_app(m, scheduler, api_key=api_key, max_body_bytes=max_body_bytes, request_timeout_s=request_timeout,
-                   allowed_origins=origins)
+    app = make_app(m, scheduler, **web)
     _log_to_stderr()
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off"))
     try:
@@ -87,6 +104,69 @@ def serve_cmd(model, host, port, api_key, max_concurrency, max_queue, prompt_cac
     finally:
         scheduler.stop()
         sock.close()
+
+
+def _read_models(path: str) -> list[str]:
+    from umakit.core import validate
+
+    text = validate.read_text(path, "--models file")
+    return [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+
+
+def _serve_by_name(listed, keep_alive, memory_budget, host, port, settings, web, load) -> None:
+    """Models by name (`umakit.serve.host.ModelHost`): each on its own worker thread; HTTP on this one."""
+    import uvicorn
+
+    import umakit
+    from umakit import backends
+    from umakit.checkpoint.default import DEFAULT_MODEL_NAME
+    from umakit.errors import UmakitError
+    from umakit.hardware import memory_budget as device_budget
+    from umakit.plan.placement import parse_size
+    from umakit.serve.app import make_app
+    from umakit.serve.host import ModelHost, parse_keep_alive
+
+    try:
+        keep = parse_keep_alive(keep_alive)
+        where = backends.resolve(load["backend"], load["device"], frozenset(load["needs"]))[1]
+        budget = parse_size(memory_budget) if memory_budget is not None else device_budget(where)
+    except (UmakitError, ValueError) as e:
+        raise click.BadParameter(str(e)) from e
+
+    def source(name: str):
+        return None if name == DEFAULT_MODEL_NAME else name
+
+    models = ModelHost(lambda name: load_model(source(name), **load),
+                       lambda name: umakit.checkpoint_size(umakit.resolve_model(source(name))),
+                       settings, budget_bytes=budget, keep_alive_s=keep, release_memory=backends.release_memory)
+    sock = _bind(host, port)
+    app = make_app(models, **web)
+    _log_to_stderr()
+    for name in listed:
+        models.preload(name)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off"))
+    click.echo(_host_banner(sock.getsockname()[1], host, web["api_key"], budget, keep_alive, listed), err=True)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        models.close()
+        sock.close()
+
+
+def _host_banner(port: int, host: str, api_key: str | None, budget: int, keep_alive: str, listed) -> str:
+    from umakit.checkpoint.default import DEFAULT_MODEL_NAME
+
+    shown = f"[{host}]" if ":" in host else host
+    lines = [f"Serving models by name at http://{shown}:{port}/v1 · Ctrl-C stops",
+             f"  a request's \"model\" loads on first use: a directory, a .gguf, a Hub id, or {DEFAULT_MODEL_NAME} "
+             "(built in)",
+             f"  unloaded after {keep_alive} idle; loaded models stay within {size(budget)}"]
+    if listed:
+        lines.append(f"  loading now: {', '.join(listed)}")
+    if not api_key and not _is_loopback(host):
+        lines.insert(0, click.style(f"Warning: listening on {host} without an API key: anyone who can reach this "
+                                    f"machine can use it (set --api-key or ${API_KEY_ENV})", fg="yellow"))
+    return "\n".join(lines)
 
 
 def _run(server, sock: socket.socket, scheduler, banner) -> None:

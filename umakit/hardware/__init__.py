@@ -16,6 +16,7 @@ from umakit.hardware.local import (
     cpu_kv_budget,
     detect_local,
     h2d_bandwidth,
+    memory_budget,
     memory_warnings,
     vm_stat_available,
     wired_limit_advice_mb,
@@ -25,6 +26,6 @@ from umakit.hardware.metal import metal_device_info, metal_working_set
 __all__ = [
     "CACHE_FILE", "CACHE_VERSION", "CHIPS", "CPU_KV_FRACTION", "ChipSpec", "DeviceInfo", "DeviceSpec", "GiB",
     "NEAR_LIMIT", "available_ram", "cpu_kv_budget", "default_working_set", "detect_local", "find_chip",
-    "h2d_bandwidth", "lookup_device", "memory_warnings", "metal_device_info", "metal_working_set",
+    "h2d_bandwidth", "lookup_device", "memory_budget", "memory_warnings", "metal_device_info", "metal_working_set",
     "vm_stat_available", "wired_limit_advice_mb",
 ]

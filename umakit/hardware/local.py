@@ -206,6 +206,20 @@ def vm_stat_available(text: str) -> int | None:
     return int(page.group(1)) * sum(int(counts.get(k, 0)) for k in ("free", "speculative", "inactive"))
 
 
+def memory_budget(device: str) -> int:
+    """Bytes the models a server keeps loaded may take on ``device``: Metal's recommended working set on Apple
+    Silicon, the GPU's memory on CUDA, the RAM available now on a CPU."""
+    if device == "metal":
+        from umakit.hardware.metal import metal_working_set
+
+        return metal_working_set()
+    if device == "cuda":
+        import torch
+
+        return int(torch.cuda.mem_get_info()[1])
+    return available_ram()
+
+
 def cpu_kv_budget() -> int:
     """Bytes a batch KV cache may take on a CPU: `CPU_KV_FRACTION` of the RAM available now
     (the weights are already resident)."""

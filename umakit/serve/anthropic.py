@@ -24,7 +24,7 @@ from umakit.generate.constrain import Constraint
 from umakit.serve.conversation import ChatCall, prepare
 from umakit.serve.outputs import Output, Submission, named_sse
 from umakit.serve.api_errors import APIError
-from umakit.serve.protocol import INT64, RequestBase, WireModel, check_model, chat_request, parse_request, sampling_from
+from umakit.serve.protocol import INT64, RequestBase, WireModel, chat_request, parse_request, sampling_from
 from umakit.serve.replies import REASONING, Piece
 from umakit.serve.types import FinalEvent, TokenEvent
 
@@ -183,7 +183,6 @@ def read(model, data, rid: str, timeout_s: float | None):
     for name in NOT_ANTHROPIC:
         if getattr(req, name) not in (None, False, []):
             raise APIError(400, f"'{name}' is not a Messages API field", param=name)
-    check_model(req.model, model)
     stops = req.stop_sequences or []
     if len(stops) > MAX_STOP_SEQUENCES or any(s == "" for s in stops):
         raise APIError(400, f"stop_sequences: at most {MAX_STOP_SEQUENCES}, none empty", param="stop_sequences")
@@ -204,7 +203,6 @@ class CountRequest(MessagesRequest):
 def count_tokens(model, data) -> dict:
     """``POST /v1/messages/count_tokens``: the prompt's tokens as the request would be run (tools included)."""
     req = parse_request(CountRequest, data, IGNORED)
-    check_model(req.model, model)
     try:
         return {"input_tokens": len(prepare(model, _call(req)).prompt)}
     except InvalidArgumentError as e:

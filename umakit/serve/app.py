@@ -33,6 +33,9 @@ from umakit.serve import DEFAULT_MAX_BODY_BYTES, anthropic, openai_responses
 from umakit.serve.outputs import ChatOutput, CompletionOutput, Output, Submission, request_id
 from umakit.serve.api_errors import APIError
 from umakit.serve.protocol import ChatRequest, CompletionRequest, generation_request, parse_request
+from umakit.errors import UmakitError
+from umakit.serve.host import OneModel, parse_keep_alive
+from umakit.serve.metrics import prometheus
 from umakit.serve.scheduler import QueueFull
 from umakit.serve.types import ErrorEvent, FinalEvent, SchedulerSettings, TokenEvent
 
@@ -41,30 +44,6 @@ log = logging.getLogger("umakit.serve")
 TIMEOUT_GRACE_S = 5.0  # the scheduler times requests out itself; this bounds the wait if it cannot
 _GONE = object()  # put on a request's queue when its client disconnects
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-METRIC_HELP = {
-    "requests_total": "Completion requests accepted by the scheduler.",
-    "requests_failed_total": "Accepted requests that ended in an error (worker failure, timeout).",
-    "requests_cancelled_total": "Accepted requests whose client went away before the end.",
-    "requests_rejected_total": "Requests refused because the queue was full (429).",
-    "generated_tokens_total": "Tokens generated, all requests.",
-    "prompt_tokens_total": "Prompt tokens of finished requests.",
-    "cached_tokens_total": "Prompt tokens found in the prompt cache instead of prefilled.",
-    "worker_restarts_total": "Times the generation worker failed and was restarted.",
-    "decode_steps_total": "Batched decode steps run.",
-    "queue_depth": "Requests waiting for a row.",
-    "active_rows": "Rows decoding now.",
-    "prefilling_requests": "Requests prefilling their prompt now.",
-    "max_active_rows": "Most rows decoded together in one step since start.",
-    "tokens_per_second": "Tokens generated per second, over the last few seconds.",
-    "achieved_gbps": "Bytes the engine read per second (GB/s), over the last few seconds.",
-    "peak_gbps": "The device's peak memory bandwidth (GB/s).",
-    "prompt_cache_hit_ratio": "Share of requests that found a cached prefix.",
-    "prompt_cache_bytes": "Bytes held by the prompt cache.",
-    "prompt_cache_entries": "Caches held by the prompt cache.",
-    "healthy": "1 when the generation worker runs.",
-}
-
 
 @dataclass(frozen=True)
 class API:
@@ -90,24 +69,26 @@ ANTHROPIC_MESSAGES = API("msg", anthropic.read, anthropic.error_body)
 OPENAI_RESPONSES = API("resp", openai_responses.read)
 
 
-def make_app(model, scheduler, *, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+def make_app(model, scheduler=None, *, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
              request_timeout_s: float | None = SchedulerSettings.request_timeout_s,
              allowed_origins: tuple[str, ...] = ()) -> Starlette:
-    """The app serving ``model`` through ``scheduler`` (started and stopped by the caller): OpenAI's chat
-    completions, completions and responses, and Anthropic's messages.
+    """The app serving ``model`` through ``scheduler`` (started and stopped by the caller), or, without a
+    scheduler, the models of a `umakit.serve.host.ModelHost` by name: OpenAI's chat completions, completions
+    and responses, and Anthropic's messages.
 
     With ``api_key`` every route but /health needs ``Authorization: Bearer <api_key>`` (or Anthropic's
     ``x-api-key: <api_key>``). ``allowed_origins`` (``"*"`` for any) may call it from a browser page:
     CORS preflights are answered for them, and for no origin by default.
     """
-    server = _Server(model, scheduler, api_key, max_body_bytes, request_timeout_s)
+    models = OneModel(model, scheduler) if scheduler is not None else model
+    server = _Server(models, api_key, max_body_bytes, request_timeout_s)
     routes = [
         Route("/v1/chat/completions", server.endpoint(OPENAI_CHAT), methods=["POST"]),
         Route("/v1/completions", server.endpoint(OPENAI_COMPLETIONS), methods=["POST"]),
         Route("/v1/messages", server.endpoint(ANTHROPIC_MESSAGES), methods=["POST"]),
         Route("/v1/messages/count_tokens", server.count_tokens, methods=["POST"]),
         Route("/v1/responses", server.endpoint(OPENAI_RESPONSES), methods=["POST"]),
-        Route("/v1/models", server.models, methods=["GET"]),
+        Route("/v1/models", server.list_models, methods=["GET"]),
         Route("/v1/models/{model_id:path}", server.model_card, methods=["GET"]),
         Route("/health", server.health, methods=["GET"]),
         Route("/metrics", server.metrics, methods=["GET"]),
@@ -122,32 +103,36 @@ def _error_response(err: APIError, api: API = OPENAI_CHAT) -> JSONResponse:
 
 
 class _Server:
-    def __init__(self, model, scheduler, api_key, max_body_bytes, request_timeout_s):
-        self.model, self.scheduler = model, scheduler
+    def __init__(self, models, api_key, max_body_bytes, request_timeout_s):
+        self.models = models  # OneModel or ModelHost (host.py)
         self.api_key, self.max_body_bytes, self.timeout_s = api_key, max_body_bytes, request_timeout_s
-        self.name = model.info.name
         self.created = int(time.time())
         self.responses: Counter[int] = Counter()  # HTTP status -> responses sent
 
     # -- plain routes -----------------------------------------------------------------------------------
     async def health(self, request: Request) -> Response:
-        ok = self.scheduler.healthy
+        ok = self.models.healthy
         return self._count(JSONResponse({"status": "ok" if ok else "unhealthy"}, status_code=200 if ok else 503))
 
-    async def models(self, request: Request) -> Response:
-        return await self._guarded(request, lambda: JSONResponse({"object": "list", "data": [self._card()]}))
+    async def list_models(self, request: Request) -> Response:
+        return await self._guarded(request, lambda: JSONResponse(
+            {"object": "list", "data": [self._card(c) for c in self.models.cards()]}))
 
     async def model_card(self, request: Request) -> Response:
         def card():
-            if request.path_params["model_id"] != self.name:
-                raise APIError(404, f"the model '{request.path_params['model_id']}' does not exist; "
-                                    f"this server serves '{self.name}'", param="model")
-            return JSONResponse(self._card())
+            wanted = request.path_params["model_id"]
+            for c in self.models.cards():
+                if c["id"] == wanted:
+                    return JSONResponse(self._card(c))
+            raise APIError(404, f"the model '{wanted}' is not loaded or known here", param="model")
         return await self._guarded(request, card)
 
     async def metrics(self, request: Request) -> Response:
-        return await self._guarded(request, lambda: PlainTextResponse(
-            prometheus(self.scheduler.metrics(), self.responses), media_type="text/plain; version=0.0.4"))
+        def text():
+            totals, per_model = self.models.metrics()
+            return PlainTextResponse(prometheus(totals, self.responses, per_model),
+                                     media_type="text/plain; version=0.0.4")
+        return await self._guarded(request, text)
 
     async def http_error(self, request: Request, exc: HTTPException) -> Response:
         """Starlette's own errors (unknown route, wrong method) in OpenAI's shape."""
@@ -159,15 +144,21 @@ class _Server:
         """Anthropic's token count of a Messages request (Claude Code asks before it sends)."""
         try:
             self._authorize(request)
-            return self._count(JSONResponse(anthropic.count_tokens(self.model, await self._json(request))))
+            data = await self._json(request)
+            lease = await self.models.acquire(_model_name(data), self.timeout_s)
+            try:
+                return self._count(JSONResponse(anthropic.count_tokens(lease.model, data)))
+            finally:
+                self.models.release(lease)
         except APIError as e:
             return self._count(_error_response(e, ANTHROPIC_MESSAGES))
 
-    def _card(self) -> dict:
-        """The model as OpenAI's list describes it, and Anthropic's (``type``, ``display_name``, ``created_at``)."""
+    def _card(self, card: dict) -> dict:
+        """A model as OpenAI's list describes it, and Anthropic's (``type``, ``display_name``, ``created_at``),
+        with whether it is loaded now."""
         created = datetime.fromtimestamp(self.created, timezone.utc).isoformat().replace("+00:00", "Z")
-        return {"id": self.name, "object": "model", "created": self.created, "owned_by": "umakit",
-                "type": "model", "display_name": self.name, "created_at": created}
+        return {"id": card["id"], "object": "model", "created": self.created, "owned_by": "umakit", "type": "model",
+                "display_name": card["id"], "created_at": created, "loaded": card["loaded"]}
 
     async def _guarded(self, request: Request, respond) -> Response:
         try:
@@ -202,11 +193,17 @@ class _Server:
 
     async def complete(self, api: API, request: Request) -> Response:
         rid, t0 = request_id(api.prefix), time.perf_counter()
+        lease, keep_alive = None, None
         try:
             self._authorize(request)
-            sub = api.read(self.model, await self._json(request), rid, self.timeout_s)
+            data = await self._json(request)
+            name = _model_name(data)
+            keep_alive = _keep_alive(data.pop("keep_alive", None))
+            lease = await self.models.acquire(name, self.timeout_s)
+            sub = api.read(lease.model, data, rid, self.timeout_s)
+            sub.output.name = name  # the model as the request named it
             try:
-                handle = self.scheduler.submit(sub.request, asyncio.get_running_loop())
+                handle = lease.scheduler.submit(sub.request, asyncio.get_running_loop())
             except QueueFull as e:
                 raise APIError(429, str(e), headers={"Retry-After": str(max(1, math.ceil(e.retry_after_s)))}) from e
             watcher = asyncio.create_task(_watch_disconnect(request, handle))
@@ -218,8 +215,9 @@ class _Server:
                 handle.cancel()
                 raise
             if sub.stream:
+                held, lease = lease, None  # the stream gives it back when it ends
                 return self._count(StreamingResponse(
-                    self._stream(api, sub, first, events, handle, watcher, t0),
+                    self._stream(api, sub, first, events, handle, watcher, t0, held, keep_alive),
                     media_type="text/event-stream", headers=SSE_HEADERS))
             try:
                 body = await self._collect(sub.output, first, events)
@@ -236,6 +234,9 @@ class _Server:
         except Exception as e:  # a bug of ours: still an answer in the API's shape, and a traceback in the log
             log.exception("%s failed", rid)
             return self._count(_error_response(APIError(500, f"internal error ({type(e).__name__}: {e})"), api))
+        finally:
+            if lease is not None:
+                self.models.release(lease, keep_alive)
 
     async def _json(self, request: Request):
         declared = request.headers.get("content-length")
@@ -262,7 +263,7 @@ class _Server:
         final = tokens.pop()
         return out.full(tokens, final)
 
-    async def _stream(self, api: API, sub: Submission, first, events, handle, watcher, t0):
+    async def _stream(self, api: API, sub: Submission, first, events, handle, watcher, t0, lease, keep_alive):
         out, final, status, error = sub.output, None, 200, None
         try:
             for data in out.start():
@@ -286,6 +287,7 @@ class _Server:
             status, error = 499, "the client went away"
         finally:
             watcher.cancel()
+            self.models.release(lease, keep_alive)
             if final is None:
                 handle.cancel()
                 status, error = (499, "the client went away") if status == 200 else (status, error)
@@ -294,6 +296,29 @@ class _Server:
 
 class _ClientGone(Exception):
     pass
+
+
+def _model_name(data) -> str:
+    """The request's ``model``, before its API reads the rest (it picks the model that reads it)."""
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    name = data.get("model")
+    if name is None:
+        raise APIError(400, "you must provide 'model'", param="model")
+    if not isinstance(name, str) or not name:
+        raise APIError(400, "invalid 'model': a model name is a non-empty string", param="model")
+    return name
+
+
+def _keep_alive(value) -> float | None:
+    """A request's ``keep_alive`` (Ollama's): how long its model stays loaded idle afterwards; None: unchanged."""
+    if value is None:
+        return None
+    try:
+        seconds = parse_keep_alive(value)
+    except UmakitError as e:
+        raise APIError(400, str(e), param="keep_alive") from e
+    return -1.0 if seconds is None else seconds
 
 
 async def _watch_disconnect(request: Request, handle) -> None:
@@ -333,26 +358,3 @@ def _log(rid: str, status: int, final: FinalEvent | None, t0: float, error: str 
     log.info("%s %d %s prompt=%d cached=%d completion=%d ttft=%.3fs %.1f tok/s rows=%.1f %.2fs", rid, status,
              final.finish_reason, u.prompt_tokens, u.cached_tokens, u.completion_tokens, u.ttft_s, u.decode_tps,
              u.batch_rows, elapsed)
-
-
-def prometheus(metrics: dict[str, float], responses: Counter) -> str:
-    """Prometheus text format: the scheduler's figures and the HTTP responses by status, named ``umakit_*``."""
-    lines = []
-    for name, value in metrics.items():
-        full = f"umakit_{name}"
-        lines += [f"# HELP {full} {METRIC_HELP.get(name, name.replace('_', ' ') + '.')}",
-                  f"# TYPE {full} {'counter' if name.endswith('_total') else 'gauge'}",
-                  f"{full} {_number(value)}"]
-    lines += ["# HELP umakit_http_responses_total HTTP responses sent, by status.",
-              "# TYPE umakit_http_responses_total counter"]
-    lines += [f'umakit_http_responses_total{{status="{s}"}} {n}' for s, n in sorted(responses.items())]
-    return "\n".join(lines) + "\n"
-
-
-def _number(value: float) -> str:
-    value = float(value)
-    if math.isnan(value):
-        return "NaN"
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    return str(int(value)) if value.is_integer() else repr(value)

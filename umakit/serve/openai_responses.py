@@ -22,7 +22,7 @@ from pydantic import Field
 from umakit.serve.conversation import ChatCall
 from umakit.serve.outputs import Output, Submission, named_sse
 from umakit.serve.api_errors import APIError
-from umakit.serve.protocol import (JSONSchemaFormat, RequestBase, WireModel, check_model, chat_request,
+from umakit.serve.protocol import (JSONSchemaFormat, RequestBase, WireModel, chat_request,
                                    parse_request, sampling_from)
 from umakit.generate.constrain import Constraint
 from umakit.serve.replies import REASONING, Piece
@@ -165,7 +165,6 @@ def read(model, data, rid: str, timeout_s: float | None) -> Submission:
                        param="previous_response_id")
     if req.include:
         raise APIError(400, f"include: {', '.join(req.include)} is not supported", param="include")
-    check_model(req.model, model)
     try:
         call = _call(req)
     except APIError:

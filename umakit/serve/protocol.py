@@ -303,16 +303,10 @@ def sampling_from(req: RequestBase) -> SamplingParams:
     return SamplingParams().with_overrides(**given)
 
 
-def check_model(name: str, model) -> None:
-    if name != model.info.name:
-        raise APIError(404, f"the model '{name}' does not exist; this server serves '{model.info.name}'", param="model")
-
-
 def generation_request(req: RequestBase, model, *, id: str, timeout_s: float | None
                        ) -> tuple[GenerationRequest, Prepared | None]:
     """Validate what the models alone cannot (model name, n, context, tools, constraints) and build the
     scheduler's request, with a chat's `Prepared` (its reply's format)."""
-    check_model(req.model, model)
     if req.n not in (None, 1):
         raise APIError(400, f"n must be 1: umakit serve returns one choice per request (got n={req.n})", param="n")
     logprobs = req.logprobs_count()

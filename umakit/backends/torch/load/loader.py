@@ -10,9 +10,6 @@ checkpoint's tensor sizes, with umakit/plan/placement.py's arithmetic.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import sys
 from typing import Sequence
 
 import numpy as np
@@ -24,6 +21,7 @@ from umakit.checkpoint.files import Checkpoint
 from umakit.errors import CheckpointError, DoesNotFitError, InvalidArgumentError
 from umakit.plan.placement import RING_SLOTS, OffloadPlan, parse_size, plan_layers, reserved_bytes
 from umakit.plan.shapes import KV_RESERVE_TOKENS
+from umakit import backends
 from umakit.backends.common import check_weights
 from umakit.backends.torch import quant
 from umakit.backends.torch.quant.forms import convert_model, cpu_auto_dtype, joiner
@@ -186,18 +184,8 @@ def build_model(args: ModelArgs, config: dict, shapes: dict, source, device: tor
         # the head's planes serve the lookups too: the table is held once
         model.model.embed_tokens = AffineEmbedding(model.lm_head, embed.out_dtype)
     model.inv_freq = rope_inv_freq(args).to(device)
-    _trim_heap()
+    backends.trim_heap()
     return model.eval()
-
-
-def _trim_heap() -> None:
-    """Hand the heap's freed pages back to the system: glibc keeps them, so the load's temporaries (the checkpoint's
-    small tensors, copied out of its map and then dropped for their packed forms) stayed resident for the process's
-    life: 330 MB of a 1.5B model's 2.24 GB peak (2026-12-02). Nothing where the C library has no malloc_trim."""
-    if sys.platform != "linux":
-        return
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None).malloc_trim(0)
 
 
 SMALL = 1 << 20  # bytes: tensors under this are copied out of the checkpoint's map, not held in it

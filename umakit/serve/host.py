@@ -1,0 +1,323 @@
+"""The models a server answers for: one fixed at start-up (`OneModel`), or many loaded by name (`ModelHost`).
+
+The HTTP layer asks for a model by the name in the request (`acquire`), runs
+the request on that model's scheduler, and gives it back when the request
+ends (`release`). `OneModel` is `umakit serve MODEL`: the model is loaded
+before the port opens and any other name is a 404.
+
+`ModelHost` is `umakit serve` with no model, several, or ``--models``: a
+request may name anything `umakit.load` takes (a directory, a .gguf, a Hub
+id, the built-in model's name). The first request for a model loads it, on
+a thread of its own that then runs its scheduler, so models decode at the
+same time, each batching its own rows; requests for a model that is loading
+wait for it (bounded by the request timeout). Before a load the host counts
+the model's bytes (its files; once loaded, what the engine holds) against
+its memory budget, and unloads the least recently used idle models until it
+fits; a model with a request in flight is never unloaded, and a model that
+cannot fit even alone is refused with a 400 that says how much it needs and
+how much there is. A model idle for its keep-alive is unloaded: its worker
+stops, its arrays are dropped, and the allocator's cached memory is handed
+back (`umakit.backends.release_memory`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import difflib
+import gc
+import logging
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from umakit.errors import UmakitError
+from umakit.serve.api_errors import APIError
+from umakit.serve.types import SchedulerSettings
+
+log = logging.getLogger("umakit.serve")
+DEFAULT_KEEP_ALIVE_S = 300.0  # Ollama's 5 minutes
+REAP_EVERY_S = 0.5
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h)")
+_UNITS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_keep_alive(value) -> float | None:
+    """Seconds a model stays loaded after its last request: a number of seconds or a duration as Ollama takes it
+    ("5m", "1h30m", "10s", "0"); negative means forever (None)."""
+    bad = UmakitError(f"keep_alive must be a number of seconds or a duration such as 5m, 30s or -1, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise bad
+    if isinstance(value, str):
+        text = value.strip()
+        try:
+            return parse_keep_alive(float(text))
+        except ValueError:
+            pass
+        sign, text = (-1.0, text[1:]) if text.startswith("-") else (1.0, text)
+        parts = _DURATION.findall(text)
+        if not text or "".join(n + u for n, u in parts) != text:
+            raise bad from None
+        value = sign * sum(float(n) * _UNITS[u] for n, u in parts)
+    if value != value or value in (float("inf"), float("-inf")):
+        raise bad
+    return None if value < 0 else float(value)
+
+
+@dataclass
+class Lease:
+    """A model held for one request."""
+
+    name: str  # as the request named it
+    model: object
+    scheduler: object
+    slot: object = None
+
+
+class OneModel:
+    """`umakit serve MODEL`: one model, loaded before the server starts, never unloaded."""
+
+    def __init__(self, model, scheduler):
+        self.model, self.scheduler = model, scheduler
+        self.name = model.info.name
+        self.created = int(time.time())
+
+    @property
+    def healthy(self) -> bool:
+        return self.scheduler.healthy
+
+    async def acquire(self, name: str, timeout_s: float | None = None) -> Lease:
+        if name != self.name:
+            raise APIError(404, f"the model '{name}' does not exist; this server serves '{self.name}'",
+                           param="model")
+        return Lease(name, self.model, self.scheduler)
+
+    def release(self, lease: Lease, keep_alive=None) -> None:
+        pass
+
+    def cards(self) -> list[dict]:
+        return [{"id": self.name, "loaded": True}]
+
+    def metrics(self) -> tuple[dict[str, float], list[tuple[str, dict[str, float]]]]:
+        return self.scheduler.metrics(), []
+
+
+@dataclass
+class Slot:
+    """One model the host knows: its state, and while loaded its model and scheduler."""
+
+    name: str
+    state: str = "unloaded"  # unloaded | loading | ready | failed
+    model: object = None
+    scheduler: object = None
+    error: str | None = None
+    bytes: int = 0  # its files before a load, what the engine holds after
+    active: int = 0  # requests holding it
+    last_used: float = 0.0
+    keep_alive_s: float | None = DEFAULT_KEEP_ALIVE_S
+    loads: int = 0
+    thread: threading.Thread | None = None
+    ready: threading.Event = field(default_factory=threading.Event)
+    stopping: bool = False
+
+
+class ModelHost:
+    """Many models by name, within a memory budget (see the module's docstring).
+
+    ``load(name)`` loads a model (`umakit.load` with the server's engine options); ``size(name)`` gives its
+    bytes before loading, raising for a name no model answers to; ``release_memory(device)`` hands an
+    unloaded model's cached memory back.
+    """
+
+    def __init__(self, load: Callable, size: Callable[[str], int], settings: SchedulerSettings, *,
+                 budget_bytes: int, keep_alive_s: float | None = DEFAULT_KEEP_ALIVE_S,
+                 release_memory: Callable[[str], None] = lambda device: None):
+        self._load, self._size, self._release_memory = load, size, release_memory
+        self.settings, self.budget_bytes, self.keep_alive_s = settings, budget_bytes, keep_alive_s
+        self._slots: dict[str, Slot] = {}
+        self._lock = threading.RLock()
+        self._closed = False
+        self.created = int(time.time())
+        self._reaper = threading.Thread(target=self._reap, name="umakit-keep-alive", daemon=True)
+        self._reaper.start()
+
+    @property
+    def healthy(self) -> bool:
+        return not self._closed
+
+    # -- requests ------------------------------------------------------------------------------------
+    async def acquire(self, name: str, timeout_s: float | None = None) -> Lease:
+        """The model ``name``, loaded (waiting for its load, started here if need be) and held for a request."""
+        slot = await asyncio.to_thread(self._start, name)
+        loaded = await asyncio.to_thread(slot.ready.wait, timeout_s)
+        with self._lock:
+            if not loaded:
+                slot.active -= 1
+                raise APIError(504, f"the model '{name}' did not load within {timeout_s:g} s")
+            if slot.state != "ready":
+                slot.active -= 1
+                raise APIError(500, f"the model '{name}' failed to load: {slot.error}", code="model_load_failed")
+            return Lease(name, slot.model, slot.scheduler, slot)
+
+    def _start(self, name: str) -> Slot:
+        """Hold ``name``'s slot for a request, starting its load when it is not loaded."""
+        with self._lock:
+            slot = self._slots.get(name)
+            if slot is None or slot.state in ("unloaded", "failed"):
+                need = self._bytes_of(name, slot)
+                self._make_room(name, need)
+                slot = slot or Slot(name, keep_alive_s=self.keep_alive_s)
+                self._slots[name] = slot
+                slot.state, slot.error, slot.bytes, slot.stopping = "loading", None, need, False
+                slot.ready.clear()
+                slot.thread = threading.Thread(target=self._serve, args=(slot,), name=f"umakit-model-{name}",
+                                               daemon=True)
+                slot.thread.start()
+            slot.active += 1
+            slot.last_used = time.monotonic()
+            return slot
+
+    def preload(self, name: str) -> None:
+        """Start loading ``name`` now (a model listed at start-up); a failure is logged, and a request for it
+        tries again."""
+        try:
+            slot = self._start(name)
+        except APIError as e:
+            log.warning("not loading %s: %s", name, e.message)
+            return
+        with self._lock:
+            slot.active -= 1
+
+    def release(self, lease: Lease, keep_alive=None) -> None:
+        """The request is over; the model stays loaded idle for ``keep_alive`` seconds (the request's own; negative:
+        forever), or else the server's keep-alive, counted from the last request to end."""
+        slot = lease.slot
+        with self._lock:
+            slot.active -= 1
+            slot.last_used = time.monotonic()
+            slot.keep_alive_s = self.keep_alive_s if keep_alive is None else None if keep_alive < 0 else keep_alive
+            if slot.active == 0 and slot.keep_alive_s == 0:
+                self._unload(slot)
+
+    def _bytes_of(self, name: str, slot: Slot | None) -> int:
+        try:
+            return self._size(name)
+        except UmakitError as e:
+            known = [s for s in self._slots if s != name]
+            close = difflib.get_close_matches(name, known, n=3)
+            hint = f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else ""
+            raise APIError(404, f"the model '{name}' does not exist: {e}{hint}", param="model") from e
+
+    def _make_room(self, name: str, need: int) -> None:
+        """Unload idle models, least recently used first, until ``need`` more bytes fit the budget."""
+        if need > self.budget_bytes:
+            raise APIError(400, f"the model '{name}' needs {_gib(need)} and this server's memory budget is "
+                                f"{_gib(self.budget_bytes)} (umakit serve --memory-budget)",
+                           param="model", code="model_too_large")
+        idle = sorted((s for s in self._slots.values() if s.state == "ready" and s.active == 0),
+                      key=lambda s: s.last_used)
+        while self._used() + need > self.budget_bytes and idle:
+            victim = idle.pop(0)
+            log.info("unloading %s to make room for %s", victim.name, name)
+            self._unload(victim)
+        if self._used() + need > self.budget_bytes:
+            busy = ", ".join(s.name for s in self._slots.values() if s.state in ("loading", "ready"))
+            raise APIError(503, f"the model '{name}' needs {_gib(need)}, and the models in use ({busy}) leave "
+                                f"{_gib(self.budget_bytes - self._used())} of the {_gib(self.budget_bytes)} budget; "
+                                "try again when they are idle", code="model_memory_busy",
+                           headers={"Retry-After": "5"})
+
+    def _used(self) -> int:
+        return sum(s.bytes for s in self._slots.values() if s.state in ("loading", "ready"))
+
+    # -- a model's own thread: load, then run its scheduler until unloaded ------------------------------------
+    def _serve(self, slot: Slot) -> None:
+        from umakit.serve.scheduler import Scheduler
+
+        t0 = time.perf_counter()
+        try:
+            log.info("loading %s", slot.name)
+            model = self._load(slot.name)
+            scheduler = Scheduler(model, self.settings)
+            slot.model, slot.scheduler = model, scheduler
+            slot.bytes = max(model.info.weights.total_bytes, 1)
+
+            def ready():
+                with self._lock:
+                    slot.state = "ready"
+                    slot.loads += 1
+                log.info("loaded %s (%s, %.1f s)", slot.name, _gib(slot.bytes), time.perf_counter() - t0)
+                slot.ready.set()
+
+            with model.engine.wired():
+                scheduler.run(ready=ready, until=lambda: slot.stopping)
+        except Exception as e:  # the load failed: the requests waiting hear why, the server serves the others
+            log.warning("loading %s failed: %s", slot.name, e)
+            with self._lock:
+                slot.state, slot.error = "failed", str(e) if isinstance(e, UmakitError) else f"{type(e).__name__}: {e}"
+                slot.model = slot.scheduler = None
+            slot.ready.set()
+
+    def _unload(self, slot: Slot) -> None:
+        """Stop the model's worker and drop it (called with the lock held)."""
+        if slot.state != "ready":
+            return
+        scheduler, model = slot.scheduler, slot.model
+        device = model.info.device
+        slot.state, slot.stopping = "unloaded", True
+        slot.model = slot.scheduler = None
+        slot.ready.clear()
+        scheduler.stop()
+        if slot.thread is not None and slot.thread is not threading.current_thread():
+            slot.thread.join(timeout=30)
+        del scheduler, model
+        gc.collect()
+        self._release_memory(device)
+        log.info("unloaded %s", slot.name)
+
+    def _reap(self) -> None:
+        while not self._closed:
+            time.sleep(REAP_EVERY_S)
+            now = time.monotonic()
+            with self._lock:
+                for slot in list(self._slots.values()):
+                    if (slot.state == "ready" and slot.active == 0 and slot.keep_alive_s is not None
+                            and now - slot.last_used >= slot.keep_alive_s):
+                        self._unload(slot)
+
+    def close(self) -> None:
+        self._closed = True
+        with self._lock:
+            for slot in self._slots.values():
+                self._unload(slot)
+
+    # -- what it says about itself -------------------------------------------------------------------
+    def cards(self) -> list[dict]:
+        with self._lock:
+            return [{"id": s.name, "loaded": s.state == "ready"} for s in self._slots.values()]
+
+    def metrics(self) -> tuple[dict[str, float], list[tuple[str, dict[str, float]]]]:
+        """Every loaded model's scheduler figures summed (rates and gauges too), and each model's own state."""
+        total: dict[str, float] = {}
+        per_model = []
+        now = time.monotonic()
+        with self._lock:
+            slots = list(self._slots.values())
+        for s in slots:
+            scheduler = s.scheduler
+            if scheduler is not None:
+                for k, v in scheduler.metrics().items():
+                    total[k] = max(total.get(k, 0.0), v) if k in ("peak_gbps", "healthy") else total.get(k, 0.0) + v
+            per_model.append((s.name, {"loaded": float(s.state == "ready"), "loading": float(s.state == "loading"),
+                                       "bytes": float(s.bytes if s.state in ("loading", "ready") else 0),
+                                       "active_requests": float(s.active), "loads_total": float(s.loads),
+                                       "idle_seconds": now - s.last_used if s.last_used else 0.0}))
+        total["healthy"] = float(self.healthy)
+        total["memory_budget_bytes"] = float(self.budget_bytes)
+        return total, per_model
+
+
+def _gib(n: int) -> str:
+    """Bytes for a message: GiB, or MiB under one GiB."""
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
