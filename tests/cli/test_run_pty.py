@@ -73,7 +73,10 @@ def test_ctrl_c_stops_reply_and_session_continues():
     new, reused = say(child, "Thanks!")
     assert reused > 0  # the cut reply stayed in the history and in the cache
     assert "unknown command /frobnicate" in command(child, "/frobnicate")
-    child.sendintr()  # Ctrl-C at an empty prompt exits cleanly
+    child.sendintr()  # Ctrl-C at an empty prompt says how to quit, and does not
+    child.expect_exact("(Ctrl-D or /exit quits)")
+    child.expect_exact(PROMPT)
+    child.sendeof()
     child.expect(pexpect.EOF)
     child.close()
     assert child.exitstatus == 0

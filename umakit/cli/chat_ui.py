@@ -1,9 +1,11 @@
 """The interactive side of `umakit run`: input, slash commands, streaming output.
 
-Nothing typed here ends the session but ``/exit``, Ctrl-D, or Ctrl-C at an
-empty prompt: a failed command or turn is one ``Error:`` line and the prompt
-comes back. Ctrl-C during a turn (just after Enter, in the prefill, in the
-reply) returns to the prompt with the conversation intact.
+Nothing typed here ends the session but ``/exit`` or Ctrl-D: a failed command
+or turn is one ``Error:`` line and the prompt comes back. Ctrl-C during a turn
+(just after Enter, in the prefill, in the reply) returns to the prompt with
+the conversation intact, and at an empty prompt it says how to quit: a Ctrl-C
+meant to stop a reply can land before the line was taken, and must not end
+the chat.
 """
 
 from __future__ import annotations
@@ -35,9 +37,10 @@ HELP = """\
 /stats              totals for this session
 /save FILE          write the transcript (messages, settings, stats) as JSON
 /load FILE          restore a transcript and prefill it
-/exit               quit (also Ctrl-D; Ctrl-C stops a reply)
+/exit               quit (also Ctrl-D; Ctrl-C stops a reply, and never quits)
 A line ending in \\ continues on the next line; a pasted block is one message."""
 
+QUIT_HINT = "(Ctrl-D or /exit quits)"  # what Ctrl-C at an empty prompt says, instead of quitting
 SETTABLE = {"temp": "temperature", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
             "min_p": "min_p", "repetition_penalty": "repetition_penalty"}
 SETTINGS = "temp, top_p, top_k, min_p, repetition_penalty, max_tokens, seed"
@@ -96,7 +99,7 @@ def read_message(prompt: str) -> str | None:
     """One user message: continuation lines with a trailing backslash, and pasted
     blocks (lines already waiting on stdin) joined.
 
-    Ctrl-C at an empty prompt raises KeyboardInterrupt; with text typed, or
+    Ctrl-C at an empty prompt raises KeyboardInterrupt (the chat says how to quit); with text typed, or
     once the first line is entered, it raises `Cancelled` instead (the message
     is dropped, the session goes on).
     """
@@ -254,7 +257,11 @@ class Repl:
                 except Cancelled:
                     self.notice("(cancelled)")
                     continue
-                except (EOFError, KeyboardInterrupt):
+                except KeyboardInterrupt:  # never ends the chat: a Ctrl-C meant for a reply can land here
+                    click.echo()
+                    self.notice(QUIT_HINT)
+                    continue
+                except EOFError:
                     click.echo()
                     return
                 except UnicodeDecodeError as e:
