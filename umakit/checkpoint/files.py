@@ -91,6 +91,14 @@ def resolve(model: str | os.PathLike | None) -> Path:
         )
     if _HUB_ID.match(text) and not text.startswith((".", "/", "~")):
         return _from_hub(text)
+    if os.sep not in text and "/" not in text:
+        from umakit.checkpoint.local import find
+
+        alias = find(text)  # an import's short name, as `umakit ls` lists it
+        if alias is not None:
+            return alias.path
+        raise ModelNotFoundError(f"model not found: {text} (no such directory, file, Hub repo id or name that "
+                                 "`umakit ls` lists)")
     raise ModelNotFoundError(f"model not found: {text} (no such directory, file or Hub repo id)")
 
 

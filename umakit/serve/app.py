@@ -158,7 +158,7 @@ class _Server:
         with whether it is loaded now."""
         created = datetime.fromtimestamp(self.created, timezone.utc).isoformat().replace("+00:00", "Z")
         return {"id": card["id"], "object": "model", "created": self.created, "owned_by": "umakit", "type": "model",
-                "display_name": card["id"], "created_at": created, "loaded": card["loaded"]}
+                "display_name": card["id"], "created_at": created, **{k: v for k, v in card.items() if k != "id"}}
 
     async def _guarded(self, request: Request, respond) -> Response:
         try:

@@ -97,7 +97,8 @@ class OneModel:
         pass
 
     def cards(self) -> list[dict]:
-        return [{"id": self.name, "loaded": True}]
+        return [{"id": self.name, "loaded": True, "bytes": self.model.info.weights.total_bytes,
+                 "unloads_in_s": None}]
 
     def metrics(self) -> tuple[dict[str, float], list[tuple[str, dict[str, float]]]]:
         return self.scheduler.metrics(), []
@@ -294,8 +295,15 @@ class ModelHost:
 
     # -- what it says about itself -------------------------------------------------------------------
     def cards(self) -> list[dict]:
+        """Each model the host knows: whether it is loaded, its bytes, requests holding it, and in how many
+        seconds it unloads if none comes (None: never)."""
+        now = time.monotonic()
         with self._lock:
-            return [{"id": s.name, "loaded": s.state == "ready"} for s in self._slots.values()]
+            return [{"id": s.name, "loaded": s.state == "ready", "bytes": s.bytes if s.state == "ready" else 0,
+                     "active_requests": s.active,
+                     "unloads_in_s": None if s.keep_alive_s is None or s.state != "ready"
+                     else max(s.keep_alive_s - (now - s.last_used), 0.0) if not s.active else s.keep_alive_s}
+                    for s in self._slots.values()]
 
     def metrics(self) -> tuple[dict[str, float], list[tuple[str, dict[str, float]]]]:
         """Every loaded model's scheduler figures summed (rates and gauges too), and each model's own state."""

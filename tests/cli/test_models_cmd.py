@@ -1,0 +1,100 @@
+"""`umakit ls`, `rm` and `ps` on a populated $UMAKIT_HOME and Hugging Face cache, and a real server for `ps`."""
+
+from __future__ import annotations
+
+import shutil
+
+import httpx
+import pytest
+from click.testing import CliRunner
+
+from umakit.cli.main import main
+from support.serve_helpers import ServerProcess
+
+
+@pytest.fixture
+def populated(tmp_path, monkeypatch, tiny_dir):
+    """$UMAKIT_HOME with two imports (one a GGUF import), and a Hub cache with one model and one dataset."""
+    home, hub = tmp_path / "home", tmp_path / "hub"
+    monkeypatch.setenv("UMAKIT_HOME", str(home))
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub))
+    import huggingface_hub.constants  # read at import: a process that imported it already needs this too
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(hub))
+    shutil.copytree(tiny_dir("llama"), home / "models" / "tiny-llama")
+    shutil.copytree(tiny_dir("qwen3"), home / "models" / "gguf" / "tiny-qwen3-0123456789ab")
+    snapshot = hub / "models--org--tiny" / "snapshots" / ("a" * 40)
+    shutil.copytree(tiny_dir("llama"), snapshot)
+    (hub / "models--org--tiny" / "refs").mkdir()
+    (hub / "models--org--tiny" / "refs" / "main").write_text("a" * 40)
+    (hub / "models--org--tiny" / "blobs").mkdir()
+    data = hub / "datasets--org--text" / "snapshots" / ("b" * 40)
+    data.mkdir(parents=True)
+    (data / "train.txt").write_text("x")
+    (hub / "datasets--org--text" / "refs").mkdir()
+    (hub / "datasets--org--text" / "blobs").mkdir()
+    return home, hub
+
+
+def cli(*args):
+    return CliRunner().invoke(main, list(args))
+
+
+def test_ls_lists_imports_and_hub_models(populated):
+    r = cli("ls")
+    assert r.exit_code == 0, r.output
+    lines = r.output.splitlines()
+    assert lines[0].split() == ["NAME", "SIZE", "ARCH", "QUANTIZATION", "FROM"]
+    names = {line.split()[0]: line for line in lines[1:]}
+    assert set(names) == {"tiny-llama", "tiny-qwen3-0123456789ab", "org/tiny"}  # no dataset
+    assert "llama" in names["tiny-llama"] and "import" in names["tiny-llama"]
+    assert "qwen3" in names["tiny-qwen3-0123456789ab"] and "hub cache" in names["org/tiny"]
+
+
+def test_an_import_is_loaded_by_its_short_name(populated):
+    import umakit
+
+    model = umakit.load("tiny-llama", backend="torch")
+    assert model.info.path == populated[0] / "models" / "tiny-llama"
+    r = cli("generate", "-m", "no-such-model", "-p", "x")
+    assert r.exit_code == 1 and r.output.strip() == (
+        "Error: model not found: no-such-model (no such directory, file, Hub repo id or name that `umakit ls` lists)")
+
+
+def test_rm_removes_an_import_and_a_hub_repo(populated):
+    home, hub = populated
+    r = cli("rm", "tiny-qwen3-0123456789ab", "--server", "http://127.0.0.1:9")  # no server there
+    assert r.exit_code == 0, r.output
+    assert r.output.startswith("Removed tiny-qwen3-0123456789ab (") and not (home / "models" / "gguf" /
+                                                                              "tiny-qwen3-0123456789ab").exists()
+    assert list((home / "models" / "gguf").iterdir()) == []  # nothing half-removed left behind
+    r = cli("rm", "org/tiny", "--server", "http://127.0.0.1:9")
+    assert r.exit_code == 0, r.output
+    assert "org/tiny" not in cli("ls").output and not (hub / "models--org--tiny").exists()
+    r = cli("rm", "nope", "--server", "http://127.0.0.1:9")
+    assert r.exit_code == 1 and r.output.strip() == "Error: no local model named 'nope'; `umakit ls` lists them"
+
+
+@pytest.mark.slow
+def test_ps_and_rm_of_a_model_a_server_holds(populated, tmp_path):
+    home, _ = populated
+    srv = ServerProcess(None, ["--backend", "torch", "--peak-bandwidth", "100", "--keep-alive", "-1"],
+                        tmp_path / "host.log", env={"UMAKIT_HOME": str(home)})
+    try:
+        srv.wait_healthy()
+        r = cli("ps", "--server", srv.url)
+        assert r.exit_code == 0 and r.output.strip() == f"No model loaded at {srv.url}."
+        reply = httpx.post(f"{srv.url}/v1/completions", json={"model": "tiny-llama", "prompt": "The", "max_tokens": 2},
+                           timeout=60)
+        assert reply.status_code == 200, reply.text
+        r = cli("ps", "--server", srv.url)
+        assert r.exit_code == 0, r.output
+        row = r.output.splitlines()[1].split()
+        assert row[0] == "tiny-llama" and row[-1] == "never"
+        r = cli("rm", "tiny-llama", "--server", srv.url)
+        assert r.exit_code == 1 and "has tiny-llama loaded" in r.output
+        assert (home / "models" / "tiny-llama" / "config.json").is_file()
+    finally:
+        srv.stop()
+    r = cli("ps", "--server", srv.url)
+    assert r.exit_code == 1 and "no umakit server answers" in r.output

@@ -1,0 +1,119 @@
+"""The models on this machine umakit can load without a download: what `umakit ls` lists and `umakit rm` removes.
+
+Two places hold them. ``$UMAKIT_HOME/models`` holds umakit's own imports: the
+built-in model, `umakit import` outputs, and GGUF files imported on first use
+(``models/gguf/<file stem>-<key>``). The Hugging Face cache holds the Hub
+snapshots `umakit.load("org/name")` downloaded; those with a config.json are
+listed. An import is named by its directory's name, which `umakit.load` and a
+server's ``model`` field take as a short alias (`find`); a Hub snapshot by
+its repo id.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from umakit.core.home import umakit_home
+from umakit.errors import ModelNotFoundError
+
+IMPORTS, HUB = "import", "hub"
+
+
+@dataclass(frozen=True)
+class LocalModel:
+    name: str  # what `umakit run NAME` and a request's "model" take
+    kind: str  # IMPORTS or HUB
+    path: Path  # the directory umakit loads
+    bytes: int  # on disk (a Hub repo: all its cached revisions)
+    architecture: str  # config.json's model_type ("?" when unreadable)
+    quantization: str  # "4-bit g64", "float16", ...
+    revisions: tuple[str, ...] = ()  # a Hub repo's cached commit hashes
+
+
+def _describe(path: Path) -> tuple[str, str]:
+    """(architecture, quantization) from a model directory's config.json, without parsing weights."""
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return "?", "?"
+    text = config.get("text_config") or {}
+    arch = config.get("model_type") or text.get("model_type") or "?"
+    q = config.get("quantization") or config.get("quantization_config")
+    if isinstance(q, dict) and "bits" in q:
+        return arch, f"{q['bits']}-bit g{q.get('group_size', '?')}"
+    return arch, str(config.get("torch_dtype") or config.get("dtype") or text.get("torch_dtype") or "?")
+
+
+def _imports() -> list[LocalModel]:
+    from umakit.checkpoint.files import size_on_disk
+
+    root = umakit_home() / "models"
+    found = []
+    for folder in (root, root / "gguf"):
+        if not folder.is_dir():
+            continue
+        for path in sorted(folder.iterdir()):
+            if (path / "config.json").is_file():
+                found.append(LocalModel(path.name, IMPORTS, path, size_on_disk(path), *_describe(path)))
+    return found
+
+
+def _hub() -> list[LocalModel]:
+    try:
+        from huggingface_hub.errors import CacheNotFound
+    except ImportError:  # pragma: no cover - a declared dependency
+        return []
+    try:
+        cache = _scan()
+    except (CacheNotFound, OSError, ValueError):
+        return []
+    found = []
+    for repo in sorted(cache.repos, key=lambda r: r.repo_id):
+        if repo.repo_type != "model":
+            continue
+        latest = max(repo.revisions, key=lambda r: r.last_modified, default=None)
+        if latest is None or not (Path(latest.snapshot_path) / "config.json").is_file():
+            continue
+        path = Path(latest.snapshot_path)
+        found.append(LocalModel(repo.repo_id, HUB, path, repo.size_on_disk, *_describe(path),
+                                tuple(r.commit_hash for r in repo.revisions)))
+    return found
+
+
+def local_models() -> list[LocalModel]:
+    """Every model umakit can load from this machine's disks, imports first."""
+    return _imports() + _hub()
+
+
+def find(name: str) -> LocalModel | None:
+    """The local model ``name`` names: an import's directory name, or (with a slash) a cached Hub repo id."""
+    for m in _imports() + (_hub() if "/" in name else []):
+        if m.name == name:
+            return m
+    return None
+
+
+def remove(name: str) -> LocalModel:
+    """Delete the local model ``name`` (an import's directory, or a Hub repo's cached revisions); returns what it
+    was. An import is renamed away first, so a half-deleted directory is never listed or loaded."""
+    model = find(name)
+    if model is None:
+        raise ModelNotFoundError(f"no local model named {name!r}; `umakit ls` lists them")
+    if model.kind == IMPORTS:
+        doomed = model.path.with_name(f".{model.path.name}.removing-{os.getpid()}")
+        os.replace(model.path, doomed)
+        shutil.rmtree(doomed)
+    else:
+        _scan().delete_revisions(*model.revisions).execute()
+    return model
+
+
+def _scan():
+    """The Hugging Face cache, where the Hub library puts it now (its `constants.HF_HUB_CACHE`)."""
+    from huggingface_hub import constants, scan_cache_dir
+
+    return scan_cache_dir(constants.HF_HUB_CACHE)
