@@ -35,16 +35,23 @@ from umakit.cli.flags import (
 @kv_bits_option
 @constraint_options()
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, tokens, finish reason, stats).")
+@click.option("--server", "server_url", envvar="UMAKIT_HOST", default="http://127.0.0.1:8080", show_default=True,
+              metavar="URL", help="Send the prompt to the umakit server here when one answers (default: $UMAKIT_HOST).")
+@click.option("--no-server", is_flag=True, help="Load the model in this process even when a server answers.")
 @sampling_options
 @model_options
 @offload_options
 @quantize_option
 @speculative_options
 @parallel_option
-def generate(model, prompt, system, raw, stop, kv_bits, json_schema, regex, choices, grammar, as_json, max_tokens, seed,
-             backend, device, dtype, peak_bandwidth, gpu_layers, vram_budget, quantize, draft, draft_tokens,
-             prompt_lookup, ngram, parallel, **sampling):
-    """Generate a reply to one prompt."""
+def generate(model, prompt, system, raw, stop, kv_bits, json_schema, regex, choices, grammar, as_json, server_url,
+             no_server, max_tokens, seed, backend, device, dtype, peak_bandwidth, gpu_layers, vram_budget, quantize,
+             draft, draft_tokens, prompt_lookup, ngram, parallel, **sampling):
+    """Generate a reply to one prompt.
+
+    When a umakit server answers at --server (and no flag asks for how this process loads or runs the model:
+    an engine option, --kv-bits, --quantize, offload, speculation, --json), the prompt goes there, where the
+    model may be loaded already; else, or with --no-server, the model loads here."""
     from umakit.core import validate
     from umakit.generate.stream import collect
 
@@ -56,6 +63,11 @@ def generate(model, prompt, system, raw, stop, kv_bits, json_schema, regex, choi
     system = None if system is None else validate.text(system, "--system")
     stop = tuple(validate.text(s, "--stop") for s in stop)
     constraint = read_constraint(json_schema, regex, choices, grammar)
+    local_only = (kv_bits, quantize, gpu_layers, vram_budget, draft, parallel, device, peak_bandwidth)
+    if not no_server and not as_json and not prompt_lookup and all(v is None for v in local_only) \
+            and backend == "auto" and dtype == "auto" and _attached(server_url, model, prompt, system, raw, max_tokens,
+                                                                    stop, seed, sampling, constraint):
+        return
     m = load_model(model, parallel=parallel, **load)
     m.device_info  # the stats line needs it: a probe whose cache cannot be written fails here, before any reply
     chunks = m.stream(prompt, system=system, raw=raw, max_tokens=max_tokens, stop=stop, seed=seed, kv_bits=kv_bits,
@@ -72,3 +84,26 @@ def generate(model, prompt, system, raw, stop, kv_bits, json_schema, regex, choi
             if chunk.stats is not None:
                 click.echo()
                 click.echo(f"[{chunk.finish_reason}] " + stats_line(chunk.stats), err=True)
+
+
+def _attached(url, model, prompt, system, raw, max_tokens, stop, seed, sampling, constraint) -> bool:
+    """Run the prompt on the server at ``url``, if one answers and serves the model; False: it did not."""
+    import os
+
+    from umakit.checkpoint.default import DEFAULT_MODEL_NAME
+    from umakit.cli import attach
+
+    if not attach.server_at(url):
+        return False
+    name = DEFAULT_MODEL_NAME if model is None else os.path.abspath(model) if os.path.exists(model) else model
+    reply = attach.stream(url, name, prompt, system=system, raw=raw, max_tokens=max_tokens, stop=stop, seed=seed,
+                          sampling={k: sampling[k] for k in SAMPLING_KEYS}, constraint=constraint,
+                          api_key=os.environ.get("UMAKIT_API_KEY"))
+    if reply is None:  # the server does not serve this model: load it here
+        return False
+    for text in reply:
+        click.echo(text, nl=False)
+    click.echo()
+    click.echo(f"[{reply.finish}] " + attach.stats_line(reply), err=True)
+    return True
+

@@ -111,8 +111,9 @@ class _Server:
 
     # -- plain routes -----------------------------------------------------------------------------------
     async def health(self, request: Request) -> Response:
-        ok = self.models.healthy
-        return self._count(JSONResponse({"status": "ok" if ok else "unhealthy"}, status_code=200 if ok else 503))
+        ok = self.models.healthy  # "server": what a CLI looks for before it attaches (umakit/cli/attach.py)
+        return self._count(JSONResponse({"status": "ok" if ok else "unhealthy", "server": "umakit"},
+                                        status_code=200 if ok else 503))
 
     async def list_models(self, request: Request) -> Response:
         return await self._guarded(request, lambda: JSONResponse(
