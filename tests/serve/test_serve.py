@@ -95,7 +95,7 @@ def test_models_and_health(server, client, name):
     assert [m.id for m in client.models.list()] == [name]
     assert client.models.retrieve(name).id == name
     r = httpx.get(f"{server.url}/health")  # no key needed
-    assert (r.status_code, r.json()) == (200, {"status": "ok"})
+    assert (r.status_code, r.json()) == (200, {"status": "ok", "server": "umakit"})
 
 
 def test_chat_matches_local_generate_with_usage(client, local, name):
@@ -410,7 +410,7 @@ def test_worker_failure_is_a_500_with_the_reason_then_it_restarts(local, name, m
             time.sleep(0.05)
         ok, health, text = asgi_calls(app, [chat, ("GET", "/health", None), ("GET", "/metrics", None)])
         assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] is not None
-        assert health.json() == {"status": "ok"}
+        assert health.json() == {"status": "ok", "server": "umakit"}
         m = read_metrics(text.text)
         assert m["umakit_worker_restarts_total"] == 1 and m["umakit_requests_failed_total"] == 1
     finally:

@@ -92,7 +92,7 @@ def resolve(model: str | os.PathLike | None) -> Path:
     if _HUB_ID.match(text) and not text.startswith((".", "/", "~")):
         return _from_hub(text)
     if os.sep not in text and "/" not in text:
-        from umakit.checkpoint.local import find
+        from umakit.checkpoint.inventory import find
 
         alias = find(text)  # an import's short name, as `umakit ls` lists it
         if alias is not None:

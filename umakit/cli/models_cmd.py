@@ -27,7 +27,7 @@ def _table(rows: list[list[str]], right: set[int] = frozenset()) -> str:
 def ls_cmd():
     """List the models umakit can load from this machine: its imports (names `umakit run NAME` takes) and the
     Hugging Face cache's snapshots."""
-    from umakit.checkpoint.local import local_models
+    from umakit.checkpoint.inventory import local_models
 
     found = local_models()
     if not found:
@@ -54,7 +54,7 @@ def _loaded(server_url: str) -> list[dict] | None:
 def rm_cmd(name, server_url):
     """Remove a local model (an import, or a Hub repo's cached snapshots), saying what and how much. A model a
     running server has loaded is refused."""
-    from umakit.checkpoint.local import find, remove
+    from umakit.checkpoint.inventory import find, remove
     from umakit.errors import InvalidArgumentError, ModelNotFoundError
 
     model = find(name)

@@ -48,9 +48,11 @@ def _describe(path: Path) -> tuple[str, str]:
     return arch, str(config.get("torch_dtype") or config.get("dtype") or text.get("torch_dtype") or "?")
 
 
-def _imports() -> list[LocalModel]:
-    from umakit.checkpoint.files import size_on_disk
+def _weights_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.glob("*.safetensors"))
 
+
+def _imports() -> list[LocalModel]:
     root = umakit_home() / "models"
     found = []
     for folder in (root, root / "gguf"):
@@ -58,7 +60,7 @@ def _imports() -> list[LocalModel]:
             continue
         for path in sorted(folder.iterdir()):
             if (path / "config.json").is_file():
-                found.append(LocalModel(path.name, IMPORTS, path, size_on_disk(path), *_describe(path)))
+                found.append(LocalModel(path.name, IMPORTS, path, _weights_bytes(path), *_describe(path)))
     return found
 
 
