@@ -213,10 +213,11 @@ def read_constraint(json_schema, regex, choices, grammar) -> dict:
     checked by the library before any model loads: a bad file, pattern or grammar, or two at once, is an error."""
     from umakit.core import validate
     from umakit.errors import InvalidArgumentError
-    from umakit.generate.constrain import from_options
 
     flags = [f for f, v in (("--json-schema", json_schema), ("--regex", regex), ("--choice", choices or None),
                             ("--grammar", grammar)) if v is not None]
+    if not flags:  # nothing to check (and the grammar engine, numpy with it, stays unimported)
+        return dict(schema=None, regex=None, choices=None, grammar=None)
     if len(flags) > 1:
         raise InvalidArgumentError(f"give at most one of --json-schema, --regex, --choice and --grammar "
                                    f"(got {' and '.join(flags)})")
@@ -224,5 +225,7 @@ def read_constraint(json_schema, regex, choices, grammar) -> dict:
                  regex=None if regex is None else validate.text(regex, "--regex"),
                  choices=tuple(validate.text(c, "--choice") for c in choices) or None,
                  grammar=None if grammar is None else validate.read_text(grammar, "grammar file"))
+    from umakit.generate.constrain import from_options
+
     from_options(**given)
     return given
