@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import httpx
@@ -98,3 +99,54 @@ def test_ps_and_rm_of_a_model_a_server_holds(populated, tmp_path):
         srv.stop()
     r = cli("ps", "--server", srv.url)
     assert r.exit_code == 1 and "no umakit server answers" in r.output
+
+
+# -- umakit pull, against a local server posing as the Hub --------------------------------------------------
+@pytest.fixture
+def hub(tmp_path):
+    from support.fake_hub import FakeHub
+    from support.gguf_files import write_gguf
+    from support.tiny import make_tiny_model
+
+    # wide enough that its weights (27 MB) pass the Hub library's 10 MiB write chunk: a cut after one is resumable
+    wide = make_tiny_model("llama", tmp_path / "wide", hidden_size=512, intermediate_size=1536)
+    ggufs = tmp_path / "ggufs"
+    ggufs.mkdir()
+    write_gguf(ggufs / "tiny.Q8_0.gguf")
+    fake = FakeHub({"org/tiny": wide, "org/tiny-gguf": ggufs})
+    yield fake
+    fake.close()
+
+
+def pull(hub, tmp_path, *args):
+    import subprocess
+    import sys
+
+    env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_HUB_CACHE": str(tmp_path / "hub"),
+           "UMAKIT_HOME": str(tmp_path / "home"), "HF_HUB_DISABLE_XET": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+    return subprocess.run([sys.executable, "-m", "umakit.cli.main", *args], capture_output=True, text=True, env=env,
+                          timeout=120)
+
+
+@pytest.mark.slow
+def test_pull_a_repo_and_a_gguf_file_resuming_a_cut_transfer(hub, tmp_path):
+    # cut past the first 10 MiB (kept), then at once on every retry: the pull gives up with a partial file
+    hub.cut_after["model.safetensors"] = [12 << 20] + [1] * 30
+    first = pull(hub, tmp_path, "pull", "org/tiny")
+    assert first.returncode == 1 and first.stderr.strip().splitlines()[-1].startswith("Error: ")
+    assert "Traceback" not in first.stderr
+    assert "org/tiny" not in pull(hub, tmp_path, "ls").stdout  # nothing half-downloaded is listed
+    hub.cut_after["model.safetensors"] = []  # whole now: this pull resumes what the last one kept
+    again = pull(hub, tmp_path, "pull", "org/tiny")
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.startswith("Pulled org/tiny: ") and "umakit run org/tiny" in again.stdout
+    starts = [int(r.split("=")[1].split("-")[0]) for name, r in hub.ranges if name == "model.safetensors"]
+    assert starts and starts[-1] >= 10 << 20  # the last transfer resumed past what the earlier ones had kept
+    listed = pull(hub, tmp_path, "ls").stdout
+    assert "org/tiny" in listed and "hub cache" in listed
+    done = pull(hub, tmp_path, "pull", "org/tiny-gguf:tiny.Q8_0.gguf")
+    assert done.returncode == 0, done.stderr
+    name = done.stdout.split("umakit run ")[1].strip()
+    assert name.startswith("tiny.Q8_0-") and name in pull(hub, tmp_path, "ls").stdout
+    missing = pull(hub, tmp_path, "pull", "org/nope")
+    assert missing.returncode == 1 and len(missing.stderr.strip().splitlines()) == 1

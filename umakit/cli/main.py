@@ -26,6 +26,7 @@ COMMANDS = {
     "import": "umakit.cli.import_cmd:import_cmd",
     "ls": "umakit.cli.models_cmd:ls_cmd",
     "ps": "umakit.cli.models_cmd:ps_cmd",
+    "pull": "umakit.cli.models_cmd:pull_cmd",
     "rm": "umakit.cli.models_cmd:rm_cmd",
     "plan": "umakit.cli.plan_cmd:plan",
     "quantize": "umakit.cli.quantize_cmd:quantize_cmd",

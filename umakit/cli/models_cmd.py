@@ -89,3 +89,18 @@ def ps_cmd(server_url):
                      "never" if until is None else "after this request" if until == 0 and c.get("active_requests")
                      else f"in {until:.0f} s"])
     click.echo(_table(rows, right={1, 2}))
+
+
+@click.command("pull")
+@click.argument("source", metavar="REPO[:FILE]")
+def pull_cmd(source):
+    """Download a Hugging Face Hub model (its safetensors, config and tokenizer), or one GGUF file of a repo
+    (org/name:file.gguf) and import it; an interrupted download resumes on the next pull."""
+    from umakit.checkpoint.inventory import pull
+    from umakit.checkpoint.files import size_on_disk
+
+    repo, _, filename = source.partition(":")
+    path = pull(repo, filename or None)
+    name = path.name if filename else repo
+    click.echo(f"Pulled {source}: {size(size_on_disk(path))}; run it with: umakit run {name}")
+

@@ -62,9 +62,10 @@ def cached_import(gguf_path: str | os.PathLike) -> Path:
     `IMPORTER`, so a changed file (or importer) is imported again and an unchanged
     one is not even parsed.
     """
-    path = Path(gguf_path).expanduser().resolve()
+    given = Path(gguf_path).expanduser()
+    path = given.resolve()  # a Hub cache's snapshot file is a link to a blob named by its hash
     if not path.is_file():
         raise ModelNotFoundError(f"{path} does not exist or is not a file")
     stat = path.stat()
     key = hashlib.sha256(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}\0{IMPORTER}".encode()).hexdigest()[:12]
-    return import_once(path, umakit_home() / "models" / "gguf" / f"{path.stem}-{key}")
+    return import_once(path, umakit_home() / "models" / "gguf" / f"{given.stem}-{key}")
