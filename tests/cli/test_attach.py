@@ -9,21 +9,16 @@ import sys
 
 import pytest
 
-from support.serve_helpers import ServerProcess
+from support.serve_helpers import ServerProcess, start_server
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def server(tiny_dir, tmp_path_factory):
-    home = tmp_path_factory.getbasetemp() / "umakit_home"
-    srv = ServerProcess(None, ["--backend", "torch", "--peak-bandwidth", "100", "--keep-alive", "-1"],
-                        tmp_path_factory.mktemp("attach") / "server.log", env={"UMAKIT_HOME": str(home)})
-    try:
-        srv.wait_healthy()
-        yield srv
-    finally:
-        srv.stop()
+def server(tmp_path_factory):
+    srv = start_server(None, ["--backend", "torch", "--peak-bandwidth", "100", "--keep-alive", "-1"], tmp_path_factory)
+    yield srv
+    srv.stop()
 
 
 def generate(*args, **kw):

@@ -17,7 +17,7 @@ import httpx
 import jsonschema
 import pytest
 
-from support.serve_helpers import ServerProcess, read_metrics
+from support.serve_helpers import read_metrics, start_server
 from support.tiny import make_tiny_model, write_tokenizer
 
 openai = pytest.importorskip("openai")
@@ -50,15 +50,8 @@ RECORD = {  # nested objects, arrays, enums, required fields; bounded
 
 
 def _server(path, tmp_path_factory, *extra):
-    home = tmp_path_factory.getbasetemp() / "umakit_home"
-    srv = ServerProcess(path, ["--backend", "torch", "--api-key", KEY, "--peak-bandwidth", PEAK, *extra],
-                        tmp_path_factory.mktemp("serve") / "server.log", env={"UMAKIT_HOME": str(home)})
-    try:
-        srv.wait_healthy()
-    except BaseException:
-        srv.stop()
-        raise
-    return srv
+    return start_server(path, ["--backend", "torch", "--api-key", KEY, "--peak-bandwidth", PEAK, *extra],
+                        tmp_path_factory)
 
 
 LONG = 4096  # context: the tools' descriptions take hundreds of the tiny vocabulary's tokens

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from support.markers import requires_default_model
-from support.serve_helpers import ServerProcess, read_metrics
+from support.serve_helpers import read_metrics, start_server
 from support.tiny import make_tiny_model
 
 openai = pytest.importorskip("openai")
@@ -38,15 +38,7 @@ def local(paths):
 
 
 def start(tmp_path_factory, *args):
-    home = tmp_path_factory.getbasetemp() / "umakit_home"
-    srv = ServerProcess(None, ["--backend", "torch", "--peak-bandwidth", PEAK, *args],
-                        tmp_path_factory.mktemp("serve") / "host.log", env={"UMAKIT_HOME": str(home)})
-    try:
-        srv.wait_healthy()
-    except BaseException:
-        srv.stop()
-        raise
-    return srv
+    return start_server(None, ["--backend", "torch", "--peak-bandwidth", PEAK, *args], tmp_path_factory, "host")
 
 
 @pytest.fixture(scope="module")

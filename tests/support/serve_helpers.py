@@ -56,6 +56,18 @@ class ServerProcess:
         self._stderr.close()
 
 
+def start_server(model, args: list[str], tmp_path_factory, name: str = "server") -> ServerProcess:
+    """A server for a test module (its $UMAKIT_HOME the session's), healthy; the caller stops it."""
+    home = tmp_path_factory.getbasetemp() / "umakit_home"
+    srv = ServerProcess(model, args, tmp_path_factory.mktemp("serve") / f"{name}.log", env={"UMAKIT_HOME": str(home)})
+    try:
+        srv.wait_healthy()
+    except BaseException:
+        srv.stop()
+        raise
+    return srv
+
+
 def read_metrics(text: str) -> dict[str, float]:
     """Prometheus text -> {name (labels included): value}; checks that every sample has HELP and TYPE lines."""
     values, described = {}, set()
