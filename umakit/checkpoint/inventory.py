@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from umakit.core.home import umakit_home
-from umakit.errors import InvalidArgumentError, ModelNotFoundError
+from umakit.errors import ModelNotFoundError
 
 IMPORTS, HUB = "import", "hub"
 
@@ -99,29 +99,6 @@ def _complete(path: Path) -> bool:
             return False
         return all((path / shard).is_file() for shard in shards)
     return (path / "model.safetensors").is_file()
-
-
-def pull(repo_id: str, filename: str | None = None) -> Path:
-    """Download a Hub repo's model (config, tokenizer, safetensors) or, with ``filename``, one GGUF file of it and
-    import it; returns the directory umakit loads. An interrupted download resumes where it stopped (the Hub
-    library keeps the partial file), and nothing is listed until it is whole."""
-    from huggingface_hub import hf_hub_download
-
-    from umakit.checkpoint import files
-
-    if filename is None:
-        return files.resolve(repo_id) if "/" in repo_id else _not_a_repo(repo_id)
-    if not filename.endswith(".gguf"):
-        raise InvalidArgumentError(f"{filename}: umakit pulls one file of a repo only when it is a .gguf")
-    try:
-        path = hf_hub_download(repo_id, filename)
-    except Exception as e:  # the Hub library raises many unrelated types here
-        raise ModelNotFoundError(f"could not download {repo_id}:{filename} ({type(e).__name__}: {e})") from e
-    return files.resolve(path)
-
-
-def _not_a_repo(name: str):
-    raise InvalidArgumentError(f"{name}: give a Hub repo id (org/name), or org/name:FILE.gguf")
 
 
 def local_models() -> list[LocalModel]:

@@ -96,7 +96,7 @@ def ps_cmd(server_url):
 def pull_cmd(source):
     """Download a Hugging Face Hub model (its safetensors, config and tokenizer), or one GGUF file of a repo
     (org/name:file.gguf) and import it; an interrupted download resumes on the next pull."""
-    from umakit.checkpoint.inventory import pull
+    from umakit.checkpoint.pull import pull
     from umakit.checkpoint.files import size_on_disk
 
     repo, _, filename = source.partition(":")
