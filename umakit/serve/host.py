@@ -162,19 +162,36 @@ class ModelHost:
             return Lease(name, slot.model, slot.scheduler, slot)
 
     def _start(self, name: str) -> Slot:
-        """Hold ``name``'s slot for a request, starting its load when it is not loaded."""
+        """Hold ``name``'s slot for a request, starting its load when it is not loaded.
+
+        Finding the model's files (which may import a GGUF or download from the Hub) happens outside the
+        lock, so requests for other models never wait on it; a load another request started meanwhile is
+        joined, not repeated."""
+        slot = self._hold(name)
+        if slot is not None:
+            return slot
+        need = self._bytes_of(name)
+        with self._lock:
+            slot = self._hold(name)
+            if slot is not None:
+                return slot
+            self._make_room(name, need)
+            slot = self._slots.get(name) or Slot(name, keep_alive_s=self.keep_alive_s)
+            self._slots[name] = slot
+            slot.state, slot.error, slot.bytes, slot.stopping = "loading", None, need, False
+            slot.ready.clear()
+            slot.thread = threading.Thread(target=self._serve, args=(slot,), name=f"umakit-model-{name}", daemon=True)
+            slot.thread.start()
+            slot.active += 1
+            slot.last_used = time.monotonic()
+            return slot
+
+    def _hold(self, name: str) -> Slot | None:
+        """``name``'s slot, held for a request, when it is loaded or loading; else None."""
         with self._lock:
             slot = self._slots.get(name)
-            if slot is None or slot.state in ("unloaded", "failed"):
-                need = self._bytes_of(name, slot)
-                self._make_room(name, need)
-                slot = slot or Slot(name, keep_alive_s=self.keep_alive_s)
-                self._slots[name] = slot
-                slot.state, slot.error, slot.bytes, slot.stopping = "loading", None, need, False
-                slot.ready.clear()
-                slot.thread = threading.Thread(target=self._serve, args=(slot,), name=f"umakit-model-{name}",
-                                               daemon=True)
-                slot.thread.start()
+            if slot is None or slot.state not in ("loading", "ready"):
+                return None
             slot.active += 1
             slot.last_used = time.monotonic()
             return slot
@@ -201,11 +218,12 @@ class ModelHost:
             if slot.active == 0 and slot.keep_alive_s == 0:
                 self._unload(slot)
 
-    def _bytes_of(self, name: str, slot: Slot | None) -> int:
+    def _bytes_of(self, name: str) -> int:
         try:
             return self._size(name)
         except UmakitError as e:
-            known = [s for s in self._slots if s != name]
+            with self._lock:
+                known = [s for s in self._slots if s != name]
             close = difflib.get_close_matches(name, known, n=3)
             hint = f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else ""
             raise APIError(404, f"the model '{name}' does not exist: {e}{hint}", param="model") from e
