@@ -1,10 +1,14 @@
-"""`umakit serve`: an OpenAI-compatible HTTP server over one loaded model.
+"""`umakit serve`: OpenAI's and Anthropic's HTTP APIs over one loaded model, or many by name.
 
 - types.py: what the HTTP layer and the scheduler exchange (requests in, events out);
-- scheduler.py: the one owner of the engine, continuous batching across requests, supervised;
+- scheduler.py: the one owner of an engine, continuous batching across requests, supervised;
+- host.py: the models a server answers for: one fixed (`OneModel`), or many loaded by name (`ModelHost`);
 - prompt_cache.py: KV caches kept across requests, bounded in bytes;
-- protocol.py: OpenAI's request and response shapes, validation, and every error body;
-- app.py: the Starlette routes (`make_app`), streaming, auth, /health and /metrics.
+- protocol.py, openai_shapes.py: OpenAI's requests and replies; anthropic.py, openai_responses.py: the other APIs;
+- conversation.py, replies.py, toolcalls/: a chat's template, tools and constraint; its reply split into
+  reasoning, content and tool calls;
+- outputs.py: what a request's events become for its API; api_errors.py: every error body; metrics.py: /metrics;
+- app.py: the Starlette routes (`make_app`), streaming, auth, CORS and /health.
 
     from umakit.serve import Scheduler, SchedulerSettings, make_app
     scheduler = Scheduler(model, SchedulerSettings(max_concurrency=8)); scheduler.start()
