@@ -211,6 +211,7 @@ class ModelHost:
         """The request is over; the model stays loaded idle for ``keep_alive`` seconds (the request's own; negative:
         forever), or else the server's keep-alive, counted from the last request to end."""
         slot = lease.slot
+        lease.model = lease.scheduler = None  # the caller's lease must not keep an unloaded model's arrays alive
         with self._lock:
             slot.active -= 1
             slot.last_used = time.monotonic()
