@@ -1,6 +1,6 @@
 """The cost of constrained decoding: decode tok/s with and without a JSON schema, at batch 1 and 8, in one run.
 
-    python benchmarks/structured.py [--tokens 192] [--repeat 3] [--backend torch] [--device cuda]
+    python benchmarks/structured.py [--model FILE.gguf] [--tokens 192] [--repeat 3] [--backend torch] [--device cuda]
 
 The default model answers the same prompts (asking for a city as a JSON record) greedily through
 `Model.generate_batch`, once free and once under SCHEMA (nested objects, strings bounded by maxLength, numbers, an
@@ -96,12 +96,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=192, help="max_tokens of every row")
     ap.add_argument("--repeat", type=int, default=3, help="rounds; the table holds the medians")
+    ap.add_argument("--model", default=None, help="a model directory or .gguf (default: the built-in model)")
     ap.add_argument("--backend", default="torch")
     ap.add_argument("--device", default=None)
     ap.add_argument("--dtype", default="auto")
     args = ap.parse_args()
 
-    model = umakit.load(backend=args.backend, device=args.device, dtype=args.dtype)
+    model = umakit.load(args.model, backend=args.backend, device=args.device, dtype=args.dtype)
     for batch in BATCHES:  # warm-up: kernels, allocator, llguidance's vocabulary
         for constrained in (False, True):
             run(model, batch, 8, constrained)

@@ -102,7 +102,8 @@ class Model:
 
         Give ``prompt`` (a user message, sent through the chat template unless
         ``raw``) or ``messages``. ``schema``, ``regex``, ``choices`` or ``grammar``
-        constrain the reply: with greedy sampling a schema's reply always parses and validates. Speculative decoding is lossless: greedy text
+        constrain the reply: greedy, a schema's reply always parses and validates.
+        Speculative decoding is lossless: greedy text
         is unchanged and sampled text keeps its distribution; ``draft`` or
         ``prompt_lookup`` propose up to ``draft_tokens`` tokens that one target
         step verifies.

@@ -204,7 +204,6 @@ class TokenSampler:
             self.counts = self.ops.scatter(self.counts, at, self.ops.gather(self.counts, at) + 1)
         return token, logits
 
-
     def accept(self, token: int) -> None:
         """The token this row returned (its constraint, if any, moves past it)."""
         if self.constraint is not None:

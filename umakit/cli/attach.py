@@ -11,20 +11,13 @@ the caller loads the model itself.
 from __future__ import annotations
 
 import json
-import os
 import urllib.error
 import urllib.request
 from typing import Iterator
 
 from umakit.errors import UmakitError
 
-HOST_ENV = "UMAKIT_HOST"
-DEFAULT_URL = "http://127.0.0.1:8080"
 PROBE_S = 0.3  # how long the health probe waits: a server on this machine answers in milliseconds
-
-
-def default_url() -> str:
-    return os.environ.get(HOST_ENV) or DEFAULT_URL
 
 
 def server_at(url: str) -> bool:

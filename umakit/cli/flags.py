@@ -229,3 +229,15 @@ def read_constraint(json_schema, regex, choices, grammar) -> dict:
 
     from_options(**given)
     return given
+
+
+HOST_ENV = "UMAKIT_HOST"  # where the CLI looks for a running `umakit serve`
+
+
+def server_option(help_text: str):
+    """--server URL: the running umakit server a command talks to (default $UMAKIT_HOST, else the serve default)."""
+    from umakit.serve import DEFAULT_HOST, DEFAULT_PORT
+
+    return click.option("--server", "server_url", envvar=HOST_ENV, default=f"http://{DEFAULT_HOST}:{DEFAULT_PORT}",
+                        show_default=True, metavar="URL", help=f"{help_text} (default: ${HOST_ENV}).")
+

@@ -22,6 +22,7 @@ from umakit.cli.flags import (
     quantize_option,
     read_constraint,
     sampling_options,
+    server_option,
     speculative_options,
 )
 
@@ -35,8 +36,7 @@ from umakit.cli.flags import (
 @kv_bits_option
 @constraint_options()
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, tokens, finish reason, stats).")
-@click.option("--server", "server_url", envvar="UMAKIT_HOST", default="http://127.0.0.1:8080", show_default=True,
-              metavar="URL", help="Send the prompt to the umakit server here when one answers (default: $UMAKIT_HOST).")
+@server_option("Send the prompt to the umakit server here when one answers")
 @click.option("--no-server", is_flag=True, help="Load the model in this process even when a server answers.")
 @sampling_options
 @model_options

@@ -8,13 +8,10 @@ import urllib.request
 
 import click
 
+from umakit.cli.flags import HOST_ENV, server_option
 from umakit.cli.format import size
-from umakit.serve import DEFAULT_HOST, DEFAULT_PORT
 
-HOST_ENV = "UMAKIT_HOST"
-DEFAULT_URL = f"http://{DEFAULT_HOST}:{DEFAULT_PORT}"
-SERVER_OPTION = click.option("--server", "server_url", envvar=HOST_ENV, default=DEFAULT_URL, show_default=True,
-                             metavar="URL", help=f"The umakit server to ask (default: ${HOST_ENV}).")
+SERVER_OPTION = server_option("The umakit server to ask")
 
 
 def _table(rows: list[list[str]], right: set[int] = frozenset()) -> str:

@@ -128,10 +128,14 @@ def _serve_by_name(listed, keep_alive, memory_budget, host, port, settings, web,
 
     try:
         keep = parse_keep_alive(keep_alive)
-        where = backends.resolve(load["backend"], load["device"], frozenset(load["needs"]))[1]
-        budget = parse_size(memory_budget) if memory_budget is not None else device_budget(where)
-    except (UmakitError, ValueError) as e:
-        raise click.BadParameter(str(e)) from e
+    except UmakitError as e:
+        raise click.BadParameter(str(e), param_hint="--keep-alive") from e
+    try:
+        budget = parse_size(memory_budget) if memory_budget is not None else None
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--memory-budget") from e
+    if budget is None:
+        budget = device_budget(backends.resolve(load["backend"], load["device"], frozenset(load["needs"]))[1])
 
     def source(name: str):
         return None if name == DEFAULT_MODEL_NAME else name

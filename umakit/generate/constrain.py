@@ -38,7 +38,6 @@ from umakit.errors import InvalidArgumentError
 if TYPE_CHECKING:
     from umakit.checkpoint.tokenizer import Tokenizer
 
-KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 _JSON_OBJECT = {"type": "object"}
 # JSON as json.dumps writes it, ``{"a": 1, "b": [2, 3]}``, and no other whitespace, so a reply cannot run on in
 # blank space (a schema's own "x-guidance" options may still ask for more).
@@ -203,10 +202,6 @@ class Matcher:
         self._recent: list[int] = []
         self._words = np.empty((vocab_size + 31) // 32, dtype=np.int32)  # llguidance's bitmask, 32 tokens a word
 
-    @property
-    def active(self) -> bool:
-        return self._after is None
-
     def allowed(self) -> np.ndarray | None:
         """A boolean mask over token ids (True: may come next), or None: any token (the constraint has not started)."""
         if self._after is not None:
@@ -227,8 +222,3 @@ class Matcher:
             return
         if not self._m.is_stopped() and not self._m.consume_token(token):
             raise InvalidArgumentError(f"token {token} broke the constraint: {_tidy(self._m.get_error())}")
-
-    @property
-    def done(self) -> bool:
-        """Whether the text is complete (only an end-of-sequence token may follow, or one came)."""
-        return self._after is None and (self._m.is_stopped() or self._m.is_accepting())

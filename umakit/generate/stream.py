@@ -187,6 +187,18 @@ class GenerationResult:
         }
 
 
+def held_back(text: str, markers: Sequence[str]) -> int:
+    """The length of the longest end of ``text`` that begins one of ``markers``: text to hold back, since the
+    next piece may complete a marker there."""
+    hold = 0
+    for m in markers:
+        for k in range(min(len(m) - 1, len(text)), hold, -1):
+            if text.endswith(m[:k]):
+                hold = k
+                break
+    return hold
+
+
 class StopStringFilter:
     """Holds back text that could still become a stop string, so none is ever emitted."""
 
@@ -205,12 +217,7 @@ class StopStringFilter:
             self.pending = ""
             at, self.matched = min(hits, key=lambda h: h[0])
             return buf[:at], True
-        hold = 0
-        for s in self.stops:
-            for k in range(min(len(s) - 1, len(buf)), 0, -1):
-                if buf.endswith(s[:k]):
-                    hold = max(hold, k)
-                    break
+        hold = held_back(buf, self.stops)
         self.pending = buf[len(buf) - hold:] if hold else ""
         return buf[: len(buf) - hold], False
 
@@ -362,7 +369,7 @@ def constrained_tokens(engine: Engine, prompt: Sequence[int], cache: KVCache, sa
     mask (`BatchRow.constraint`). ``cache`` must be empty: the decoder keeps the row's cache for itself."""
     if cache.offset:
         raise InvalidArgumentError("a constrained reply starts from an empty cache")
-    decoder = engine.batch_decoder(cache.kv_bits) if cache.kv_bits is not None else engine.batch_decoder()
+    decoder = engine.batch_decoder(cache.kv_bits)
     decoder.add([BatchRow(0, list(prompt), sampling, seed, constraint=constraint)])
     try:
         while True:

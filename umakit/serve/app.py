@@ -45,6 +45,7 @@ TIMEOUT_GRACE_S = 5.0  # the scheduler times requests out itself; this bounds th
 _GONE = object()  # put on a request's queue when its client disconnects
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
+
 @dataclass(frozen=True)
 class API:
     """One API's routes' ways: its request reader and its error body."""
@@ -316,10 +317,9 @@ def _keep_alive(value) -> float | None:
     if value is None:
         return None
     try:
-        seconds = parse_keep_alive(value)
+        return parse_keep_alive(value)
     except UmakitError as e:
         raise APIError(400, str(e), param="keep_alive") from e
-    return -1.0 if seconds is None else seconds
 
 
 async def _watch_disconnect(request: Request, handle) -> None:

@@ -26,6 +26,7 @@ import asyncio
 import difflib
 import gc
 import logging
+import math
 import re
 import threading
 import time
@@ -43,9 +44,9 @@ _DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h)")
 _UNITS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 
 
-def parse_keep_alive(value) -> float | None:
+def parse_keep_alive(value) -> float:
     """Seconds a model stays loaded after its last request: a number of seconds or a duration as Ollama takes it
-    ("5m", "1h30m", "10s", "0"); negative means forever (None)."""
+    ("5m", "1h30m", "10s", "0"); negative means forever (`math.inf`)."""
     bad = UmakitError(f"keep_alive must be a number of seconds or a duration such as 5m, 30s or -1, got {value!r}")
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise bad
@@ -60,9 +61,9 @@ def parse_keep_alive(value) -> float | None:
         if not text or "".join(n + u for n, u in parts) != text:
             raise bad from None
         value = sign * sum(float(n) * _UNITS[u] for n, u in parts)
-    if value != value or value in (float("inf"), float("-inf")):
+    if not math.isfinite(value):
         raise bad
-    return None if value < 0 else float(value)
+    return math.inf if value < 0 else float(value)
 
 
 @dataclass
@@ -93,7 +94,7 @@ class OneModel:
                            param="model")
         return Lease(name, self.model, self.scheduler)
 
-    def release(self, lease: Lease, keep_alive=None) -> None:
+    def release(self, lease: Lease, keep_alive: float | None = None) -> None:
         pass
 
     def cards(self) -> list[dict]:
@@ -116,7 +117,7 @@ class Slot:
     bytes: int = 0  # its files before a load, what the engine holds after
     active: int = 0  # requests holding it
     last_used: float = 0.0
-    keep_alive_s: float | None = DEFAULT_KEEP_ALIVE_S
+    keep_alive_s: float = DEFAULT_KEEP_ALIVE_S  # math.inf: never unloaded for being idle
     loads: int = 0
     thread: threading.Thread | None = None
     ready: threading.Event = field(default_factory=threading.Event)
@@ -132,7 +133,7 @@ class ModelHost:
     """
 
     def __init__(self, load: Callable, size: Callable[[str], int], settings: SchedulerSettings, *,
-                 budget_bytes: int, keep_alive_s: float | None = DEFAULT_KEEP_ALIVE_S,
+                 budget_bytes: int, keep_alive_s: float = DEFAULT_KEEP_ALIVE_S,
                  release_memory: Callable[[str], None] = lambda device: None):
         self._load, self._size, self._release_memory = load, size, release_memory
         self.settings, self.budget_bytes, self.keep_alive_s = settings, budget_bytes, keep_alive_s
@@ -207,15 +208,15 @@ class ModelHost:
         with self._lock:
             slot.active -= 1
 
-    def release(self, lease: Lease, keep_alive=None) -> None:
-        """The request is over; the model stays loaded idle for ``keep_alive`` seconds (the request's own; negative:
-        forever), or else the server's keep-alive, counted from the last request to end."""
+    def release(self, lease: Lease, keep_alive: float | None = None) -> None:
+        """The request is over; the model stays loaded idle for ``keep_alive`` seconds (the request's own,
+        `parse_keep_alive`), or else the server's keep-alive, counted from the last request to end."""
         slot = lease.slot
         lease.model = lease.scheduler = None  # the caller's lease must not keep an unloaded model's arrays alive
         with self._lock:
             slot.active -= 1
             slot.last_used = time.monotonic()
-            slot.keep_alive_s = self.keep_alive_s if keep_alive is None else None if keep_alive < 0 else keep_alive
+            slot.keep_alive_s = self.keep_alive_s if keep_alive is None else keep_alive
             if slot.active == 0 and slot.keep_alive_s == 0:
                 self._unload(slot)
 
@@ -302,8 +303,7 @@ class ModelHost:
             now = time.monotonic()
             with self._lock:
                 for slot in list(self._slots.values()):
-                    if (slot.state == "ready" and slot.active == 0 and slot.keep_alive_s is not None
-                            and now - slot.last_used >= slot.keep_alive_s):
+                    if slot.state == "ready" and slot.active == 0 and now - slot.last_used >= slot.keep_alive_s:
                         self._unload(slot)
 
     def close(self) -> None:
@@ -315,13 +315,13 @@ class ModelHost:
     # -- what it says about itself -------------------------------------------------------------------
     def cards(self) -> list[dict]:
         """Each model the host knows: whether it is loaded, its bytes, requests holding it, and in how many
-        seconds it unloads if none comes (None: never)."""
+        seconds it unloads if none comes (None: not while idle)."""
         now = time.monotonic()
         with self._lock:
             return [{"id": s.name, "loaded": s.state == "ready", "bytes": s.bytes if s.state == "ready" else 0,
                      "active_requests": s.active,
-                     "unloads_in_s": None if s.keep_alive_s is None or s.state != "ready"
-                     else max(s.keep_alive_s - (now - s.last_used), 0.0) if not s.active else s.keep_alive_s}
+                     "unloads_in_s": None if s.keep_alive_s == math.inf or s.state != "ready"
+                     else s.keep_alive_s if s.active else max(s.keep_alive_s - (now - s.last_used), 0.0)}
                     for s in self._slots.values()]
 
     def metrics(self) -> tuple[dict[str, float], list[tuple[str, dict[str, float]]]]:

@@ -59,6 +59,9 @@ class Output:
         self.created = int(time.time())
         self.final: FinalEvent | None = None
 
+    def _meta(self) -> dict:
+        return {"id": self.id, "created": self.created, "model": self.name}
+
     def start(self) -> list[bytes]:
         return []
 
@@ -92,9 +95,6 @@ class Output:
 
 class ChatOutput(Output):
     """OpenAI's chat completions: ``chat.completion`` and ``chat.completion.chunk``."""
-
-    def _meta(self) -> dict:
-        return {"id": self.id, "created": self.created, "model": self.name}
 
     def _chunk(self, delta: ChatDelta, finish: str | None = None, scored=()) -> bytes:
         return sse(ChatCompletionChunk(**self._meta(), choices=[ChatChunkChoice(
@@ -153,9 +153,6 @@ class CompletionOutput(Output):
     def __init__(self, id: str, name: str, tokenizer, parser: ReplyParser | None = None):
         super().__init__(id, name, tokenizer, parser)
         self.sent = 0  # characters streamed so far: the logprobs' text_offset
-
-    def _meta(self) -> dict:
-        return {"id": self.id, "created": self.created, "model": self.name}
 
     def _piece(self, text: str, scored=(), finish: str | None = None) -> bytes:
         logprobs = completion_logprobs(self.tokenizer, scored, self.sent) if scored else None

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from umakit.generate.stream import held_back
 from umakit.serve.toolcalls import ToolCall, ToolFormat
 
 REASONING, CONTENT = "reasoning", "content"
@@ -44,17 +45,6 @@ class Reply:
     content: str = ""
     reasoning: str = ""
     calls: list[ToolCall] = field(default_factory=list)
-
-
-def _partial(text: str, markers) -> int:
-    """The length of the longest end of ``text`` that begins one of ``markers`` (text to hold back)."""
-    hold = 0
-    for m in markers:
-        for k in range(min(len(m) - 1, len(text)), hold, -1):
-            if text.endswith(m[:k]):
-                hold = k
-                break
-    return hold
 
 
 class ReplyParser:
@@ -96,7 +86,7 @@ class ReplyParser:
                 self._pending = self._pending[i + len(t.end):]
                 self._mode, self._trim = CONTENT, True
                 return True
-            keep = _partial(self._pending, [t.end])
+            keep = held_back(self._pending, [t.end])
             out.append(Piece(REASONING, self._pending[:len(self._pending) - keep]))
             self._pending = self._pending[len(self._pending) - keep:]
             return False
@@ -116,7 +106,7 @@ class ReplyParser:
             out.append(Piece(CONTENT, self._pending[:min(starts)]))
             self._held, self._pending = self._pending[min(starts):], ""
             return False
-        keep = _partial(self._pending, markers)
+        keep = held_back(self._pending, markers)
         out.append(Piece(CONTENT, self._pending[:len(self._pending) - keep]))
         self._pending = self._pending[len(self._pending) - keep:]
         return False
