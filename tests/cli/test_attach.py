@@ -47,7 +47,9 @@ def test_a_server_that_goes_away_mid_reply_is_one_error_line(tiny_dir, tmp_path)
     try:
         srv.wait_healthy()
         proc = subprocess.Popen([sys.executable, "-m", "umakit.cli.main", "generate", "-m", str(tiny_dir("llama")),
-                                 "-p", "The quick", "--max-tokens", "480", "--server", srv.url],
+                                 # a reply that cannot end early: 400 letters before an end-of-sequence is allowed
+                                 "-p", "The quick", "--max-tokens", "480", "--raw", "--regex", "[a-z]{400}",
+                                 "--server", srv.url],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         assert proc.stdout.read(1)  # the reply has started
         srv.proc.kill()
