@@ -1,6 +1,6 @@
 """Process start to first token, one-shot: `umakit generate` against llama-cpp-python on the same GGUF.
 
-    python benchmarks/start_up.py [--repeat 3] [--threads 2] [--keep DIR]
+    python benchmarks/start_up.py [--repeat 3] [--threads 2] [--keep DIR] [--llama-server PATH]
 
 Two models: the built-in SmolLM2-135M Q4_1 GGUF, and a GGUF of Qwen2.5-0.5B's
 exact shapes (24 layers, hidden 896, 14/2 heads, q/k/v biases, 151,936-token
@@ -18,19 +18,32 @@ first byte of its reply on stdout, and a llama-cpp-python process (``--llama-pyt
 see cpu_engines.py) that loads the file and evaluates a prompt until its first
 token: the same token ids umakit's chat template makes of PROMPT (the same
 work), and PROMPT's own few tokens (what earlier versions of this script
-timed). Prints a markdown table and writes it to benchmarks/out/start_up.md.
+timed).
+
+Attached, with a server already up and both models loaded in it: ``umakit
+generate ... --server URL`` against a ``umakit serve`` (models by name), until
+the first byte of its reply, and ``curl`` asking llama.cpp's own
+``llama-server`` (one per model, built with the peers) for one token of the
+same token ids, until curl exits. Neither server keeps prompts between
+requests (``--prompt-cache-bytes 0``, ``"cache_prompt": false``): every run
+prefills the whole prompt, as a one-shot process does.
+
+Prints a markdown table and writes it to benchmarks/out/start_up.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 from shaped_ggufs import Q8_0_TYPE, SHAPES, quantize, write_f16
@@ -40,6 +53,7 @@ OUT = Path(__file__).parent / "out" / "start_up.md"
 # llama-cpp-python built for this machine (GGML_NATIVE=ON), in a venv of its own: $LLAMA_PYTHON, or where the
 # peers are usually built
 LLAMA_PYTHON = os.environ.get("LLAMA_PYTHON") or str(Path.home() / ".cache" / "umakit-peers" / "venv" / "bin" / "python")
+LLAMA_SERVER = os.environ.get("LLAMA_SERVER") or str(Path.home() / ".cache" / "umakit-peers" / "bin" / "llama-server")
 LLAMA_WORKER = """
 import sys, time
 t0 = float(sys.argv[3])
@@ -52,13 +66,15 @@ print(time.time() - t0)
 """
 
 
-def umakit_first_token(gguf_file: Path, threads: int) -> float:
-    """Seconds from spawning `umakit generate` to the first byte of its reply on stdout."""
+def umakit_first_token(gguf_file: Path, threads: int, server: str | None = None) -> float:
+    """Seconds from spawning `umakit generate` to the first byte of its reply on stdout; in this process, or
+    attached to the umakit server at ``server``."""
     umakit = Path(sys.executable).with_name("umakit")
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    where = ["--server", server] if server else ["--no-server"]
     t0 = time.time()
     p = subprocess.Popen([str(umakit), "generate", "-m", str(gguf_file), "-p", PROMPT, "--max-tokens", "8",
-                          "--temp", "0"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+                          "--temp", "0", *where], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
     first = p.stdout.read(1)
     took = time.time() - t0
     p.stdout.read()
@@ -74,6 +90,61 @@ def llama_first_token(llama_python: str, gguf_file: Path, threads: int, ids: lis
     return float(run.stdout.strip().splitlines()[-1])
 
 
+def curl_first_token(url: str, ids: list[int]) -> float:
+    """Seconds from spawning curl, asking a running llama-server for one token after ``ids``, to its exit."""
+    body = json.dumps({"prompt": ids, "n_predict": 1, "temperature": 0, "cache_prompt": False})
+    t0 = time.time()
+    subprocess.run(["curl", "-sf", "-o", "/dev/null", "-H", "Content-Type: application/json", "-d", body,
+                    f"{url}/completion"], check=True)
+    return time.time() - t0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _healthy(url: str, proc: subprocess.Popen, timeout_s: float = 300) -> None:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server for {url} exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"no healthy server at {url} after {timeout_s} s")
+
+
+@contextlib.contextmanager
+def servers(models: dict[str, Path], threads: int, llama_server: str | None):
+    """A `umakit serve` hosting the models by name, and a llama-server per model (when ``llama_server``):
+    yields (umakit's URL, {model name: llama-server's URL}), all healthy; stopped on the way out."""
+    procs, llama = [], {}
+    umakit = Path(sys.executable).with_name("umakit")
+    url = f"http://127.0.0.1:{_free_port()}"
+    try:
+        procs.append(subprocess.Popen([str(umakit), "serve", "--port", url.rsplit(":", 1)[1], "--keep-alive", "-1",
+                                       "--prompt-cache-bytes", "0"], stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": str(threads)}))
+        _healthy(url, procs[-1])
+        for name, path in (models.items() if llama_server else ()):
+            llama[name] = f"http://127.0.0.1:{_free_port()}"
+            procs.append(subprocess.Popen([llama_server, "-m", str(path), "--port", llama[name].rsplit(":", 1)[1],
+                                           "-t", str(threads), "-c", "2048", "-np", "1"],
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            _healthy(llama[name], procs[-1])
+        yield url, llama
+    finally:
+        for proc in procs:
+            proc.terminate()
+            proc.wait(timeout=30)
+
+
 def chat_ids(gguf_file: Path) -> list[int]:
     """The token ids `umakit generate` feeds for PROMPT: its chat template's."""
     import umakit
@@ -87,6 +158,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--llama-python", default=LLAMA_PYTHON)
     ap.add_argument("--keep", help="a directory to keep (and reuse) the 0.5B GGUF in")
+    ap.add_argument("--llama-server", default=LLAMA_SERVER, help="llama.cpp's llama-server for the attached peer")
     args = ap.parse_args()
     if not Path(args.llama_python).exists():
         sys.exit(f"no {args.llama_python}: llama-cpp-python is the peer here (see cpu_engines.py's docstring)")
@@ -106,28 +178,39 @@ def main() -> None:
         for path in models.values():  # the one-time import and first load, as a first run does, outside the timings
             umakit_first_token(path, args.threads)
         ids = {name: chat_ids(path) for name, path in models.items()}
-        runs = {"umakit": lambda p, n: umakit_first_token(p, args.threads),
-                "llama.cpp, same tokens": lambda p, n: llama_first_token(args.llama_python, p, args.threads, ids[n]),
-                "llama.cpp, raw prompt": lambda p, n: llama_first_token(args.llama_python, p, args.threads, None)}
-        times: dict[str, dict[str, list[float]]] = {m: {r: [] for r in runs} for m in models}
+        llama_server = args.llama_server if Path(args.llama_server).exists() else None
         load = os.getloadavg()[0]
-        for _ in range(args.repeat):
-            for name, path in models.items():
-                for run, timed in runs.items():
-                    times[name][run].append(timed(path, name))
-                print(f"  {name}: " + ", ".join(f"{r} {t[-1]:.2f} s" for r, t in times[name].items()),
-                      file=sys.stderr)
+        with servers(models, args.threads, llama_server) as (url, llama_urls):
+            for path in models.values():  # each model loaded by the server, outside the timings
+                umakit_first_token(path, args.threads, url)
+            runs = {"umakit": lambda p, n: umakit_first_token(p, args.threads),
+                    "umakit attached": lambda p, n: umakit_first_token(p, args.threads, url),
+                    "llama.cpp, same tokens": lambda p, n: llama_first_token(args.llama_python, p, args.threads,
+                                                                             ids[n]),
+                    "llama.cpp, raw prompt": lambda p, n: llama_first_token(args.llama_python, p, args.threads, None)}
+            if llama_server:
+                runs["llama-server + curl"] = lambda p, n: curl_first_token(llama_urls[n], ids[n])
+            times: dict[str, dict[str, list[float]]] = {m: {r: [] for r in runs} for m in models}
+            for _ in range(args.repeat):
+                for name, path in models.items():
+                    for run, timed in runs.items():
+                        times[name][run].append(timed(path, name))
+                    print(f"  {name}: " + ", ".join(f"{r} {t[-1]:.2f} s" for r, t in times[name].items()),
+                          file=sys.stderr)
         sizes = {name: path.stat().st_size for name, path in models.items()}
-    lines = [f"Process start to first token, one-shot, {time.strftime('%Y-%m-%d')}: median of {args.repeat}, "
-             f"each run a fresh process, in rotation; {args.threads} threads; load average {load:.1f} at the start.",
-             "", "| model | GGUF size | prompt tokens | umakit generate (cached import) | llama-cpp-python, the same "
-             "tokens | umakit / llama.cpp | llama-cpp-python, the raw prompt's tokens |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [f"Process start to first token, {time.strftime('%Y-%m-%d')}: median of {args.repeat}, each run a fresh "
+             f"process, in rotation; {args.threads} threads; load average {load:.1f} at the start.", "",
+             "| model | GGUF size | prompt tokens | umakit generate (cached import) | llama-cpp-python, the same "
+             "tokens | umakit / llama.cpp | llama-cpp-python, the raw prompt's tokens | umakit attached to "
+             "`umakit serve` | curl to llama-server | attached umakit / llama-server |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, t in times.items():
         m = {r: statistics.median(v) for r, v in t.items()}
+        curl = m.get("llama-server + curl")
         lines.append(f"| {name} | {sizes[name] / 1e6:.0f} MB | {len(ids[name])} | {m['umakit']:.2f} s | "
                      f"{m['llama.cpp, same tokens']:.2f} s | {m['umakit'] / m['llama.cpp, same tokens']:.2f}x | "
-                     f"{m['llama.cpp, raw prompt']:.2f} s |")
+                     f"{m['llama.cpp, raw prompt']:.2f} s | {m['umakit attached']:.3f} s | "
+                     + (f"{curl:.3f} s | {m['umakit attached'] / curl:.2f}x |" if curl else "not built | |"))
     table = "\n".join(lines)
     print(table)
     OUT.parent.mkdir(parents=True, exist_ok=True)

@@ -14,6 +14,9 @@ from support.tiny import make_tiny_model
 # only the first run on a machine compiles it; every test process, subprocesses included, finds it here.
 ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("UMAKIT_NATIVE_DIR", str(ROOT / ".pytest_cache" / "umakit-native"))
+# `umakit run` and `generate` attach to a server answering at $UMAKIT_HOST: none does at port 9 (discard), so no
+# test talks to a server the developer left running; the attach tests name theirs with --server.
+os.environ["UMAKIT_HOST"] = "http://127.0.0.1:9"
 
 
 def pytest_sessionstart(session):

@@ -11,6 +11,8 @@ the caller loads the model itself.
 from __future__ import annotations
 
 import json
+import os
+import socket
 import urllib.error
 import urllib.request
 from typing import Iterator
@@ -30,6 +32,21 @@ def server_at(url: str) -> bool:
     return isinstance(body, dict) and body.get("server") == "umakit" and body.get("status") == "ok"
 
 
+def served_name(model: str | None) -> str:
+    """What a request names for the CLI's MODEL: the built-in model's name, a path made absolute (the server
+    may run elsewhere in the file system), or the name as given (a Hub id, an import's short name)."""
+    if model is None:
+        from umakit.checkpoint.default import DEFAULT_MODEL_NAME
+
+        return DEFAULT_MODEL_NAME
+    return os.path.abspath(model) if os.path.exists(model) else model
+
+
+def api_key() -> str | None:
+    """The key a server started with --api-key wants (``$UMAKIT_API_KEY``)."""
+    return os.environ.get("UMAKIT_API_KEY")
+
+
 class Attached:
     """One request to a server: iterate for the text; then ``finish`` and ``usage`` hold its end."""
 
@@ -39,6 +56,11 @@ class Attached:
         self.usage: dict = {}
 
     def __iter__(self) -> Iterator[str]:
+        """The reply's text (a reasoning model's thinking left out)."""
+        return (text for reasoning, text in self.deltas() if not reasoning)
+
+    def deltas(self) -> Iterator[tuple[bool, str]]:
+        """The reply as it streams: (whether it is thinking, text) pairs."""
         try:
             for raw in self._response:
                 line = raw.decode("utf-8").strip()
@@ -49,16 +71,33 @@ class Attached:
                     raise UmakitError(f"the server at {self.url}: {chunk['error'].get('message')}")
                 self.usage = chunk.get("usage") or self.usage
                 for choice in chunk.get("choices") or ():
-                    text = (choice.get("delta") or {}).get("content") if "delta" in choice else choice.get("text")
+                    delta = choice.get("delta")
+                    if delta is None:
+                        text, reasoning = choice.get("text"), None
+                    else:
+                        text, reasoning = delta.get("content"), delta.get("reasoning_content")
+                    if reasoning:
+                        yield True, reasoning
                     if text:
-                        yield text
+                        yield False, text
                     self.finish = choice.get("finish_reason") or self.finish
         except (OSError, ValueError, urllib.error.URLError) as e:
             raise UmakitError(f"the server at {self.url} went away mid-reply ({e})") from e
         finally:
-            self._response.close()
+            self.close()
         if self.finish is None:
             raise UmakitError(f"the server at {self.url} went away mid-reply")
+
+    def close(self) -> None:
+        """Drop the connection: a server stops a reply whose client has gone. Safe from another thread than the
+        one reading: the socket is shut down first, which ends a read waiting on it."""
+        sock = getattr(getattr(self._response.fp, "raw", None), "_sock", None)  # http.client's, when still open
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self._response.close()
 
 
 def stream(url: str, model: str, prompt: str, *, system: str | None, raw: bool, max_tokens: int, stop,
@@ -78,24 +117,52 @@ def stream(url: str, model: str, prompt: str, *, system: str | None, raw: bool, 
     fmt = _response_format(constraint)
     if fmt is not None:
         body["response_format"] = fmt
+    return post(url, "completions" if raw else "chat/completions", body, api_key)
+
+
+def post(url: str, route: str, body: dict, api_key: str | None) -> Attached | None:
+    """POST ``body`` to ``/v1/{route}``, to stream its reply; None when the server does not serve the model."""
+    response = _open(url, route, body, api_key)
+    return None if response is None else Attached(url, response)
+
+
+def post_json(url: str, route: str, body: dict, api_key: str | None) -> dict | None:
+    """POST ``body`` to ``/v1/{route}`` for a JSON answer; None when the server does not serve the model."""
+    response = _open(url, route, body, api_key)
+    if response is None:
+        return None
+    with response:
+        try:
+            return json.load(response)
+        except (OSError, ValueError) as e:
+            raise UmakitError(f"the server at {url} went away mid-answer ({e})") from e
+
+
+def _open(url: str, route: str, body: dict, api_key: str | None):
     headers = {"Content-Type": "application/json"}
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
-    route = "completions" if raw else "chat/completions"
     request = urllib.request.Request(f"{url.rstrip('/')}/v1/{route}", data=json.dumps(body).encode(), headers=headers)
     try:
-        response = urllib.request.urlopen(request, timeout=600)
+        return urllib.request.urlopen(request, timeout=600)
     except urllib.error.HTTPError as e:
         if e.code == 404:
             return None
-        try:
-            message = json.load(e).get("error", {}).get("message", e.reason)
-        except ValueError:
-            message = e.reason
-        raise UmakitError(f"the server at {url}: {message}") from e
+        raise ServerRefused(url, e) from e
     except (urllib.error.URLError, OSError) as e:
         raise UmakitError(f"the server at {url} did not take the request ({e})") from e
-    return Attached(url, response)
+
+
+class ServerRefused(UmakitError):
+    """The server answered the request with an error: ``code`` is the error's code (OpenAI's or Anthropic's)."""
+
+    def __init__(self, url: str, e: urllib.error.HTTPError):
+        try:
+            error = json.load(e).get("error", {})
+        except ValueError:
+            error = {}
+        self.status, self.code = e.code, error.get("code") or error.get("type")
+        super().__init__(f"the server at {url}: {error.get('message') or e.reason}")
 
 
 def _response_format(constraint: dict) -> dict | None:
@@ -116,15 +183,21 @@ def _response_format(constraint: dict) -> dict | None:
 def stats_line(attached: Attached) -> str:
     """The server's figures for the request, as the in-process stats line shows its own."""
     u = attached.usage
-    own = u.get("umakit") or {}
     parts = [f"prompt {u.get('prompt_tokens', 0)} tok"]
     cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens")
     if cached:
         parts.append(f"cached {cached} tok")
+    own = u.get("umakit") or {}
     parts += [f"TTFT {own.get('ttft_s', 0.0):.2f} s", f"{u.get('completion_tokens', 0)} tok generated",
-              f"decode {own.get('decode_tps', 0.0):.1f} tok/s"]
-    if own.get("peak_gbps"):
-        parts[-1] += (f" · {own.get('achieved_gbps', 0.0):.1f} GB/s · {100 * own.get('mbu', 0.0):.0f}% of "
-                      f"{own['peak_gbps']:.0f} GB/s")
-    parts.append(f"served by {attached.url}")
+              served_figures(attached)]
     return " · ".join(parts)
+
+
+def served_figures(attached: Attached) -> str:
+    """'decode 41.2 tok/s · 12.0 GB/s · 30% of 40 GB/s · served by URL', from the server's usage."""
+    own = attached.usage.get("umakit") or {}
+    line = f"decode {own.get('decode_tps', 0.0):.1f} tok/s"
+    if own.get("peak_gbps"):
+        line += (f" · {own.get('achieved_gbps', 0.0):.1f} GB/s · {100 * own.get('mbu', 0.0):.0f}% of "
+                 f"{own['peak_gbps']:.0f} GB/s")
+    return f"{line} · served by {attached.url}"

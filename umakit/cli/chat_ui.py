@@ -21,6 +21,7 @@ from pathlib import Path
 import click
 
 from umakit.cli import crashlog
+from umakit.cli.remote_chat import RemoteChat, Served
 from umakit.core import validate
 from umakit.generate.chat import ChatSession, Stopped, TurnInfo
 from umakit.serve.replies import CONTENT, Piece, ReplyParser, Thinking
@@ -84,9 +85,21 @@ class Interrupt:
 
 
 def footer(info: TurnInfo, stats) -> str:
+    """The line after a reply: what was prefilled and reused, and how fast (a server's own figures, attached)."""
     parts = [f"prefilled {info.new_tokens} new tok", f"reused {info.reused_tokens} cached",
-             f"TTFT {stats.ttft_s:.2f} s", decode_line(stats)]
+             f"TTFT {stats.ttft_s:.2f} s", stats.line if isinstance(stats, Served) else decode_line(stats)]
     return " · ".join(parts)
+
+
+def session_stats(s) -> str:
+    """/stats: the session's totals, and what holds the conversation (this process's cache, or a server)."""
+    t = s.totals
+    line = (f"turns {t.turns} · prefilled {t.prefilled_tokens} tok · reused {t.reused_tokens} tok · "
+            f"generated {t.generated_tokens} tok")
+    if isinstance(s, RemoteChat):
+        return f"{line} · served by {s.url}"
+    return (f"{line} · cache {s.cache.offset} tok = {size(s.cache_bytes)} · "
+            f"weights {size(s.model.info.weights.total_bytes)} · peak mem {size(t.peak_memory_bytes)}")
 
 
 def readline_prompt(prompt: str) -> str:
@@ -139,7 +152,7 @@ def _more_waiting() -> bool:
 
 
 class Repl:
-    def __init__(self, session: ChatSession, color: bool = True, show_stats: bool = True):
+    def __init__(self, session: ChatSession | RemoteChat, color: bool = True, show_stats: bool = True):
         self.session = session
         self.color = color
         self.show_stats = show_stats
@@ -206,16 +219,13 @@ class Repl:
             s.reset()
             click.echo(f"(system prompt {'set' if arg else 'removed'}; new conversation)")
         elif name == "stats":
-            t = s.totals
-            click.echo(f"turns {t.turns} · prefilled {t.prefilled_tokens} tok · reused {t.reused_tokens} tok · "
-                       f"generated {t.generated_tokens} tok · cache {s.cache.offset} tok = {size(s.cache_bytes)} · "
-                       f"weights {size(s.model.info.weights.total_bytes)} · peak mem {size(t.peak_memory_bytes)}")
+            click.echo(session_stats(s))
         elif name == "save":
             s.save(_path(arg, "/save FILE"))
             click.echo(f"(saved {len(s.messages)} messages to {arg})")
         elif name == "load":
             n = s.load(_path(arg, "/load FILE"), should_stop=(lambda: stop.hit) if stop else lambda: False)
-            click.echo(f"(loaded {len(s.messages)} messages from {arg}; prefilled {n} tokens)")
+            click.echo(f"(loaded {len(s.messages)} messages from {arg}" + (f"; prefilled {n} tokens)" if n else ")"))
         elif name == "think":
             if arg not in ("on", "off"):
                 raise InvalidArgumentError("usage: /think on|off")

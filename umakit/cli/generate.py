@@ -88,17 +88,13 @@ def generate(model, prompt, system, raw, stop, kv_bits, json_schema, regex, choi
 
 def _attached(url, model, prompt, system, raw, max_tokens, stop, seed, sampling, constraint) -> bool:
     """Run the prompt on the server at ``url``, if one answers and serves the model; False: it did not."""
-    import os
-
-    from umakit.checkpoint.default import DEFAULT_MODEL_NAME
     from umakit.cli import attach
 
     if not attach.server_at(url):
         return False
-    name = DEFAULT_MODEL_NAME if model is None else os.path.abspath(model) if os.path.exists(model) else model
-    reply = attach.stream(url, name, prompt, system=system, raw=raw, max_tokens=max_tokens, stop=stop, seed=seed,
-                          sampling={k: sampling[k] for k in SAMPLING_KEYS}, constraint=constraint,
-                          api_key=os.environ.get("UMAKIT_API_KEY"))
+    reply = attach.stream(url, attach.served_name(model), prompt, system=system, raw=raw, max_tokens=max_tokens,
+                          stop=stop, seed=seed, sampling={k: sampling[k] for k in SAMPLING_KEYS},
+                          constraint=constraint, api_key=attach.api_key())
     if reply is None:  # the server does not serve this model: load it here
         return False
     for text in reply:

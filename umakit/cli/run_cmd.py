@@ -20,6 +20,7 @@ from umakit.cli.flags import (
     parallel_option,
     quantize_option,
     sampling_options,
+    server_option,
     speculative_options,
 )
 
@@ -31,41 +32,69 @@ from umakit.cli.flags import (
               help="Context limit in tokens (default: the model's); oldest turns are dropped beyond it.")
 @kv_bits_option
 @click.option("--stats/--no-stats", default=None, help="Stats footer after each reply (default: on in a terminal).")
+@server_option("Chat through the umakit server here when one answers")
+@click.option("--no-server", is_flag=True, help="Load the model in this process even when a server answers.")
 @sampling_options
 @model_options
 @offload_options
 @quantize_option
 @speculative_options
 @parallel_option
-def run(model, system, max_context, kv_bits, stats, max_tokens, seed, backend, device, dtype, peak_bandwidth,
-        gpu_layers, vram_budget, quantize, draft, draft_tokens, prompt_lookup, ngram, parallel, **sampling):
-    """Chat with MODEL (default: the built-in SmolLM2-135M-Instruct)."""
-    import umakit
-    from umakit.generate.chat import ChatSession, ChatSettings
+def run(model, system, max_context, kv_bits, stats, server_url, no_server, max_tokens, seed, backend, device, dtype,
+        peak_bandwidth, gpu_layers, vram_budget, quantize, draft, draft_tokens, prompt_lookup, ngram, parallel,
+        **sampling):
+    """Chat with MODEL (default: the built-in SmolLM2-135M-Instruct).
+
+    When a umakit server answers at --server (and no flag asks for how this process loads or runs the model:
+    an engine option, --max-context, --kv-bits, --quantize, offload, speculation), the chat runs there, where
+    the model may be loaded already; else, or with --no-server, the model loads here."""
+    from umakit.generate.sampling import SamplingParams
+    from umakit.generate.transcript import ChatSettings
 
     load = dict(backend=backend, device=device, dtype=dtype, peak_bandwidth=peak_bandwidth, quantize=quantize,
                 needs=kv_needs(kv_bits), gpu_layers=gpu_layers, vram_budget=vram_budget)
     follow_unless_leader(parallel, model, **load)  # a follower reads no input
     tty = sys.stdin.isatty() and sys.stdout.isatty()
-    m = load_model(model, show_progress=tty, parallel=parallel, **load)
     settings = ChatSettings(system=system, max_tokens=max_tokens, max_context=max_context, kv_bits=kv_bits, seed=seed,
-                            sampling=umakit.SamplingParams(**{k: sampling[k] for k in SAMPLING_KEYS}))
+                            sampling=SamplingParams(**{k: sampling[k] for k in SAMPLING_KEYS}))
+    local_only = (max_context, kv_bits, quantize, gpu_layers, vram_budget, draft, parallel, device, peak_bandwidth)
+    if not no_server and not prompt_lookup and all(v is None for v in local_only) and backend == "auto" \
+            and dtype == "auto":
+        remote = _attached(server_url, model, settings)
+        if remote is not None:
+            return _chat(Repl(remote, color=tty, show_stats=tty if stats is None else stats),
+                         f"{remote.model_name} · served by {remote.url} · /help for commands")
+    from umakit.generate.chat import ChatSession
+
+    m = load_model(model, show_progress=tty, parallel=parallel, **load)
     speculator = m.speculator(draft=load_draft(m, draft), draft_tokens=draft_tokens, prompt_lookup=prompt_lookup,
                               ngram=ngram)
     session = ChatSession(m, settings, speculator=speculator)
     repl = Repl(session, color=tty, show_stats=tty if stats is None else stats)
+    i, w = m.info, m.info.weights
+    offload = ""
+    if i.offload:
+        offload = (f"{i.offload.gpu_layers}/{i.offload.layers} layers on {i.device}, "
+                   f"{size(i.offload.streamed_bytes)} streamed per token · ")
     with m.engine.wired():
-        if not sys.stdin.isatty():
-            if not repl.piped(sys.stdin.buffer):
-                sys.exit(1)  # each failed line has had its Error: line
-            return
-        i, w = m.info, m.info.weights
-        offload = ""
-        if i.offload:
-            offload = (f"{i.offload.gpu_layers}/{i.offload.layers} layers on {i.device}, "
-                       f"{size(i.offload.streamed_bytes)} streamed per token · ")
-        click.echo(click.style(
-            f"{i.name} · {i.backend}/{i.device} {i.dtype} · {w.quantization} · context {session.settings.max_context} · "
-            f"weights {size(w.total_bytes)} · {offload}loaded in {i.load_s:.1f} s · /help for commands", dim=True),
-            err=True)
-        repl.interactive()
+        _chat(repl, f"{i.name} · {i.backend}/{i.device} {i.dtype} · {w.quantization} · context "
+                    f"{session.settings.max_context} · weights {size(w.total_bytes)} · {offload}loaded in "
+                    f"{i.load_s:.1f} s · /help for commands")
+
+
+def _chat(repl: Repl, banner: str) -> None:
+    """Piped input: one message a line; a terminal: the banner, then the chat."""
+    if not sys.stdin.isatty():
+        if not repl.piped(sys.stdin.buffer):
+            sys.exit(1)  # each failed line has had its Error: line
+        return
+    click.echo(click.style(banner, dim=True), err=True)
+    repl.interactive()
+
+
+def _attached(url: str, model: str | None, settings):
+    """A chat through the server at ``url`` when one answers and serves the model, else None."""
+    from umakit.cli import attach
+    from umakit.cli.remote_chat import RemoteChat
+
+    return RemoteChat.connect(url, attach.served_name(model), settings, api_key=attach.api_key())

@@ -13,29 +13,21 @@ holding a prefix of the messages (``cached_ids``), so the next turn is correct.
 
 from __future__ import annotations
 
-import json
 import os
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 from umakit.core import validate
-from umakit.core.affine import KV_BITS
 from umakit.errors import InvalidArgumentError, UmakitError
-from umakit.core.fsutil import atomic_file
 from umakit.generate.stream import Chunk, GenerationStats
-from umakit.core.home import home_dir
-from umakit.generate.sampling import DEFAULT_MAX_TOKENS, SamplingParams
+from umakit.generate.transcript import ChatSettings, SessionTotals, read_transcript, rescue_path, write_transcript
 from umakit.plan.shapes import INTERRUPT_PREFILL_CHUNK, PREFILL_CHUNK
 
 CUT_MARK = " [cut]"  # appended to a reply the user interrupted
 THINK_START, THINK_END = "<think>", "</think>"  # a reasoning model's thinking, in the templates that mark it
-TRANSCRIPT_VERSION = 1
-SESSIONS_DIR = "sessions"  # under $UMAKIT_HOME: transcripts saved when a chat had to end on an error
 DEFAULT_CONTEXT = 4096  # a model that does not say its context length
-MIN_CONTEXT = 16
-ROLES = ("system", "user", "assistant")
 # A prefill chunk that finishes in under this doubles the next one: fast devices soon prefill at
 # full size (small chunks cost prefill speed), while the next chunk, about twice as long, still
 # leaves a Ctrl-C well inside the 0.5 s the chat promises.
@@ -80,16 +72,6 @@ def prefill_interruptibly(engine, tokens: Sequence[int], cache, should_stop: Cal
 
 
 @dataclass
-class SessionTotals:
-    turns: int = 0
-    prefilled_tokens: int = 0
-    reused_tokens: int = 0
-    generated_tokens: int = 0
-    dropped_turns: int = 0
-    peak_memory_bytes: int = 0
-
-
-@dataclass
 class TurnInfo:
     """What the session did before generating (for the UI's one-line notices)."""
 
@@ -101,61 +83,6 @@ class TurnInfo:
 
 class Stopped(UmakitError):
     """``should_stop`` ended a `ChatSession.load` before its prefill finished; nothing changed."""
-
-
-@dataclass
-class ChatSettings:
-    """How a session generates; saved with its transcripts."""
-
-    system: str | None = None  # the system prompt, kept when old turns are dropped
-    max_tokens: int = DEFAULT_MAX_TOKENS  # per reply
-    max_context: int | None = None  # None: the model's own context length
-    kv_bits: int | None = None  # 4 or 8: a quantized KV cache; None: the compute dtype
-    seed: int | None = None  # makes every reply's sampling reproducible
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    thinking: bool | None = None  # a reasoning model's switch (the template's enable_thinking); None: its default
-
-    def __post_init__(self):
-        # Settings come from CLI flags, /set and transcript files alike: checked here once.
-        if self.system is not None:
-            validate.text(self.system, "system")
-        validate.max_tokens(self.max_tokens)
-        if self.max_context is not None:
-            validate.integer("max_context", self.max_context, MIN_CONTEXT)
-        if self.kv_bits is not None and (isinstance(self.kv_bits, bool) or self.kv_bits not in KV_BITS):
-            raise InvalidArgumentError(f"kv_bits must be 4, 8 or null, got {self.kv_bits!r}")
-        validate.seed(self.seed)
-        if self.thinking is not None and not isinstance(self.thinking, bool):
-            raise InvalidArgumentError(f"thinking must be true, false or null, got {self.thinking!r}")
-        if not isinstance(self.sampling, SamplingParams):
-            raise InvalidArgumentError(f"sampling must be SamplingParams, got {type(self.sampling).__name__}")
-
-    def to_dict(self) -> dict:
-        """The JSON form of a transcript's ``settings``."""
-        return asdict(self)  # sampling as a nested dict
-
-    @classmethod
-    def from_dict(cls, data: dict) -> "ChatSettings":
-        """Settings from `to_dict`'s form; missing keys keep their defaults, unknown ones are an error."""
-        if not isinstance(data, dict) or not isinstance(data.get("sampling", {}), dict):
-            raise InvalidArgumentError("settings must be an object, with sampling an object")
-        data = dict(data)
-        sampling = data.pop("sampling", {})
-        ours, theirs = {f.name for f in fields(cls)}, {f.name for f in fields(SamplingParams)}
-        unknown = (set(data) - ours) | (set(sampling) - theirs)
-        if unknown:
-            raise InvalidArgumentError(f"unknown setting(s) {', '.join(sorted(unknown))}")
-        return cls(**data, sampling=SamplingParams(**sampling))
-
-
-def _check_messages(messages) -> list[dict]:
-    validate.messages(messages)
-    for i, m in enumerate(messages):
-        if not (isinstance(m, dict) and {"role", "content"} <= set(m)):
-            raise InvalidArgumentError(f"message {i} needs role and content")
-        if m["role"] not in ROLES or not isinstance(m["content"], str):
-            raise InvalidArgumentError(f"message {i} needs a role of {', '.join(ROLES)} and a string content")
-    return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
 class ChatSession:
@@ -335,23 +262,12 @@ class ChatSession:
     # -- transcripts ------------------------------------------------------------------
     def save(self, path: str | os.PathLike) -> None:
         """Write the transcript (messages, settings, totals) as JSON, atomically."""
-        if Path(path).is_dir():
-            raise InvalidArgumentError(f"{path} is a directory; give a file name for the transcript")
-        data = {
-            "version": TRANSCRIPT_VERSION,
-            "model": self.model.info.name,
-            "settings": self.settings.to_dict(),
-            "messages": self.messages,
-            "totals": asdict(self.totals),
-        }
-        with atomic_file(path, "w", encoding="utf-8") as f:
-            json.dump(data, f, ensure_ascii=False, indent=2)
+        write_transcript(path, self.model.info.name, self.settings, self.messages, self.totals)
 
     def rescue(self) -> Path:
         """Save the transcript under ``$UMAKIT_HOME/sessions/`` (for a chat that must end on an error); returns
         where. `load` brings it back."""
-        name = time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}.json"
-        path = home_dir(SESSIONS_DIR) / name
+        path = rescue_path()
         self.save(path)
         return path
 
@@ -360,16 +276,8 @@ class ChatSession:
 
         Any failure, or ``should_stop`` during the prefill (`Stopped`), keeps the conversation as it was.
         """
-        text = validate.read_text(path, "transcript")
-        try:
-            data = json.loads(text)
-            if not isinstance(data, dict) or "messages" not in data:
-                raise InvalidArgumentError("it is not an object with messages")
-            messages = _check_messages(data["messages"])
-            settings = ChatSettings.from_dict(data.get("settings", {}))
-            settings.max_context = self._context_limit(settings.max_context)
-        except (ValueError, KeyError, TypeError) as e:  # InvalidArgumentError is a ValueError
-            raise InvalidArgumentError(f"{path} is not a umakit transcript: {e}") from e
+        settings, messages = read_transcript(path)
+        settings.max_context = self._context_limit(settings.max_context)
         old = (self.settings, self.messages)
         self.settings, self.messages = settings, messages
         try:

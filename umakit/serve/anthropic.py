@@ -204,9 +204,11 @@ def count_tokens(model, data) -> dict:
     """``POST /v1/messages/count_tokens``: the prompt's tokens as the request would be run (tools included)."""
     req = parse_request(CountRequest, data, IGNORED)
     try:
-        return {"input_tokens": len(prepare(model, _call(req)).prompt)}
+        count = len(prepare(model, _call(req)).prompt)
     except InvalidArgumentError as e:
         raise APIError(400, str(e), param="messages") from e
+    # umakit's extension (clients keep unknown fields): the room there is, for a client that fits its turns to it
+    return {"input_tokens": count, "umakit": {"context_length": model.info.context_length or None}}
 
 
 class MessagesOutput(Output):

@@ -264,6 +264,12 @@ class Scheduler:
             for i, _ in gone:
                 del self._jobs[i]
         in_batch = [i for i, j in gone if j.cache is None]
+        if self.prompt_cache.max_bytes:
+            # a reply its client stopped (a chat's Ctrl-C) is often followed by the same conversation, cut reply
+            # included: what was computed of it is kept, as for a reply that ended
+            for i, j in gone:
+                if j.cache is None and j.handle.cancelled:
+                    self.prompt_cache.put(list(j.request.prompt) + j.generated, decoder.export(i))
         if in_batch:
             decoder.remove(in_batch)
         for _, j in gone + [(None, j) for j in waiting]:
