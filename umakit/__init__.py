@@ -13,20 +13,23 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from umakit.checkpoint.files import resolve as resolve_model
-from umakit.checkpoint.files import size_on_disk as checkpoint_size
 from umakit.errors import UmakitError
-from umakit.generate.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from umakit.api import LoadInfo, Model, load, load_synthetic
+    from umakit.checkpoint.files import resolve as resolve_model
+    from umakit.checkpoint.files import size_on_disk as checkpoint_size
+    from umakit.generate.sampling import SamplingParams
     from umakit.checkpoint.gguf import ImportReport, import_gguf
     from umakit.generate.batch import BatchRun, BatchStats, BatchStream
     from umakit.generate.chat import ChatSession, ChatSettings
     from umakit.generate.stream import Chunk, GenerationResult, GenerationStats
 
-# public name -> the module that defines it, imported when the name is first read
+# public name -> the module that defines it (and the name there, where it differs), imported when first read
 _LAZY = {
+    "checkpoint_size": "umakit.checkpoint.files:size_on_disk",
+    "resolve_model": "umakit.checkpoint.files:resolve",
+    "SamplingParams": "umakit.generate.sampling",
     "BatchRun": "umakit.generate.batch",
     "BatchStats": "umakit.generate.batch",
     "BatchStream": "umakit.generate.batch",
@@ -43,7 +46,7 @@ _LAZY = {
     "load_synthetic": "umakit.api",
 }
 
-__all__ = sorted({*_LAZY, "checkpoint_size", "resolve_model", "SamplingParams", "UmakitError"})
+__all__ = sorted({*_LAZY, "UmakitError"})
 __version__ = "0.1.0"
 
 
@@ -58,7 +61,8 @@ def __getattr__(name: str):
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'umakit' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    module, _, attr = module.partition(":")
+    value = getattr(importlib.import_module(module), attr or name)
     globals()[name] = value  # later reads skip this function
     return value
 

@@ -37,9 +37,11 @@ kv_bits_option = click.option(
 
 def kv_needs(kv_bits: int | None) -> frozenset[str]:
     """The engine features a quantized KV cache needs, so that --backend auto picks an engine that has them."""
+    if kv_bits is None:
+        return frozenset()  # and no engine module imported: an attached `generate` starts without them
     from umakit.backends.base import QUANTIZED_KV
 
-    return frozenset({QUANTIZED_KV}) if kv_bits is not None else frozenset()
+    return frozenset({QUANTIZED_KV})
 
 
 def batch_kv_needs(kv_bits: int | None) -> frozenset[str]:
@@ -141,7 +143,7 @@ def load_model(model, *, show_progress: bool = False, **load_kwargs):
 
 def parallel_option(f):
     """--parallel tensor|pipeline: one model across the ranks of an mlx.launch run."""
-    from umakit.backends.distributed import MODES
+    from umakit.core.sharding import MODES
 
     return click.option(
         "--parallel", type=click.Choice(MODES), default=None,
@@ -154,9 +156,11 @@ def follow_unless_leader(parallel, model, **load_kwargs) -> None:
 
     Called before a command reads input or opens its outputs: only rank 0 does either.
     """
+    if not parallel:
+        return
     from umakit.backends.distributed import is_follower
 
-    if parallel and is_follower():
+    if is_follower():
         load_model(model, parallel=parallel, **load_kwargs)
 
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from umakit.plan.placement import ROUTED_EXPERTS
-
 
 def size(n: float) -> str:
     """Bytes in binary units: 1.5 GiB, 270 MiB, 12 KiB."""
@@ -29,6 +27,8 @@ def decode_line(stats) -> str:
         line += (f" · {over}{spec.method.replace('_', ' ')}: {100 * spec.acceptance_rate:.0f}% of {spec.proposed} "
                  f"proposed accepted, {spec.tokens_per_step:.2f} tok per target step")
     if stats.offload is not None:
+        from umakit.plan.placement import ROUTED_EXPERTS  # only an offloaded run needs the planner
+
         experts = stats.offload.placement == ROUTED_EXPERTS
         line += (f" · streamed {'experts ' if experts else ''}{size(stats.pcie_bytes_per_token)}/token at "
                  f"{stats.pcie_gbps:.1f} GB/s (link {stats.pcie_peak_gbps:.0f} GB/s) · "

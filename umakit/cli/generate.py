@@ -53,7 +53,6 @@ def generate(model, prompt, system, raw, stop, kv_bits, json_schema, regex, choi
     an engine option, --kv-bits, --quantize, offload, speculation, --json), the prompt goes there, where the
     model may be loaded already; else, or with --no-server, the model loads here."""
     from umakit.core import validate
-    from umakit.generate.stream import collect
 
     load = dict(backend=backend, device=device, dtype=dtype, peak_bandwidth=peak_bandwidth, quantize=quantize,
                 needs=kv_needs(kv_bits), gpu_layers=gpu_layers, vram_budget=vram_budget)
@@ -68,6 +67,8 @@ def generate(model, prompt, system, raw, stop, kv_bits, json_schema, regex, choi
             and backend == "auto" and dtype == "auto" and _attached(server_url, model, prompt, system, raw, max_tokens,
                                                                     stop, seed, sampling, constraint):
         return
+    from umakit.generate.stream import collect
+
     m = load_model(model, parallel=parallel, **load)
     m.device_info  # the stats line needs it: a probe whose cache cannot be written fails here, before any reply
     chunks = m.stream(prompt, system=system, raw=raw, max_tokens=max_tokens, stop=stop, seed=seed, kv_bits=kv_bits,

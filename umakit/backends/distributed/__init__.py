@@ -11,11 +11,8 @@ from __future__ import annotations
 
 import os
 
+from umakit.core.sharding import MODES
 from umakit.errors import InvalidArgumentError, UmakitError
-
-TENSOR = "tensor"
-PIPELINE = "pipeline"
-MODES = (TENSOR, PIPELINE)
 # Seconds a rank waits inside one collective of a running step before it calls the run lost. A step of a large
 # model over a slow link takes well under a second; a dead or unplugged peer never answers.
 COLLECTIVE_TIMEOUT_S = 10.0

@@ -24,7 +24,8 @@ from typing import ClassVar, Iterable, Iterator, Sequence
 
 from umakit.generate.sampling import SamplingParams, seed_or_random
 from umakit.backends.base import BatchRow, EngineSpec, WeightInfo, refuse_options
-from umakit.backends.distributed import TENSOR, DistributedError
+from umakit.backends.distributed import DistributedError
+from umakit.core.sharding import TENSOR
 from umakit.backends.distributed.watchdog import stop_on_sigterm
 
 

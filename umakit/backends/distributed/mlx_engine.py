@@ -20,7 +20,8 @@ from umakit.errors import InvalidArgumentError, UnsupportedModelError
 from umakit.backends.base import BATCH, QUANTIZED_KV, EngineSpec
 # The MLX engine, extended (this package wraps engines; nothing under backends/mlx imports it back).
 from umakit.backends.mlx.engine import DTYPES, MLXEngine
-from umakit.backends.distributed import MODES, PIPELINE, TENSOR, DistributedError
+from umakit.backends.distributed import DistributedError
+from umakit.core.sharding import MODES, PIPELINE, TENSOR
 from umakit.backends.distributed.channel import Channel
 from umakit.backends.distributed.leader import LeaderEngine, check_same_everywhere, lead_or_follow, per_token_collectives, timed
 from umakit.backends.distributed.mlx_pipeline import own_pipeline, pipeline

@@ -18,7 +18,8 @@ from umakit.errors import InvalidArgumentError, UnsupportedModelError
 from umakit.backends.base import BATCH, EngineSpec
 from umakit.backends.torch.engine import TorchEngine
 from umakit.backends.torch.load.loader import SAFETENSORS_FLOATS, compute_dtype
-from umakit.backends.distributed import PIPELINE, TENSOR, DistributedError
+from umakit.backends.distributed import DistributedError
+from umakit.core.sharding import PIPELINE, TENSOR
 from umakit.backends.distributed.leader import LeaderEngine, check_same_everywhere, lead_or_follow, per_token_collectives, timed
 from umakit.backends.distributed.torch_channel import TorchChannel
 
