@@ -5,6 +5,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import logging
+import math
 import signal
 import socket
 import sys
@@ -32,6 +33,10 @@ def _size(ctx, param, value):
         raise click.BadParameter(str(e)) from e
 
 
+def _size_or_zero(ctx, param, value):
+    return 0 if value.strip() == "0" else _size(ctx, param, value)
+
+
 @click.command("serve")
 @click.argument("models", nargs=-1)
 @click.option("--host", default=DEFAULT_HOST, show_default=True, help="Address to bind (any other than loopback: set a key).")
@@ -42,9 +47,10 @@ def _size(ctx, param, value):
               show_default=True, help="Requests decoded together at most.")
 @click.option("--max-queue", type=click.IntRange(min=1), default=SchedulerSettings.max_queue, show_default=True,
               help="Requests waiting beyond those; more get 429 with Retry-After.")
-@click.option("--prompt-cache-bytes", metavar="SIZE", callback=_size, default=str(SchedulerSettings.prompt_cache_bytes),
+@click.option("--prompt-cache-bytes", metavar="SIZE", callback=_size_or_zero,
+              default=str(SchedulerSettings.prompt_cache_bytes),
               help=f"KV caches kept across requests, so a conversation prefills only its new tokens "
-                   f"(default {size(SchedulerSettings.prompt_cache_bytes)}).")
+                   f"(default {size(SchedulerSettings.prompt_cache_bytes)}; 0 keeps none).")
 @click.option("--max-body-bytes", metavar="SIZE", callback=_size, default=str(DEFAULT_MAX_BODY_BYTES),
               help=f"Largest request body; larger ones get 413 (default {size(DEFAULT_MAX_BODY_BYTES)}).")
 @click.option("--request-timeout", type=click.FloatRange(min=0, min_open=True), metavar="S",
@@ -149,7 +155,7 @@ def _serve_by_name(listed, keep_alive, memory_budget, host, port, settings, web,
     for name in listed:
         models.preload(name)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off"))
-    click.echo(_host_banner(sock.getsockname()[1], host, web["api_key"], budget, keep_alive, listed), err=True)
+    click.echo(_host_banner(sock.getsockname()[1], host, web["api_key"], budget, keep, listed), err=True)
     try:
         server.run(sockets=[sock])
     finally:
@@ -157,14 +163,23 @@ def _serve_by_name(listed, keep_alive, memory_budget, host, port, settings, web,
         sock.close()
 
 
-def _host_banner(port: int, host: str, api_key: str | None, budget: int, keep_alive: str, listed) -> str:
+def _idle(keep_alive_s: float) -> str:
+    """What the host does with an idle model, in words."""
+    if keep_alive_s == math.inf:
+        return "kept loaded while idle"
+    if keep_alive_s == 0:
+        return "unloaded after each request"
+    return f"unloaded after {keep_alive_s:g} s idle"
+
+
+def _host_banner(port: int, host: str, api_key: str | None, budget: int, keep_alive_s: float, listed) -> str:
     from umakit.checkpoint.default import DEFAULT_MODEL_NAME
 
     shown = f"[{host}]" if ":" in host else host
     lines = [f"Serving models by name at http://{shown}:{port}/v1 · Ctrl-C stops",
              f"  a request's \"model\" loads on first use: a directory, a .gguf, a Hub id, or {DEFAULT_MODEL_NAME} "
              "(built in)",
-             f"  unloaded after {keep_alive} idle; loaded models stay within {size(budget)}"]
+             f"  {_idle(keep_alive_s)}; loaded models stay within {size(budget)}"]
     if listed:
         lines.append(f"  loading now: {', '.join(listed)}")
     if not api_key and not _is_loopback(host):
