@@ -30,6 +30,7 @@ import math
 import re
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -40,6 +41,7 @@ from umakit.serve.types import SchedulerSettings
 log = logging.getLogger("umakit.serve")
 DEFAULT_KEEP_ALIVE_S = 300.0  # Ollama's 5 minutes
 REAP_EVERY_S = 0.5
+RELEASE_WAIT_S = 60.0  # an unloaded model still referenced this long: its memory is handed back anyway
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h)")
 _UNITS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 
@@ -140,6 +142,8 @@ class ModelHost:
         self._slots: dict[str, Slot] = {}
         self._lock = threading.RLock()
         self._closed = False
+        # (the unloaded model, its device, when): memory to hand back once the model is gone (None: gone already)
+        self._unloaded: list[tuple[weakref.ref | None, str, float]] = []
         self.created = int(time.time())
         self._reaper = threading.Thread(target=self._reap, name="umakit-keep-alive", daemon=True)
         self._reaper.start()
@@ -292,9 +296,10 @@ class ModelHost:
         scheduler.stop()
         if slot.thread is not None and slot.thread is not threading.current_thread():
             slot.thread.join(timeout=30)
+        # The request that asked for the unload may still hold the model (its scheduler's handle does) until its
+        # response is done: the reaper hands the memory back once the model is gone (`_release_gone`).
+        self._unloaded.append((weakref.ref(model), device, time.monotonic()))
         del scheduler, model
-        gc.collect()
-        self._release_memory(device)
         log.info("unloaded %s", slot.name)
 
     def _reap(self) -> None:
@@ -305,6 +310,28 @@ class ModelHost:
                 for slot in list(self._slots.values()):
                     if slot.state == "ready" and slot.active == 0 and now - slot.last_used >= slot.keep_alive_s:
                         self._unload(slot)
+            self._release_gone()
+
+    def _release_gone(self) -> None:
+        """Hand back the memory of unloaded models that are gone now (their arrays freed with them); one still
+        held somewhere is looked at again at the next reap, for up to `RELEASE_WAIT_S`."""
+        with self._lock:
+            waiting, self._unloaded = self._unloaded, []
+        if not waiting:
+            return
+        gc.collect()  # a model's objects refer to each other: freed by the collector, not by reference counts
+        now, devices, again = time.monotonic(), set(), []
+        for ref, device, since in waiting:
+            if ref is None or ref() is None or now - since > RELEASE_WAIT_S:
+                devices.add(device)
+                if ref is not None:  # what the request that held it frees after it: handed back at the next reap
+                    again.append((None, device, since))
+            else:
+                again.append((ref, device, since))
+        with self._lock:
+            self._unloaded += again
+        for device in devices:
+            self._release_memory(device)
 
     def close(self) -> None:
         self._closed = True
