@@ -26,7 +26,11 @@ the first byte of its reply, and ``curl`` asking llama.cpp's own
 ``llama-server`` (one per model, built with the peers) for one token of the
 same token ids, until curl exits. Neither server keeps prompts between
 requests (``--prompt-cache-bytes 0``, ``"cache_prompt": false``): every run
-prefills the whole prompt, as a one-shot process does.
+prefills the whole prompt, as a one-shot process does. Then as servers are
+run, with their prompt caches on (umakit's default, llama-server's
+``cache_prompt``), each run asking a new question (QUESTIONS): what an earlier
+request left (the chat template's system prompt) is reused, the question's
+own tokens are prefilled.
 
 Prints a markdown table and writes it to benchmarks/out/start_up.md.
 """
@@ -49,6 +53,9 @@ from pathlib import Path
 from shaped_ggufs import Q8_0_TYPE, SHAPES, quantize, write_f16
 
 PROMPT = "What is the capital of France?"
+# a new question for each run against a server with its prompt cache on (none of them PROMPT, which warms it)
+QUESTIONS = ("What is the capital of Spain?", "Name a red fruit.", "Who wrote Hamlet?", "What is two plus two?",
+             "Name a large animal.", "What colour is the sky?", "Where is Rome?")
 OUT = Path(__file__).parent / "out" / "start_up.md"
 # llama-cpp-python built for this machine (GGML_NATIVE=ON), in a venv of its own: $LLAMA_PYTHON, or where the
 # peers are usually built
@@ -66,14 +73,14 @@ print(time.time() - t0)
 """
 
 
-def umakit_first_token(gguf_file: Path, threads: int, server: str | None = None) -> float:
+def umakit_first_token(gguf_file: Path, threads: int, server: str | None = None, prompt: str = PROMPT) -> float:
     """Seconds from spawning `umakit generate` to the first byte of its reply on stdout; in this process, or
     attached to the umakit server at ``server``."""
     umakit = Path(sys.executable).with_name("umakit")
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     where = ["--server", server] if server else ["--no-server"]
     t0 = time.time()
-    p = subprocess.Popen([str(umakit), "generate", "-m", str(gguf_file), "-p", PROMPT, "--max-tokens", "8",
+    p = subprocess.Popen([str(umakit), "generate", "-m", str(gguf_file), "-p", prompt, "--max-tokens", "8",
                           "--temp", "0", *where], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
     first = p.stdout.read(1)
     took = time.time() - t0
@@ -90,9 +97,9 @@ def llama_first_token(llama_python: str, gguf_file: Path, threads: int, ids: lis
     return float(run.stdout.strip().splitlines()[-1])
 
 
-def curl_first_token(url: str, ids: list[int]) -> float:
+def curl_first_token(url: str, ids: list[int], cache: bool = False) -> float:
     """Seconds from spawning curl, asking a running llama-server for one token after ``ids``, to its exit."""
-    body = json.dumps({"prompt": ids, "n_predict": 1, "temperature": 0, "cache_prompt": False})
+    body = json.dumps({"prompt": ids, "n_predict": 1, "temperature": 0, "cache_prompt": cache})
     t0 = time.time()
     subprocess.run(["curl", "-sf", "-o", "/dev/null", "-H", "Content-Type: application/json", "-d", body,
                     f"{url}/completion"], check=True)
@@ -122,34 +129,36 @@ def _healthy(url: str, proc: subprocess.Popen, timeout_s: float = 300) -> None:
 
 @contextlib.contextmanager
 def servers(models: dict[str, Path], threads: int, llama_server: str | None):
-    """A `umakit serve` hosting the models by name, and a llama-server per model (when ``llama_server``):
-    yields (umakit's URL, {model name: llama-server's URL}), all healthy; stopped on the way out."""
-    procs, llama = [], {}
+    """Two `umakit serve`s hosting the models by name, one without a prompt cache and one as it starts by default,
+    and a llama-server per model (when ``llama_server``): yields (umakit's URLs, {model name: llama-server's URL}),
+    all healthy; stopped on the way out."""
+    procs, llama, urls = [], {}, []
     umakit = Path(sys.executable).with_name("umakit")
-    url = f"http://127.0.0.1:{_free_port()}"
     try:
-        procs.append(subprocess.Popen([str(umakit), "serve", "--port", url.rsplit(":", 1)[1], "--keep-alive", "-1",
-                                       "--prompt-cache-bytes", "0"], stdout=subprocess.DEVNULL,
-                                      stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": str(threads)}))
-        _healthy(url, procs[-1])
+        for cache in (["--prompt-cache-bytes", "0"], []):
+            urls.append(f"http://127.0.0.1:{_free_port()}")
+            procs.append(subprocess.Popen([str(umakit), "serve", "--port", urls[-1].rsplit(":", 1)[1], "--keep-alive",
+                                           "-1", *cache], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                          env={**os.environ, "OMP_NUM_THREADS": str(threads)}))
+            _healthy(urls[-1], procs[-1])
         for name, path in (models.items() if llama_server else ()):
             llama[name] = f"http://127.0.0.1:{_free_port()}"
             procs.append(subprocess.Popen([llama_server, "-m", str(path), "--port", llama[name].rsplit(":", 1)[1],
                                            "-t", str(threads), "-c", "2048", "-np", "1"],
                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
             _healthy(llama[name], procs[-1])
-        yield url, llama
+        yield urls, llama
     finally:
         for proc in procs:
             proc.terminate()
             proc.wait(timeout=30)
 
 
-def chat_ids(gguf_file: Path) -> list[int]:
-    """The token ids `umakit generate` feeds for PROMPT: its chat template's."""
+def chat_ids(gguf_file: Path, prompt: str = PROMPT) -> list[int]:
+    """The token ids `umakit generate` feeds for ``prompt``: its chat template's."""
     import umakit
 
-    return umakit.load(gguf_file).encode(PROMPT)
+    return umakit.load(gguf_file).encode(prompt)
 
 
 def main() -> None:
@@ -178,23 +187,33 @@ def main() -> None:
         for path in models.values():  # the one-time import and first load, as a first run does, outside the timings
             umakit_first_token(path, args.threads)
         ids = {name: chat_ids(path) for name, path in models.items()}
+        asked = {name: [chat_ids(path, q) for q in QUESTIONS] for name, path in models.items()}
         llama_server = args.llama_server if Path(args.llama_server).exists() else None
         load = os.getloadavg()[0]
-        with servers(models, args.threads, llama_server) as (url, llama_urls):
-            for path in models.values():  # each model loaded by the server, outside the timings
-                umakit_first_token(path, args.threads, url)
-            runs = {"umakit": lambda p, n: umakit_first_token(p, args.threads),
-                    "umakit attached": lambda p, n: umakit_first_token(p, args.threads, url),
-                    "llama.cpp, same tokens": lambda p, n: llama_first_token(args.llama_python, p, args.threads,
-                                                                             ids[n]),
-                    "llama.cpp, raw prompt": lambda p, n: llama_first_token(args.llama_python, p, args.threads, None)}
+        with servers(models, args.threads, llama_server) as ((fresh, cached), llama_urls):
+            for name, path in models.items():  # each model loaded by each server, outside the timings
+                for url in (fresh, cached):
+                    umakit_first_token(path, args.threads, url)
+                if llama_server:
+                    curl_first_token(llama_urls[name], ids[name], cache=True)
+            q = len(QUESTIONS)
+            runs = {"umakit": lambda p, n, r: umakit_first_token(p, args.threads),
+                    "umakit attached": lambda p, n, r: umakit_first_token(p, args.threads, fresh),
+                    "llama.cpp, same tokens": lambda p, n, r: llama_first_token(args.llama_python, p, args.threads,
+                                                                                ids[n]),
+                    "llama.cpp, raw prompt": lambda p, n, r: llama_first_token(args.llama_python, p, args.threads,
+                                                                               None),
+                    "umakit attached, cache on": lambda p, n, r: umakit_first_token(p, args.threads, cached,
+                                                                                    QUESTIONS[r % q])}
             if llama_server:
-                runs["llama-server + curl"] = lambda p, n: curl_first_token(llama_urls[n], ids[n])
+                runs["llama-server + curl"] = lambda p, n, r: curl_first_token(llama_urls[n], ids[n])
+                runs["llama-server + curl, cache on"] = lambda p, n, r: curl_first_token(llama_urls[n],
+                                                                                         asked[n][r % q], cache=True)
             times: dict[str, dict[str, list[float]]] = {m: {r: [] for r in runs} for m in models}
-            for _ in range(args.repeat):
+            for r in range(args.repeat):
                 for name, path in models.items():
                     for run, timed in runs.items():
-                        times[name][run].append(timed(path, name))
+                        times[name][run].append(timed(path, name, r))
                     print(f"  {name}: " + ", ".join(f"{r} {t[-1]:.2f} s" for r, t in times[name].items()),
                           file=sys.stderr)
         sizes = {name: path.stat().st_size for name, path in models.items()}
@@ -202,15 +221,19 @@ def main() -> None:
              f"process, in rotation; {args.threads} threads; load average {load:.1f} at the start.", "",
              "| model | GGUF size | prompt tokens | umakit generate (cached import) | llama-cpp-python, the same "
              "tokens | umakit / llama.cpp | llama-cpp-python, the raw prompt's tokens | umakit attached to "
-             "`umakit serve` | curl to llama-server | attached umakit / llama-server |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "`umakit serve` | curl to llama-server | attached umakit / llama-server | attached, prompt caches on, "
+             "a new question each run | curl to llama-server, the same | ratio |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, t in times.items():
         m = {r: statistics.median(v) for r, v in t.items()}
-        curl = m.get("llama-server + curl")
+        curl, curl_cached = m.get("llama-server + curl"), m.get("llama-server + curl, cache on")
         lines.append(f"| {name} | {sizes[name] / 1e6:.0f} MB | {len(ids[name])} | {m['umakit']:.2f} s | "
                      f"{m['llama.cpp, same tokens']:.2f} s | {m['umakit'] / m['llama.cpp, same tokens']:.2f}x | "
                      f"{m['llama.cpp, raw prompt']:.2f} s | {m['umakit attached']:.3f} s | "
-                     + (f"{curl:.3f} s | {m['umakit attached'] / curl:.2f}x |" if curl else "not built | |"))
+                     + (f"{curl:.3f} s | {m['umakit attached'] / curl:.2f}x |" if curl else "not built | |")
+                     + f" {m['umakit attached, cache on']:.3f} s | "
+                     + (f"{curl_cached:.3f} s | {m['umakit attached, cache on'] / curl_cached:.2f}x |" if curl_cached
+                        else "not built | |"))
     table = "\n".join(lines)
     print(table)
     OUT.parent.mkdir(parents=True, exist_ok=True)
