@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import urllib.error
-import urllib.request
-
 import click
 
 from umakit.cli.flags import HOST_ENV, server_option
@@ -38,11 +34,14 @@ def ls_cmd():
 
 def _loaded(server_url: str) -> list[dict] | None:
     """The models a running umakit server lists (None when none answers)."""
+    from umakit.cli import attach
+    from umakit.errors import UmakitError
+
     try:
-        with urllib.request.urlopen(f"{server_url.rstrip('/')}/v1/models", timeout=1.0) as r:
-            return json.load(r).get("data", [])
-    except (urllib.error.URLError, OSError, ValueError):
+        listed = attach.get_json(server_url, "/v1/models", 1.0)
+    except UmakitError:
         return None
+    return listed.get("data", []) if isinstance(listed, dict) else None
 
 
 @click.command("rm")
