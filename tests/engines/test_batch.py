@@ -228,7 +228,7 @@ def adding_rows_leaves_torch_caches_untouched(model):
     assert dec.size == 3 and dec._cache.capacity >= dec.context_tokens()
     assert torch.equal(dec._cache.k[:, 0, :, :n], before)
     dec.remove([0])
-    assert dec.size == 2 and [rid for rid, _ in dec.step()] == [1, 2]
+    assert dec.size == 2 and sorted(rid for rid, _ in dec.step()) == [1, 2]  # the last row filled the hole
 
 
 def test_unsupported_cache_layers_are_refused_clearly(models, monkeypatch):

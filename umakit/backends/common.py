@@ -294,6 +294,20 @@ def kept(ids: Sequence[int], drop: Iterable[int]) -> list[int] | None:
     return None if len(keep) == len(ids) else keep
 
 
+def compacted(keep: Sequence[int]) -> list[int]:
+    """``keep`` (`kept`'s positions, in order) rearranged so that as few rows as possible move: each row that
+    stays keeps its slot when that slot is within the new size, and the rows beyond it fill the holes left by
+    those that went. Slot i of the result holds the row from old position ``result[i]``."""
+    n = len(keep)
+    staying = set(keep)
+    order = list(range(n))
+    movers = [i for i in keep if i >= n]
+    for slot in range(n):
+        if slot not in staying:
+            order[slot] = movers.pop()
+    return order
+
+
 def take(keep: Sequence[int], *columns: list) -> tuple[list, ...]:
     """Each of a decoder's per-row lists, cut to the rows at positions ``keep`` (`kept`), in that order."""
     return tuple([column[i] for i in keep] for column in columns)

@@ -51,6 +51,9 @@ def _size_or_zero(ctx, param, value):
               default=str(SchedulerSettings.prompt_cache_bytes),
               help=f"KV caches kept across requests, so a conversation prefills only its new tokens "
                    f"(default {size(SchedulerSettings.prompt_cache_bytes)}; 0 keeps none).")
+@click.option("--step-tokens", type=click.IntRange(min=1), default=SchedulerSettings.step_tokens, show_default=True,
+              help="Prompt tokens prefilled between two decode steps while requests are decoding: lower keeps "
+                   "their tokens coming more evenly, higher prefills new prompts faster.")
 @click.option("--max-body-bytes", metavar="SIZE", callback=_size, default=str(DEFAULT_MAX_BODY_BYTES),
               help=f"Largest request body; larger ones get 413 (default {size(DEFAULT_MAX_BODY_BYTES)}).")
 @click.option("--request-timeout", type=click.FloatRange(min=0, min_open=True), metavar="S",
@@ -70,7 +73,7 @@ def _size_or_zero(ctx, param, value):
 @offload_options
 @parallel_option
 def serve_cmd(models, models_file, keep_alive, memory_budget, host, port, api_key, max_concurrency, max_queue,
-              prompt_cache_bytes, max_body_bytes, request_timeout, allowed_origins, kv_bits, backend, device, dtype,
+              prompt_cache_bytes, step_tokens, max_body_bytes, request_timeout, allowed_origins, kv_bits, backend, device, dtype,
               peak_bandwidth, gpu_layers, vram_budget, parallel):
     """Serve models over OpenAI's and Anthropic's HTTP APIs: chat completions, completions, responses and
     messages, streamed or not, with tool calls and structured outputs.
@@ -88,7 +91,7 @@ def serve_cmd(models, models_file, keep_alive, memory_budget, host, port, api_ke
     origins = tuple(o.strip().rstrip("/") for o in allowed_origins.split(",") if o.strip())
     settings = SchedulerSettings(max_concurrency=max_concurrency, max_queue=max_queue,
                                  prompt_cache_bytes=prompt_cache_bytes, request_timeout_s=request_timeout,
-                                 kv_bits=kv_bits)
+                                 kv_bits=kv_bits, step_tokens=step_tokens)
     web = dict(api_key=api_key, max_body_bytes=max_body_bytes, request_timeout_s=request_timeout,
                allowed_origins=origins)
     if models_file is not None or len(models) != 1:

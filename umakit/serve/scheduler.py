@@ -244,7 +244,7 @@ class Scheduler:
         while not self._stopping and not until():
             self._drop_gone(decoder)
             self._admit()
-            did = self._prefill_one(decoder)
+            did = self._prefill(decoder)
             if decoder.size:
                 self._step(decoder)
             elif not did:
@@ -318,26 +318,34 @@ class Scheduler:
             self.prompt_cache.clear()  # stored caches give way to running requests
         return need <= self._kv_budget
 
-    def _prefill_one(self, decoder) -> bool:
-        """One chunk of the oldest prefilling prompt; a prompt done prefilling joins the batch."""
-        with self._lock:
-            pending = [(i, j) for i, j in self._jobs.items() if j.cache is not None]
-        if not pending:
-            return False
-        row_id, job = min(pending, key=lambda p: p[1].submitted)
-        prompt = job.request.prompt
-        end = min(job.prefilled + self.settings.prefill_chunk, len(prompt) - 1)
-        if end > job.prefilled:
-            self.model.engine.prefill(prompt[job.prefilled:end], job.cache)
-            job.prefilled = end
-        if job.prefilled >= len(prompt) - 1:
-            r = job.request
-            decoder.add([BatchRow(row_id, prompt, r.sampling, r.seed, cache=job.cache, logprobs=r.logprobs,
-                                  constraint=r.constraint)])
-            job.cache = None
-            job.start = (time.perf_counter(), self._bytes_read, self._counters["decode_steps_total"],
-                         self._rows_summed)
-        return True
+    def _prefill(self, decoder) -> bool:
+        """Prefill waiting prompts, oldest first, within a budget: `SchedulerSettings.step_tokens` while rows are
+        decoding (so none stalls longer than that many prompt tokens take), a whole `prefill_chunk` while none is.
+        A prompt done prefilling joins the batch."""
+        budget = self.settings.step_tokens if decoder.size else self.settings.prefill_chunk
+        did = False
+        while budget > 0:
+            with self._lock:
+                pending = [(i, j) for i, j in self._jobs.items() if j.cache is not None]
+            if not pending:
+                return did
+            row_id, job = min(pending, key=lambda p: p[1].submitted)
+            prompt = job.request.prompt
+            end = min(job.prefilled + budget, len(prompt) - 1)
+            if end > job.prefilled:
+                self.model.engine.prefill(prompt[job.prefilled:end], job.cache)
+                budget -= end - job.prefilled
+                job.prefilled = end
+            did = True
+            if job.prefilled >= len(prompt) - 1:
+                r = job.request
+                decoder.add([BatchRow(row_id, prompt, r.sampling, r.seed, cache=job.cache, logprobs=r.logprobs,
+                                      constraint=r.constraint)])
+                job.cache = None
+                job.start = (time.perf_counter(), self._bytes_read, self._counters["decode_steps_total"],
+                             self._rows_summed)
+                budget = min(budget, self.settings.step_tokens)  # rows are decoding now
+        return did
 
     def _step(self, decoder) -> None:
         out = decoder.step()

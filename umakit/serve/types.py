@@ -74,7 +74,10 @@ class SchedulerSettings:
     max_concurrency: int = 16  # rows decoded together at most
     max_queue: int = 64  # requests waiting beyond those; more get a 429
     prompt_cache_bytes: int = 512 << 20  # KV caches kept for reuse across requests
-    prefill_chunk: int = 512  # tokens of one prompt prefilled between two decode steps
+    prefill_chunk: int = 512  # prompt tokens prefilled in one go while no row is decoding
+    # While rows decode, the prompt tokens prefilled between two of their steps: what bounds how long a running
+    # row stalls behind arriving prompts (benchmarks/serve_load.py chose it; `umakit serve --step-tokens`)
+    step_tokens: int = 64
     request_timeout_s: float = 600.0
     kv_bits: int | None = None  # 4 or 8: every request's KV cache quantized (the engine's batch_kv_bits feature)
     extra: dict = field(default_factory=dict)

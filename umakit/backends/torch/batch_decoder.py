@@ -111,10 +111,12 @@ class BatchKVCache:
         single.advance(n)
 
     def keep(self, slots: list[int], span: int) -> None:
-        """Move rows ``slots`` to the front, in that order (their first ``span`` positions)."""
-        index = torch.tensor(slots, device=self.device)
-        for buf in self.buffers:
-            buf[:, : len(slots), :, :span] = buf[:, :, :, :span].index_select(1, index)
+        """Make slot i hold what slot ``slots[i]`` held (its first ``span`` positions), copying only the rows that
+        move: `common.compacted` moves the fewest, each from beyond the new size into a hole before it."""
+        for i, old in enumerate(slots):
+            if old != i:
+                for buf in self.buffers:
+                    buf[:, i, :, :span] = buf[:, old, :, :span]
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, span: int):
         """Store k, v (B, nkv, 1, hd), row b at ``positions[b]``; return the rows' first ``span`` slots."""
@@ -205,6 +207,7 @@ class TorchBatchDecoder:
         keep = common.kept(self._ids, ids)
         if keep is None:
             return
+        keep = common.compacted(keep)  # a finished row costs one row's copy, not the batch's
         if keep and keep != list(range(len(keep))):
             with torch.inference_mode():
                 self._cache.keep(keep, max(self._lengths[i] for i in keep))
