@@ -125,6 +125,23 @@ def test_trim_forgets_tokens_so_decoding_resumes_as_before(engine):
     np.testing.assert_allclose(again, engine.logits(PROMPT)[-4:], atol=1e-4, rtol=1e-4)
 
 
+def test_a_copy_holds_the_prefix_and_both_go_on_alone(engine, kv_bits=None):
+    """`copy(n)` (a shared prompt prefix handed to another request): the copy continues as a cache prefilled with
+    those n tokens does, and the original, extended after it, is untouched by the copy's own tokens.
+    (Quantized caches: tests/engines/test_torch_kv_bits.py, on a model wide enough for them.)"""
+    cache = engine.make_cache(kv_bits)
+    engine.prefill(PROMPT, cache)
+    copied = cache.copy(4)
+    assert copied.offset == 4 and cache.offset == len(PROMPT) and copied.kv_bits == kv_bits
+    fresh = engine.make_cache(kv_bits)
+    engine.prefill(PROMPT[:4], fresh)
+    np.testing.assert_allclose(engine.logits([21, 22, 23], copied), engine.logits([21, 22, 23], fresh),
+                               atol=1e-4, rtol=1e-4)
+    again = engine.make_cache(kv_bits)
+    engine.prefill(PROMPT, again)
+    np.testing.assert_allclose(engine.logits([5, 6], cache), engine.logits([5, 6], again), atol=1e-4, rtol=1e-4)
+
+
 def test_batch_decoder_rows_equal_single_runs(engine):
     if base.BATCH not in engine.features:
         with pytest.raises(Exception):

@@ -122,6 +122,20 @@ def test_prefill_then_cached_decode_equals_one_pass(wide, bits):
     np.testing.assert_allclose(last, wide.engine.logits(PROMPT, wide.make_cache(bits))[-1], atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_copy_of_a_quantized_cache_holds_its_prefix(wide, bits):
+    """A shared prompt prefix handed on (`copy`): it continues as a cache prefilled with those tokens does."""
+    engine = wide.engine
+    prompt = list(range(3, 40))
+    cache = engine.make_cache(bits)
+    engine.prefill(prompt, cache)
+    copied = cache.copy(20)
+    assert copied.kv_bits == bits and copied.offset == 20 and cache.offset == len(prompt)
+    fresh = engine.make_cache(bits)
+    engine.prefill(prompt[:20], fresh)
+    np.testing.assert_allclose(engine.logits([50, 51], copied), engine.logits([50, 51], fresh), atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("family", ["gemma3", "qwen3_moe"])
 def test_sliding_window_and_expert_families_quantize_their_cache_too(family, tmp_path):
     """gemma3's sliding layers (a cache MLX cannot quantize: mlx-lm rotates it) and a mixture of experts."""

@@ -91,7 +91,7 @@ class Scripted:
         self.requests = []
 
     def submit(self, request, loop):
-        from umakit.serve.scheduler import Handle
+        from umakit.serve.jobs import Handle
         from umakit.serve.types import FinalEvent, TokenEvent, Usage
 
         self.requests.append(request)

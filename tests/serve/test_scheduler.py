@@ -9,7 +9,8 @@ import pytest
 
 import umakit
 from umakit.generate.sampling import SamplingParams
-from umakit.serve.scheduler import QueueFull, Scheduler
+from umakit.serve.jobs import QueueFull
+from umakit.serve.scheduler import Scheduler
 from umakit.serve.types import ErrorEvent, FinalEvent, GenerationRequest, SchedulerSettings, TokenEvent
 
 GREEDY = SamplingParams(temperature=0)
@@ -94,6 +95,30 @@ def test_the_next_turn_finds_the_previous_cache(model, loop):
         assert s.metrics()["prompt_cache_hit_ratio"] > 0
     finally:
         s.stop()
+
+
+def test_requests_sharing_a_system_prompt_prefill_it_once(model, loop):
+    """Four requests sent together after one long shared header, then four more: the first prefills the header;
+    the other three copy it from its row in the batch, the next four from the prompt cache (an entry that stays);
+    every reply is still its lone greedy run's."""
+    header = model.encode("You are a careful assistant. " * 12, raw=True)  # far over SHARE_MIN_TOKENS
+    prompts = [header + model.encode(q, raw=True) for q in PROMPTS[:4]]
+    s = Scheduler(model, SchedulerSettings(max_concurrency=8, step_tokens=8))
+    s.start()
+    try:
+        first = run_all(loop, [s.submit(GenerationRequest(p, 6, GREEDY), loop) for p in prompts])
+        after_first = s.metrics()["cached_tokens_total"]
+        second = run_all(loop, [s.submit(GenerationRequest(p[:-1] + [5], 6, GREEDY), loop) for p in prompts])
+        total = s.metrics()["cached_tokens_total"]
+    finally:
+        s.stop()
+    assert [text_and_tokens(r)[2].usage.cached_tokens >= len(header) for r in first] == [False, True, True, True]
+    assert after_first >= 3 * len(header)
+    assert all(text_and_tokens(r)[2].usage.cached_tokens >= len(header) for r in second)
+    assert total - after_first >= 4 * len(header)
+    for p, events in zip(prompts, first):
+        stream = model.engine.generate_tokens(p, model.make_cache(), GREEDY)
+        assert text_and_tokens(events)[1] == [next(stream) for _ in range(6)]
 
 
 def test_a_cancelled_request_frees_its_row_and_others_finish(model, loop):

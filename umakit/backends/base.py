@@ -94,6 +94,10 @@ class KVCache(Protocol):
     def trim(self, n: int) -> int:
         """Forget the last ``n`` tokens; returns how many were dropped."""
 
+    def copy(self, n: int) -> "KVCache":
+        """A new cache holding this one's first ``n`` tokens (a trimmable cache's; a shared prefix handed to
+        another request while this one is kept)."""
+
 
 @dataclass
 class WeightInfo:

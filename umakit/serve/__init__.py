@@ -24,14 +24,15 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from umakit.serve.app import make_app
-    from umakit.serve.scheduler import QueueFull, Scheduler
+    from umakit.serve.jobs import QueueFull
+    from umakit.serve.scheduler import Scheduler
     from umakit.serve.types import SchedulerSettings
 
 DEFAULT_HOST = "127.0.0.1"  # loopback: binding anything else without an API key draws a warning
 DEFAULT_PORT = 8080
 DEFAULT_MAX_BODY_BYTES = 8 << 20  # a long conversation is well under 1 MiB of JSON
 
-_LAZY = {"make_app": ".app", "Scheduler": ".scheduler", "QueueFull": ".scheduler", "SchedulerSettings": ".types"}
+_LAZY = {"make_app": ".app", "Scheduler": ".scheduler", "QueueFull": ".jobs", "SchedulerSettings": ".types"}
 __all__ = sorted(_LAZY)
 
 

@@ -36,7 +36,7 @@ from umakit.serve.protocol import ChatRequest, CompletionRequest, generation_req
 from umakit.errors import UmakitError
 from umakit.serve.host import OneModel, parse_keep_alive
 from umakit.serve.metrics import prometheus
-from umakit.serve.scheduler import QueueFull
+from umakit.serve.jobs import QueueFull
 from umakit.serve.types import ErrorEvent, FinalEvent, SchedulerSettings, TokenEvent
 
 log = logging.getLogger("umakit.serve")

@@ -2,11 +2,13 @@
 more message prefills only the new tokens.
 
 Each entry is a finished request's cache with the token ids it holds. A new
-request takes the entry sharing the longest prefix with its prompt: the cache
-is trimmed to that prefix (leaving at least the prompt's last token to run)
-and handed over whole, so an entry serves one request; the finished request
-puts its own, longer cache back. Least recently stored entries go first when
-the bytes run out.
+request takes the entry sharing the longest prefix with its prompt (leaving at
+least the prompt's last token to run). A conversation sent again with one more
+message extends its entry whole: the entry is handed over, trimmed, and the
+finished request puts its own, longer cache back. A prompt that shares only
+part of an entry (the same system prompt, another question) gets a copy of
+that part and the entry stays, so any number of requests reuse one system
+prompt. Least recently used entries go first when the bytes run out.
 """
 
 from __future__ import annotations
@@ -42,7 +44,9 @@ class PromptCache:
         return self.hits / self.lookups if self.lookups else 0.0
 
     def take(self, prompt: Sequence[int]):
-        """(a cache holding a prefix of ``prompt``, its length), or (None, 0); the entry leaves the store."""
+        """(a cache holding a prefix of ``prompt``, its length), or (None, 0). An entry that ``prompt`` extends
+        whole leaves the store (the request's own cache will hold more); one it shares only a part of (a system
+        prompt, a few-shot header) stays, and the request gets a copy of that part."""
         self.lookups += 1
         best, shared = None, 0
         for key, (tokens, _) in self._entries.items():
@@ -52,10 +56,14 @@ class PromptCache:
         keep = min(shared, len(prompt) - 1)
         if best is None or keep < MIN_SHARED_TOKENS:
             return None, 0
-        _, cache = self._entries.pop(best)
+        self.hits += 1
+        tokens, cache = self._entries[best]
+        if keep < len(tokens):
+            self._entries.move_to_end(best)  # recently used: the last to be dropped
+            return cache.copy(keep), keep
+        del self._entries[best]
         self.bytes -= cache.nbytes
         cache.trim(cache.offset - keep)
-        self.hits += 1
         return cache, keep
 
     def put(self, tokens: Sequence[int], cache) -> None:

@@ -32,71 +32,20 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Callable
 
 from umakit.backends.base import BatchRow
-from umakit.errors import UmakitError
 from umakit.generate.stream import FINISH_STOP, DecodeRow
-from umakit.serve.prompt_cache import PromptCache
+from umakit.serve.jobs import Handle, Job, QueueFull
+from umakit.serve.prompt_cache import PromptCache, common_prefix
 from umakit.serve.types import ErrorEvent, FinalEvent, GenerationRequest, SchedulerSettings, TokenEvent, Usage
 
 log = logging.getLogger("umakit.serve")
 IDLE_WAIT_S = 0.05  # how long an idle worker sleeps between looks at the queue
 RESTART_PAUSE_S = 0.5  # after a failure, before the worker starts again
 GIVE_UP_AFTER = 3  # failures in a row after which waiting requests are failed too
+SHARE_MIN_TOKENS = 32  # a running row's cache is copied for a new request sharing at least this much prompt
 RATE_WINDOW_S = 5.0  # tokens/s and GB/s in /metrics are over this many recent seconds
-
-
-class QueueFull(UmakitError):
-    """Too many requests waiting; try again after ``retry_after_s``."""
-
-    def __init__(self, message: str, retry_after_s: float):
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-
-
-class Handle:
-    """A submitted request as its HTTP handler sees it: a queue of events, and a way to give up."""
-
-    def __init__(self, id: str, loop: asyncio.AbstractEventLoop, wake):
-        self.id = id
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self._loop = loop
-        self._wake = wake
-        self.cancelled = False
-
-    def cancel(self) -> None:
-        """The client went away: the worker drops the request at its next step."""
-        self.cancelled = True
-        self._wake()
-
-    def put(self, event) -> None:
-        """From the worker thread: hand ``event`` to the request's event loop."""
-        try:
-            self._loop.call_soon_threadsafe(self.queue.put_nowait, event)
-        except RuntimeError:  # the loop is closed: nobody is listening any more
-            self.cancelled = True
-
-
-@dataclass
-class _Job:
-    """One request inside the worker."""
-
-    handle: Handle
-    request: GenerationRequest
-    submitted: float
-    row: DecodeRow | None = None
-    cache: object = None  # its own cache while prefilling; None once it is a row of the batch
-    prefilled: int = 0  # prompt tokens in ``cache``
-    cached_tokens: int = 0  # of those, found in the prompt cache
-    generated: list[int] = field(default_factory=list)  # every token returned, end-of-sequence included
-    start: tuple[float, float, int, int] = (0.0, 0.0, 0, 0)  # (time, bytes read, steps, rows summed) when it joined
-
-    @property
-    def deadline(self) -> float | None:
-        t = self.request.timeout_s
-        return None if t is None else self.submitted + t
 
 
 class Scheduler:
@@ -104,8 +53,8 @@ class Scheduler:
         self.model = model
         self.settings = settings or SchedulerSettings()
         self._lock = threading.Condition()
-        self._waiting: deque[_Job] = deque()
-        self._jobs: dict[int, _Job] = {}  # admitted: prefilling or decoding, by row id
+        self._waiting: deque[Job] = deque()
+        self._jobs: dict[int, Job] = {}  # admitted: prefilling or decoding, by row id
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -167,7 +116,7 @@ class Scheduler:
             if request.timeout_s is None:
                 request.timeout_s = self.settings.request_timeout_s
             handle = Handle(request.id or f"req-{next(self._ids)}", loop, self._notify)
-            self._waiting.append(_Job(handle, request, time.perf_counter()))
+            self._waiting.append(Job(handle, request, time.perf_counter()))
             self._counters["requests_total"] += 1
             self._lock.notify_all()
         return handle
@@ -307,10 +256,10 @@ class Scheduler:
                 self._jobs[next(self._ids)] = job
 
     @staticmethod
-    def _row_tokens(job: _Job) -> int:
+    def _row_tokens(job: Job) -> int:
         return len(job.request.prompt) + job.request.max_tokens
 
-    def _fits(self, job: _Job) -> bool:
+    def _fits(self, job: Job) -> bool:
         """Whether one more row fits the KV budget: a batch cache pads every row to the longest one."""
         longest = max([self._row_tokens(j) for j in self._jobs.values()] + [self._row_tokens(job)])
         need = (len(self._jobs) + 1) * longest * self._kv_bytes
@@ -331,6 +280,8 @@ class Scheduler:
                 return did
             row_id, job = min(pending, key=lambda p: p[1].submitted)
             prompt = job.request.prompt
+            if job.prefilled == job.cached_tokens:  # not started: a running row may hold more of its prompt
+                self._share(decoder, job)
             end = min(job.prefilled + budget, len(prompt) - 1)
             if end > job.prefilled:
                 self.model.engine.prefill(prompt[job.prefilled:end], job.cache)
@@ -346,6 +297,28 @@ class Scheduler:
                              self._rows_summed)
                 budget = min(budget, self.settings.step_tokens)  # rows are decoding now
         return did
+
+    def _share(self, decoder, job: Job) -> None:
+        """Start ``job`` from the cache of a row in the batch whose prompt shares more of its own than ``job``
+        holds (at least `SHARE_MIN_TOKENS`): requests sent together with one long system prompt prefill it once,
+        before any of them has finished and left it in the prompt cache."""
+        prompt = job.request.prompt
+        with self._lock:
+            rows = [(i, j) for i, j in self._jobs.items() if j.cache is None]
+        best, shared = None, max(job.prefilled, SHARE_MIN_TOKENS - 1)
+        for i, other in rows:
+            n = min(common_prefix(other.request.prompt, prompt), len(prompt) - 1)
+            if n > shared:
+                best, shared = i, n
+        if best is None:
+            return
+        cache = decoder.export(best)
+        shared = min(shared, cache.offset)
+        if not cache.trimmable or shared <= job.prefilled:
+            return
+        cache.trim(cache.offset - shared)
+        job.cache, job.prefilled, job.cached_tokens = cache, shared, shared
+        job.row.prompt_tokens, job.row.cached_tokens = len(prompt) - shared, shared
 
     def _step(self, decoder) -> None:
         out = decoder.step()

@@ -99,6 +99,11 @@ class LeaderCache:
         self._leader.send("trim", cache=self.id, n=n)
         return self.inner.trim(n)
 
+    def copy(self, n: int) -> "LeaderCache":
+        cid = self._leader.new_id()
+        self._leader.send("copy", cache=self.id, into=cid, n=n)
+        return LeaderCache(self.inner.copy(n), cid, self._leader)
+
 
 class LeaderBatch:
     """`umakit.backends.base.BatchDecoder` on rank 0: the local decoder, every call mirrored on the others."""
@@ -279,6 +284,8 @@ def _follow(engine, channel) -> None:
             caches[message["cache"]] = engine.make_cache(message["kv_bits"])
         elif op == "trim":
             caches[message["cache"]].trim(message["n"])
+        elif op == "copy":
+            caches[message["into"]] = caches[message["cache"]].copy(message["n"])
         elif op == "prefill":
             engine.prefill(message["tokens"], caches[message["cache"]])
         elif op == "logits":

@@ -50,6 +50,19 @@ class MLXCache:
     def nbytes(self) -> int:
         return sum(c.nbytes for c in self.layers)
 
+    def copy(self, n: int) -> "MLXCache":
+        if not self.trimmable:
+            raise InvalidArgumentError("this model's cache (sliding window or recurrent layers) cannot be copied")
+        n = max(min(n, self.offset), 0)
+        layers = []
+        for c in self.layers:
+            made = KVCache() if type(c) is KVCache else QuantizedKVCache(group_size=c.group_size, bits=c.bits)
+            if n:
+                cut = (lambda a: a[..., :n, :]) if type(c) is KVCache else (lambda t: tuple(a[..., :n, :] for a in t))
+                made.keys, made.values, made.offset = cut(c.keys), cut(c.values), n
+            layers.append(made)
+        return MLXCache(layers, self.kv_bits)
+
     def trim(self, n: int) -> int:
         keep = max(self.offset - n, 0)
         if all(c.offset == keep for c in self.layers):

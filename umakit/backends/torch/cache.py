@@ -104,3 +104,13 @@ class StaticKVCache:
         n = max(min(n, self.offset), 0)
         self.offset -= n  # stale entries are overwritten before they are read again
         return n
+
+    def copy(self, n: int) -> "StaticKVCache":
+        L, _, H, _, D = self.shape
+        n = max(min(n, self.offset), 0)
+        made = StaticKVCache(L, H, D, self.max_tokens, self.dtype, self.device,
+                             capacity=max(-(-n // GROW_STEP) * GROW_STEP, GROW_STEP))
+        made.k[:, :, :, :n] = self.k[:, :, :, :n]
+        made.v[:, :, :, :n] = self.v[:, :, :, :n]
+        made.offset = n
+        return made

@@ -140,3 +140,12 @@ class QuantizedKVCache:
         n = max(min(n, self.offset), 0)
         self.offset -= n  # stale entries are overwritten before they are read again
         return n
+
+    def copy(self, n: int) -> "QuantizedKVCache":
+        L, _, H, _, D = self.shape
+        n = max(min(n, self.offset), 0)
+        made = QuantizedKVCache(L, H, D, self.max_tokens, self.kv_bits, self.dtype, self.device,
+                                capacity=max(-(-n // GROW_STEP) * GROW_STEP, GROW_STEP))
+        made.offset = n  # what _planes copies of the planes given
+        made.k, made.v = made._planes(made.capacity, self.k), made._planes(made.capacity, self.v)
+        return made

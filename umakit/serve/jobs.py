@@ -1,0 +1,61 @@
+"""A request as the scheduler's worker holds it (`Job`), and as its HTTP handler sees it (`Handle`)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from umakit.errors import UmakitError
+from umakit.generate.stream import DecodeRow
+from umakit.serve.types import GenerationRequest
+
+
+class QueueFull(UmakitError):
+    """Too many requests waiting; try again after ``retry_after_s``."""
+
+    def __init__(self, message: str, retry_after_s: float):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class Handle:
+    """A submitted request as its HTTP handler sees it: a queue of events, and a way to give up."""
+
+    def __init__(self, id: str, loop: asyncio.AbstractEventLoop, wake):
+        self.id = id
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self._loop = loop
+        self._wake = wake
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        """The client went away: the worker drops the request at its next step."""
+        self.cancelled = True
+        self._wake()
+
+    def put(self, event) -> None:
+        """From the worker thread: hand ``event`` to the request's event loop."""
+        try:
+            self._loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            self.cancelled = True
+
+
+@dataclass
+class Job:
+    """One request inside the worker."""
+
+    handle: Handle
+    request: GenerationRequest
+    submitted: float
+    row: DecodeRow | None = None
+    cache: object = None  # its own cache while prefilling; None once it is a row of the batch
+    prefilled: int = 0  # prompt tokens in ``cache``
+    cached_tokens: int = 0  # of those, found in the prompt cache
+    generated: list[int] = field(default_factory=list)  # every token returned, end-of-sequence included
+    start: tuple[float, float, int, int] = (0.0, 0.0, 0, 0)  # (time, bytes read, steps, rows summed) when it joined
+
+    @property
+    def deadline(self) -> float | None:
+        t = self.request.timeout_s
+        return None if t is None else self.submitted + t
