@@ -77,7 +77,7 @@ class SchedulerSettings:
     prefill_chunk: int = 512  # prompt tokens prefilled in one go while no row is decoding
     # While rows decode, the prompt tokens prefilled between two of their steps: what bounds how long a running
     # row stalls behind arriving prompts (benchmarks/serve_load.py chose it; `umakit serve --step-tokens`)
-    step_tokens: int = 64
+    step_tokens: int = 32
     request_timeout_s: float = 600.0
     kv_bits: int | None = None  # 4 or 8: every request's KV cache quantized (the engine's batch_kv_bits feature)
     extra: dict = field(default_factory=dict)
