@@ -136,7 +136,7 @@ class RemoteChat:
                 self.messages.pop()
             else:
                 self.messages.append({"role": "assistant", "content": "".join(shown) + (CUT_MARK if cut else "")})
-                self._count(info, reply.usage.get("completion_tokens", 0))  # a cut reply's count never came
+                self.totals.add(info, reply.usage.get("completion_tokens", 0))  # a cut reply's: never came
 
     def _request(self, info: TurnInfo) -> attach.Attached:
         """Send the conversation, its oldest turns (never the system prompt) dropped until it fits the model's
@@ -189,14 +189,6 @@ class RemoteChat:
         if s.thinking is not None:
             body["chat_template_kwargs"] = {"enable_thinking": s.thinking}
         return body
-
-    def _count(self, info: TurnInfo, generated: int) -> None:
-        t = self.totals
-        t.turns += 1
-        t.prefilled_tokens += info.new_tokens
-        t.reused_tokens += info.reused_tokens
-        t.generated_tokens += generated
-        t.dropped_turns += info.dropped_turns
 
 
 _END = object()

@@ -250,14 +250,9 @@ class ChatSession:
             self.cache.trim(self.cache.offset - len(self.cached_ids))
 
     def _count(self, info: TurnInfo, stats: GenerationStats | None, generated: int) -> None:
-        t = self.totals
-        t.turns += 1
-        t.prefilled_tokens += info.new_tokens
-        t.reused_tokens += info.reused_tokens
-        t.generated_tokens += generated
-        t.dropped_turns += info.dropped_turns
+        self.totals.add(info, generated)
         if stats is not None:
-            t.peak_memory_bytes = max(t.peak_memory_bytes, stats.peak_memory_bytes)
+            self.totals.peak_memory_bytes = max(self.totals.peak_memory_bytes, stats.peak_memory_bytes)
 
     # -- transcripts ------------------------------------------------------------------
     def save(self, path: str | os.PathLike) -> None:

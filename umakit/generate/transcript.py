@@ -31,6 +31,15 @@ class SessionTotals:
     dropped_turns: int = 0
     peak_memory_bytes: int = 0
 
+    def add(self, info, generated: int) -> None:
+        """One turn: its `umakit.generate.chat.TurnInfo` (what was prefilled, reused, dropped) and its reply's
+        tokens."""
+        self.turns += 1
+        self.prefilled_tokens += info.new_tokens
+        self.reused_tokens += info.reused_tokens
+        self.generated_tokens += generated
+        self.dropped_turns += info.dropped_turns
+
 
 @dataclass
 class ChatSettings:
