@@ -25,7 +25,8 @@ from umakit import backends
 from umakit.backends.common import check_weights
 from umakit.backends.torch import quant
 from umakit.backends.torch.quant.forms import convert_model, cpu_auto_dtype, joiner
-from umakit.backends.torch.model.llama import ModelArgs, Transformer, fuse_projections, rope_inv_freq
+from umakit.backends.torch.model.llama import ModelArgs, Transformer, fuse_projections
+from umakit.backends.torch.model.rope import rope_inv_freq
 from umakit.backends.torch.model.moe import Experts, expert_slot, stacked_shapes
 from umakit.backends.torch.cpu.affine_kernel import AffineEmbedding, AffineLinear
 from umakit.backends.torch.load.packed import PackedCache

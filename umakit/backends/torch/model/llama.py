@@ -9,7 +9,6 @@ layers come from model/moe.py.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -18,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from umakit.checkpoint.config import SLIDING, normalized, text_config
+from umakit.backends.torch.model.rope import apply_rope, rope_attention_factor, rope_cos_sin, rope_inv_freq
 from umakit.errors import UnsupportedModelError
 from umakit.backends.torch import ARCHITECTURES as SUPPORTED
 from umakit.backends.torch.model.gemma import GemmaRMSNorm, gemma_fields, softcap
@@ -107,56 +107,21 @@ class ModelArgs:
                 sliding_window=window,
                 hidden_act=act,
             )
-            return cls(**{**fields, **gemma_fields(c), **moe_fields(c)})
+            made = cls(**{**fields, **gemma_fields(c), **moe_fields(c)})
         except KeyError as e:
             raise UnsupportedModelError(f"config.json lacks {e.args[0]!r}, which a {kind} model needs") from e
+        factor = rope_attention_factor(made.rope_scaling, made.max_position_embeddings)
+        if factor != 1.0:
+            if made.rope_local_theta is not None:
+                raise UnsupportedModelError("yarn RoPE on a model with sliding layers of their own RoPE base is not "
+                                            "supported on the torch engine")
+            # yarn scales cos and sin by the factor, so q.k by its square: folded into the attention's scale, which
+            # every path (eager, fused, CUDA) already takes
+            made.attn_scale = (made.attn_scale or made.head_dim ** -0.5) * factor ** 2
+        return made
 
 
-# -- RoPE and masks: pure functions ---------------------------------------------
-def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
-    """Inverse frequencies (kinds, head_dim/2), float32: row 0 with the config's rope scaling (global
-    layers), row 1, where the model has sliding layers of their own base, for those."""
-    rows = [_inv_freq(args.head_dim, args.rope_theta, args.rope_scaling)]
-    if args.rope_local_theta is not None:
-        rows.append(_inv_freq(args.head_dim, args.rope_local_theta, None))
-    return torch.stack(rows)
-
-
-def _inv_freq(d: int, theta: float, scaling: dict | None) -> torch.Tensor:
-    # Always on the CPU: under the meta-device context of model building, arange
-    # would import torch._dynamo (about a second).
-    inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float64, device="cpu") / d))
-    s = scaling or {}
-    kind = s.get("rope_type", s.get("type", "default"))
-    if kind == "linear":
-        inv = inv / s["factor"]
-    elif kind == "llama3":
-        low, high = s["low_freq_factor"], s["high_freq_factor"]
-        old = s["original_max_position_embeddings"]
-        wavelen = 2 * math.pi / inv
-        smooth = (old / wavelen - low) / (high - low)
-        mid = (1 - smooth) * inv / s["factor"] + smooth * inv
-        inv = torch.where(wavelen > old / low, inv / s["factor"], torch.where(wavelen < old / high, inv, mid))
-    elif kind != "default":
-        raise UnsupportedModelError(f"rope_scaling type {kind!r} is not supported; supported: default, linear, llama3")
-    return inv.float()
-
-
-def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
-    """cos and signed sin, each (T, head_dim), for integer ``positions`` (T,).
-
-    transformers rotates pairs (i, i + hd/2): x * cos + cat(-x2, x1) * sin. With
-    the sign folded into the first half of sin, cat(-x2, x1) * sin becomes
-    roll(x) * signed_sin, one op fewer per call.
-    """
-    freqs = positions.float()[:, None] * inv_freq[None, :]  # (T, hd/2)
-    cos, sin = freqs.cos(), freqs.sin()
-    return torch.cat((cos, cos), dim=-1).to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x (B, H, T, hd) in the Hugging Face (non-interleaved) layout."""
-    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
+# -- masks: pure functions ----------------------------------------------------------
 
 
 def attention_mask(positions: torch.Tensor, key_len: int, window: int | None) -> torch.Tensor:

@@ -1,0 +1,62 @@
+"""RoPE kinds on the torch engine against transformers: yarn's inverse frequencies and attention factor against
+transformers' own ``rope_init_fn``, and a tiny yarn model's logits and greedy tokens against transformers at
+positions far past its original context."""
+
+import numpy as np
+import pytest
+import torch
+
+import umakit
+from support.oracle import ref_logits, reference
+from support.tiny import make_tiny_model
+from umakit.backends.torch.model.rope import _inv_freq, rope_attention_factor
+from umakit.errors import UnsupportedModelError
+from umakit.generate.sampling import SamplingParams
+
+transformers = pytest.importorskip("transformers")
+
+YARN = [
+    {"factor": 4.0, "original_max_position_embeddings": 32},
+    {"factor": 8.0, "original_max_position_embeddings": 64, "beta_fast": 16, "beta_slow": 2},
+    {"factor": 4.0, "original_max_position_embeddings": 32, "mscale": 0.707, "mscale_all_dim": 1.0},  # DeepSeek's
+    {"factor": 2.0, "original_max_position_embeddings": 64, "attention_factor": 1.3, "truncate": False},
+    {"factor": None, "original_max_position_embeddings": 32},  # the factor from max_position_embeddings
+]
+
+
+@pytest.mark.parametrize("params", YARN, ids=range(len(YARN)))
+@pytest.mark.parametrize("head_dim", [16, 64])
+def test_yarn_frequencies_and_factor_are_transformers(params, head_dim):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope = {"rope_type": "yarn", "rope_theta": 10000.0, **params}
+    config = transformers.Qwen3Config(hidden_size=4 * head_dim, num_attention_heads=4, num_key_value_heads=2,
+                                      head_dim=head_dim, max_position_embeddings=256, rope_parameters=rope)
+    want, factor = ROPE_INIT_FUNCTIONS["yarn"](config, "cpu")
+    torch.testing.assert_close(_inv_freq(head_dim, 10000.0, rope, 256), want, atol=1e-7, rtol=1e-6)
+    assert rope_attention_factor(rope, 256) == pytest.approx(factor, rel=1e-12)
+
+
+def test_other_kinds_are_refused_by_name():
+    with pytest.raises(UnsupportedModelError, match="'longrope' is not supported on the torch engine"):
+        _inv_freq(16, 10000.0, {"rope_type": "longrope"})
+
+
+@pytest.fixture(scope="module")
+def yarn_model(tmp_path_factory):
+    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32}
+    return make_tiny_model("qwen3", tmp_path_factory.mktemp("yarn"), max_position_embeddings=256,
+                           rope_parameters=rope)
+
+
+def test_a_yarn_model_runs_as_transformers_runs_it_past_its_original_context(yarn_model):
+    model = umakit.load(yarn_model, backend="torch", dtype="float32")
+    ref = reference(yarn_model)
+    prompt = [(7 * i) % 90 + 3 for i in range(100)]  # positions up to 3x the original 32
+    np.testing.assert_allclose(model.logits(prompt), ref_logits(ref, prompt), atol=1e-4, rtol=1e-4)
+    ours = model.engine.generate_tokens(prompt, model.make_cache(), SamplingParams(temperature=0))
+    ours = [next(ours) for _ in range(16)]
+    seq = list(prompt)
+    for _ in range(16):
+        seq.append(int(ref_logits(ref, seq)[-1].argmax()))
+    assert ours == seq[len(prompt):]

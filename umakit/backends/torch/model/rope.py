@@ -1,0 +1,102 @@
+"""RoPE for the torch engine's models: inverse frequencies for each kind a checkpoint may name (default, linear,
+llama3, yarn), and the rotation itself, in the Hugging Face (non-interleaved) layout. Pure functions; transformers'
+own ``rope_init_fn`` results are the oracle (tests/engines/test_torch_families.py)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from umakit.errors import UnsupportedModelError
+
+
+def rope_inv_freq(args) -> torch.Tensor:
+    """Inverse frequencies (kinds, head_dim/2), float32: row 0 with the config's rope scaling (global
+    layers), row 1, where the model has sliding layers of their own base, for those."""
+    rows = [_inv_freq(args.head_dim, args.rope_theta, args.rope_scaling, args.max_position_embeddings)]
+    if args.rope_local_theta is not None:
+        rows.append(_inv_freq(args.head_dim, args.rope_local_theta, None))
+    return torch.stack(rows)
+
+
+def rope_attention_factor(scaling: dict | None, max_positions: int) -> float:
+    """yarn's factor on cos and sin (1.0 for every other kind), as transformers computes it."""
+    s = scaling or {}
+    if s.get("rope_type", s.get("type")) != "yarn":
+        return 1.0
+    if s.get("attention_factor") is not None:
+        return float(s["attention_factor"])
+    factor = _yarn_factor(s, max_positions)
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if s.get("mscale") and s.get("mscale_all_dim"):
+        return mscale(factor, s["mscale"]) / mscale(factor, s["mscale_all_dim"])
+    return mscale(factor)
+
+
+def _yarn_factor(s: dict, max_positions: int) -> float:
+    return s.get("factor") or max_positions / s["original_max_position_embeddings"]
+
+
+def _yarn(d: int, theta: float, s: dict, max_positions: int) -> torch.Tensor:
+    """yarn's inverse frequencies: interpolated (divided by the factor) for the slow dimensions, kept for the fast
+    ones, blended by a linear ramp between the dimensions that turn ``beta_fast`` and ``beta_slow`` times over
+    the original context."""
+    factor, old = _yarn_factor(s, max_positions), s["original_max_position_embeddings"]
+    fast, slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1
+
+    def dim_of(rotations: float) -> float:
+        return d * math.log(old / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(fast), dim_of(slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    high = high + 0.001 if low == high else high
+    ramp = ((torch.arange(d // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    base = theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+    keep = 1 - ramp  # 1: extrapolate (the fast dimensions), 0: interpolate
+    return (1.0 / (factor * base)) * (1 - keep) + (1.0 / base) * keep
+
+
+def _inv_freq(d: int, theta: float, scaling: dict | None, max_positions: int = 0) -> torch.Tensor:
+    # Always on the CPU: under the meta-device context of model building, arange
+    # would import torch._dynamo (about a second).
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float64, device="cpu") / d))
+    s = scaling or {}
+    kind = s.get("rope_type", s.get("type", "default"))
+    if kind == "linear":
+        inv = inv / s["factor"]
+    elif kind == "llama3":
+        low, high = s["low_freq_factor"], s["high_freq_factor"]
+        old = s["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        smooth = (old / wavelen - low) / (high - low)
+        mid = (1 - smooth) * inv / s["factor"] + smooth * inv
+        inv = torch.where(wavelen > old / low, inv / s["factor"], torch.where(wavelen < old / high, inv, mid))
+    elif kind == "yarn":
+        return _yarn(d, theta, s, max_positions)
+    elif kind != "default":
+        raise UnsupportedModelError(f"rope_scaling type {kind!r} is not supported on the torch engine; supported: "
+                                    "default, linear, llama3, yarn")
+    return inv.float()
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
+    """cos and signed sin, each (T, head_dim), for integer ``positions`` (T,).
+
+    transformers rotates pairs (i, i + hd/2): x * cos + cat(-x2, x1) * sin. With
+    the sign folded into the first half of sin, cat(-x2, x1) * sin becomes
+    roll(x) * signed_sin, one op fewer per call.
+    """
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # (T, hd/2)
+    cos, sin = freqs.cos(), freqs.sin()
+    return torch.cat((cos, cos), dim=-1).to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x (B, H, T, hd) in the Hugging Face (non-interleaved) layout."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
