@@ -123,7 +123,7 @@ def _post(app, path, payload, stream=False):
     import asyncio
 
     async def go():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=30) as c:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://localhost", timeout=30) as c:
             r = await c.post(path, json=payload)
             return r.status_code, r.text
 

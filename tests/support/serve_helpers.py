@@ -107,7 +107,7 @@ def asgi_calls(app, calls):
 
     async def go():
         transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30) as c:
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost", timeout=30) as c:
             return [await c.request(method, path, json=payload) for method, path, payload in calls]
 
     return asyncio.run(go())

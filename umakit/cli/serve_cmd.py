@@ -68,13 +68,16 @@ def _size_or_zero(ctx, param, value):
 @click.option("--allowed-origins", metavar="ORIGINS", default="",
               help="Comma-separated origins (e.g. http://localhost:3000, or *) whose browser pages may call the "
                    "server: CORS preflights are answered for them (default: none).")
+@click.option("--allowed-hosts", metavar="HOSTS", default="",
+              help="Comma-separated host names clients may call this server by, beyond localhost names, IP addresses "
+                   "and --host (a guard against DNS rebinding; * allows any).")
 @kv_bits_option
 @model_options
 @offload_options
 @parallel_option
 def serve_cmd(models, models_file, keep_alive, memory_budget, host, port, api_key, max_concurrency, max_queue,
-              prompt_cache_bytes, step_tokens, max_body_bytes, request_timeout, allowed_origins, kv_bits, backend, device, dtype,
-              peak_bandwidth, gpu_layers, vram_budget, parallel):
+              prompt_cache_bytes, step_tokens, max_body_bytes, request_timeout, allowed_origins, allowed_hosts, kv_bits,
+              backend, device, dtype, peak_bandwidth, gpu_layers, vram_budget, parallel):
     """Serve models over OpenAI's and Anthropic's HTTP APIs: chat completions, completions, responses and
     messages, streamed or not, with tool calls and structured outputs.
 
@@ -92,8 +95,11 @@ def serve_cmd(models, models_file, keep_alive, memory_budget, host, port, api_ke
     settings = SchedulerSettings(max_concurrency=max_concurrency, max_queue=max_queue,
                                  prompt_cache_bytes=prompt_cache_bytes, request_timeout_s=request_timeout,
                                  kv_bits=kv_bits, step_tokens=step_tokens)
+    if api_key is not None and (not api_key.strip() or not api_key.isascii() or not api_key.isprintable()):
+        raise click.BadParameter("an API key must be printable ASCII and not empty", param_hint="--api-key")
+    hosts = (host, *(h.strip() for h in allowed_hosts.split(",") if h.strip()))
     web = dict(api_key=api_key, max_body_bytes=max_body_bytes, request_timeout_s=request_timeout,
-               allowed_origins=origins)
+               allowed_origins=origins, allowed_hosts=hosts)
     if models_file is not None or len(models) != 1:
         if parallel is not None:
             raise click.UsageError("--parallel serves one model: give it as MODEL")

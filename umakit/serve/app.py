@@ -36,6 +36,7 @@ from umakit.serve.protocol import ChatRequest, CompletionRequest, generation_req
 from umakit.errors import UmakitError
 from umakit.serve.host import OneModel, parse_keep_alive
 from umakit.serve.metrics import prometheus
+from umakit.serve.guard import HostGuard
 from umakit.serve.jobs import QueueFull
 from umakit.serve.types import ErrorEvent, FinalEvent, SchedulerSettings, TokenEvent
 
@@ -72,14 +73,15 @@ OPENAI_RESPONSES = API("resp", openai_responses.read)
 
 def make_app(model, scheduler=None, *, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
              request_timeout_s: float | None = SchedulerSettings.request_timeout_s,
-             allowed_origins: tuple[str, ...] = ()) -> Starlette:
+             allowed_origins: tuple[str, ...] = (), allowed_hosts: tuple[str, ...] = ()) -> Starlette:
     """The app serving ``model`` through ``scheduler`` (started and stopped by the caller), or, without a
     scheduler, the models of a `umakit.serve.host.ModelHost` by name: OpenAI's chat completions, completions
     and responses, and Anthropic's messages.
 
     With ``api_key`` every route but /health needs ``Authorization: Bearer <api_key>`` (or Anthropic's
     ``x-api-key: <api_key>``). ``allowed_origins`` (``"*"`` for any) may call it from a browser page:
-    CORS preflights are answered for them, and for no origin by default.
+    CORS preflights are answered for them, and for no origin by default. A request whose Host header is not a
+    localhost name, an IP address or one of ``allowed_hosts`` (``"*"``: any) is refused (`umakit.serve.guard`).
     """
     models = OneModel(model, scheduler) if scheduler is not None else model
     server = _Server(models, api_key, max_body_bytes, request_timeout_s)
@@ -94,8 +96,10 @@ def make_app(model, scheduler=None, *, api_key: str | None = None, max_body_byte
         Route("/health", server.health, methods=["GET"]),
         Route("/metrics", server.metrics, methods=["GET"]),
     ]
-    middleware = [Middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
-                             allow_headers=["*"], max_age=600)] if allowed_origins else []
+    middleware = [Middleware(HostGuard, allowed=allowed_hosts)]
+    if allowed_origins:
+        middleware.append(Middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
+                                     allow_headers=["*"], max_age=600))
     return Starlette(routes=routes, middleware=middleware, exception_handlers={HTTPException: server.http_error})
 
 
@@ -241,6 +245,10 @@ class _Server:
                 self.models.release(lease, keep_alive)
 
     async def _json(self, request: Request):
+        kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if kind != "application/json" and not kind.endswith("+json"):  # a page's form or text/plain POST: unread
+            raise APIError(415, f"send the request body as JSON with 'Content-Type: application/json' (this one "
+                                f"says {kind or 'nothing'!r})")
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
             raise self._too_large()

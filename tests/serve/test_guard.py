@@ -1,0 +1,70 @@
+"""What a web page must not make a keyless `umakit serve` do, against a real server on 127.0.0.1: answer a request
+under a rebound DNS name (the Host check), or read a body a browser sends without asking first (415); and keys
+that could never work are refused at start-up."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from support.serve_helpers import read_metrics, start_server
+
+pytestmark = pytest.mark.slow
+
+CHAT = {"model": "any", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir, tmp_path_factory):
+    srv = start_server(tiny_dir("llama"), ["--backend", "torch", "--peak-bandwidth", "100", "--allowed-hosts",
+                                           "my.box, Studio.local"], tmp_path_factory, "guard")
+    yield srv
+    srv.stop()
+
+
+def requests_total(srv) -> float:
+    return read_metrics(httpx.get(f"{srv.url}/metrics").text)["umakit_requests_total"]
+
+
+@pytest.mark.parametrize("host", ["evil.example", "evil.example:8080", "127.0.0.1.evil.example", ""])
+def test_a_rebound_name_is_refused_before_any_route(server, host):
+    for method, path in (("GET", "/v1/models"), ("GET", "/health"), ("POST", "/v1/chat/completions")):
+        r = httpx.request(method, f"{server.url}{path}", json=CHAT, headers={"Host": host}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "host_not_allowed", (method, path, r.text)
+
+
+@pytest.mark.parametrize("host", ["localhost", "LOCALHOST:{port}", "127.0.0.1:{port}", "[::1]:{port}", "my.box",
+                                  "studio.local:{port}", "app.localhost"])
+def test_the_servers_own_names_and_addresses_pass(server, host):
+    r = httpx.get(f"{server.url}/v1/models", headers={"Host": host.format(port=server.port)}, timeout=30)
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("kind", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data", None])
+def test_a_body_a_browser_sends_without_a_preflight_is_never_read(server, kind):
+    before = requests_total(server)
+    headers = {"Content-Type": kind} if kind else {}
+    for path in ("/v1/chat/completions", "/v1/messages/count_tokens"):
+        r = httpx.post(f"{server.url}{path}", content=httpx.Request("POST", "/", json=CHAT).content,
+                       headers=headers, timeout=30)
+        assert r.status_code == 415 and "Content-Type: application/json" in r.text, r.text
+    assert requests_total(server) == before  # nothing reached the scheduler
+
+
+def test_json_with_a_charset_is_json(server):
+    name = httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"]
+    body = httpx.Request("POST", "/", json={**CHAT, "model": name}).content
+    r = httpx.post(f"{server.url}/v1/chat/completions", content=body,
+                   headers={"Content-Type": "application/json; charset=utf-8"}, timeout=60)
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("key", ["", "   ", "clé-secrète", "tab\tkey"])
+def test_a_key_that_could_never_match_is_refused_at_start(tiny_dir, key):
+    run = subprocess.run([sys.executable, "-m", "umakit.cli.main", "serve", str(tiny_dir("llama")), "--port", "0",
+                          "--api-key", key], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "--api-key" in run.stderr and "printable ASCII" in run.stderr, run.stderr
+    assert "Traceback" not in run.stderr

@@ -1,0 +1,67 @@
+"""What a browser page must not make the server do: the Host header check against DNS rebinding.
+
+A page on any site can point a name it controls at 127.0.0.1 (DNS rebinding) and then call the server as if it
+were its own origin, with no CORS in the way. Such a request carries the attacker's name in its Host header, so
+the server answers only requests whose Host is one of its own names: the localhost names, an IP address (a
+page can only reach an address by its own origin: no rebinding there), the address it is bound to, and the
+names given with ``umakit serve --allowed-hosts``. Everything else gets a 400 in OpenAI's shape before any
+route runs. (The other half, JSON bodies only, is `umakit.serve.app`'s: a POST that is not
+``application/json`` gets a 415, so a page's form or ``text/plain`` POST, which browsers send without asking
+first, is never read.)
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+
+LOCAL_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback"})
+
+
+def host_name(header: str) -> str:
+    """The name in a Host header, without its port and brackets, lower case."""
+    header = header.strip().lower()
+    if header.startswith("["):  # an IPv6 literal: [::1]:8080
+        return header[1:header.find("]")] if "]" in header else header
+    return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
+
+
+def _is_address(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
+class HostGuard:
+    """ASGI middleware: a request whose Host header names none of ``allowed`` (nor an IP address, nor a
+    localhost name) is refused with 400."""
+
+    def __init__(self, app, allowed: tuple[str, ...] = ()):
+        self.app = app
+        self.allowed = LOCAL_NAMES | {host_name(h) for h in allowed if h}
+        self.any = "*" in allowed
+
+    def allows(self, header: str | None) -> bool:
+        if self.any:
+            return True
+        if not header:
+            return False  # HTTP/1.1 requires one; every client sends it
+        name = host_name(header)
+        return name in self.allowed or _is_address(name) or name.endswith(".localhost")
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        header = next((v.decode("latin-1") for k, v in scope.get("headers", ()) if k == b"host"), None)
+        if self.allows(header):
+            return await self.app(scope, receive, send)
+        shown = (header or "").encode("ascii", "backslashreplace").decode()[:100]
+        body = json.dumps({"error": {
+            "message": f"the Host header {shown!r} names none of this server's hosts; add it with umakit serve "
+                       "--allowed-hosts (a guard against DNS rebinding)",
+            "type": "invalid_request_error", "param": None, "code": "host_not_allowed"}}).encode()
+        await send({"type": "http.response.start", "status": 400,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
