@@ -1,11 +1,13 @@
-"""What a web page must not make a keyless `umakit serve` do, against a real server on 127.0.0.1: answer a request
-under a rebound DNS name (the Host check), or read a body a browser sends without asking first (415); and keys
-that could never work are refused at start-up."""
+"""Hostile input against a real server on 127.0.0.1: what a web page must not make a keyless `umakit serve` do
+(answer under a rebound DNS name, read a body a browser sends without asking first), malformed JSON that used to
+be a 500, a forged log line, an upload cut off; and keys that could never work are refused at start-up."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
@@ -68,3 +70,45 @@ def test_a_key_that_could_never_match_is_refused_at_start(tiny_dir, key):
                           "--api-key", key], capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and "--api-key" in run.stderr and "printable ASCII" in run.stderr, run.stderr
     assert "Traceback" not in run.stderr
+
+
+def post_raw(srv, body: bytes) -> httpx.Response:
+    return httpx.post(f"{srv.url}/v1/chat/completions", content=body, headers={"Content-Type": "application/json"},
+                      timeout=30)
+
+
+def test_malformed_json_that_was_a_500_is_a_400(server):
+    name = httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"]
+    nested = b'{"model": "' + name.encode() + b'", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    lone = b'{"model": "' + name.encode() + b'", "messages": [{"role": "user", "content": "hi \\ud800"}]}'
+    lone_model = b'{"model": "\\udfff", "messages": [{"role": "user", "content": "hi"}]}'
+    for body, says in ((nested, "nested too deeply"), (lone, "lone surrogate"), (lone_model, "lone surrogate")):
+        r = post_raw(server, body)
+        assert r.status_code == 400 and says in r.json()["error"]["message"], r.text
+    long_stop = {"model": name, "messages": [{"role": "user", "content": "hi"}], "stop": ["x" * 1001]}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=long_stop, timeout=30)
+    assert r.status_code == 400 and "at most 1000 characters" in r.text
+    metrics = read_metrics(httpx.get(f"{server.url}/metrics").text)
+    assert not any(k.startswith("umakit_http_responses_total") and '"5' in k for k in metrics)
+
+
+def test_a_client_cannot_forge_a_log_line(server):
+    forged = "nope\n12:00:00 chatcmpl-forged 200 stop prompt=1 cached=0 completion=1"
+    r = httpx.post(f"{server.url}/v1/chat/completions", json={**CHAT, "model": forged}, timeout=30)
+    assert r.status_code == 404
+    time.sleep(0.2)
+    log = server.log.read_text()
+    assert "chatcmpl-forged" in log  # the attempt is logged, on the line of the request that made it
+    assert not any(line.startswith("12:00:00 chatcmpl-forged") for line in log.splitlines())
+
+
+def test_an_upload_cut_off_is_a_client_that_left_not_a_failure(server):
+    with socket.create_connection(("127.0.0.1", server.port)) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 100000\r\n\r\n" + b'{"model": "x", "messages": [')
+        time.sleep(0.3)
+    time.sleep(0.5)
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert "Traceback" not in server.log.read_text()
+    metrics = read_metrics(httpx.get(f"{server.url}/metrics").text)
+    assert not any(k.startswith("umakit_http_responses_total") and '"5' in k for k in metrics)

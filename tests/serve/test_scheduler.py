@@ -121,6 +121,28 @@ def test_requests_sharing_a_system_prompt_prefill_it_once(model, loop):
         assert text_and_tokens(events)[1] == [next(stream) for _ in range(6)]
 
 
+def test_a_request_that_can_never_fit_is_refused_at_once_and_blocks_nobody(model, loop, monkeypatch):
+    """Room for about 100 tokens of KV cache: a request for 1,000 is refused when submitted (never queued, even
+    behind a running one), and requests that fit go on."""
+    from umakit.serve.jobs import NeverFits
+
+    budget = 100 * model.engine.kv_bytes_per_token()
+    decoder = type(model.engine.batch_decoder())
+    monkeypatch.setattr(decoder, "kv_budget_bytes", lambda self: budget)
+    s = Scheduler(model, SchedulerSettings(max_concurrency=4))
+    s.start()
+    try:
+        running = s.submit(request(model, PROMPTS[0], 20), loop)
+        with pytest.raises(NeverFits, match="ask for fewer max_tokens"):
+            s.submit(request(model, PROMPTS[1], 1000), loop)
+        after = s.submit(request(model, PROMPTS[2], 8), loop)
+        results = run_all(loop, [running, after])
+    finally:
+        s.stop()
+    assert all(isinstance(r[-1], FinalEvent) for r in results)
+    assert s.metrics()["requests_rejected_total"] == 1
+
+
 def test_a_cancelled_request_frees_its_row_and_others_finish(model, loop):
     s = Scheduler(model, SchedulerSettings())
     s.start()

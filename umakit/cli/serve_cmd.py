@@ -244,9 +244,11 @@ def _bind(host: str, port: int) -> socket.socket:
 
 def _log_to_stderr() -> None:
     """umakit's line per request on stderr (uvicorn's own access log stays off)."""
+    from umakit.serve.guard import OneLineFormatter
+
     logger = logging.getLogger("umakit.serve")
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", datefmt="%H:%M:%S"))
+    handler.setFormatter(OneLineFormatter("%(asctime)s %(message)s", datefmt="%H:%M:%S"))
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     logger.propagate = False

@@ -25,7 +25,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -37,7 +37,7 @@ from umakit.errors import UmakitError
 from umakit.serve.host import OneModel, parse_keep_alive
 from umakit.serve.metrics import prometheus
 from umakit.serve.guard import HostGuard
-from umakit.serve.jobs import QueueFull
+from umakit.serve.jobs import NeverFits, QueueFull
 from umakit.serve.types import ErrorEvent, FinalEvent, SchedulerSettings, TokenEvent
 
 log = logging.getLogger("umakit.serve")
@@ -158,6 +158,8 @@ class _Server:
                 self.models.release(lease)
         except APIError as e:
             return self._count(_error_response(e, ANTHROPIC_MESSAGES))
+        except _ClientGone:
+            return Response(status_code=499)
 
     def _card(self, card: dict) -> dict:
         """A model as OpenAI's list describes it, and Anthropic's (``type``, ``display_name``, ``created_at``),
@@ -212,6 +214,8 @@ class _Server:
                 handle = lease.scheduler.submit(sub.request, asyncio.get_running_loop())
             except QueueFull as e:
                 raise APIError(429, str(e), headers={"Retry-After": str(max(1, math.ceil(e.retry_after_s)))}) from e
+            except NeverFits as e:
+                raise APIError(400, str(e), param="max_tokens", code="kv_cache_exceeded") from e
             watcher = asyncio.create_task(_watch_disconnect(request, handle))
             events = _events(handle, None if self.timeout_s is None else self.timeout_s + TIMEOUT_GRACE_S)
             try:
@@ -253,14 +257,25 @@ class _Server:
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
             raise self._too_large()
         body = bytearray()
-        async for piece in request.stream():
-            body += piece
-            if len(body) > self.max_body_bytes:
-                raise self._too_large()
         try:
-            return json.loads(body)
+            async for piece in request.stream():
+                body += piece
+                if len(body) > self.max_body_bytes:
+                    raise self._too_large()
+        except ClientDisconnect:
+            raise _ClientGone() from None  # an upload cut off: 499, not a failure of ours
+        try:
+            data = json.loads(body)
         except ValueError as e:  # UnicodeDecodeError too
             raise APIError(400, f"the request body is not valid JSON ({e})") from e
+        except RecursionError:
+            raise APIError(400, "the request body's JSON is nested too deeply") from None
+        try:  # a lone surrogate (\ud800) parses, but is no text: refused here rather than deep in a tokenizer
+            json.dumps(data, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise APIError(400, "the request body's JSON holds a lone surrogate (\\ud800-\\udfff), which is not "
+                                "text") from None
+        return data
 
     def _too_large(self) -> APIError:
         return APIError(413, f"the request body is larger than this server's limit of {self.max_body_bytes} bytes "

@@ -1,4 +1,5 @@
-"""What a browser page must not make the server do: the Host header check against DNS rebinding.
+"""What a browser page or a hostile client must not make the server do: the Host header check against DNS
+rebinding (`HostGuard`), and log lines forged through a client's text (`OneLineFormatter`).
 
 A page on any site can point a name it controls at 127.0.0.1 (DNS rebinding) and then call the server as if it
 were its own origin, with no CORS in the way. Such a request carries the attacker's name in its Host header, so
@@ -14,6 +15,8 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import logging
+import re
 
 LOCAL_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback"})
 
@@ -65,3 +68,16 @@ class HostGuard:
         await send({"type": "http.response.start", "status": 400,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})
+
+
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+class OneLineFormatter(logging.Formatter):
+    """Log lines whose message never spans lines nor carries terminal escapes: a client's text in a message (a
+    model name it sent, say) has its control characters escaped, so it cannot forge log lines of its own.
+    Tracebacks, which are the server's, print as they are."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        record.message = _CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), record.message)
+        return super().formatMessage(record)

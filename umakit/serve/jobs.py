@@ -18,6 +18,10 @@ class QueueFull(UmakitError):
         self.retry_after_s = retry_after_s
 
 
+class NeverFits(UmakitError):
+    """A request whose KV cache alone is more than this machine can give a row: refused, never queued."""
+
+
 class Handle:
     """A submitted request as its HTTP handler sees it: a queue of events, and a way to give up."""
 

@@ -25,6 +25,8 @@ from umakit.serve.api_errors import APIError
 from umakit.serve.types import GenerationRequest
 
 MAX_STOP = 4  # stop strings per request, as OpenAI allows
+MAX_STOP_CHARS = 1000  # each one's length: every new token's text is matched against each stop string's tail
+UNKNOWN_CONTEXT_MAX_TOKENS = 1 << 20  # max_tokens's bound where the model does not state its context length
 MAX_TOP_LOGPROBS = 20
 INT64 = 2**63
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
@@ -190,6 +192,8 @@ class RequestBase(WireModel):
             raise ValueError(f"at most {MAX_STOP} stop strings, got {len(stops)}")
         if any(s == "" for s in stops):
             raise ValueError("stop strings must not be empty")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"a stop string may be at most {MAX_STOP_CHARS} characters long")
         return stops
 
     @property
@@ -356,8 +360,12 @@ def _request(model, prompt: list[int], constraint: Constraint | None, max_tokens
 
 
 def _max_tokens(asked: int | None, prompt_tokens: int, limit: int, where: str) -> int:
-    """The tokens asked for, or by default as many as fit up to `DEFAULT_MAX_TOKENS`; 400 when they do not fit."""
+    """The tokens asked for, or by default as many as fit up to `DEFAULT_MAX_TOKENS`; 400 when they do not fit
+    (at most `UNKNOWN_CONTEXT_MAX_TOKENS` for a model that does not say its context length)."""
     if not limit:
+        if asked is not None and asked > UNKNOWN_CONTEXT_MAX_TOKENS:
+            raise APIError(400, f"max_tokens is {asked}; this model does not say its context length, and a request "
+                                f"may ask for at most {UNKNOWN_CONTEXT_MAX_TOKENS}", param="max_tokens")
         return asked or DEFAULT_MAX_TOKENS
     if prompt_tokens + (asked or 1) > limit:
         raise APIError(

@@ -36,7 +36,7 @@ from typing import Callable
 
 from umakit.backends.base import BatchRow
 from umakit.generate.stream import FINISH_STOP, DecodeRow
-from umakit.serve.jobs import Handle, Job, QueueFull
+from umakit.serve.jobs import Handle, Job, NeverFits, QueueFull
 from umakit.serve.prompt_cache import PromptCache, common_prefix
 from umakit.serve.types import ErrorEvent, FinalEvent, GenerationRequest, SchedulerSettings, TokenEvent, Usage
 
@@ -108,7 +108,12 @@ class Scheduler:
         return self._healthy and self._thread is not None and self._thread.is_alive()
 
     def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> Handle:
+        """Queue ``request``; `QueueFull` when too many wait, `NeverFits` when its KV cache alone exceeds what this
+        machine can give a row (it would wait for ever)."""
         with self._lock:
+            if self._kv_budget and self._never_fits(request):
+                self._counters["requests_rejected_total"] += 1
+                raise NeverFits(self._too_big(request))
             if len(self._waiting) >= self.settings.max_queue:
                 self._counters["requests_rejected_total"] += 1
                 raise QueueFull(f"{len(self._waiting)} requests are waiting already; try again shortly",
@@ -236,14 +241,11 @@ class Scheduler:
                     return
                 job = self._waiting[0]
                 if not self._fits(job):
-                    if self._jobs:
+                    if self._jobs and not self._never_fits(job.request):
                         return  # wait for a row to finish
                     self._waiting.popleft()
                     self._counters["requests_failed_total"] += 1
-                    job.handle.put(ErrorEvent(
-                        f"the request needs {self._row_tokens(job)} tokens of KV cache "
-                        f"({self._row_tokens(job) * self._kv_bytes / 2**20:.0f} MiB), more than the "
-                        f"{self._kv_budget / 2**20:.0f} MiB this machine can give it", 400, "kv_cache_exceeded"))
+                    job.handle.put(ErrorEvent(self._too_big(job.request), 400, "kv_cache_exceeded"))
                     continue
                 self._waiting.popleft()
             prompt = job.request.prompt
@@ -258,6 +260,14 @@ class Scheduler:
     @staticmethod
     def _row_tokens(job: Job) -> int:
         return len(job.request.prompt) + job.request.max_tokens
+
+    def _never_fits(self, request: GenerationRequest) -> bool:
+        return (len(request.prompt) + request.max_tokens) * self._kv_bytes > self._kv_budget
+
+    def _too_big(self, request: GenerationRequest) -> str:
+        tokens = len(request.prompt) + request.max_tokens
+        return (f"the request needs {tokens} tokens of KV cache ({(tokens * self._kv_bytes) >> 20} MiB), more than "
+                f"the {self._kv_budget >> 20} MiB this machine can give it; ask for fewer max_tokens")
 
     def _fits(self, job: Job) -> bool:
         """Whether one more row fits the KV budget: a batch cache pads every row to the longest one."""
