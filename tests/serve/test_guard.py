@@ -112,3 +112,32 @@ def test_an_upload_cut_off_is_a_client_that_left_not_a_failure(server):
     assert "Traceback" not in server.log.read_text()
     metrics = read_metrics(httpx.get(f"{server.url}/metrics").text)
     assert not any(k.startswith("umakit_http_responses_total") and '"5' in k for k in metrics)
+
+
+def test_a_cache_salt_keeps_callers_from_reusing_each_others_prompts(server):
+    """vLLM's ``cache_salt``: the same prompt under another salt prefills from nothing (so its time and
+    ``cached_tokens`` tell nothing about what others sent); under its own salt it is reused."""
+    name = httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"]
+    prompt = "The quick brown fox jumps over the lazy dog, again and again and again."
+
+    def cached(**extra):
+        r = httpx.post(f"{server.url}/v1/completions", json={"model": name, "prompt": prompt, "max_tokens": 2,
+                                                              **extra}, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    cached(cache_salt="alice")
+    assert cached(cache_salt="mallory") == 0 and cached() == 0
+    assert cached(cache_salt="alice") > 0
+    r = httpx.post(f"{server.url}/v1/completions", json={"model": name, "prompt": "x", "cache_salt": ""}, timeout=30)
+    assert r.status_code == 400 and "cache_salt" in r.text
+
+
+def test_a_conversation_that_cannot_fit_is_refused_before_its_template_is_rendered(server):
+    """More messages than the context has tokens (the tiny model's is 512): a 400 without rendering 600 turns."""
+    name = httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"]
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}] * 300
+    r = httpx.post(f"{server.url}/v1/chat/completions", json={"model": name, "messages": turns + turns[:1]},
+                   timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert "601 messages" in r.json()["error"]["message"]

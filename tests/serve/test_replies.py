@@ -90,6 +90,9 @@ class Scripted:
         self.text, self.step, self.finish, self.stop = "", 3, "stop", None
         self.requests = []
 
+    def check_room(self):
+        pass
+
     def submit(self, request, loop):
         from umakit.serve.jobs import Handle
         from umakit.serve.types import FinalEvent, TokenEvent, Usage

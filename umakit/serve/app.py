@@ -153,7 +153,7 @@ class _Server:
             data = await self._json(request)
             lease = await self.models.acquire(_model_name(data), self.timeout_s)
             try:
-                return self._count(JSONResponse(anthropic.count_tokens(lease.model, data)))
+                return self._count(JSONResponse(await asyncio.to_thread(anthropic.count_tokens, lease.model, data)))
             finally:
                 self.models.release(lease)
         except APIError as e:
@@ -208,9 +208,12 @@ class _Server:
             name = _model_name(data)
             keep_alive = _keep_alive(data.pop("keep_alive", None))
             lease = await self.models.acquire(name, self.timeout_s)
-            sub = api.read(lease.model, data, rid, self.timeout_s)
-            sub.output.name = name  # the model as the request named it
             try:
+                lease.scheduler.check_room()  # before any work for the request
+                # rendering the template, tokenizing and checking take milliseconds to seconds (a long
+                # conversation): on a thread, so the streams in flight on this loop never wait for them
+                sub = await asyncio.to_thread(api.read, lease.model, data, rid, self.timeout_s)
+                sub.output.name = name  # the model as the request named it
                 handle = lease.scheduler.submit(sub.request, asyncio.get_running_loop())
             except QueueFull as e:
                 raise APIError(429, str(e), headers={"Retry-After": str(max(1, math.ceil(e.retry_after_s)))}) from e
@@ -264,18 +267,7 @@ class _Server:
                     raise self._too_large()
         except ClientDisconnect:
             raise _ClientGone() from None  # an upload cut off: 499, not a failure of ours
-        try:
-            data = json.loads(body)
-        except ValueError as e:  # UnicodeDecodeError too
-            raise APIError(400, f"the request body is not valid JSON ({e})") from e
-        except RecursionError:
-            raise APIError(400, "the request body's JSON is nested too deeply") from None
-        try:  # a lone surrogate (\ud800) parses, but is no text: refused here rather than deep in a tokenizer
-            json.dumps(data, ensure_ascii=False).encode("utf-8")
-        except UnicodeEncodeError:
-            raise APIError(400, "the request body's JSON holds a lone surrogate (\\ud800-\\udfff), which is not "
-                                "text") from None
-        return data
+        return await asyncio.to_thread(_parse_json, bytes(body))  # megabytes of JSON: not on the event loop
 
     def _too_large(self) -> APIError:
         return APIError(413, f"the request body is larger than this server's limit of {self.max_body_bytes} bytes "
@@ -321,6 +313,22 @@ class _Server:
 
 class _ClientGone(Exception):
     pass
+
+
+def _parse_json(body: bytes):
+    """A request body's JSON; 400 for what is not JSON, is nested too deeply, or holds a lone surrogate."""
+    try:
+        data = json.loads(body)
+    except ValueError as e:  # UnicodeDecodeError too
+        raise APIError(400, f"the request body is not valid JSON ({e})") from e
+    except RecursionError:
+        raise APIError(400, "the request body's JSON is nested too deeply") from None
+    try:  # a lone surrogate (\ud800) parses, but is no text: refused here rather than deep in a tokenizer
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise APIError(400, "the request body's JSON holds a lone surrogate (\\ud800-\\udfff), which is not "
+                            "text") from None
+    return data
 
 
 def _model_name(data) -> str:

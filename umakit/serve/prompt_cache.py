@@ -30,7 +30,8 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 class PromptCache:
     def __init__(self, max_bytes: int):
         self.max_bytes = max_bytes
-        self._entries: OrderedDict[int, tuple[tuple[int, ...], object]] = OrderedDict()  # key -> (tokens, cache)
+        # key -> (tokens, cache, salt): an entry serves only requests of its salt
+        self._entries: OrderedDict[int, tuple[tuple[int, ...], object, str]] = OrderedDict()
         self._next_key = 0
         self.bytes = 0
         self.lookups = 0
@@ -43,13 +44,15 @@ class PromptCache:
     def hit_ratio(self) -> float:
         return self.hits / self.lookups if self.lookups else 0.0
 
-    def take(self, prompt: Sequence[int]):
+    def take(self, prompt: Sequence[int], salt: str = ""):
         """(a cache holding a prefix of ``prompt``, its length), or (None, 0). An entry that ``prompt`` extends
         whole leaves the store (the request's own cache will hold more); one it shares only a part of (a system
         prompt, a few-shot header) stays, and the request gets a copy of that part."""
         self.lookups += 1
         best, shared = None, 0
-        for key, (tokens, _) in self._entries.items():
+        for key, (tokens, _, own) in self._entries.items():
+            if own != salt:
+                continue
             n = common_prefix(tokens, prompt)
             if n > shared:
                 best, shared = key, n
@@ -57,7 +60,7 @@ class PromptCache:
         if best is None or keep < MIN_SHARED_TOKENS:
             return None, 0
         self.hits += 1
-        tokens, cache = self._entries[best]
+        tokens, cache, _ = self._entries[best]
         if keep < len(tokens):
             self._entries.move_to_end(best)  # recently used: the last to be dropped
             return cache.copy(keep), keep
@@ -66,15 +69,15 @@ class PromptCache:
         cache.trim(cache.offset - keep)
         return cache, keep
 
-    def put(self, tokens: Sequence[int], cache) -> None:
+    def put(self, tokens: Sequence[int], cache, salt: str = "") -> None:
         """Keep ``cache`` (holding ``tokens[:cache.offset]``), dropping the oldest entries to stay in budget."""
         size = cache.nbytes
         if not cache.trimmable or size > self.max_bytes or cache.offset < MIN_SHARED_TOKENS:
             return
         while self._entries and self.bytes + size > self.max_bytes:
-            _, (_, old) = self._entries.popitem(last=False)
+            _, (_, old, _) = self._entries.popitem(last=False)
             self.bytes -= old.nbytes
-        self._entries[self._next_key] = (tuple(tokens[:cache.offset]), cache)
+        self._entries[self._next_key] = (tuple(tokens[:cache.offset]), cache, salt)
         self._next_key += 1
         self.bytes += size
 

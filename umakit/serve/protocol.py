@@ -26,6 +26,7 @@ from umakit.serve.types import GenerationRequest
 
 MAX_STOP = 4  # stop strings per request, as OpenAI allows
 MAX_STOP_CHARS = 1000  # each one's length: every new token's text is matched against each stop string's tail
+MAX_CHARS_PER_TOKEN = 64  # more text than this a token cannot fit the context, whatever the tokenizer
 UNKNOWN_CONTEXT_MAX_TOKENS = 1 << 20  # max_tokens's bound where the model does not state its context length
 MAX_TOP_LOGPROBS = 20
 INT64 = 2**63
@@ -183,6 +184,8 @@ class RequestBase(WireModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
+    # vLLM's: a caller's own namespace in the prompt cache, so that no other caller can time its prompts' reuse
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)
 
     @field_validator("stop")
     @classmethod
@@ -316,20 +319,37 @@ def generation_request(req: RequestBase, model, *, id: str, timeout_s: float | N
     logprobs = req.logprobs_count()
     sampling = sampling_from(req)
     if isinstance(req, ChatRequest):
-        return chat_request(model, _checked(req.chat_call, "response_format"), req.requested_max_tokens(), sampling=sampling, seed=req.seed,
-                            stop=req.stop, logprobs=logprobs, id=id, timeout_s=timeout_s)
-    constraint = _checked(lambda: req.response_format.constraint() if req.response_format else None,
-                          "response_format")
-    prompt = _checked(lambda: model.encode(req.prompt, raw=True), "prompt")
-    return _request(model, prompt, constraint, req.requested_max_tokens(), "prompt", sampling=sampling,
-                    seed=req.seed, stop=req.stop, logprobs=logprobs, id=id, timeout_s=timeout_s), None
+        made, prepared = chat_request(model, _checked(req.chat_call, "response_format"), req.requested_max_tokens(),
+                                      sampling=sampling, seed=req.seed, stop=req.stop, logprobs=logprobs, id=id,
+                                      timeout_s=timeout_s)
+    else:
+        constraint = _checked(lambda: req.response_format.constraint() if req.response_format else None,
+                              "response_format")
+        prompt = _checked(lambda: model.encode(req.prompt, raw=True), "prompt")
+        made, prepared = _request(model, prompt, constraint, req.requested_max_tokens(), "prompt", sampling=sampling,
+                                  seed=req.seed, stop=req.stop, logprobs=logprobs, id=id, timeout_s=timeout_s), None
+    made.cache_salt = req.cache_salt or ""
+    return made, prepared
 
 
 def chat_request(model, call: ChatCall, max_tokens: int | None, **settings) -> tuple[GenerationRequest, Prepared]:
     """A chat (whichever API it came through) as the scheduler's request and its reply's format."""
+    _cannot_fit(call, model.info.context_length)
     where = "tools" if call.tools and call.tool_choice != "auto" else "messages"
     prepared = _checked(lambda: prepare(model, call), where)
     return _request(model, prepared.prompt, prepared.constraint, max_tokens, "messages", **settings), prepared
+
+
+def _cannot_fit(call: ChatCall, limit: int) -> None:
+    """400 before the template is rendered, for a conversation that cannot fit the context whatever its tokens:
+    more messages than tokens (each takes at least one), or more text than `MAX_CHARS_PER_TOKEN` a token."""
+    if not limit:
+        return
+    chars = sum(len(m.get("content") or "") if isinstance(m.get("content"), str) else 0 for m in call.messages)
+    if len(call.messages) > limit or chars > limit * MAX_CHARS_PER_TOKEN:
+        raise APIError(400, f"This model's maximum context length is {limit} tokens; these {len(call.messages)} "
+                            f"messages ({chars} characters) cannot fit in it", param="messages",
+                       code="context_length_exceeded")
 
 
 def _checked(build, where: str):

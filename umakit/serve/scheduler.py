@@ -107,6 +107,18 @@ class Scheduler:
     def healthy(self) -> bool:
         return self._healthy and self._thread is not None and self._thread.is_alive()
 
+    def check_room(self) -> None:
+        """`QueueFull` now if a request would be refused for want of room: checked before a request's template is
+        rendered and its prompt tokenized, so a full server does no work for it (`submit` checks again)."""
+        with self._lock:
+            self._refuse_if_full()
+
+    def _refuse_if_full(self) -> None:  # with the lock held
+        if len(self._waiting) >= self.settings.max_queue:
+            self._counters["requests_rejected_total"] += 1
+            raise QueueFull(f"{len(self._waiting)} requests are waiting already; try again shortly",
+                            retry_after_s=self._retry_after())
+
     def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> Handle:
         """Queue ``request``; `QueueFull` when too many wait, `NeverFits` when its KV cache alone exceeds what this
         machine can give a row (it would wait for ever)."""
@@ -114,10 +126,7 @@ class Scheduler:
             if self._kv_budget and self._never_fits(request):
                 self._counters["requests_rejected_total"] += 1
                 raise NeverFits(self._too_big(request))
-            if len(self._waiting) >= self.settings.max_queue:
-                self._counters["requests_rejected_total"] += 1
-                raise QueueFull(f"{len(self._waiting)} requests are waiting already; try again shortly",
-                                retry_after_s=self._retry_after())
+            self._refuse_if_full()
             if request.timeout_s is None:
                 request.timeout_s = self.settings.request_timeout_s
             handle = Handle(request.id or f"req-{next(self._ids)}", loop, self._notify)
@@ -223,7 +232,8 @@ class Scheduler:
             # included: what was computed of it is kept, as for a reply that ended
             for i, j in gone:
                 if j.cache is None and j.handle.cancelled:
-                    self.prompt_cache.put(list(j.request.prompt) + j.generated, decoder.export(i))
+                    self.prompt_cache.put(list(j.request.prompt) + j.generated, decoder.export(i),
+                                          j.request.cache_salt)
         if in_batch:
             decoder.remove(in_batch)
         for _, j in gone + [(None, j) for j in waiting]:
@@ -249,7 +259,7 @@ class Scheduler:
                     continue
                 self._waiting.popleft()
             prompt = job.request.prompt
-            cache, n = self.prompt_cache.take(prompt)
+            cache, n = self.prompt_cache.take(prompt, job.request.cache_salt)
             job.cache = cache if cache is not None else self.model.engine.make_cache(self.settings.kv_bits)
             job.prefilled = job.cached_tokens = n
             job.row = DecodeRow(self.model.tokenizer, job.request.max_tokens, job.request.stop,
@@ -314,7 +324,8 @@ class Scheduler:
         before any of them has finished and left it in the prompt cache."""
         prompt = job.request.prompt
         with self._lock:
-            rows = [(i, j) for i, j in self._jobs.items() if j.cache is None]
+            rows = [(i, j) for i, j in self._jobs.items()
+                    if j.cache is None and j.request.cache_salt == job.request.cache_salt]
         best, shared = None, max(job.prefilled, SHARE_MIN_TOKENS - 1)
         for i, other in rows:
             n = min(common_prefix(other.request.prompt, prompt), len(prompt) - 1)
@@ -365,7 +376,7 @@ class Scheduler:
         with self._lock:
             del self._jobs[row_id]
         if cache is not None:
-            self.prompt_cache.put(list(job.request.prompt) + job.generated, cache)
+            self.prompt_cache.put(list(job.request.prompt) + job.generated, cache, job.request.cache_salt)
         tail = job.row.close()
         s = job.row.stats()
         t, b, steps, rows = job.start

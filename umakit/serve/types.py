@@ -26,6 +26,7 @@ class GenerationRequest:
     timeout_s: float | None = None  # the request fails with a timeout after this long in all
     id: str = ""  # for the log line
     constraint: object = None  # a `umakit.backends.base.TokenConstraint` every token is drawn under, or None
+    cache_salt: str = ""  # requests reuse each other's KV caches only when their salts are equal
 
 
 @dataclass
