@@ -22,7 +22,7 @@ CHAT = {"model": "any", "messages": [{"role": "user", "content": "Hi"}], "max_to
 @pytest.fixture(scope="module")
 def server(tiny_dir, tmp_path_factory):
     srv = start_server(tiny_dir("llama"), ["--backend", "torch", "--peak-bandwidth", "100", "--allowed-hosts",
-                                           "my.box, Studio.local"], tmp_path_factory, "guard")
+                                           "my.box, Studio.local", "--body-timeout", "1"], tmp_path_factory, "guard")
     yield srv
     srv.stop()
 
@@ -141,3 +141,11 @@ def test_a_conversation_that_cannot_fit_is_refused_before_its_template_is_render
                    timeout=60)
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
     assert "601 messages" in r.json()["error"]["message"]
+
+
+def test_a_body_that_stops_arriving_gets_a_408_and_frees_its_connection(server):
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 1000\r\n\r\n" + b'{"model": "x", ')
+        answer = s.recv(65536).decode("latin-1")  # after --body-timeout 1, without sending the rest
+    assert answer.startswith("HTTP/1.1 408") and "--body-timeout" in answer, answer[:300]

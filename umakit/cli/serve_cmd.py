@@ -22,6 +22,7 @@ from umakit.cli.flags import (batch_kv_needs, follow_unless_leader, kv_bits_opti
                               offload_options, parallel_option)
 
 API_KEY_ENV = "UMAKIT_API_KEY"
+CONNECTIONS_SPARE = 64  # connections beyond the rows and the queue: /health, /metrics, requests refused with 429
 
 
 def _size(ctx, param, value):
@@ -59,6 +60,8 @@ def _size_or_zero(ctx, param, value):
 @click.option("--request-timeout", type=click.FloatRange(min=0, min_open=True), metavar="S",
               default=SchedulerSettings.request_timeout_s, show_default=True,
               help="A request still running after S seconds, queueing included, fails with 504.")
+@click.option("--body-timeout", type=click.FloatRange(min=0, min_open=True), metavar="S", default=30.0,
+              show_default=True, help="A request body that stops arriving for S seconds gets 408.")
 @click.option("--models", "models_file", metavar="FILE", default=None,
               help="Serve models by name, loading those listed in FILE (one a line) at start.")
 @click.option("--keep-alive", metavar="DURATION", default="5m", show_default=True,
@@ -76,7 +79,7 @@ def _size_or_zero(ctx, param, value):
 @offload_options
 @parallel_option
 def serve_cmd(models, models_file, keep_alive, memory_budget, host, port, api_key, max_concurrency, max_queue,
-              prompt_cache_bytes, step_tokens, max_body_bytes, request_timeout, allowed_origins, allowed_hosts, kv_bits,
+              prompt_cache_bytes, step_tokens, max_body_bytes, request_timeout, body_timeout, allowed_origins, allowed_hosts, kv_bits,
               backend, device, dtype, peak_bandwidth, gpu_layers, vram_budget, parallel):
     """Serve models over OpenAI's and Anthropic's HTTP APIs: chat completions, completions, responses and
     messages, streamed or not, with tool calls and structured outputs.
@@ -99,7 +102,7 @@ def serve_cmd(models, models_file, keep_alive, memory_budget, host, port, api_ke
         raise click.BadParameter("an API key must be printable ASCII and not empty", param_hint="--api-key")
     hosts = (host, *(h.strip() for h in allowed_hosts.split(",") if h.strip()))
     web = dict(api_key=api_key, max_body_bytes=max_body_bytes, request_timeout_s=request_timeout,
-               allowed_origins=origins, allowed_hosts=hosts)
+               allowed_origins=origins, allowed_hosts=hosts, body_timeout_s=body_timeout)
     if models_file is not None or len(models) != 1:
         if parallel is not None:
             raise click.UsageError("--parallel serves one model: give it as MODEL")
@@ -112,7 +115,7 @@ def serve_cmd(models, models_file, keep_alive, memory_budget, host, port, api_ke
     scheduler = Scheduler(m, settings)
     app = make_app(m, scheduler, **web)
     _log_to_stderr()
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off"))
+    server = uvicorn.Server(_config(app, settings))
     try:
         with m.engine.wired():
             _run(server, sock, scheduler, lambda: _banner(m, sock.getsockname()[1], host, api_key))
@@ -163,7 +166,7 @@ def _serve_by_name(listed, keep_alive, memory_budget, host, port, settings, web,
     _log_to_stderr()
     for name in listed:
         models.preload(name)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off"))
+    server = uvicorn.Server(_config(app, settings))
     click.echo(_host_banner(sock.getsockname()[1], host, web["api_key"], budget, keep, listed), err=True)
     try:
         server.run(sockets=[sock])
@@ -240,6 +243,16 @@ def _bind(host: str, port: int) -> socket.socket:
     except OSError as e:
         raise click.ClickException(f"cannot listen on {host}:{port} ({e.strerror or e}); pick another --host or --port")
     return sock
+
+
+def _config(app, settings):
+    """uvicorn's settings: connections beyond what the queue can take get a 503 at once (each open connection
+    holds memory and a file descriptor), idle keep-alive connections close after 5 s."""
+    import uvicorn
+
+    cap = settings.max_concurrency + settings.max_queue + CONNECTIONS_SPARE
+    return uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", limit_concurrency=cap,
+                          timeout_keep_alive=5)
 
 
 def _log_to_stderr() -> None:

@@ -42,6 +42,7 @@ from umakit.serve.types import ErrorEvent, FinalEvent, SchedulerSettings, TokenE
 
 log = logging.getLogger("umakit.serve")
 
+DEFAULT_BODY_TIMEOUT_S = 30.0  # a request body may pause this long between two of its pieces
 TIMEOUT_GRACE_S = 5.0  # the scheduler times requests out itself; this bounds the wait if it cannot
 _GONE = object()  # put on a request's queue when its client disconnects
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -73,7 +74,8 @@ OPENAI_RESPONSES = API("resp", openai_responses.read)
 
 def make_app(model, scheduler=None, *, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
              request_timeout_s: float | None = SchedulerSettings.request_timeout_s,
-             allowed_origins: tuple[str, ...] = (), allowed_hosts: tuple[str, ...] = ()) -> Starlette:
+             allowed_origins: tuple[str, ...] = (), allowed_hosts: tuple[str, ...] = (),
+             body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> Starlette:
     """The app serving ``model`` through ``scheduler`` (started and stopped by the caller), or, without a
     scheduler, the models of a `umakit.serve.host.ModelHost` by name: OpenAI's chat completions, completions
     and responses, and Anthropic's messages.
@@ -84,7 +86,7 @@ def make_app(model, scheduler=None, *, api_key: str | None = None, max_body_byte
     localhost name, an IP address or one of ``allowed_hosts`` (``"*"``: any) is refused (`umakit.serve.guard`).
     """
     models = OneModel(model, scheduler) if scheduler is not None else model
-    server = _Server(models, api_key, max_body_bytes, request_timeout_s)
+    server = _Server(models, api_key, max_body_bytes, request_timeout_s, body_timeout_s)
     routes = [
         Route("/v1/chat/completions", server.endpoint(OPENAI_CHAT), methods=["POST"]),
         Route("/v1/completions", server.endpoint(OPENAI_COMPLETIONS), methods=["POST"]),
@@ -108,8 +110,9 @@ def _error_response(err: APIError, api: API = OPENAI_CHAT) -> JSONResponse:
 
 
 class _Server:
-    def __init__(self, models, api_key, max_body_bytes, request_timeout_s):
+    def __init__(self, models, api_key, max_body_bytes, request_timeout_s, body_timeout_s):
         self.models = models  # OneModel or ModelHost (host.py)
+        self.body_timeout_s = body_timeout_s
         self.api_key, self.max_body_bytes, self.timeout_s = api_key, max_body_bytes, request_timeout_s
         self.created = int(time.time())
         self.responses: Counter[int] = Counter()  # HTTP status -> responses sent
@@ -260,8 +263,16 @@ class _Server:
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
             raise self._too_large()
         body = bytearray()
+        pieces = request.stream()
         try:
-            async for piece in request.stream():
+            while True:
+                try:  # a body that stalls (a slow client, or one that never sends the rest) holds no connection
+                    piece = await asyncio.wait_for(anext(pieces), self.body_timeout_s)
+                except StopAsyncIteration:
+                    break
+                except asyncio.TimeoutError:
+                    raise APIError(408, f"the request body stopped arriving for {self.body_timeout_s:g} s "
+                                        "(umakit serve --body-timeout)") from None
                 body += piece
                 if len(body) > self.max_body_bytes:
                     raise self._too_large()
