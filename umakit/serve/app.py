@@ -10,7 +10,6 @@ error, whatever raised it, is answered by `_error_response` in OpenAI's shape.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 import secrets
@@ -36,7 +35,7 @@ from umakit.serve.protocol import ChatRequest, CompletionRequest, generation_req
 from umakit.errors import UmakitError
 from umakit.serve.host import OneModel, parse_keep_alive
 from umakit.serve.metrics import prometheus
-from umakit.serve.guard import HostGuard
+from umakit.serve.guard import HostGuard, parse_json
 from umakit.serve.jobs import NeverFits, QueueFull
 from umakit.serve.types import ErrorEvent, FinalEvent, SchedulerSettings, TokenEvent
 
@@ -278,7 +277,7 @@ class _Server:
                     raise self._too_large()
         except ClientDisconnect:
             raise _ClientGone() from None  # an upload cut off: 499, not a failure of ours
-        return await asyncio.to_thread(_parse_json, bytes(body))  # megabytes of JSON: not on the event loop
+        return await asyncio.to_thread(parse_json, bytes(body))  # megabytes of JSON: not on the event loop
 
     def _too_large(self) -> APIError:
         return APIError(413, f"the request body is larger than this server's limit of {self.max_body_bytes} bytes "
@@ -324,22 +323,6 @@ class _Server:
 
 class _ClientGone(Exception):
     pass
-
-
-def _parse_json(body: bytes):
-    """A request body's JSON; 400 for what is not JSON, is nested too deeply, or holds a lone surrogate."""
-    try:
-        data = json.loads(body)
-    except ValueError as e:  # UnicodeDecodeError too
-        raise APIError(400, f"the request body is not valid JSON ({e})") from e
-    except RecursionError:
-        raise APIError(400, "the request body's JSON is nested too deeply") from None
-    try:  # a lone surrogate (\ud800) parses, but is no text: refused here rather than deep in a tokenizer
-        json.dumps(data, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError:
-        raise APIError(400, "the request body's JSON holds a lone surrogate (\\ud800-\\udfff), which is not "
-                            "text") from None
-    return data
 
 
 def _model_name(data) -> str:

@@ -1,5 +1,6 @@
 """What a browser page or a hostile client must not make the server do: the Host header check against DNS
-rebinding (`HostGuard`), and log lines forged through a client's text (`OneLineFormatter`).
+rebinding (`HostGuard`), JSON that is not text (`parse_json`), and log lines forged through a client's text
+(`OneLineFormatter`).
 
 A page on any site can point a name it controls at 127.0.0.1 (DNS rebinding) and then call the server as if it
 were its own origin, with no CORS in the way. Such a request carries the attacker's name in its Host header, so
@@ -17,6 +18,8 @@ import ipaddress
 import json
 import logging
 import re
+
+from umakit.serve.api_errors import APIError
 
 LOCAL_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback"})
 
@@ -68,6 +71,22 @@ class HostGuard:
         await send({"type": "http.response.start", "status": 400,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})
+
+
+def parse_json(body: bytes):
+    """A request body's JSON; 400 for what is not JSON, is nested too deeply, or holds a lone surrogate."""
+    try:
+        data = json.loads(body)
+    except ValueError as e:  # UnicodeDecodeError too
+        raise APIError(400, f"the request body is not valid JSON ({e})") from e
+    except RecursionError:
+        raise APIError(400, "the request body's JSON is nested too deeply") from None
+    try:  # a lone surrogate (\ud800) parses, but is no text: refused here rather than deep in a tokenizer
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise APIError(400, "the request body's JSON holds a lone surrogate (\\ud800-\\udfff), which is not "
+                            "text") from None
+    return data
 
 
 _CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
