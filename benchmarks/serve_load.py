@@ -223,11 +223,13 @@ def main() -> None:
     ap.add_argument("--llama-server", default=str(LLAMA_SERVER))
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--skip-umakit", action="store_true")
+    ap.add_argument("--model", type=Path, help="a GGUF to serve instead of the built-in model (both servers)")
     ap.add_argument("--step-tokens", default="", help="comma-separated --step-tokens values: umakit once with each")
     args = ap.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
     prompts = Prompts(args.prompt_tokens, args.shared_prefix)
-    path = str(umakit.resolve_model(None))  # the imported default model, as mlx-lm reads it too
+    # the imported default model, as mlx-lm reads it too; or a GGUF of the user's, which umakit serve imports
+    path = str(args.model.resolve()) if args.model else str(umakit.resolve_model(None))
     notes, rows = [], []
     top = max(levels)
     for step in ([] if args.skip_umakit else args.step_tokens.split(",") if args.step_tokens else [""]):
@@ -235,11 +237,13 @@ def main() -> None:
                            [sys.executable, "-m", "umakit.cli.main", "serve", path, "--port", "{port}",
                             "--max-concurrency", str(max(top, 16)), *(["--step-tokens", step] if step else [])],
                            "/health", levels, args.max_tokens, prompts, args.requests)
-    if not args.skip_mlx:
+    if args.model and not args.skip_mlx:
+        notes.append("mlx-lm's server was not run: it does not read a GGUF file.")
+    elif not args.skip_mlx:
         rows += run_server("mlx_lm.server (MLX-CPU)", [sys.executable, "-m", "mlx_lm", "server", "--model", path,
                                                        "--port", "{port}", "--decode-concurrency", "16"],
                            "/health", levels, args.max_tokens, prompts, args.requests)
-    gguf = packaged_gguf()
+    gguf = args.model.resolve() if args.model else packaged_gguf()
     if Path(args.llama_server).exists():
         per_slot = args.prompt_tokens + args.shared_prefix + args.max_tokens + 256
         rows += run_server("llama-server (llama.cpp, native)",
@@ -262,7 +266,7 @@ def main() -> None:
     what = (f"each request its own {args.prompt_tokens}-token slice of Austen" if args.prompt_tokens
             else "short questions") + (f" after a shared {args.shared_prefix}-token system prompt"
                                        if args.shared_prefix else "")
-    lines = [f"Serving load on the default model, {time.strftime('%Y-%m-%d')}, 127.0.0.1, streaming chat requests "
+    lines = [f"Serving load on {args.model.name if args.model else 'the default model'}, {time.strftime('%Y-%m-%d')}, 127.0.0.1, streaming chat requests "
              f"(greedy, at most {args.max_tokens} tokens), {what}, each client sending {args.requests} in a row; "
              f"{args.threads} threads.", "",
              "| server | clients | requests | failed | tokens | aggregate tok/s | prefill tok/s | TTFT p50 (s) | "

@@ -168,6 +168,8 @@ def main() -> None:
     ap.add_argument("--llama-python", default=LLAMA_PYTHON)
     ap.add_argument("--keep", help="a directory to keep (and reuse) the 0.5B GGUF in")
     ap.add_argument("--llama-server", default=LLAMA_SERVER, help="llama.cpp's llama-server for the attached peer")
+    ap.add_argument("--model", action="append", default=[], type=Path, metavar="GGUF",
+                    help="one more GGUF to time (a type users download: benchmarks/shaped_ggufs.py writes them)")
     args = ap.parse_args()
     if not Path(args.llama_python).exists():
         sys.exit(f"no {args.llama_python}: llama-cpp-python is the peer here (see cpu_engines.py's docstring)")
@@ -183,7 +185,8 @@ def main() -> None:
             write_f16(f16, SHAPES["qwen2.5-0.5b"], "qwen2.5-0.5b", builtin)
             quantize(args.llama_python, f16, qwen, "Q4_1", Q8_0_TYPE)
             f16.unlink()
-        models = {"SmolLM2-135M-Instruct Q4_1 (built-in)": builtin, "Qwen2.5-0.5B shapes, Q4_1 (random)": qwen}
+        models = {"SmolLM2-135M-Instruct Q4_1 (built-in)": builtin, "Qwen2.5-0.5B shapes, Q4_1 (random)": qwen,
+                  **{f.name: f.resolve() for f in args.model}}
         for path in models.values():  # the one-time import and first load, as a first run does, outside the timings
             umakit_first_token(path, args.threads)
         ids = {name: chat_ids(path) for name, path in models.items()}

@@ -147,6 +147,8 @@ class RemoteChat:
             if counted is None:
                 raise InvalidArgumentError(f"the server at {self.url} no longer serves {self.model_name}")
             tokens, limit = counted
+            if s.max_context:  # a loaded transcript's own limit, within the model's
+                limit = min(limit or s.max_context, s.max_context)
             if not limit or tokens + min(s.max_tokens, 64) <= limit or len(self.messages) <= 1:
                 break
             del self.messages[:2 if len(self.messages) > 2 and self.messages[1]["role"] == "assistant" else 1]

@@ -14,7 +14,7 @@ import threading
 import click
 
 from umakit.backends.base import BATCH
-from umakit.serve import DEFAULT_HOST, DEFAULT_MAX_BODY_BYTES, DEFAULT_PORT
+from umakit.serve import DEFAULT_BODY_TIMEOUT_S, DEFAULT_HOST, DEFAULT_MAX_BODY_BYTES, DEFAULT_PORT
 from umakit.serve.types import SchedulerSettings
 
 from umakit.cli.format import size
@@ -60,8 +60,9 @@ def _size_or_zero(ctx, param, value):
 @click.option("--request-timeout", type=click.FloatRange(min=0, min_open=True), metavar="S",
               default=SchedulerSettings.request_timeout_s, show_default=True,
               help="A request still running after S seconds, queueing included, fails with 504.")
-@click.option("--body-timeout", type=click.FloatRange(min=0, min_open=True), metavar="S", default=30.0,
-              show_default=True, help="A request body that stops arriving for S seconds gets 408.")
+@click.option("--body-timeout", type=click.FloatRange(min=0, min_open=True), metavar="S",
+              default=DEFAULT_BODY_TIMEOUT_S, show_default=True,
+              help="A request body that stops arriving for S seconds gets 408.")
 @click.option("--models", "models_file", metavar="FILE", default=None,
               help="Serve models by name, loading those listed in FILE (one a line) at start.")
 @click.option("--keep-alive", metavar="DURATION", default="5m", show_default=True,
@@ -79,8 +80,8 @@ def _size_or_zero(ctx, param, value):
 @offload_options
 @parallel_option
 def serve_cmd(models, models_file, keep_alive, memory_budget, host, port, api_key, max_concurrency, max_queue,
-              prompt_cache_bytes, step_tokens, max_body_bytes, request_timeout, body_timeout, allowed_origins, allowed_hosts, kv_bits,
-              backend, device, dtype, peak_bandwidth, gpu_layers, vram_budget, parallel):
+              prompt_cache_bytes, step_tokens, max_body_bytes, request_timeout, body_timeout, allowed_origins,
+              allowed_hosts, kv_bits, backend, device, dtype, peak_bandwidth, gpu_layers, vram_budget, parallel):
     """Serve models over OpenAI's and Anthropic's HTTP APIs: chat completions, completions, responses and
     messages, streamed or not, with tool calls and structured outputs.
 

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 DEFAULT_HOST = "127.0.0.1"  # loopback: binding anything else without an API key draws a warning
 DEFAULT_PORT = 8080
 DEFAULT_MAX_BODY_BYTES = 8 << 20  # a long conversation is well under 1 MiB of JSON
+DEFAULT_BODY_TIMEOUT_S = 30.0  # a request body may pause this long between two of its pieces
 
 _LAZY = {"make_app": ".app", "Scheduler": ".scheduler", "QueueFull": ".jobs", "SchedulerSettings": ".types"}
 __all__ = sorted(_LAZY)

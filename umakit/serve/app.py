@@ -28,7 +28,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from umakit.serve import DEFAULT_MAX_BODY_BYTES, anthropic, openai_responses
+from umakit.serve import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, anthropic, openai_responses
 from umakit.serve.outputs import ChatOutput, CompletionOutput, Output, Submission, request_id
 from umakit.serve.api_errors import APIError
 from umakit.serve.protocol import ChatRequest, CompletionRequest, generation_request, parse_request
@@ -41,7 +41,6 @@ from umakit.serve.types import ErrorEvent, FinalEvent, SchedulerSettings, TokenE
 
 log = logging.getLogger("umakit.serve")
 
-DEFAULT_BODY_TIMEOUT_S = 30.0  # a request body may pause this long between two of its pieces
 TIMEOUT_GRACE_S = 5.0  # the scheduler times requests out itself; this bounds the wait if it cannot
 _GONE = object()  # put on a request's queue when its client disconnects
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
