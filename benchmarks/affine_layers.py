@@ -60,12 +60,13 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if not affine.available():
-        raise SystemExit(f"Error: the affine kernel is not built for AVX-512 here ({build.reason() or 'no AVX-512'})")
-    have_vnni = torch.ops.umakit.affine_features() & 4
+        raise SystemExit(f"Error: the affine kernel is not vectorized here ({build.reason() or 'no AVX2'})")
+    have_int8 = affine.features() & affine.INT8_LOOPS
+    isa = "AVX512-VNNI" if affine.features() & affine.VNNI else "AVX-512" if affine.features() & affine.AVX512 else "AVX2"
     big = torch.ones(64 << 20)
     bandwidth = big.numel() * 4 / median_s(big.sum, 10) / 1e9
     torch.manual_seed(0)
-    lines = [f"Measured {date.today()} on {platform.machine()}, {args.threads} threads, median of {args.repeat}; "
+    lines = [f"Measured {date.today()} on {platform.machine()} ({isa} loops), {args.threads} threads, median of {args.repeat}; "
              f"a float32 sum over 256 MB reads {bandwidth:.1f} GB/s. Layers of Qwen2.5-1.5B's shapes "
              f"({', '.join(f'{o}x{i}' for o, i in SHAPES)}), groups of 32, the three summed.", "",
              "| bits | form | GB/s at 1 row | " + " | ".join(f"{r} rows (ms)" for r in ROWS) + " |",
@@ -77,7 +78,7 @@ def main() -> None:
             nbytes = sum(k.codes0.nbytes + k.sb0.nbytes for k in kernels)
             copies = -(-SPAN // nbytes)
             inputs = [[torch.randn(r, i) for _, i in SHAPES] for r in ROWS]
-            ways = {name: (form, kernels) for name, form in FORMS.items() if form == affine.FLOAT32 or have_vnni}
+            ways = {name: (form, kernels) for name, form in FORMS.items() if form == affine.FLOAT32 or have_int8}
             if bits == 4:
                 ways["torch's int4 kernel"] = (None, [Int4PackLinear(m, torch.device("cpu")) for m in layers])
             for name, (form, mods) in ways.items():

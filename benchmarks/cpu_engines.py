@@ -11,7 +11,8 @@ float16 weights, float32 math; bfloat16: the packed kernels, per layer
 torch's int4 kernel or umakit's affine one), umakit MLX-CPU, llama.cpp through
 llama-cpp-python on the same GGUF (run by ``--llama-python``, a separate venv
 built for this machine; skipped with a note when absent; ``llama.cpp-avx2``:
-the same library built for AVX2 only, run by ``--llama-avx2``), and Hugging
+the same library built for AVX2 only, run by ``--llama-avx2``; ``torch-auto-avx2``: umakit's default as a CPU
+with AVX2 only runs it, torch told so by ``ATEN_CPU_CAPABILITY=avx2``), and Hugging
 Face transformers on the same GGUF dequantized
 to float32, and mlx-lm on umakit's MLX import of the GGUF (the same 4-bit
 weights, mlx-community's layout).
@@ -51,7 +52,12 @@ LONG = "It is a truth universally acknowledged, that a single man in possession 
 WINDOW = 512
 OUT = Path(__file__).parent / "out" / "cpu_engines.md"
 UMAKIT = {"torch-auto": ("torch", "auto"), "torch-float32": ("torch", "float32"),
-          "torch-float16": ("torch", "float16"), "torch-bfloat16": ("torch", "bfloat16"), "mlx": ("mlx", "float32")}
+          "torch-float16": ("torch", "float16"), "torch-bfloat16": ("torch", "bfloat16"), "mlx": ("mlx", "float32"),
+          "torch-auto-avx2": ("torch", "auto")}
+# engines run as on a CPU with AVX2 only: torch dispatches, and umakit's C++ is built, for AVX2 (FBGEMM, which
+# reads the CPU itself, keeps its AVX-512 code)
+AS_AVX2 = {"ATEN_CPU_CAPABILITY": "avx2"}
+ENV_OF = {"torch-auto-avx2": AS_AVX2}
 ENGINES = (*UMAKIT, "llama.cpp", "llama.cpp-avx2", "hf", "mlx-lm")
 # llama-cpp-python built for this machine (GGML_NATIVE=ON), in a venv of its own: $LLAMA_PYTHON, or where the
 # peers are usually built
@@ -251,7 +257,8 @@ def run_worker(engine: str, args, gguf: str, ppl: str | None, first_only: bool =
     cmd += ["--first-only"] if first_only else []
     # as installed packages start: compiled modules cached (pip compiles them at install; this shell may not)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
-    done = subprocess.run(cmd, capture_output=True, text=True, env={**env, "OMP_NUM_THREADS": str(args.threads)})
+    env.update(ENV_OF.get(engine, {}), OMP_NUM_THREADS=str(args.threads))
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if done.returncode:
         print(f"  {engine} failed:\n{done.stderr[-2000:]}", file=sys.stderr)
         return None
@@ -304,6 +311,9 @@ def main() -> None:
 
     if not build.ensure():  # built once per machine, outside the timed start-ups
         notes.append(f"the fused CPU decode step is off ({build.reason()}): torch-CPU decodes eagerly")
+    if "torch-auto-avx2" in args.engines:  # and its AVX2 build
+        subprocess.run([sys.executable, "-c", "from umakit.backends.torch.cpu import build; build.ensure()"],
+                       env={**os.environ, **AS_AVX2}, check=True)
     engines = list(args.engines)
     for engine, python in (("llama.cpp", args.llama_python), ("llama.cpp-avx2", args.llama_avx2)):
         if engine in engines and not Path(python).exists():

@@ -28,7 +28,7 @@ RELATIVE = 1e-5
 DENSE = crossover.AFFINE_DENSE_ROWS  # float32 inputs take GEMMs from here (int8 ones never do)
 
 
-FORMS = {"float32": (affine.FLOAT32, 0), "int8": (affine.INT8, 4), "int8x2": (affine.INT8X2, 4)}
+FORMS = {"float32": (affine.FLOAT32, 0), "int8": (affine.INT8, affine.INT8_LOOPS), "int8x2": (affine.INT8X2, affine.INT8_LOOPS)}
 
 
 @pytest.fixture(params=sorted(FORMS), autouse=True)

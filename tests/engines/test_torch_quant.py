@@ -147,7 +147,7 @@ def test_quantized_checkpoint_in_half_precision_is_close(quantized_dir, dtype, k
     if kind == "Fp16Linear" and not quant.Fp16Linear.available():
         pytest.skip("float16 weights with float32 math need FBGEMM (x86)")
     if kind == "AffineLinear" and not affine.available():
-        pytest.skip("umakit's affine kernel is the CPU form where it is built with AVX-512")
+        pytest.skip("umakit's affine kernel is not vectorized here")
     if kind == "Int4PackLinear":  # where the affine kernel is not built
         monkeypatch.setattr(affine, "available", lambda: False)
     ours = umakit.load(quantized_dir, backend="torch", device="cpu", dtype=dtype)
@@ -158,19 +158,24 @@ def test_quantized_checkpoint_in_half_precision_is_close(quantized_dir, dtype, k
 
 
 def test_auto_on_cpu_takes_the_fastest_form_of_the_machine(quantized_dir, monkeypatch):
-    """Packed kernels under AVX-512 (umakit's affine one, float32 activations), FBGEMM's float16 weights under AVX2."""
+    """umakit's affine kernel (float32 activations) wherever it is vectorized, under AVX2 as under AVX-512;
+    without it, torch's int4 kernels under AVX-512 and FBGEMM's float16 weights under AVX2."""
     exact = umakit.load(quantized_dir, backend="mlx", device="cpu").logits(PROMPT)
-    for capability in ("AVX512", "AVX2"):
+    built = affine.available()
+    for capability, kernel in (("AVX512", built), ("AVX2", built), ("AVX512", False), ("AVX2", False)):
         monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
+        monkeypatch.setattr(affine, "available", lambda k=kernel: k)
         model = umakit.load(quantized_dir, backend="torch", device="cpu")
         kinds = {type(m).__name__ for m in model.engine.model.modules()}
-        if capability == "AVX512":
-            expected, kind, tolerance = "bfloat16", "AffineLinear", 0.05  # its 4-bit layers on the int4 kernel
+        if kernel:
+            expected, kind, tolerance = "bfloat16", "AffineLinear", 0.05
+        elif capability == "AVX512":
+            expected, kind, tolerance = "bfloat16", "Int4PackLinear", 0.05
         elif quant.Fp16Linear.available():
             expected, kind, tolerance = "float16", "Fp16Linear", 0.005
         else:
             expected, kind, tolerance = "float32", "Linear", 0.005
-        assert model.info.dtype == expected and kind in kinds
+        assert model.info.dtype == expected and kind in kinds, (capability, kernel)
         assert np.abs(model.logits(PROMPT) - exact).max() <= tolerance * np.abs(exact).max()
 
 
@@ -191,7 +196,9 @@ def test_cpu_auto_dtype_takes_packed_kernels_for_every_width(quantization, expec
                                                    if isinstance(v, dict)}
     assert forms.cpu_auto_dtype(quantization) == ("bfloat16" if widths <= {4, 8} else "auto")
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
-    assert forms.cpu_auto_dtype(quantization) == "auto"
+    assert forms.cpu_auto_dtype(quantization) == "auto"  # torch's int4 kernels are ~3x slower than FBGEMM here
+    monkeypatch.setattr(affine, "available", lambda: True)  # umakit's kernel, vectorized for AVX2
+    assert forms.cpu_auto_dtype(quantization) == expected
 
 
 @pytest.mark.parametrize("bits", [4, 8])

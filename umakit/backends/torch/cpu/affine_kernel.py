@@ -6,8 +6,8 @@ other width ran dequantized (float16 or float32: 3-6x the bytes of its codes), s
 whole GGUF to float16. This kernel reads each layer's own codes, ``bits`` bits a weight, with the rows in tiles
 of 8 that accumulate side by side in one register (csrc/affine.h), plus a float16 scale and bias per group (the
 scale alone for a symmetric layer). Its outputs, activations and sums are float32; its inputs are multiplied in
-int8 blocks where the CPU has AVX512-VNNI, else in float32 (`inputs`). quant/forms.py gives it every quantized
-CPU layer where it is built with AVX-512 (`available`).
+int8 blocks (`inputs`). quant/forms.py gives it every quantized CPU layer where it is vectorized: AVX2 with FMA
+and F16C, or AVX-512 (`available`).
 """
 
 from __future__ import annotations
@@ -27,20 +27,29 @@ ROWS = 8  # rows in a tile
 
 
 def available() -> bool:
-    """Whether the kernel is built here, vectorized: torch found AVX-512 and the C++ library loads (cpu/build.py)."""
-    return torch.backends.cpu.get_cpu_capability() == "AVX512" and build.ensure()
+    """Whether the kernel is built here, vectorized: torch found AVX2 or AVX-512, the C++ library loads
+    (cpu/build.py), and it was compiled with its vector loops."""
+    return (torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") and build.ensure()
+            and bool(features() & VECTOR))
 
 
 FLOAT32, INT8, INT8X2 = 0, 2, 3  # the forms the kernel multiplies x in (csrc/affine.h)
+AVX512, VECTOR, VNNI, INT8_LOOPS = 1, 2, 4, 8  # the library's features (csrc/affine.h `affine_features`)
+
+
+@functools.cache
+def features() -> int:
+    """What the library was compiled with, asked once (call after `build.ensure()`)."""
+    return int(torch.ops.umakit.affine_features())
 
 
 @functools.cache
 def inputs() -> int:
     """The form the kernel multiplies x in (asked of the library once, not on every call; csrc/affine.h): where it
-    is built with AVX512-VNNI, int8 blocks of 32 in two passes, the value and then what rounding left of it; else
-    float32. One pass (llama.cpp's Q8_0 activations) turned the built-in model's "The capital of France is Paris."
-    into a run-on list of French words, as it does in llama.cpp; two keep its float32 answers (docs/quantization.md)."""
-    return INT8X2 if torch.ops.umakit.affine_features() & 4 else FLOAT32
+    has int8 loops, int8 blocks of 32 in two passes, the value and then what rounding left of it; else float32.
+    One pass (llama.cpp's Q8_0 activations) turned the built-in model's "The capital of France is Paris." into a
+    run-on list of French words, as it does in llama.cpp; two keep its float32 answers (docs/quantization.md)."""
+    return INT8X2 if features() & INT8_LOOPS else FLOAT32
 
 
 def dense_rows() -> int:

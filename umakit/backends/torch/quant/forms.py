@@ -79,17 +79,20 @@ def cpu_auto_dtype(quantization: dict | None) -> str:
 
     On CPU "bfloat16" names the packed form of a quantized checkpoint: umakit's
     affine kernel for every layer where it is built (cpu/affine_kernel.py; float32
-    activations, any width), else torch's int4 kernels for 4- and 8-bit layers
-    (inputs rounded to bfloat16). Measured (benchmarks/cpu_engines.py): with
-    AVX-512 both decode faster than FBGEMM's float16 weights; under AVX2 the
-    int4 kernels are ~3x slower than FBGEMM and the affine kernel is not
-    vectorized, so FBGEMM stays the default there.
+    activations, any width; vectorized with AVX2 or AVX-512), else, with
+    AVX-512, torch's int4 kernels for 4- and 8-bit layers (inputs rounded to
+    bfloat16). Measured (benchmarks/cpu_engines.py): both decode faster than
+    FBGEMM's float16 weights, which read 2 bytes a weight; under AVX2 torch's
+    int4 kernels are ~3x slower than FBGEMM, so without the affine kernel
+    FBGEMM stays the default there.
     """
-    if not quantization or torch.backends.cpu.get_cpu_capability() not in INT4_CAPABILITIES:
+    if not quantization:
         return "auto"
     bits = {quantization.get("bits")} | {v.get("bits") for v in quantization.values() if isinstance(v, dict)}
     bits.discard(None)
-    if bits <= {4, 8} or (bits <= set(affine.KERNEL_BITS) and affine.available()):
+    if bits <= set(affine.KERNEL_BITS) and affine.available():
+        return "bfloat16"
+    if bits <= {4, 8} and torch.backends.cpu.get_cpu_capability() in INT4_CAPABILITIES:
         return "bfloat16"
     return "auto"
 

@@ -22,12 +22,14 @@ namespace umakit {
 // `dense_rows` rows every output is a dot product of its own, so each row of x gets the bits it gets alone;
 // from `dense_rows` rows on, blocks of weights are dequantized once for a float32 GEMM. `inputs`: the form x is
 // multiplied in below that: 0, float32, as it is; 2, int8 in blocks of 32 with a float scale each (llama.cpp's
-// Q8_0; by AVX512-VNNI's vpdpbusd); 3, that plus the remainder of its rounding in int8 blocks again, a second
-// vpdpbusd pass (15 bits of each block's largest value). A form the library is not built for is float32.
+// Q8_0; by AVX512-VNNI's vpdpbusd, else AVX2's vpmaddubsw, an 8-bit part then in float32); 3, that plus the
+// remainder of its rounding in int8 blocks again, a second pass (15 bits of each block's largest value). A form
+// the library is not built for is float32.
 at::Tensor affine_mm(const at::Tensor& x, at::TensorList codes, at::TensorList sb, at::IntArrayRef bits,
                      at::IntArrayRef groups, int64_t dense_rows, int64_t inputs);
 
-// Bit 0: the AVX-512 loops are built; bit 2: the AVX512-VNNI ones.
+// Bit 0: the AVX-512 loops are built; bit 1: the vector loops (AVX2, FMA, F16C), without which it is a scalar
+// loop; bit 2: AVX512-VNNI's dot products; bit 3: int8 inputs (forms 2 and 3).
 int64_t affine_features();
 
 }  // namespace umakit

@@ -6,8 +6,10 @@
 // the biases meet precomputed group sums of x, and one scale multiply serves a group. The rows are in tiles of
 // 8 whose outputs accumulate in the 8 lanes of a register: a block of 32 weights of 8 rows is decoded into 8
 // registers of bytes (a nibble plane split, each further bit added under a mask), then met by x's 32 values 4
-// at a time, broadcast: by vpdpbusd on int8 inputs (AVX512-VNNI), else widened to float32 for FMAs. No lane
-// is ever summed across, and every instruction does 8 rows' work. Elsewhere a scalar loop.
+// at a time, broadcast: on int8 inputs by vpdpbusd (AVX512-VNNI) or by vpmaddubsw and vpmaddwd (AVX2), else
+// widened to float32 for FMAs. No lane is ever summed across, and every instruction does 8 rows' work. The
+// loops need AVX2, FMA and F16C (256-bit registers throughout); AVX-512 adds the masked byte add of the
+// decoding and VNNI's dot products. Elsewhere a scalar loop.
 #include "affine.h"
 
 #include <ATen/Parallel.h>
@@ -19,11 +21,14 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
+#define UMAKIT_SIMD 1
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define UMAKIT_AVX512 1
 #if defined(__AVX512VNNI__)
 #define UMAKIT_VNNI 1
+#endif
 #endif
 #endif
 
@@ -35,6 +40,11 @@ using at::Tensor;
 constexpr int64_t BLOCK = 32;  // weights of a row in a block
 constexpr int64_t ROWS = 8;    // rows in a tile
 constexpr int64_t XTILE = 4;   // rows of x that share one decoding of a tile-block
+#ifdef UMAKIT_SIMD
+constexpr bool kSIMD = true;
+#else
+constexpr bool kSIMD = false;
+#endif
 #ifdef UMAKIT_AVX512
 constexpr bool kAVX512 = true;
 #else
@@ -100,8 +110,20 @@ void tile_scales(const Part& p, int64_t t, int64_t g, float* s, float* b) {
   }
 }
 
-#ifdef UMAKIT_AVX512
+#ifdef UMAKIT_SIMD
 inline __m256 halves8(const Half* h) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h))); }
+
+#ifndef UMAKIT_AVX512
+// A 32-bit mask as 32 bytes, byte i all ones where bit i is set: each 128-bit lane takes the mask's two bytes it
+// covers, 8 copies each, and keeps the one bit its place selects.
+inline __m256i bytes_of(uint32_t mask) {
+  const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,  //
+                                          2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+  const __m256i select = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(mask)), spread);
+  return _mm256_cmpeq_epi8(_mm256_and_si256(v, select), select);
+}
+#endif
 
 // A tile-block's codes as 8 registers of bytes, q[c] holding weights 4c..4c+3 of each row (affine.h).
 template <int BITS>
@@ -124,8 +146,14 @@ inline void decode(const uint8_t* tb, __m256i* q) {
   const uint8_t* masks = tb + (BITS >= 4 ? 128 : 0);
   for (int k = 0; k < BITS - FIRST; ++k) {  // the bit is clear before: adding sets it
     const __m256i bit = _mm256_set1_epi8(static_cast<char>(1 << (FIRST + k)));
-    for (int c = 0; c < 8; ++c)
-      q[c] = _mm256_mask_add_epi8(q[c], static_cast<__mmask32>(load32(masks + 32 * k + 4 * c)), q[c], bit);
+    for (int c = 0; c < 8; ++c) {
+      const uint32_t mask = load32(masks + 32 * k + 4 * c);
+#ifdef UMAKIT_AVX512
+      q[c] = _mm256_mask_add_epi8(q[c], static_cast<__mmask32>(mask), q[c], bit);
+#else
+      q[c] = _mm256_or_si256(q[c], _mm256_and_si256(bytes_of(mask), bit));
+#endif
+    }
   }
 }
 
@@ -170,16 +198,28 @@ void tile_f32(const Part& p, int64_t t, const float* x, const float* xsum, int64
 }
 #endif
 
-#ifdef UMAKIT_VNNI
-// 32 codes of 8 rows (q) times x's int8 block (xb, 4 values broadcast at a time), summed per row in int32.
+#ifdef UMAKIT_SIMD
+// 32 codes of 8 rows (q) times x's int8 block (xb, 4 values broadcast at a time), summed per row in int32. Without
+// VNNI, vpmaddubsw sums pairs of products in int16, saturating: exact for codes below 64 (2 * 63 * 127, twice,
+// fits), so 8-bit parts never come here without VNNI (`int8_loops`).
 inline __m256i block_dot(const __m256i* q, const uint8_t* xb) {
   __m256i i0 = _mm256_setzero_si256(), i1 = _mm256_setzero_si256();
   for (int c = 0; c < 8; c += 2) {
-    i0 = _mm256_dpbusd_epi32(i0, q[c], _mm256_set1_epi32(static_cast<int>(load32(xb + 4 * c))));
-    i1 = _mm256_dpbusd_epi32(i1, q[c + 1], _mm256_set1_epi32(static_cast<int>(load32(xb + 4 * c + 4))));
+    const __m256i x0 = _mm256_set1_epi32(static_cast<int>(load32(xb + 4 * c)));
+    const __m256i x1 = _mm256_set1_epi32(static_cast<int>(load32(xb + 4 * c + 4)));
+#ifdef UMAKIT_VNNI
+    i0 = _mm256_dpbusd_epi32(i0, q[c], x0);
+    i1 = _mm256_dpbusd_epi32(i1, q[c + 1], x1);
+#else
+    const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(q[c], x0), _mm256_maddubs_epi16(q[c + 1], x1));
+    i0 = _mm256_add_epi32(i0, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+#endif
   }
   return _mm256_add_epi32(i0, i1);
 }
+
+// Whether a part of `bits` bits multiplies int8 inputs exactly here (block_dot).
+constexpr bool int8_loops(int bits) { return kVNNI || bits < 8; }
 
 // tile_f32 with x in int8 blocks (Inputs): each block's products summed in int32 by vpdpbusd (unsigned codes
 // times signed inputs, 4 at a time), then scaled by the block's input scale, and the group's sum by the weights'
@@ -276,20 +316,18 @@ void over_x_rows(int64_t M, F&& f) {
 void part_tile(const Part& p, int64_t t, const Inputs& in, int64_t form, const float* xsum, const float* xdiff,
                int64_t M, int64_t K, float* y, int64_t ldy) {
   float* out = y + p.col + t * ROWS;
-#ifdef UMAKIT_AVX512
+#ifdef UMAKIT_SIMD
   const int64_t G = p.groups;
   [[maybe_unused]] const int64_t blocks = K / BLOCK;
   const bool done = with_bits(p.bits, [&](auto width) {
     constexpr int B = decltype(width)::value;
     over_x_rows(M, [&](auto tile, int64_t m) {
       constexpr int TM = decltype(tile)::value;
-#ifdef UMAKIT_VNNI
-      if (form == INT8 || form == INT8X2) {
+      if ((form == INT8 || form == INT8X2) && int8_loops(B)) {
         const Inputs at{nullptr, in.xq + m * K, in.xq2 + m * K, in.dx + m * blocks, in.dx2 + m * blocks};
         if (form == INT8X2) return tile_i8<B, TM, 2>(p, t, at, xsum + m * G, xdiff + m * G, K, out + m * ldy, ldy);
         return tile_i8<B, TM, 1>(p, t, at, xsum + m * G, xdiff + m * G, K, out + m * ldy, ldy);
       }
-#endif
       tile_f32<B, TM>(p, t, in.x + m * K, xsum + m * G, K, out + m * ldy, ldy);
     });
   });
@@ -300,7 +338,7 @@ void part_tile(const Part& p, int64_t t, const Inputs& in, int64_t form, const f
 
 // A tile-block's codes as out[r][j], weight j of row r.
 void block_codes(const uint8_t* tb, int64_t bits, uint8_t (*out)[BLOCK]) {
-#ifdef UMAKIT_AVX512
+#ifdef UMAKIT_SIMD
   const bool done = with_bits(bits, [&](auto width) {
     __m256i q[8];
     decode<decltype(width)::value>(tb, q);
@@ -397,7 +435,7 @@ Tensor affine_mm(const Tensor& x_in, at::TensorList codes, at::TensorList sb, at
     }
     return y;
   }
-  const int64_t form = (inputs == INT8 || inputs == INT8X2) && kVNNI ? inputs : FLOAT32;
+  const int64_t form = (inputs == INT8 || inputs == INT8X2) && kSIMD ? inputs : FLOAT32;
   const bool int8 = form != FLOAT32, two = form == INT8X2;
   std::vector<int8_t> xq(int8 ? M * K : 0), xq2(two ? M * K : 0);
   std::vector<float> dx(int8 ? M * K / BLOCK : 0), dx2(two ? M * K / BLOCK : 0), rest(two ? M * K : 0);
@@ -439,7 +477,7 @@ Tensor affine_mm(const Tensor& x_in, at::TensorList codes, at::TensorList sb, at
   return y;
 }
 
-int64_t affine_features() { return (kAVX512 ? 1 : 0) | (kVNNI ? 4 : 0); }
+int64_t affine_features() { return (kAVX512 ? 1 : 0) | (kSIMD ? 2 : 0) | (kVNNI ? 4 : 0) | (kSIMD ? 8 : 0); }
 
 // MLX's packing (rows, K*bits/32 uint32: code j at bits [j*bits, (j+1)*bits) of the row) -> tiles (affine.h).
 Tensor affine_planes(const Tensor& weight, int64_t bits) {
