@@ -403,7 +403,8 @@ def test_worker_failure_is_a_500_with_the_reason_then_it_restarts(local, name, m
         chat = ("POST", "/v1/chat/completions", {"model": name, "messages": user("hi"), "max_tokens": 3})
         failed, = asgi_calls(app, [chat])
         err = assert_error(failed, 500)
-        assert "injected failure" in err["message"] and err["type"] == "server_error"
+        assert "RuntimeError" in err["message"] and err["type"] == "server_error"
+        assert "injected" not in err["message"] and "log" in err["message"]  # the exception's text: the log only
         deadline = time.monotonic() + 10
         while not scheduler.healthy:  # restarted, with a decoder that works
             assert time.monotonic() < deadline, "the worker did not restart"
@@ -416,6 +417,24 @@ def test_worker_failure_is_a_500_with_the_reason_then_it_restarts(local, name, m
     finally:
         scheduler.stop()
     assert asgi_calls(app, [("GET", "/health", None)])[0].status_code == 503
+
+
+def test_a_bug_of_ours_answers_500_without_its_internals(local, name, monkeypatch, caplog):
+    from umakit.serve import app as app_module
+
+    def broken(body):
+        raise OSError("/home/alice/.cache/secret-path: device cuda:3 lost")
+
+    monkeypatch.setattr(app_module, "parse_json", broken)
+    scheduler, app = served(local)
+    try:
+        with caplog.at_level("ERROR", logger="umakit.serve"):
+            failed, = asgi_calls(app, [("POST", "/v1/chat/completions", {"model": name, "messages": user("hi")})])
+    finally:
+        scheduler.stop()
+    err = assert_error(failed, 500)
+    assert "OSError" in err["message"] and "alice" not in err["message"] and "cuda" not in err["message"]
+    assert "secret-path" in caplog.text  # the details: in the log, for whoever runs the server
 
 
 def test_request_timeout_is_a_504(local, name):

@@ -14,7 +14,8 @@ import threading
 import click
 
 from umakit.backends.base import BATCH
-from umakit.serve import DEFAULT_BODY_TIMEOUT_S, DEFAULT_HOST, DEFAULT_MAX_BODY_BYTES, DEFAULT_PORT
+from umakit.serve import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S, DEFAULT_HOST, DEFAULT_MAX_BODY_BYTES,
+                          DEFAULT_PORT, DEFAULT_SEND_TIMEOUT_S)
 from umakit.serve.types import SchedulerSettings
 
 from umakit.cli.format import size
@@ -44,6 +45,8 @@ def _size_or_zero(ctx, param, value):
 @click.option("--port", type=click.IntRange(0, 65535), default=DEFAULT_PORT, show_default=True, help="0 picks a free one.")
 @click.option("--api-key", envvar=API_KEY_ENV, default=None, metavar="KEY",
               help=f"Require 'Authorization: Bearer KEY' on every route but /health (default: ${API_KEY_ENV}).")
+@click.option("--api-keys", "api_keys_file", metavar="FILE", default=None,
+              help="More keys, one a line (# comments): each key's requests reuse only their own prompt cache.")
 @click.option("--max-concurrency", type=click.IntRange(min=1), default=SchedulerSettings.max_concurrency,
               show_default=True, help="Requests decoded together at most.")
 @click.option("--max-queue", type=click.IntRange(min=1), default=SchedulerSettings.max_queue, show_default=True,
@@ -63,6 +66,12 @@ def _size_or_zero(ctx, param, value):
 @click.option("--body-timeout", type=click.FloatRange(min=0, min_open=True), metavar="S",
               default=DEFAULT_BODY_TIMEOUT_S, show_default=True,
               help="A request body that stops arriving for S seconds gets 408.")
+@click.option("--header-timeout", type=click.FloatRange(min=0, min_open=True), metavar="S",
+              default=DEFAULT_HEADER_TIMEOUT_S, show_default=True,
+              help="A request's headers not all in S seconds after its first byte (or a connection's opening) get 408.")
+@click.option("--send-timeout", type=click.FloatRange(min=0, min_open=True), metavar="S",
+              default=DEFAULT_SEND_TIMEOUT_S, show_default=True,
+              help="A client that reads nothing of its reply for S seconds is disconnected and its request cancelled.")
 @click.option("--models", "models_file", metavar="FILE", default=None,
               help="Serve models by name, loading those listed in FILE (one a line) at start.")
 @click.option("--keep-alive", metavar="DURATION", default="5m", show_default=True,
@@ -79,9 +88,10 @@ def _size_or_zero(ctx, param, value):
 @model_options
 @offload_options
 @parallel_option
-def serve_cmd(models, models_file, keep_alive, memory_budget, host, port, api_key, max_concurrency, max_queue,
-              prompt_cache_bytes, step_tokens, max_body_bytes, request_timeout, body_timeout, allowed_origins,
-              allowed_hosts, kv_bits, backend, device, dtype, peak_bandwidth, gpu_layers, vram_budget, parallel):
+def serve_cmd(models, models_file, keep_alive, memory_budget, host, port, api_key, api_keys_file, max_concurrency,
+              max_queue,
+              prompt_cache_bytes, step_tokens, max_body_bytes, request_timeout, body_timeout, header_timeout,
+              send_timeout, allowed_origins, allowed_hosts, kv_bits, backend, device, dtype, peak_bandwidth, gpu_layers, vram_budget, parallel):
     """Serve models over OpenAI's and Anthropic's HTTP APIs: chat completions, completions, responses and
     messages, streamed or not, with tool calls and structured outputs.
 
@@ -99,16 +109,16 @@ def serve_cmd(models, models_file, keep_alive, memory_budget, host, port, api_ke
     settings = SchedulerSettings(max_concurrency=max_concurrency, max_queue=max_queue,
                                  prompt_cache_bytes=prompt_cache_bytes, request_timeout_s=request_timeout,
                                  kv_bits=kv_bits, step_tokens=step_tokens)
-    if api_key is not None and (not api_key.strip() or not api_key.isascii() or not api_key.isprintable()):
-        raise click.BadParameter("an API key must be printable ASCII and not empty", param_hint="--api-key")
+    keys = _keys(api_key, api_keys_file)
     hosts = (host, *(h.strip() for h in allowed_hosts.split(",") if h.strip()))
-    web = dict(api_key=api_key, max_body_bytes=max_body_bytes, request_timeout_s=request_timeout,
+    deadlines = (header_timeout, send_timeout)
+    web = dict(api_key=keys, max_body_bytes=max_body_bytes, request_timeout_s=request_timeout,
                allowed_origins=origins, allowed_hosts=hosts, body_timeout_s=body_timeout)
     if models_file is not None or len(models) != 1:
         if parallel is not None:
             raise click.UsageError("--parallel serves one model: give it as MODEL")
         listed = list(models) + (_read_models(models_file) if models_file else [])
-        return _serve_by_name(listed, keep_alive, memory_budget, host, port, settings, web, load)
+        return _serve_by_name(listed, keep_alive, memory_budget, host, port, settings, web, load, deadlines)
     model = models[0]
     follow_unless_leader(parallel, model, **load)  # only rank 0 binds the port and answers HTTP
     sock = _bind(host, port)  # before the model loads: a port in use fails in a second, not after the load
@@ -116,23 +126,34 @@ def serve_cmd(models, models_file, keep_alive, memory_budget, host, port, api_ke
     scheduler = Scheduler(m, settings)
     app = make_app(m, scheduler, **web)
     _log_to_stderr()
-    server = uvicorn.Server(_config(app, settings))
+    server = uvicorn.Server(_config(app, settings, deadlines))
     try:
         with m.engine.wired():
-            _run(server, sock, scheduler, lambda: _banner(m, sock.getsockname()[1], host, api_key))
+            _run(server, sock, scheduler, lambda: _banner(m, sock.getsockname()[1], host, keys))
     finally:
         scheduler.stop()
         sock.close()
 
 
-def _read_models(path: str) -> list[str]:
+def _keys(api_key: str | None, path: str | None) -> list[str]:
+    """The keys of --api-key and of the --api-keys file, each printable ASCII without spaces."""
+    keys = [api_key] if api_key is not None else []
+    keys += _read_models(path, "--api-keys file") if path else []
+    for key in keys:
+        if not key.strip() or not key.isascii() or not key.isprintable() or " " in key.strip():
+            raise click.BadParameter("an API key must be printable ASCII, without spaces, and not empty",
+                                     param_hint="--api-keys" if key is not api_key else "--api-key")
+    return [k.strip() for k in keys]
+
+
+def _read_models(path: str, what: str = "--models file") -> list[str]:
     from umakit.core import validate
 
-    text = validate.read_text(path, "--models file")
+    text = validate.read_text(path, what)
     return [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
 
 
-def _serve_by_name(listed, keep_alive, memory_budget, host, port, settings, web, load) -> None:
+def _serve_by_name(listed, keep_alive, memory_budget, host, port, settings, web, load, deadlines) -> None:
     """Models by name (`umakit.serve.host.ModelHost`): each on its own worker thread; HTTP on this one."""
     import uvicorn
 
@@ -167,7 +188,7 @@ def _serve_by_name(listed, keep_alive, memory_budget, host, port, settings, web,
     _log_to_stderr()
     for name in listed:
         models.preload(name)
-    server = uvicorn.Server(_config(app, settings))
+    server = uvicorn.Server(_config(app, settings, deadlines))
     click.echo(_host_banner(sock.getsockname()[1], host, web["api_key"], budget, keep, listed), err=True)
     try:
         server.run(sockets=[sock])
@@ -185,7 +206,7 @@ def _idle(keep_alive_s: float) -> str:
     return f"unloaded after {keep_alive_s:g} s idle"
 
 
-def _host_banner(port: int, host: str, api_key: str | None, budget: int, keep_alive_s: float, listed) -> str:
+def _host_banner(port: int, host: str, api_key: list[str], budget: int, keep_alive_s: float, listed) -> str:
     from umakit.checkpoint.default import DEFAULT_MODEL_NAME
 
     shown = f"[{host}]" if ":" in host else host
@@ -246,14 +267,17 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _config(app, settings):
+def _config(app, settings, deadlines):
     """uvicorn's settings: connections beyond what the queue can take get a 503 at once (each open connection
-    holds memory and a file descriptor), idle keep-alive connections close after 5 s."""
+    holds memory and a file descriptor), idle keep-alive connections close after 5 s, and ``deadlines``, (header,
+    send) seconds, bound the two waits uvicorn has no bound for (serve/connections.py)."""
     import uvicorn
+
+    from umakit.serve.connections import protocol
 
     cap = settings.max_concurrency + settings.max_queue + CONNECTIONS_SPARE
     return uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", limit_concurrency=cap,
-                          timeout_keep_alive=5)
+                          timeout_keep_alive=5, http=protocol(*deadlines))
 
 
 def _log_to_stderr() -> None:
@@ -277,7 +301,7 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def _banner(m, port: int, host: str, api_key: str | None) -> None:
+def _banner(m, port: int, host: str, api_key: list[str]) -> None:
     """Where it listens, and a curl and a Python example to paste (stderr)."""
     shown = f"[{host}]" if ":" in host else host
     base = f"http://{shown}:{port}/v1"

@@ -8,7 +8,8 @@
 - conversation.py, replies.py, toolcalls/: a chat's template, tools and constraint; its reply split into
   reasoning, content and tool calls;
 - outputs.py: what a request's events become for its API; api_errors.py: every error body; metrics.py: /metrics;
-- app.py: the Starlette routes (`make_app`), streaming, auth, CORS and /health.
+- app.py: the Starlette routes (`make_app`), streaming, auth, CORS and /health; guard.py: host checks, JSON
+  bounds, the log's escaping; connections.py: deadlines on headers and on a client that stops reading.
 
     from umakit.serve import Scheduler, SchedulerSettings, make_app
     scheduler = Scheduler(model, SchedulerSettings(max_concurrency=8)); scheduler.start()
@@ -32,6 +33,8 @@ DEFAULT_HOST = "127.0.0.1"  # loopback: binding anything else without an API key
 DEFAULT_PORT = 8080
 DEFAULT_MAX_BODY_BYTES = 8 << 20  # a long conversation is well under 1 MiB of JSON
 DEFAULT_BODY_TIMEOUT_S = 30.0  # a request body may pause this long between two of its pieces
+DEFAULT_HEADER_TIMEOUT_S = 10.0  # from a request's first byte (or a connection's opening) to its last header
+DEFAULT_SEND_TIMEOUT_S = 30.0  # how long a reply may wait for its client to read (connections.py)
 
 _LAZY = {"make_app": ".app", "Scheduler": ".scheduler", "QueueFull": ".jobs", "SchedulerSettings": ".types"}
 __all__ = sorted(_LAZY)

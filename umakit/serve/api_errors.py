@@ -16,6 +16,13 @@ ERROR_TYPES = {
 }
 
 
+def internal(e: BaseException, request_id: str | None = None, what: str = "internal error") -> str:
+    """What an answer says of a failure of umakit's own: its kind, never its text (which may carry paths, device
+    details or a user's data); the caller logs the traceback, which the message points to."""
+    where = f" (request {request_id})" if request_id else ""
+    return f"{what} ({type(e).__name__}); the server's log has the details{where}"
+
+
 class APIError(Exception):
     """An HTTP error answered in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
 

@@ -12,13 +12,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import secrets
 import time
 from collections import Counter
 from datetime import datetime, timezone
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -30,12 +29,12 @@ from starlette.routing import Route
 
 from umakit.serve import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, anthropic, openai_responses
 from umakit.serve.outputs import ChatOutput, CompletionOutput, Output, Submission, request_id
-from umakit.serve.api_errors import APIError
+from umakit.serve.api_errors import APIError, internal
 from umakit.serve.protocol import ChatRequest, CompletionRequest, generation_request, parse_request
 from umakit.errors import UmakitError
 from umakit.serve.host import OneModel, parse_keep_alive
 from umakit.serve.metrics import prometheus
-from umakit.serve.guard import HostGuard, parse_json
+from umakit.serve.guard import HostGuard, Keys, parse_json
 from umakit.serve.jobs import NeverFits, QueueFull
 from umakit.serve.types import ErrorEvent, FinalEvent, SchedulerSettings, TokenEvent
 
@@ -70,7 +69,8 @@ ANTHROPIC_MESSAGES = API("msg", anthropic.read, anthropic.error_body)
 OPENAI_RESPONSES = API("resp", openai_responses.read)
 
 
-def make_app(model, scheduler=None, *, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+def make_app(model, scheduler=None, *, api_key: str | Sequence[str] | None = None,
+             max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
              request_timeout_s: float | None = SchedulerSettings.request_timeout_s,
              allowed_origins: tuple[str, ...] = (), allowed_hosts: tuple[str, ...] = (),
              body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> Starlette:
@@ -78,8 +78,8 @@ def make_app(model, scheduler=None, *, api_key: str | None = None, max_body_byte
     scheduler, the models of a `umakit.serve.host.ModelHost` by name: OpenAI's chat completions, completions
     and responses, and Anthropic's messages.
 
-    With ``api_key`` every route but /health needs ``Authorization: Bearer <api_key>`` (or Anthropic's
-    ``x-api-key: <api_key>``). ``allowed_origins`` (``"*"`` for any) may call it from a browser page:
+    With ``api_key`` (one key, or several) every route but /health needs ``Authorization: Bearer KEY`` (or
+    Anthropic's ``x-api-key: KEY``), and each key's requests share the prompt cache only among themselves. ``allowed_origins`` (``"*"`` for any) may call it from a browser page:
     CORS preflights are answered for them, and for no origin by default. A request whose Host header is not a
     localhost name, an IP address or one of ``allowed_hosts`` (``"*"``: any) is refused (`umakit.serve.guard`).
     """
@@ -111,7 +111,7 @@ class _Server:
     def __init__(self, models, api_key, max_body_bytes, request_timeout_s, body_timeout_s):
         self.models = models  # OneModel or ModelHost (host.py)
         self.body_timeout_s = body_timeout_s
-        self.api_key, self.max_body_bytes, self.timeout_s = api_key, max_body_bytes, request_timeout_s
+        self.keys, self.max_body_bytes, self.timeout_s = Keys(api_key), max_body_bytes, request_timeout_s
         self.created = int(time.time())
         self.responses: Counter[int] = Counter()  # HTTP status -> responses sent
 
@@ -177,22 +177,15 @@ class _Server:
             return self._count(_error_response(e))
         except Exception as e:  # a bug of ours: still an answer in OpenAI's shape, and a traceback in the log
             log.exception("%s %s failed", request.method, request.url.path)
-            return self._count(_error_response(APIError(500, f"internal error ({type(e).__name__}: {e})")))
+            return self._count(_error_response(APIError(500, internal(e))))
 
     def _count(self, response: Response) -> Response:
         self.responses[response.status_code] += 1
         return response
 
-    def _authorize(self, request: Request) -> None:
-        if self.api_key is None:
-            return
-        header, anthropic_key = request.headers.get("authorization", ""), request.headers.get("x-api-key")
-        if not header and anthropic_key is None:
-            raise APIError(401, "you didn't provide an API key: send 'Authorization: Bearer YOUR_KEY'",
-                           headers={"WWW-Authenticate": "Bearer"})
-        scheme, _, key = header.partition(" ") if header else ("bearer", "", anthropic_key)
-        if scheme.lower() != "bearer" or not secrets.compare_digest(key.strip().encode(), self.api_key.encode()):
-            raise APIError(401, "incorrect API key provided", headers={"WWW-Authenticate": "Bearer"})
+    def _authorize(self, request: Request) -> str:
+        """The namespace of the request's key in the prompt cache, or a 401 (guard.py `Keys`)."""
+        return self.keys.check(request.headers)
 
     # -- completions ----------------------------------------------------------------------------------
     def endpoint(self, api: API):
@@ -204,7 +197,7 @@ class _Server:
         rid, t0 = request_id(api.prefix), time.perf_counter()
         lease, keep_alive = None, None
         try:
-            self._authorize(request)
+            namespace = self._authorize(request)
             data = await self._json(request)
             name = _model_name(data)
             keep_alive = _keep_alive(data.pop("keep_alive", None))
@@ -215,6 +208,8 @@ class _Server:
                 # conversation): on a thread, so the streams in flight on this loop never wait for them
                 sub = await asyncio.to_thread(api.read, lease.model, data, rid, self.timeout_s)
                 sub.output.name = name  # the model as the request named it
+                if namespace:  # each key's prompts apart from the others' (guard.py `Keys`)
+                    sub.request.cache_salt = f"{namespace}/{sub.request.cache_salt}"
                 handle = lease.scheduler.submit(sub.request, asyncio.get_running_loop())
             except QueueFull as e:
                 raise APIError(429, str(e), headers={"Retry-After": str(max(1, math.ceil(e.retry_after_s)))}) from e
@@ -247,7 +242,7 @@ class _Server:
             return Response(status_code=499)
         except Exception as e:  # a bug of ours: still an answer in the API's shape, and a traceback in the log
             log.exception("%s failed", rid)
-            return self._count(_error_response(APIError(500, f"internal error ({type(e).__name__}: {e})"), api))
+            return self._count(_error_response(APIError(500, internal(e, rid)), api))
         finally:
             if lease is not None:
                 self.models.release(lease, keep_alive)
@@ -359,7 +354,7 @@ async def _events(handle, timeout_s: float | None):
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:
         try:
-            event = await asyncio.wait_for(handle.queue.get(), None if deadline is None
+            event = await asyncio.wait_for(handle.get(), None if deadline is None
                                            else max(deadline - time.monotonic(), 0))
         except asyncio.TimeoutError:
             handle.cancel()

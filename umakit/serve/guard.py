@@ -1,6 +1,6 @@
 """What a browser page or a hostile client must not make the server do: the Host header check against DNS
-rebinding (`HostGuard`), JSON that is not text (`parse_json`), and log lines forged through a client's text
-(`OneLineFormatter`).
+rebinding (`HostGuard`), JSON that is not text (`parse_json`), log lines forged through a client's text
+(`OneLineFormatter`); and who may call it at all (`Keys`), each key's prompts kept from the others'.
 
 A page on any site can point a name it controls at 127.0.0.1 (DNS rebinding) and then call the server as if it
 were its own origin, with no CORS in the way. Such a request carries the attacker's name in its Host header, so
@@ -14,10 +14,13 @@ first, is never read.)
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import json
 import logging
 import re
+import secrets
+from collections.abc import Sequence
 
 from umakit.serve.api_errors import APIError
 
@@ -100,3 +103,34 @@ class OneLineFormatter(logging.Formatter):
     def formatMessage(self, record: logging.LogRecord) -> str:
         record.message = _CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), record.message)
         return super().formatMessage(record)
+
+
+class Keys:
+    """The API keys a server accepts (none: every caller is let in), each with a prompt-cache namespace of its own:
+    a request reuses the KV cache of another request only when both came with the same key (and the same
+    ``cache_salt``), so one key's holder cannot learn another's prompts from ``cached_tokens`` or timings."""
+
+    def __init__(self, keys: str | Sequence[str] | None):
+        listed = [keys] if isinstance(keys, str) else list(keys or ())
+        self._keys = [k.encode() for k in listed]
+        # a namespace names its key without holding it (the scheduler's caches and metrics never see a key)
+        self._names = [hashlib.sha256(k).hexdigest()[:16] for k in self._keys]
+
+    def __bool__(self) -> bool:
+        return bool(self._keys)
+
+    def check(self, headers) -> str:
+        """The namespace of the request's key ("" where the server has none), or a 401: OpenAI's
+        ``Authorization: Bearer KEY`` or Anthropic's ``x-api-key: KEY``. Every key is compared, in constant time."""
+        if not self._keys:
+            return ""
+        header, anthropic_key = headers.get("authorization", ""), headers.get("x-api-key")
+        if not header and anthropic_key is None:
+            raise APIError(401, "you didn't provide an API key: send 'Authorization: Bearer YOUR_KEY'",
+                           headers={"WWW-Authenticate": "Bearer"})
+        scheme, _, key = header.partition(" ") if header else ("bearer", "", anthropic_key)
+        given = key.strip().encode()
+        matches = [secrets.compare_digest(given, k) for k in self._keys]
+        if scheme.lower() != "bearer" or not any(matches):
+            raise APIError(401, "incorrect API key provided", headers={"WWW-Authenticate": "Bearer"})
+        return self._names[matches.index(True)]

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from umakit.errors import UmakitError
-from umakit.serve.api_errors import APIError
+from umakit.serve.api_errors import APIError, internal
 from umakit.serve.types import SchedulerSettings
 
 log = logging.getLogger("umakit.serve")
@@ -278,9 +278,12 @@ class ModelHost:
             with model.engine.wired():
                 scheduler.run(ready=ready, until=lambda: slot.stopping)
         except Exception as e:  # the load failed: the requests waiting hear why, the server serves the others
-            log.warning("loading %s failed: %s", slot.name, e)
+            if isinstance(e, UmakitError):  # a reason meant for users: it goes in the answers
+                log.warning("loading %s failed: %s", slot.name, e)
+            else:  # ours: the traceback in the log, the kind alone in the answers (no paths or device details)
+                log.exception("loading %s failed", slot.name)
             with self._lock:
-                slot.state, slot.error = "failed", str(e) if isinstance(e, UmakitError) else f"{type(e).__name__}: {e}"
+                slot.state, slot.error = "failed", str(e) if isinstance(e, UmakitError) else internal(e)
                 slot.model = slot.scheduler = None
             slot.ready.set()
 

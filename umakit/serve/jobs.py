@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from umakit.errors import UmakitError
 from umakit.generate.stream import DecodeRow
-from umakit.serve.types import GenerationRequest
+from umakit.serve.types import ErrorEvent, GenerationRequest
 
 
 class QueueFull(UmakitError):
@@ -23,7 +23,13 @@ class NeverFits(UmakitError):
 
 
 class Handle:
-    """A submitted request as its HTTP handler sees it: a queue of events, and a way to give up."""
+    """A submitted request as its HTTP handler sees it: a queue of events, and a way to give up.
+
+    The queue is bounded: a handler that falls ``MAX_PENDING`` events behind (its client reads the stream more
+    slowly than the model writes it) gets a 408 as its last event, and the worker drops the request. A client
+    that stops reading altogether is cut off sooner, by the connection's send deadline (connections.py)."""
+
+    MAX_PENDING = 4096  # events handed over and not yet taken: a few hundred KB
 
     def __init__(self, id: str, loop: asyncio.AbstractEventLoop, wake):
         self.id = id
@@ -31,14 +37,32 @@ class Handle:
         self._loop = loop
         self._wake = wake
         self.cancelled = False
+        self._handed = 0  # events put (the worker's count)
+        self._taken = 0  # events got (the loop's count)
 
     def cancel(self) -> None:
         """The client went away: the worker drops the request at its next step."""
         self.cancelled = True
         self._wake()
 
+    async def get(self):
+        """The next event, on the request's loop."""
+        event = await self.queue.get()
+        self._taken += 1
+        return event
+
     def put(self, event) -> None:
         """From the worker thread: hand ``event`` to the request's event loop."""
+        if self._handed - self._taken >= self.MAX_PENDING:
+            if not self.cancelled:  # the one event past the bound: why it ends
+                self._hand(ErrorEvent(f"the client read its reply too slowly ({self.MAX_PENDING} events waited "
+                                      "unread): the request was stopped", status=408, code="client_too_slow"))
+                self.cancel()
+            return
+        self._hand(event)
+
+    def _hand(self, event) -> None:
+        self._handed += 1
         try:
             self._loop.call_soon_threadsafe(self.queue.put_nowait, event)
         except RuntimeError:  # the loop is closed: nobody is listening any more

@@ -36,6 +36,7 @@ from typing import Callable
 
 from umakit.backends.base import BatchRow
 from umakit.generate.stream import FINISH_STOP, DecodeRow
+from umakit.serve.api_errors import internal
 from umakit.serve.jobs import Handle, Job, NeverFits, QueueFull
 from umakit.serve.prompt_cache import PromptCache, common_prefix
 from umakit.serve.types import ErrorEvent, FinalEvent, GenerationRequest, SchedulerSettings, TokenEvent, Usage
@@ -175,8 +176,8 @@ class Scheduler:
             except Exception as e:  # the worker must never die silently: fail what is in flight, start again
                 if ready is not None and not self._ever_healthy:
                     raise
-                reason = f"the generation worker failed ({type(e).__name__}: {e})"
-                log.exception(reason)
+                log.exception("the generation worker failed")
+                reason = internal(e, what="the generation worker failed")
                 self._healthy = False
                 self._counters["worker_restarts_total"] += 1
                 self._failures += 1
