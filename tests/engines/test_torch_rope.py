@@ -60,3 +60,20 @@ def test_a_yarn_model_runs_as_transformers_runs_it_past_its_original_context(yar
     for _ in range(16):
         seq.append(int(ref_logits(ref, seq)[-1].argmax()))
     assert ours == seq[len(prompt):]
+
+
+@pytest.mark.parametrize("family, reads", [("qwen3_moe", False), ("mixtral", False), ("qwen3", True)])
+def test_an_mlx_model_file_that_never_reads_rope_scaling_is_refused_not_run_unscaled(family, reads, tmp_path):
+    """mlx-lm's qwen3_moe.py and mixtral.py declare rope_scaling and never apply it: such a checkpoint is refused on
+    MLX, pointing at the torch engine, which runs it as transformers does."""
+    pytest.importorskip("mlx_lm")
+    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32}
+    path = make_tiny_model(family, tmp_path, max_position_embeddings=256, rope_parameters=rope, head_dim=16)
+    prompt = [(7 * i) % 90 + 3 for i in range(40)]
+    if reads:
+        assert umakit.load(path, backend="mlx", device="cpu", dtype="float32").logits(prompt).shape[0] == 40
+    else:
+        with pytest.raises(UnsupportedModelError, match=f"mlx-lm's {family} model never reads rope_scaling.*yarn"):
+            umakit.load(path, backend="mlx", device="cpu", dtype="float32")
+    np.testing.assert_allclose(umakit.load(path, backend="torch", dtype="float32").logits(prompt),
+                               ref_logits(reference(path), prompt), atol=1e-4, rtol=1e-4)

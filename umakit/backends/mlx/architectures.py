@@ -48,3 +48,17 @@ def mlx_lm_runs(model_type: str) -> bool:
     """Whether the installed mlx-lm has a model file for ``model_type`` (directly or through its remapping)."""
     names = (model_type, _remapping().get(model_type, model_type))
     return any((root / "models" / f"{name}.py").is_file() for root in _package_dirs() for name in names)
+
+
+@functools.cache
+def reads_rope_scaling(model_file: str) -> bool:
+    """Whether an mlx-lm model file reads its config's ``rope_scaling`` (or ``rope_parameters``): uses it in an
+    expression (``args.rope_scaling``, ``config["rope_scaling"]``). Declaring the field in ModelArgs, as
+    qwen3_moe.py and mixtral.py do, and never reading it, is not enough: such a model runs unscaled."""
+    try:
+        tree = ast.parse(Path(model_file).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, SyntaxError):
+        return True  # unreadable: not ours to refuse
+    names = {"rope_scaling", "rope_parameters"}
+    return any((isinstance(node, ast.Attribute) and node.attr in names)
+               or (isinstance(node, ast.Constant) and node.value in names) for node in ast.walk(tree))

@@ -24,6 +24,7 @@ from umakit.backends.base import PREFILL_CHUNK, WeightInfo, refuse_options
 from umakit.backends.mlx import SPEC, wiring
 from umakit.backends.mlx.batch_decoder import MLXBatchDecoder
 from umakit.backends.mlx.cache import MLXCache
+from umakit.backends.mlx.architectures import reads_rope_scaling
 from umakit.backends.mlx.mlx_lm_import import import_mlx_lm
 from umakit.backends.mlx.sampler import MLXOps
 
@@ -85,6 +86,13 @@ def _architecture(config: dict):
             f"model_type {config['model_type']!r} is not supported by mlx-lm; supported: {', '.join(known)}"
         )
     arch = import_mlx_lm(f"models.{model_type}")
+    scaling = config_compat.text_config(config).get("rope_scaling") or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default")) if isinstance(scaling, dict) else "default"
+    if kind != "default" and not reads_rope_scaling(arch.__file__):
+        raise UnsupportedModelError(
+            f"mlx-lm's {model_type} model never reads rope_scaling, and this checkpoint sets it ({kind}): it would "
+            f"run with unscaled positions, its answers wrong; use --backend torch, which applies it, or remove "
+            f"rope_scaling from config.json to run the model as trained, within its original context")
     return arch.Model, arch.ModelArgs
 
 
