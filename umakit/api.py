@@ -278,8 +278,8 @@ def load(
     backends.resolve(backend, device, needs)  # refuse the user's words before fetching or importing a model
     path = checkpoint.resolve(model)
     ckpt = checkpoint.open_checkpoint(path)
-    engine_name, device, choice_note = backends.choose(backend, device, needs,
-                                                       config_compat.architecture(ckpt.config))
+    engine_name, device, choice_note = backends.choose(backend, device, needs, config_compat.architecture(ckpt.config),
+                                                       config_compat.rope_kind(ckpt.config))
     tokenizer = Tokenizer(path, ckpt.config, extra_eos_ids=checkpoint.generation_eos_ids(path, ckpt.config))
     engine = backends.load_engine(
         engine_name, ckpt, parallel=parallel, device=device, dtype=dtype,
@@ -316,7 +316,8 @@ def load_synthetic(
     offload = gpu_layers is not None or vram_budget is not None
     needs = frozenset(needs) | ({OFFLOAD} if offload else set())
     config = load_preset(preset) if isinstance(preset, str) else dict(preset)
-    engine_name, device, choice_note = backends.choose(backend, device, needs, config_compat.architecture(config))
+    engine_name, device, choice_note = backends.choose(backend, device, needs, config_compat.architecture(config),
+                                                       config_compat.rope_kind(config))
     engine = backends.engine_class(engine_name).synthetic(
         config, device=device, dtype=dtype, bits=bits, group_size=group_size, gpu_layers=gpu_layers,
         vram_budget=vram_budget)

@@ -54,20 +54,21 @@ class Choice(NamedTuple):
 
 
 def resolve(backend: str = "auto", device: str | None = None, needs: frozenset[str] = frozenset(),
-            model_type: str | None = None) -> tuple[str, str]:
+            model_type: str | None = None, rope_kind: str | None = None) -> tuple[str, str]:
     """Choose (engine, device) from the user's words; explains every refusal (see `choose`)."""
-    return choose(backend, device, needs, model_type)[:2]
+    return choose(backend, device, needs, model_type, rope_kind)[:2]
 
 
 def choose(backend: str = "auto", device: str | None = None, needs: frozenset[str] = frozenset(),
-           model_type: str | None = None) -> Choice:
+           model_type: str | None = None, rope_kind: str | None = None) -> Choice:
     """Choose the engine and device from the user's words, the features asked for and the architecture.
 
-    ``needs`` names features (`umakit.backends.base.FEATURES`) and ``model_type``
+    ``needs`` names features (`umakit.backends.base.FEATURES`), ``model_type``
     the checkpoint's architecture (`umakit.checkpoint.config.architecture`; None:
-    not known yet). "auto" takes the first engine, in the machine's order of
-    preference, that is installed and can do both; an explicit backend that
-    cannot is refused with the one that can.
+    not known yet) and ``rope_kind`` its RoPE scaling (`umakit.checkpoint.config.rope_kind`).
+    "auto" takes the first engine, in the machine's order of preference, that is
+    installed and can do all three; an explicit backend that cannot is refused
+    with the one that can.
     """
     backend = (backend or "auto").lower()
     if backend in SHORTHANDS:
@@ -76,7 +77,7 @@ def choose(backend: str = "auto", device: str | None = None, needs: frozenset[st
             raise InvalidArgumentError(f"--backend {implied} runs on device {implied}, not {device}")
         device = implied
     if backend == "auto":
-        return _auto(device, needs, model_type)
+        return _auto(device, needs, model_type, rope_kind)
     if backend not in ENGINES:
         raise InvalidArgumentError(f"unknown backend {backend!r}; choose from auto, {', '.join(ENGINES)}, cuda")
     if device in (None, "auto"):
@@ -97,6 +98,10 @@ def choose(backend: str = "auto", device: str | None = None, needs: frozenset[st
     if not spec.runs(model_type) and others:  # with no engine for it, the engine's own error lists what it runs
         raise UnsupportedModelError(f"the {backend} backend does not run model_type {model_type!r}; "
                                     f"use --backend {others[0]}")
+    if not spec.applies(rope_kind):
+        able = [e for e in ENGINES if ENGINES[e].applies(rope_kind) and ENGINES[e].runs(model_type)]
+        raise UnsupportedModelError(f"the {backend} backend does not apply {rope_kind!r} RoPE scaling, which this "
+                                    f"checkpoint sets" + (f"; use --backend {able[0]}" if able else ""))
     return Choice(backend, device)
 
 
@@ -121,29 +126,35 @@ def _named(features) -> str:
     return ", ".join(sorted(FEATURE_NAMES.get(f, f) for f in features))
 
 
-def _why_not(engine: str, needs: frozenset[str], model_type: str | None) -> str | None:
+def _why_not(engine: str, needs: frozenset[str], model_type: str | None, rope_kind: str | None = None) -> str | None:
     spec = ENGINES[engine]
     if not spec.runs(model_type):
         return f"{engine} does not run {model_type}"
+    if not spec.applies(rope_kind):
+        return f"{engine} does not apply {rope_kind} RoPE scaling"
     if not needs <= spec.features:
         return f"{engine} does not support {_named(needs - spec.features)}"
     return None
 
 
-def _auto(device: str | None, needs: frozenset[str], model_type: str | None) -> Choice:
+def _auto(device: str | None, needs: frozenset[str], model_type: str | None, rope_kind: str | None) -> Choice:
     candidates = _candidates(device)
     if not candidates:
         raise InvalidArgumentError(f"no backend runs on device {device!r}; choose from metal, cuda, cpu")
-    able = [(e, d) for e, d in candidates if _why_not(e, needs, model_type) is None]
+    able = [(e, d) for e, d in candidates if _why_not(e, needs, model_type, rope_kind) is None]
     if not able:
         engines = dict.fromkeys(e for e, _ in candidates)
         if any(not ENGINES[e].runs(model_type) for e in engines):
             names = "; ".join(f"{e} runs {ENGINES[e].named_architectures()}" for e in engines)
             raise UnsupportedModelError(f"model_type {model_type!r} is not supported by any engine: {names}")
+        if any(not ENGINES[e].applies(rope_kind) for e in engines):
+            why = "; ".join(filter(None, (_why_not(e, needs, model_type, rope_kind) for e in engines)))
+            raise UnsupportedModelError(f"no engine here applies {rope_kind!r} RoPE scaling, which this checkpoint "
+                                        f"sets: {why}")
         raise InvalidArgumentError(f"no backend supports {_named(needs)} on {candidates[0][1]}")
     engine, where = next(((e, d) for e, d in able if _installed(ENGINES[e].dependency)), able[0])
     skipped = dict.fromkeys(r for e, _ in candidates[:candidates.index((engine, where))]
-                            if (r := _why_not(e, needs, model_type)))
+                            if (r := _why_not(e, needs, model_type, rope_kind)))
     note = f"running on {engine} ({where}): {'; '.join(skipped)}" if skipped else None
     return Choice(engine, where, note)
 

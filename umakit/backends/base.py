@@ -59,12 +59,18 @@ class EngineSpec:
     architectures: tuple[str, ...] = ()
     finds_architecture: Callable[[str], bool] | None = None
     architectures_source: str = ""  # for messages: what finds them ("mlx-lm has a model file for")
+    # The RoPE scaling kinds (config.json's rope_type) it applies; empty: whatever the model's own code applies.
+    rope_kinds: tuple[str, ...] = ()
 
     def runs(self, model_type: str | None) -> bool:
         """Whether the engine has code for ``model_type`` (None, not known yet: assume so)."""
         if model_type is None or model_type in self.architectures:
             return True
         return self.finds_architecture is not None and self.finds_architecture(model_type)
+
+    def applies(self, rope_kind: str | None) -> bool:
+        """Whether the engine applies RoPE scaling of ``rope_kind`` (None or "default": none to apply)."""
+        return rope_kind in (None, "default") or not self.rope_kinds or rope_kind in self.rope_kinds
 
     def named_architectures(self) -> str:
         """The architectures it runs, for a message."""

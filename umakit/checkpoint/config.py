@@ -49,6 +49,12 @@ def architecture(config: dict) -> str | None:
     return text_config(config).get("model_type") or config.get("model_type")
 
 
+def rope_kind(config: dict) -> str:
+    """The language model's RoPE scaling kind ("default" where it sets none): which engines can run it as trained."""
+    scaling = text_config(config).get("rope_scaling") or {}
+    return str(scaling.get("rope_type", scaling.get("type", "default"))) if isinstance(scaling, dict) else "default"
+
+
 def _rope(config: dict) -> None:
     """``rope_parameters`` ({"rope_theta", "rope_type", ...}, or one such dict per layer type) -> v4 fields."""
     params = config.get("rope_parameters")

@@ -8,6 +8,7 @@ import math
 
 import torch
 
+from umakit.backends.torch import ROPE_KINDS
 from umakit.errors import UnsupportedModelError
 
 
@@ -81,7 +82,7 @@ def _inv_freq(d: int, theta: float, scaling: dict | None, max_positions: int = 0
         return _yarn(d, theta, s, max_positions)
     elif kind != "default":
         raise UnsupportedModelError(f"rope_scaling type {kind!r} is not supported on the torch engine; supported: "
-                                    "default, linear, llama3, yarn")
+                                    f"{', '.join(ROPE_KINDS)}")
     return inv.float()
 
 
