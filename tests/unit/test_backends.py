@@ -84,10 +84,17 @@ def test_auto_passes_over_an_engine_that_cannot_run_the_architecture_and_says_wh
     monkeypatch.setitem(backends.ENGINES, "mlx", mlx)
     assert backends.choose("auto", model_type="llama") == ("torch", "cpu", None)
     assert backends.choose("auto", model_type="phi3") == ("mlx", "cpu", "running on mlx (cpu): torch does not run phi3")
-    with pytest.raises(UnsupportedModelError, match=r"model_type 'mamba' is not supported by any engine: torch runs "
-                       r"llama, .*qwen3_moe; mlx runs any architecture mlx-lm has a model file for"):
-        backends.choose("auto", model_type="mamba")
-    assert backends.choose("torch", model_type="mamba") == ("torch", "cpu", None)  # the engine's error lists its own
+    # neither compact engine runs it: transformers' model classes do
+    assert backends.choose("auto", model_type="mamba") == (
+        "transformers", "cpu", "running on transformers (cpu): torch does not run mamba; mlx does not run mamba")
+    with pytest.raises(UnsupportedModelError, match=r"model_type 'no_such_model' is not supported by any engine: "
+                       r"torch runs llama, .*qwen3_moe; mlx runs any architecture mlx-lm has a model file for; "
+                       r"transformers runs any architecture the installed transformers has model code for"):
+        backends.choose("auto", model_type="no_such_model")
+    assert backends.choose("torch", model_type="no_such_model") == ("torch", "cpu", None)  # its error lists its own
+    with pytest.raises(UnsupportedModelError, match="the torch backend does not run model_type 'mamba'; "
+                                                    "use --backend transformers"):
+        backends.choose("torch", model_type="mamba")
     with pytest.raises(UnsupportedModelError, match="the torch backend does not run model_type 'phi3'; "
                                                     "use --backend mlx"):
         backends.choose("torch", model_type="phi3")
@@ -124,7 +131,7 @@ def test_auto_honours_features_on_cuda_too(monkeypatch):
     _without_quantized_kv(monkeypatch, "torch")
     assert backends.choose("auto") == ("torch", "cuda", None)
     assert backends.choose("auto", needs=frozenset({"kv_bits"})) == (
-        "mlx", "cpu", "running on mlx (cpu): torch does not support --kv-bits")
+        "mlx", "cpu", "running on mlx (cpu): torch does not support --kv-bits; transformers does not support --kv-bits")
     with pytest.raises(InvalidArgumentError, match="no backend supports --kv-bits on cuda"):
         backends.choose("auto", "cuda", needs=frozenset({"kv_bits"}))
 

@@ -21,7 +21,7 @@ ARITHMETIC = ("umakit.plan.roofline", "umakit.plan.shapes", "umakit.plan.placeme
 SAMPLING = ("umakit.generate.sampling",)
 ENGINE_BASE = ("=umakit.backends", "umakit.backends.base", "umakit.backends.common")  # "=": that module alone
 BELOW_ENGINES = (*FOUNDATIONS, *ARITHMETIC, *SAMPLING, "umakit.hardware", "umakit.checkpoint")
-ENGINES = ("umakit.backends.torch", "umakit.backends.mlx", "umakit.backends.distributed")
+ENGINES = ("umakit.backends.torch", "umakit.backends.mlx", "umakit.backends.transformers", "umakit.backends.distributed")
 FEATURES = ("umakit.api", "umakit.generate", "umakit.serve", "umakit.bench", "umakit.evaluate",
             "umakit.quantize.pipeline", "umakit.plan.planner", "umakit.plan.parallel")
 
@@ -42,6 +42,9 @@ RULES = [
     # another engine's package, never a feature
     ("umakit.backends.torch", (*BELOW_ENGINES, *ENGINE_BASE, "umakit.backends.torch")),
     ("umakit.backends.mlx", (*BELOW_ENGINES, *ENGINE_BASE, "umakit.backends.mlx", "umakit.quantize.recipes")),
+    # transformers' model classes with the torch engine's sampler and quantized execution forms around them
+    ("umakit.backends.transformers", (*BELOW_ENGINES, *ENGINE_BASE, "umakit.backends.transformers",
+                                      "umakit.backends.torch")),
     # the sharded engines extend both engines through their declared hooks
     ("umakit.backends.distributed", (*BELOW_ENGINES, *ENGINE_BASE, *ENGINES)),
     ("umakit.backends.base", (*BELOW_ENGINES, *ENGINE_BASE)),
@@ -164,5 +167,6 @@ def test_no_two_modules_share_a_name_unless_they_do_the_same_thing_for_each_engi
             by_name.setdefault(name.rsplit(".", 1)[1], []).append(name)
     repeated = {n: sorted(ms) for n, ms in by_name.items() if len(ms) > 1}
     per_engine = {n: ms for n, ms in repeated.items()
-                  if all(m.startswith(("umakit.backends.torch.", "umakit.backends.mlx.")) for m in ms)}
+                  if all(m.startswith(("umakit.backends.torch.", "umakit.backends.mlx.", "umakit.backends.transformers."))
+                         for m in ms)}
     assert repeated == per_engine

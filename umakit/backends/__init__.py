@@ -19,13 +19,16 @@ from umakit.errors import BackendUnavailableError, InvalidArgumentError, Unsuppo
 from umakit.backends.base import EngineSpec
 from umakit.backends.mlx import SPEC as _MLX
 from umakit.backends.torch import SPEC as _TORCH
+from umakit.backends.transformers import SPEC as _TRANSFORMERS
 
-ENGINES: dict[str, EngineSpec] = {s.name: s for s in (_MLX, _TORCH)}
+ENGINES: dict[str, EngineSpec] = {s.name: s for s in (_MLX, _TORCH, _TRANSFORMERS)}
 SHORTHANDS = {"cuda": ("torch", "cuda"), "metal": ("mlx", "metal")}
 # On a CPU-only machine "auto" takes the first engine here that is installed
 # (and has the features asked for); the order follows benchmarks/cpu_engines.py
-# on a 2-core x86 Linux machine.
-CPU_PREFERENCE = ("torch", "mlx")
+# on a 2-core x86 Linux machine. transformers' model classes come last: the
+# architectures neither compact engine runs.
+CPU_PREFERENCE = ("torch", "mlx", "transformers")
+GPU_PREFERENCE = ("torch", "transformers")  # on CUDA
 
 
 def is_apple_silicon() -> bool:
@@ -111,7 +114,7 @@ def _candidates(device: str | None) -> list[tuple[str, str]]:
     if is_apple_silicon() and device in (None, "auto", "metal"):
         out.append(("mlx", "metal"))
     elif device in (None, "auto", "cuda") and _cuda_available():
-        out.append(("torch", "cuda"))
+        out += [(e, "cuda") for e in GPU_PREFERENCE]
     if device in (None, "auto", "cpu"):
         out += [(e, "cpu") for e in CPU_PREFERENCE]
     elif not out:  # a device no engine prefers: whichever engines run there

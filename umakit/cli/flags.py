@@ -65,7 +65,8 @@ def model_options(f):
     f = click.option("--peak-bandwidth", type=float, metavar="GB/s", help="Override the device's peak memory bandwidth.")(f)
     f = click.option("--dtype", default="auto", show_default=True, help="Compute dtype: auto, float32, float16, bfloat16.")(f)
     f = click.option("--device", default=None, help="Where the engine runs: metal, cuda or cpu (default: best available).")(f)
-    f = click.option("--backend", default="auto", show_default=True, help="Engine: auto, mlx, torch (cuda = torch on CUDA).")(f)
+    f = click.option("--backend", default="auto", show_default=True,
+                     help="Engine: auto, mlx, torch (cuda = torch on CUDA), transformers (any architecture it has).")(f)
     return f
 
 

@@ -1,0 +1,167 @@
+"""This year's families on the transformers engine (backends/transformers/): tiny random checkpoints saved by the
+installed transformers for gpt_oss (attention sinks, sliding layers, experts), qwen3_next (hybrid: gated delta-net
+linear attention beside full attention), gemma4 (text), smollm3 and lfm2 (convolution layers): logits and greedy
+tokens against transformers itself, batch rows against lone runs, and `umakit batch` and `umakit serve` on one."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import umakit
+from support.oracle import ref_logits, reference
+from support.tiny import VOCAB, write_tokenizer
+from umakit.backends.base import BatchRow
+from umakit.generate.sampling import SamplingParams
+
+transformers = pytest.importorskip("transformers")
+
+GREEDY = SamplingParams(temperature=0)
+SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=16, max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+FAMILIES = {
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
+        num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 128})),
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(
+        num_hidden_layers=4, full_attention_interval=2, linear_num_value_heads=4, linear_num_key_heads=2,
+        linear_key_head_dim=16, linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=32)),
+    "gemma4": ("Gemma4TextConfig", "Gemma4ForCausalLM", dict(
+        num_hidden_layers=3, sliding_window=8, vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=16,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"])),
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(num_hidden_layers=4)),
+    "lfm2": ("Lfm2Config", "Lfm2ForCausalLM", dict(
+        num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"])),
+}
+PROMPT = [(7 * i) % 400 + 3 for i in range(40)]  # longer than the sliding windows
+
+
+def make(family: str, path):
+    cfg_name, model_name, extra = FAMILIES[family]
+    config = getattr(transformers, cfg_name)(**{**SMALL, **extra})
+    torch.manual_seed(0)
+    model = getattr(transformers, model_name)(config)
+    with torch.no_grad():  # decisive routers and norms of their own, so a wrong expert or norm would show
+        for name, p in model.named_parameters():
+            if name.endswith((".router.weight", ".gate.weight")):
+                p.mul_(20)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    write_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request, tmp_path_factory):
+    return request.param, make(request.param, tmp_path_factory.mktemp(request.param))
+
+
+def greedy_reference(ref, prompt, n):
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(int(ref_logits(ref, seq)[-1].argmax()))
+    return seq[len(prompt):]
+
+
+def test_logits_and_greedy_tokens_are_transformers(family):
+    name, path = family
+    model = umakit.load(path, backend="transformers", dtype="float32")
+    assert model.info.backend == "transformers" and model.info.weights.params > 0
+    ref = reference(path)
+    want = ref_logits(ref, PROMPT)
+    np.testing.assert_allclose(model.logits(PROMPT), want, atol=1e-4 * np.abs(want).max(), rtol=0)
+    tokens = model.engine.generate_tokens(PROMPT, model.make_cache(), GREEDY)
+    assert [next(tokens) for _ in range(10)] == greedy_reference(ref, PROMPT, 10)
+
+
+def test_batch_rows_are_their_lone_runs_whatever_the_cache(family):
+    """Rows of different lengths, one joining mid-way: each row's tokens are its lone run's (the hybrid model's
+    recurrent state, the sliding windows and the convolution states kept per row)."""
+    _, path = family
+    engine = umakit.load(path, backend="transformers", dtype="float32").engine
+    prompts = {0: PROMPT, 1: PROMPT[:5], 2: [9, 8, 7, 6, 5, 4, 3, 2, 1, 11, 12, 13]}
+    decoder = engine.batch_decoder()
+    decoder.add([BatchRow(i, p, GREEDY) for i, p in prompts.items() if i != 2])
+    got = {i: [] for i in prompts}
+    for step in range(8):
+        if step == 3:
+            decoder.add([BatchRow(2, prompts[2], GREEDY)])
+        for row, token in decoder.step():
+            got[row].append(token)
+    for i, p in prompts.items():
+        lone = engine.generate_tokens(p, engine.make_cache(), GREEDY)
+        want = [next(lone) for _ in range(len(got[i]))]
+        assert got[i] == want, i
+
+
+def test_auto_takes_it_for_an_architecture_no_compact_engine_runs(tmp_path):
+    """A CPU without MLX's model file for a family: "auto" loads it on transformers' classes and says so."""
+    import dataclasses
+
+    from umakit import backends
+
+    path = make("smollm3", tmp_path / "smollm3")
+    mlx = backends.ENGINES["mlx"]
+    blind = dataclasses.replace(mlx, finds_architecture=lambda t: False)
+    saved = dict(backends.ENGINES)
+    backends.ENGINES["mlx"] = blind
+    try:
+        m = umakit.load(path, dtype="float32")
+    finally:
+        backends.ENGINES.clear()
+        backends.ENGINES.update(saved)
+    assert m.info.backend == "transformers"
+    assert m.info.warnings[0].startswith("running on transformers (cpu): torch does not run smollm3")
+
+
+def test_batch_command_runs_a_hybrid_model(tmp_path):
+    path = make("qwen3_next", tmp_path / "qwen3_next")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": i, "prompt": p}) + "\n"
+                               for i, p in enumerate(["The quick", "Paris is", "fox fox"])))
+    out = tmp_path / "out.jsonl"
+    run = subprocess.run([sys.executable, "-m", "umakit.cli.main", "batch", str(path), "-i", str(prompts), "-o", str(out),
+                          "--backend", "transformers", "--max-tokens", "6", "--temp", "0", "--raw"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 3 and all(r.get("text") is not None for r in rows), rows
+
+
+@pytest.mark.slow
+def test_serve_answers_concurrent_requests_on_a_hybrid_model(tmp_path, tmp_path_factory):
+    """`umakit serve --backend transformers` on qwen3_next: concurrent greedy chats, each its lone reply."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    from support.serve_helpers import start_server
+
+    path = make("qwen3_next", tmp_path / "qwen3_next")
+    questions = ["The quick brown fox", "Paris is the capital of", "Unified memory", "fox fox fox"]
+    local = umakit.load(path, backend="transformers", dtype="float32")
+    want = [local.generate(messages=[{"role": "user", "content": q}], max_tokens=8, temperature=0).text
+            for q in questions]
+    srv = start_server(path, ["--backend", "transformers", "--dtype", "float32"], tmp_path_factory, "hybrid")
+    try:
+        name = httpx.get(f"{srv.url}/v1/models").json()["data"][0]["id"]
+
+        def ask(q: str) -> str:
+            r = httpx.post(f"{srv.url}/v1/chat/completions", timeout=120, json={
+                "model": name, "messages": [{"role": "user", "content": q}], "max_tokens": 8, "temperature": 0})
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["message"]["content"]
+
+        with ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(ask, questions))
+    finally:
+        srv.stop()
+    assert got == want
