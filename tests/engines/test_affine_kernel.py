@@ -172,3 +172,18 @@ def test_symmetric_layers_keep_their_scales_alone(bits):
     x = torch.randn(3, 256)
     assert_close(affine.AffineLinear([m])(x), F.linear(x, m.dequantized(torch.float32)), x, [m])
     assert not affine.symmetric(layer(64, 256, bits, 32))  # min-max groups keep both
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_the_largest_codes_times_the_largest_inputs_do_not_saturate(bits, sign):
+    """Every code at 2^bits - 1 and every input at its block's maximum: the int8 loops' sums of products are at
+    their largest (without VNNI, the int16 sums vpmaddubsw and the loop's runs of chunks make)."""
+    rows, cols = 16, 256
+    m = layout.QuantizedLinear(cols, rows, False, bits, 32, device="meta")
+    m.weight = layout.pack(torch.full((rows, cols), 2 ** bits - 1, dtype=torch.uint8), bits)
+    m.scales = torch.full((rows, cols // 32), 0.01).half()
+    m.biases = torch.full((rows, cols // 32), -0.02).half()
+    x = torch.full((3, cols), sign)
+    got = affine.AffineLinear([m])(x)
+    assert_close(got, F.linear(x, m.dequantized(torch.float32)), x, [m])

@@ -104,10 +104,16 @@ def test_load_synthetic_picks_an_engine_that_runs_the_architecture(monkeypatch, 
 
     config = read_config(tiny_dir("mixtral"))
     assert umakit.load_synthetic(config, device="cpu").info.backend == "torch"
-    for name in ("torch", "mlx"):  # neither runs it: "auto" says so before building anything
+
+    def runs_nothing(name):
         spec = backends.ENGINES[name]
         monkeypatch.setitem(backends.ENGINES, name, type(spec)(**{**spec.__dict__, "architectures": (),
                                                                   "finds_architecture": None}))
+
+    for name in ("torch", "mlx"):  # neither compact engine runs it: transformers' classes do
+        runs_nothing(name)
+    assert umakit.load_synthetic(config, device="cpu").info.backend == "transformers"
+    runs_nothing("transformers")  # no engine runs it: "auto" says so before building anything
     with pytest.raises(UnsupportedModelError, match="'mixtral' is not supported by any engine"):
         umakit.load_synthetic(config, device="cpu")
 

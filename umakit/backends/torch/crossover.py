@@ -11,7 +11,8 @@ umakit's affine kernel (cpu/affine_kernel.py) decodes each block of weights once
 With int8 inputs in one pass it never takes a GEMM: its int8 dot products have four times float32 FMAs'
 throughput, and measured with benchmarks/prefill_rows.py on Qwen2.5-0.5B's shapes at Q4_K_M (2026-12-02, 2
 threads) the kernel took 138, 352, 1919, 3952 and 9930 ms at 32, 96, 512, 1024 and 2048 tokens, dequantizing for
-float32 GEMMs 688, 594, 2622, 5368 and 12095 ms. In two passes (the default with AVX512-VNNI) it takes the GEMM
+float32 GEMMs 688, 594, 2622, 5368 and 12095 ms. In two passes (the default; with AVX2 only, the same
+thresholds, measured with VNNI) it takes the GEMM
 from `AFFINE_INT8X2_DENSE_ROWS` rows: the same file, the same day, best of 2, 170, 499, 941, 1125, 1752 and
 4121 ms at 32, 64, 128, 192, 256 and 512 tokens against 284, 649, 1211, 1006, 1311 and 3257. With float32 inputs it
 dequantizes blocks of rows for a GEMM from `AFFINE_DENSE_ROWS` rows on (measured on its earlier layout, one

@@ -7,10 +7,12 @@ CPU, float16 ("auto"   float16 weights, float32 inputs and sums (FBGEMM): 2 byte
  where FBGEMM exists    weight, weights rounded to float16 (x86 only), the same greedy
  and bfloat16 is not    tokens as float32; float32 where FBGEMM is missing.
  faster)
-CPU, bfloat16 ("auto"  torch's int4 kernels after an exact repack: ~0.6 bytes a
- for 4/8-bit models     weight, bfloat16 kernel inputs, float32 sums, activations and
- where torch's kernels  cache (convert.activation_dtype). On SmolLM2 Q4_1: over 2x
- are AVX-512)           float16's decode (benchmarks/cpu_engines.py); see quant/forms.cpu_auto_dtype.
+CPU, bfloat16 ("auto"  packed: umakit's affine kernel, every width at its own bits
+ for quantized models   (cpu/affine_kernel.py; AVX2 or AVX-512), else torch's int4
+ where a packed form    kernels for 4/8-bit layers (AVX-512): bfloat16 or int8 kernel
+ beats FBGEMM)          inputs, float32 sums, activations and cache
+                       (quant/forms.activation_dtype). On SmolLM2 Q4_1: over 2x
+                       float16's decode (benchmarks/cpu_engines.py); see quant/forms.cpu_auto_dtype.
                        For the Llama family a decode step's layers run in one C++
                        call (cpu/fused.py, built once per machine by cpu/build.py).
 CUDA ("auto": the checkpoint's half type)  tinygemm int4 in bfloat16, otherwise a

@@ -200,22 +200,31 @@ void tile_f32(const Part& p, int64_t t, const float* x, const float* xsum, int64
 
 #ifdef UMAKIT_SIMD
 // 32 codes of 8 rows (q) times x's int8 block (xb, 4 values broadcast at a time), summed per row in int32. Without
-// VNNI, vpmaddubsw sums pairs of products in int16, saturating: exact for codes below 64 (2 * 63 * 127, twice,
-// fits), so 8-bit parts never come here without VNNI (`int8_loops`).
+// VNNI, vpmaddubsw sums pairs of products in int16, saturating: a pair is at most 2 (2^BITS - 1) 127, so as many
+// pairs as fit 32767 are added in int16 before vpmaddwd widens them (8 chunks at 4 bits or fewer, 4 at 5, 2 at
+// 6); 8-bit parts never come here without VNNI (`int8_loops`).
+template <int BITS>
 inline __m256i block_dot(const __m256i* q, const uint8_t* xb) {
+#ifdef UMAKIT_VNNI
   __m256i i0 = _mm256_setzero_si256(), i1 = _mm256_setzero_si256();
   for (int c = 0; c < 8; c += 2) {
-    const __m256i x0 = _mm256_set1_epi32(static_cast<int>(load32(xb + 4 * c)));
-    const __m256i x1 = _mm256_set1_epi32(static_cast<int>(load32(xb + 4 * c + 4)));
-#ifdef UMAKIT_VNNI
-    i0 = _mm256_dpbusd_epi32(i0, q[c], x0);
-    i1 = _mm256_dpbusd_epi32(i1, q[c + 1], x1);
-#else
-    const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(q[c], x0), _mm256_maddubs_epi16(q[c + 1], x1));
-    i0 = _mm256_add_epi32(i0, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-#endif
+    i0 = _mm256_dpbusd_epi32(i0, q[c], _mm256_set1_epi32(static_cast<int>(load32(xb + 4 * c))));
+    i1 = _mm256_dpbusd_epi32(i1, q[c + 1], _mm256_set1_epi32(static_cast<int>(load32(xb + 4 * c + 4))));
   }
   return _mm256_add_epi32(i0, i1);
+#else
+  constexpr int PAIR = 2 * ((1 << BITS) - 1) * 127;
+  constexpr int RUN = PAIR * 8 <= 32767 ? 8 : PAIR * 4 <= 32767 ? 4 : 2;  // chunks summed in int16
+  __m256i acc = _mm256_setzero_si256();
+  for (int c = 0; c < 8; c += RUN) {
+    __m256i pairs = _mm256_maddubs_epi16(q[c], _mm256_set1_epi32(static_cast<int>(load32(xb + 4 * c))));
+    for (int k = 1; k < RUN; ++k)
+      pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(
+                                          q[c + k], _mm256_set1_epi32(static_cast<int>(load32(xb + 4 * (c + k))))));
+    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+  }
+  return acc;
+#endif
 }
 
 // Whether a part of `bits` bits multiplies int8 inputs exactly here (block_dot).
@@ -245,10 +254,10 @@ void tile_i8(const Part& p, int64_t t, const Inputs& in, const float* xsum, cons
       decode<BITS>(tb, q);
       for (int m = 0; m < TM; ++m) {
         const int64_t at = m * K + b * BLOCK;
-        gs[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_dot(q, reinterpret_cast<const uint8_t*>(in.xq + at))),
+        gs[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_dot<BITS>(q, reinterpret_cast<const uint8_t*>(in.xq + at))),
                                 _mm256_set1_ps(in.dx[m * blocks + b]), gs[m]);
         if constexpr (PASSES == 2)
-          gs[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_dot(q, reinterpret_cast<const uint8_t*>(in.xq2 + at))),
+          gs[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_dot<BITS>(q, reinterpret_cast<const uint8_t*>(in.xq2 + at))),
                                   _mm256_set1_ps(in.dx2[m * blocks + b]), gs[m]);
       }
     }
