@@ -37,6 +37,7 @@ class TensorInfo:
     shape: tuple[int, ...]
     file: Path
     nbytes: int
+    offset: int = -1  # where its data starts in the file
 
 
 @dataclass
@@ -65,7 +66,8 @@ def resolve(model: str | os.PathLike | None) -> Path:
     """Turn a model argument into a local directory.
 
     None means the built-in default model; an existing directory is used as is;
-    a ``.gguf`` file is imported once into umakit's cache; ``org/name`` is a
+    a ``.gguf`` file, or a directory of GPTQ, AWQ or compressed-tensors weights, is
+    imported once into umakit's cache; ``org/name`` is a
     Hugging Face Hub repo id (downloaded, or taken from the local Hub cache when
     ``HF_HUB_OFFLINE`` is set).
     """
@@ -76,7 +78,7 @@ def resolve(model: str | os.PathLike | None) -> Path:
     text = os.fspath(model)
     path = Path(text).expanduser()
     if path.is_dir():
-        return path
+        return _imported(path)
     if path.is_file():
         if path.suffix == ".gguf":
             from umakit.core.fsutil import writing
@@ -90,7 +92,7 @@ def resolve(model: str | os.PathLike | None) -> Path:
             f"{path} is a file; give the model's directory (with config.json) or a .gguf file"
         )
     if _HUB_ID.match(text) and not text.startswith((".", "/", "~")):
-        return _from_hub(text)
+        return _imported(_from_hub(text))
     if os.sep not in text and "/" not in text:
         from umakit.checkpoint.inventory import find
 
@@ -100,6 +102,22 @@ def resolve(model: str | os.PathLike | None) -> Path:
         raise ModelNotFoundError(f"model not found: {text} (no such directory, file, Hub repo id or name that "
                                  "`umakit ls` lists)")
     raise ModelNotFoundError(f"model not found: {text} (no such directory, file or Hub repo id)")
+
+
+def _imported(path: Path) -> Path:
+    """``path``, or where it holds a GPTQ, AWQ or compressed-tensors checkpoint, its MLX-layout import in
+    umakit's cache (made on first use)."""
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return path  # read_config says what is wrong with it
+    from umakit.checkpoint.hfquant.detect import method_of
+
+    if not isinstance(config, dict) or method_of(config) is None:
+        return path
+    from umakit.checkpoint.hfquant import cached_import
+
+    return cached_import(path)
 
 
 def _from_hub(repo_id: str) -> Path:
@@ -196,7 +214,7 @@ def read_safetensors_header(file: Path) -> dict[str, TensorInfo]:
             raise CheckpointError(
                 f"{file.name} is truncated: tensor {name} needs bytes up to {end} but the file holds {data_size}"
             )
-        tensors[name] = TensorInfo(name, dtype, shape, file, expected)
+        tensors[name] = TensorInfo(name, dtype, shape, file, expected, 8 + n + start)
     return tensors
 
 

@@ -2,7 +2,8 @@
 
 Two places hold them. ``$UMAKIT_HOME/models`` holds umakit's own imports: the
 built-in model, `umakit import` outputs, and GGUF files imported on first use
-(``models/gguf/<file stem>-<key>``). The Hugging Face cache holds the Hub
+(``models/gguf/<file stem>-<key>``) and GPTQ, AWQ or compressed-tensors checkpoints
+(``models/imported/<name>-<key>``). The Hugging Face cache holds the Hub
 snapshots `umakit.load("org/name")` downloaded; those with a config.json are
 listed. An import is named by its directory's name, which `umakit.load` and a
 server's ``model`` field take as a short alias (`find`); a Hub snapshot by
@@ -44,7 +45,8 @@ def _describe(path: Path) -> tuple[str, str]:
     arch = config.get("model_type") or text.get("model_type") or "?"
     q = config.get("quantization") or config.get("quantization_config")
     if isinstance(q, dict) and "bits" in q:
-        return arch, f"{q['bits']}-bit g{q.get('group_size', '?')}"
+        method = f"{q['quant_method']} " if isinstance(q.get("quant_method"), str) else ""  # gptq, awq
+        return arch, f"{method}{q['bits']}-bit g{q.get('group_size', '?')}"
     return arch, str(config.get("torch_dtype") or config.get("dtype") or text.get("torch_dtype") or "?")
 
 
@@ -55,7 +57,7 @@ def _weights_bytes(path: Path) -> int:
 def _imports() -> list[LocalModel]:
     root = umakit_home() / "models"
     found = []
-    for folder in (root, root / "gguf"):
+    for folder in (root, root / "gguf", root / "imported"):
         if not folder.is_dir():
             continue
         for path in sorted(folder.iterdir()):

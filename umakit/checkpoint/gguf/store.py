@@ -30,19 +30,21 @@ def import_once(gguf_path: Path, target: Path) -> Path:
     tmp = new_temp_dir(target)
     try:
         write_import(plan, tmp)
-        _install(tmp, target)
+        install_dir(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # gone already unless another process won
     return target
 
 
-def _install(tmp: Path, target: Path) -> None:
+def install_dir(tmp: Path, target: Path, complete=is_complete) -> None:
+    """Rename the finished ``tmp`` to ``target``; where another process installed it first (``complete``), keep
+    theirs."""
     for _ in range(3):
         try:
             os.rename(tmp, target)  # replaces an empty directory, fails on a non-empty one
             return
         except OSError:
-            if is_complete(target):
+            if complete(target):
                 return  # another process finished first: use its import
         # An incomplete leftover (an interrupted older version): move it aside and retry.
         old = target.with_name(f".{target.name}.old-{os.getpid()}")
