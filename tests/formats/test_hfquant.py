@@ -228,3 +228,19 @@ def test_bit_streams_round_trip_at_every_width():
         assert words.shape == (5, 96 * bits // 32)
         assert np.array_equal(layouts.codes(words, bits, 96), q)
         assert np.array_equal(words.view(np.int32), bitstream(torch.from_numpy(q.astype(np.int64)), bits).numpy())
+
+
+def test_plan_and_ls_read_the_packed_checkpoint_before_it_is_imported(tmp_path):
+    from umakit.checkpoint.hfquant.detect import foreign_block
+    from umakit.checkpoint.inventory import _describe
+    from umakit.plan.planner import plan_model
+
+    packed, twin, _ = foreign(tmp_path, "compressed-tensors", 4, 64, False, "llama")
+    config = json.loads((packed / "config.json").read_text())
+    assert foreign_block(config)["bits"] == 4 and foreign_block(config)["group_size"] == 64
+    assert _describe(packed) == ("llama", "compressed-tensors 4-bit g64")
+    ours = plan_model(config, bits=None)
+    float_plan = plan_model(json.loads((twin / "config.json").read_text()), bits=None)
+    four_bit = plan_model(json.loads((twin / "config.json").read_text()), bits=4, group_size=64)
+    assert ours.weight_bytes < float_plan.weight_bytes  # not planned as float
+    assert ours.weight_bytes > four_bit.weight_bytes  # the embedding and head stay float

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from umakit.core.home import umakit_home
+from umakit.checkpoint.hfquant.detect import foreign_block
 from umakit.errors import ModelNotFoundError
 
 IMPORTS, HUB = "import", "hub"
@@ -43,7 +44,7 @@ def _describe(path: Path) -> tuple[str, str]:
         return "?", "?"
     text = config.get("text_config") or {}
     arch = config.get("model_type") or text.get("model_type") or "?"
-    q = config.get("quantization") or config.get("quantization_config")
+    q = config.get("quantization") or foreign_block(config) or config.get("quantization_config")
     if isinstance(q, dict) and "bits" in q:
         method = f"{q['quant_method']} " if isinstance(q.get("quant_method"), str) else ""  # gptq, awq
         return arch, f"{method}{q['bits']}-bit g{q.get('group_size', '?')}"

@@ -152,6 +152,11 @@ def _check(bits, embed_bits, group_size, kv_bits, context, batch) -> None:
 
 def quantization_block(config: dict) -> dict | None:
     """A checkpoint's quantization block (mlx-lm writes ``quantization``, transformers ``quantization_config``)."""
+    from umakit.checkpoint.hfquant.detect import foreign_block
+
+    foreign = foreign_block(config)  # GPTQ, AWQ, compressed-tensors: as their import will hold them
+    if foreign is not None:
+        return foreign
     for key in ("quantization", "quantization_config"):
         block = config.get(key)
         if isinstance(block, dict) and "bits" in block:

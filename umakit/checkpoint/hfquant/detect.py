@@ -20,6 +20,26 @@ def method_of(config: dict) -> str | None:
     return method if method in METHODS else None
 
 
+def foreign_block(config: dict) -> dict | None:
+    """A foreign integer checkpoint's bits and group size as an mlx-lm ``quantization`` block of what its import
+    holds (a row's one scale as groups of 128; the embedding and head float, as these formats leave them), for what
+    plans and lists it before it is imported; compressed-tensors nests them in its scheme."""
+    method = method_of(config)
+    if method is None:
+        return None
+    q = config["quantization_config"]
+    if method == "compressed-tensors":
+        groups = [g for g in (q.get("config_groups") or {}).values() if isinstance(g, dict)]
+        weights = groups[0].get("weights") if groups else None
+        if not isinstance(weights, dict) or "num_bits" not in weights:
+            return None
+        bits, group = weights["num_bits"], weights.get("group_size")
+    else:
+        bits, group = q.get("bits", q.get("w_bit", 4)), q.get("group_size", q.get("q_group_size", 128))
+    group = group if isinstance(group, int) and 0 < group <= 128 else 128
+    return {"bits": bits, "group_size": group, "quant_method": method, "model.embed_tokens": False, "lm_head": False}
+
+
 def is_complete(model_dir: Path) -> bool:
     """Whether ``model_dir`` holds a finished import of this format (only config.json is read)."""
     try:
