@@ -12,6 +12,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from torch import nn
 
 import umakit
 from support.oracle import ref_logits, reference
@@ -165,3 +166,73 @@ def test_serve_answers_concurrent_requests_on_a_hybrid_model(tmp_path, tmp_path_
     finally:
         srv.stop()
     assert got == want
+
+
+def quantized_twin(path, out, table_bits: int | None = None):
+    """``path``'s checkpoint with every ``nn.Linear`` of its layers in MLX's 4-bit groups of 32 (and, with
+    ``table_bits``, its input embeddings at that width, a tied head reading them), and its float twin: the same
+    model holding the dequantized weights. Scales and biases are float16, as the packed forms read them."""
+    from safetensors.torch import load_file, save_file
+
+    from umakit.backends.torch.quant import layout
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    kinds = {p: m for p, m in model.named_modules() if type(m) is nn.Linear and "lm_head" not in p
+             and m.in_features % 32 == 0}
+    if table_bits:
+        kinds.update({p: m for p, m in model.named_modules() if isinstance(m, nn.Embedding) and m.embedding_dim % 32 == 0})
+    state = load_file(path / "model.safetensors")
+    quantized, twin, block = {}, {}, {"group_size": 32, "bits": 4}
+    for name, t in state.items():
+        module = name.removesuffix(".weight")
+        if module not in kinds or not name.endswith(".weight"):
+            quantized[name] = twin[name] = t
+            continue
+        bits = table_bits if isinstance(kinds[module], nn.Embedding) else 4
+        if bits != 4:
+            block[module] = {"group_size": 32, "bits": bits}
+        packed, scales, biases = layout.quantize(t.float(), bits, 32)
+        scales, biases = scales.half(), biases.half()
+        quantized.update({name: packed, f"{module}.scales": scales, f"{module}.biases": biases})
+        twin[name] = layout.dequantize(packed, scales, biases, bits, 32).to(t.dtype)
+    for d, tensors, extra in ((out / "q", quantized, {"quantization": block, "quantization_config": block}),
+                              (out / "twin", twin, {})):
+        d.mkdir(parents=True)
+        for f in path.iterdir():
+            if f.name != "model.safetensors":
+                (d / f.name).write_bytes(f.read_bytes())
+        save_file(tensors, d / "model.safetensors")
+        config = json.loads((d / "config.json").read_text())
+        (d / "config.json").write_text(json.dumps({**config, **extra}))
+    return out / "q", out / "twin", len(kinds)
+
+
+def test_a_quantized_checkpoint_runs_its_packed_layers_as_its_float_twin(family, tmp_path):
+    """MLX's layout (an imported GGUF, GPTQ, AWQ or compressed-tensors checkpoint) on transformers' classes: the
+    packed layers swapped in by name, the same logits as the float model holding the dequantized weights, within
+    the packed forms' tolerance (int8 inputs in two passes on a CPU that has the affine kernel)."""
+    name, path = family
+    table = 8 if name == "gemma4" else None  # its scaled tables, and a tied head reading the main one
+    q, twin, n = quantized_twin(path, tmp_path, table)
+    model = umakit.load(q, backend="transformers", dtype="float32")
+    ref = umakit.load(twin, backend="transformers", dtype="float32")
+    assert model.info.weights.quantization.startswith("4-bit g32") and n >= 4, model.info.weights.quantization
+    assert model.info.weights.params == ref.info.weights.params
+    ours, want = model.logits(PROMPT), ref.logits(PROMPT)
+    assert np.abs(ours - want).max() <= 2e-3 * np.abs(want).max(), np.abs(ours - want).max()
+    stream = lambda m: [t for _, t in zip(range(8), m.engine.generate_tokens(PROMPT, m.engine.make_cache(), GREEDY))]  # noqa: E731
+    assert stream(model) == stream(ref)
+
+
+def test_a_quantized_checkpoint_whose_names_are_not_transformers_is_refused(tmp_path):
+    from umakit.errors import UnsupportedModelError
+
+    path = make("smollm3", tmp_path / "float")
+    q, _, _ = quantized_twin(path, tmp_path)
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(q / "model.safetensors")
+    renamed = {k.replace("model.layers.0.", "model.layers.0.block."): v for k, v in state.items()}
+    save_file(renamed, q / "model.safetensors")
+    with pytest.raises(UnsupportedModelError, match="model.layers.0.block"):
+        umakit.load(q, backend="transformers", dtype="float32")

@@ -4,9 +4,10 @@ The checkpoint loads as transformers loads it (``from_pretrained``: the safetens
 model's own code), in float32 on a CPU (x86 has no fast half-precision arithmetic) and the checkpoint's half type
 on CUDA. A synthetic model's linear layers can be quantized to umakit's affine layout and run in the torch
 engine's execution forms (its affine kernel on a CPU, Triton on CUDA): the quantized linears swapped in for
-``nn.Linear``. Around the model: umakit's cache protocol (cache.py), its sampler, its batch rows
-(batch_decoder.py) and its measurements. Not here: quantized checkpoints (MLX's layout), a quantized KV cache,
-offload, and the fused CPU step, which need the compact model code of the torch engine.
+``nn.Linear``; so are a quantized checkpoint's (MLX's layout: an imported GGUF, GPTQ, AWQ or compressed-tensors
+checkpoint, `umakit quantize`'s output), mapped in by the model's own names (mapped.py). Around the model: umakit's
+cache protocol (cache.py), its sampler, its batch rows (batch_decoder.py) and its measurements. Not here: a
+quantized KV cache, offload, and the fused CPU step, which need the compact model code of the torch engine.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from umakit.backends.transformers import SPEC
 from umakit.backends.transformers.batch_decoder import TransformersBatchDecoder
 from umakit.backends.transformers.cache import TransformersCache
 from umakit.checkpoint import config as config_compat
-from umakit.errors import BackendUnavailableError, InvalidArgumentError, UnsupportedModelError
+from umakit.errors import BackendUnavailableError, InvalidArgumentError
 from umakit.generate.sampling import SamplingParams, recent_tokens
 from umakit.plan.roofline import kv_bytes_per_token
 
@@ -51,11 +52,14 @@ class TransformersEngine:
                         quantize: int | dict | None = None, gpu_layers: int | None = None,
                         vram_budget: int | str | None = None) -> TransformersEngine:
         refuse_options(SPEC, quantize=quantize, gpu_layers=gpu_layers, vram_budget=vram_budget)
-        if ckpt.config.get("quantization"):
-            raise UnsupportedModelError(
-                "the transformers engine loads float checkpoints; this one is quantized in MLX's layout (an "
-                "imported GGUF, or `umakit quantize`): run it with --backend mlx, or load its float original")
         target = _dtype(dtype, device)
+        if isinstance(ckpt.config.get("quantization"), dict):  # MLX's layout: mapped.py
+            from umakit.backends.transformers import mapped
+
+            _check_device(device)
+            with _quiet() as transformers:
+                model, params = mapped.load(transformers, ckpt, torch.device(device), target)
+            return cls(model, ckpt.config, device, target, params=params, quantization=ckpt.config["quantization"])
         with _quiet() as transformers:
             model = transformers.AutoModelForCausalLM.from_pretrained(str(ckpt.path), dtype=target)
         return cls(model, ckpt.config, device, target)
@@ -73,17 +77,17 @@ class TransformersEngine:
         return cls(model, config, device, target, bits, group_size)
 
     def __init__(self, model: nn.Module, config: dict, device: str, dtype: torch.dtype, bits: int | None = None,
-                 group_size: int = 64):
-        if device not in SPEC.devices:
-            raise InvalidArgumentError(f"the transformers backend runs on {' or '.join(SPEC.devices)}, not {device!r}")
-        if device == "cuda" and not torch.cuda.is_available():
-            raise BackendUnavailableError("PyTorch sees no CUDA device here; use --device cpu or a CUDA build of torch")
+                 group_size: int = 64, params: int | None = None, quantization: dict | None = None):
+        """``params``, ``quantization``: of a model loaded quantized (mapped.py), whose packed layers hold no
+        parameters."""
+        _check_device(device)
         self.device, self.torch_device = device, torch.device(device)
         self.dtype = str(dtype).removeprefix("torch.")
         self.config = dict(config)
-        self.quantization: dict | None = None
+        self.quantization: dict | None = quantization
         self.model = model.to(self.torch_device).eval()
-        self._params = sum(p.numel() for p in self.model.parameters())  # before any quantization: the weights
+        # before any quantization: the weights
+        self._params = params if params is not None else sum(p.numel() for p in self.model.parameters())
         if bits is not None:
             self.quantization = {"bits": bits, "group_size": group_size}
             self.config["quantization"] = dict(self.quantization)
@@ -191,6 +195,13 @@ class TransformersEngine:
         if self.device == "cuda":
             return torch.cuda.max_memory_allocated()
         return common.process_peak_memory()
+
+
+def _check_device(device: str) -> None:
+    if device not in SPEC.devices:
+        raise InvalidArgumentError(f"the transformers backend runs on {' or '.join(SPEC.devices)}, not {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise BackendUnavailableError("PyTorch sees no CUDA device here; use --device cpu or a CUDA build of torch")
 
 
 def _dtype(dtype: str, device: str) -> torch.dtype:

@@ -53,7 +53,7 @@ def compute_dtype(dtype: str, floats: list, device: str, quantization: dict | No
     return max(set(halves), key=halves.count) if halves else torch.bfloat16
 
 
-def _quant_spec(path: str, q: dict, tensors) -> dict | None:
+def quant_spec(path: str, q: dict, tensors) -> dict | None:
     """mlx-lm's rule: a per-module dict overrides; otherwise quantized iff ``{path}.scales`` exists."""
     if isinstance(q.get(path), dict):
         return {k: q[path].get(k, q.get(k)) for k in ("bits", "group_size")}
@@ -66,7 +66,7 @@ def _swap_quantized(model: Transformer, q: dict, tensors, dtype: torch.dtype) ->
     for path, module in list(model.named_modules()):
         if not isinstance(module, (nn.Linear, nn.Embedding, Experts)):
             continue
-        spec = _quant_spec(path, q, tensors)
+        spec = quant_spec(path, q, tensors)
         if spec is None:
             continue
         if spec["bits"] not in BITS or spec["group_size"] not in GROUP_SIZES:

@@ -46,7 +46,9 @@ def pack(q: torch.Tensor, bits: int) -> torch.Tensor:
     shifted = q << (start % 8)  # (rows, cols), at most 15 bits
     out.index_add_(1, start // 8, shifted & 255)
     out.index_add_(1, start // 8 + 1, shifted >> 8)  # codes never overlap, so adding is or-ing
-    return out[:, :-1].to(torch.uint8).contiguous().view(torch.int32).view(torch.uint32)
+    # copied into a fresh tensor: a one-row slice counts as contiguous with its row stride left one byte long
+    packed = torch.empty(rows, cols * bits // 8, dtype=torch.uint8, device=q.device)
+    return packed.copy_(out[:, :-1]).view(torch.int32).view(torch.uint32)
 
 
 def dequantize(w, scales, biases, bits: int, group_size: int, dtype=torch.float32) -> torch.Tensor:

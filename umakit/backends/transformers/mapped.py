@@ -1,0 +1,203 @@
+"""An MLX-layout quantized checkpoint (an imported GGUF, GPTQ, AWQ or compressed-tensors checkpoint, `umakit
+quantize`'s output) in a transformers model, loaded by transformers' own ``from_pretrained`` through a quantizer
+registered for the layout: before the weights load, each quantized ``nn.Linear`` (and ``nn.Embedding``) of the
+model's skeleton becomes a `_Packed` holder of its codes, scales and biases, which the loader fills by the model's
+own names while its renames and merges (routed experts fused into one tensor, say) apply to the float tensors;
+after, each holder becomes the torch engine's execution form of its layer (its affine kernel on a CPU, Triton on
+CUDA). A quantized table a tied head reads is read as that head too.
+
+A checkpoint whose quantized tensors do not carry the model's own names (mlx-lm's names for a multimodal family;
+routed experts quantized one by one where transformers fuses them) is refused with the first name that does not
+fit, never loaded with layers left random.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from umakit.backends.torch.load.loader import quant_spec
+from umakit.backends.torch.quant import forms
+from umakit.backends.torch.quant.layout import QuantizedEmbedding, QuantizedLinear
+from umakit.errors import UnsupportedModelError
+
+
+METHOD = "umakit-affine"  # the quantization method registered with transformers for MLX's layout
+
+
+class _Packed(nn.Module):
+    """A quantized layer as the checkpoint stores it, for transformers' loader to fill by name."""
+
+    def __init__(self, rows: int, cols: int, bias: bool, bits: int, group: int, dtype: torch.dtype):
+        super().__init__()
+        self.rows, self.cols, self.bits, self.group = rows, cols, bits, group
+        meta = dict(device="meta")
+        self.weight = nn.Parameter(torch.empty(rows, cols * bits // 32, dtype=torch.uint32, **meta), requires_grad=False)
+        self.scales = nn.Parameter(torch.empty(rows, cols // group, dtype=dtype, **meta), requires_grad=False)
+        self.biases = nn.Parameter(torch.empty(rows, cols // group, dtype=dtype, **meta), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(rows, dtype=dtype, **meta), requires_grad=False) if bias else None
+
+    def layout(self) -> QuantizedLinear:
+        q = QuantizedLinear(self.cols, self.rows, self.bias is not None, self.bits, self.group, device="meta")
+        q.weight, q.scales, q.biases = self.weight.data, self.scales.data, self.biases.data
+        q.bias = None if self.bias is None else self.bias.data
+        return q
+
+
+def _quantizer_classes(transformers):
+    """transformers' config and quantizer for MLX's layout, registered once: the quantized ``nn.Linear`` and
+    ``nn.Embedding`` modules swapped for `_Packed` before the weights load (transformers' own renames and merges
+    apply to the rest), and for the torch engine's execution forms after."""
+    from transformers.quantizers import auto
+    from transformers.quantizers.base import HfQuantizer
+    from transformers.utils.quantization_config import QuantizationConfigMixin
+
+    if METHOD in auto.AUTO_QUANTIZER_MAPPING:
+        return auto.AUTO_QUANTIZATION_CONFIG_MAPPING[METHOD]
+
+    @auto.register_quantization_config(METHOD)
+    class AffineConfig(QuantizationConfigMixin):
+        def __init__(self, block: dict | None = None, tensors=None, device=None, dtype=None, **kwargs):
+            self.quant_method, self.block, self.tensors, self.device = METHOD, block or {}, tensors or {}, device
+            self.dtype = dtype  # of activations and float tensors
+            self.packed: dict[str, _Packed] = {}
+            self.scales: dict[str, torch.Tensor | None] = {}
+            self.head: str | None = None  # a tied head reading a quantized table
+
+        def to_dict(self):
+            return {"quant_method": METHOD, **{k: v for k, v in self.block.items() if not isinstance(v, dict)}}
+
+    @auto.register_quantizer(METHOD)
+    class AffineQuantizer(HfQuantizer):
+        requires_calibration = False
+
+        def validate_environment(self, *args, **kwargs):
+            return None
+
+        def param_needs_quantization(self, model, param_name: str, **kwargs) -> bool:
+            return False
+
+        def _process_model_before_weight_loading(self, model, **kwargs):
+            c = self.quantization_config
+            _swap_in_packed(model, c)
+
+        def _process_model_after_weight_loading(self, model, **kwargs):
+            _swap_in_forms(model, self.quantization_config)
+            return model
+
+        def is_serializable(self):
+            return False
+
+        @property
+        def is_trainable(self) -> bool:
+            return False
+
+    return AffineConfig
+
+
+def _swap_in_packed(model: nn.Module, c) -> None:
+    modules = dict(model.named_modules())
+    table, head = model.get_input_embeddings(), model.get_output_embeddings()
+    for path, module in modules.items():
+        spec = quant_spec(path, c.block, c.tensors) if isinstance(module, (nn.Linear, nn.Embedding)) else None
+        if spec is None:
+            continue
+        if type(module) is nn.Linear:
+            rows, cols, bias = module.out_features, module.in_features, module.bias is not None
+        elif isinstance(module, nn.Embedding):  # Gemma's scaled tables too (their embed_scale, a buffer)
+            rows, cols, bias = module.num_embeddings, module.embedding_dim, False
+            c.scales[path] = _embed_scale(module)
+        else:
+            continue
+        c.packed[path] = _Packed(rows, cols, bias, spec["bits"], spec["group_size"], torch.float16)
+        _put(model, path, c.packed[path])
+        if module is table and head is not None and f"{path}.scales" in c.tensors:
+            c.head = next((p for p, m in modules.items() if m is head), None)
+    if c.head is not None and f"{c.head}.weight" not in c.tensors and c.head not in c.packed:
+        _put(model, c.head, _Deferred())  # read from the table after loading
+    else:
+        c.head = None
+
+
+def _swap_in_forms(model: nn.Module, c) -> None:
+    device = torch.device(c.device)
+    dtype = c.dtype
+    form = torch.bfloat16 if device.type == "cpu" else dtype  # "bfloat16" names the packed CPU forms
+    for path, packed in c.packed.items():
+        if packed.weight.is_meta:
+            raise UnsupportedModelError(f"the checkpoint has no packed codes for {path} (transformers' name for one of "
+                                        "its quantized layers)")
+        q = packed.layout()
+        if path in c.scales:
+            table = QuantizedEmbedding(q.out_features, q.in_features, q.bits, q.group_size, dtype=dtype, device="meta")
+            table.weight, table.scales, table.biases = q.weight, q.scales, q.biases
+            _put(model, path, _Table(table, c.scales[path]))
+            if c.head is not None and isinstance(model.get_submodule(c.head), _Deferred):
+                _put(model, c.head, forms.for_execution(table.as_linear(), device, form))
+        else:
+            _put(model, path, forms.for_execution(q, device, form))
+
+
+def load(transformers, ckpt, device: torch.device, dtype: torch.dtype) -> tuple[nn.Module, int]:
+    """(the model, its parameter count) of the quantized checkpoint ``ckpt``, ``dtype`` for its float tensors."""
+    config_cls = _quantizer_classes(transformers)
+    c = config_cls(ckpt.config["quantization"], ckpt.tensors, str(device), dtype)
+    hf_config = transformers.AutoConfig.from_pretrained(str(ckpt.path))
+    for cfg in {id(x): x for x in (hf_config, hf_config.get_text_config())}.values():
+        cfg.quantization_config = None  # MLX's block, which transformers cannot read: ours instead
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(
+        str(ckpt.path), config=hf_config, quantization_config=c, dtype=dtype, device_map={"": device},
+        output_loading_info=True)
+    unexpected = [k for k in info.get("unexpected_keys", ()) if not k.endswith("inv_freq")]
+    if unexpected:
+        raise UnsupportedModelError(_unmapped(ckpt, sorted(unexpected)[0], "a parameter"))
+    missing = sorted(info.get("missing_keys", ()))
+    if missing:
+        raise UnsupportedModelError(f"{ckpt.path}: the checkpoint has no tensor for {missing[0]} (of {len(missing)} "
+                                    f"parameters transformers' {type(model).__name__} has and it lacks)")
+    params = sum(p.in_features * p.out_features + (p.out_features if p.bias is not None else 0)
+                 for p in (m.layout() for m in c.packed.values()))
+    return model.eval(), params + sum(p.numel() for p in model.parameters())
+
+
+def _embed_scale(module: nn.Embedding) -> float | None:
+    """What a scaled embedding (Gemma's) multiplies its rows by; its buffer is still on the meta device here."""
+    scale = getattr(module, "scalar_embed_scale", None)
+    if scale is None and getattr(module, "embed_scale", None) is not None:
+        if module.embed_scale.is_meta:
+            raise UnsupportedModelError(f"{type(module).__name__} scales its rows by a buffer umakit cannot read "
+                                        "before the weights load; load its float original")
+        scale = float(module.embed_scale)
+    return None if scale is None else float(scale)
+
+
+class _Deferred(nn.Module):
+    """A tied head's place while the weights load: transformers ties its ``weight`` to the table's codes, which
+    it never reads; the table's execution form replaces it."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(0, device="meta"), requires_grad=False)
+
+
+class _Table(nn.Module):
+    """A quantized embedding table's looked-up rows, times the scale of a scaled embedding (Gemma's)."""
+
+    def __init__(self, table: QuantizedEmbedding, scale: float | None):
+        super().__init__()
+        self.table, self.scale = table, scale
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.table(ids)
+        # as the float module does: the scale rounded to the rows' dtype first
+        return rows if self.scale is None else rows * torch.tensor(self.scale, dtype=rows.dtype)
+
+
+def _put(model: nn.Module, path: str, module: nn.Module) -> None:
+    parent, _, attr = path.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, attr, module)
+
+
+def _unmapped(ckpt, name: str, what: str) -> str:
+    return (f"{ckpt.path}: {name} is not {what} of transformers' model (the transformers engine reads a quantized "
+            "checkpoint by the model's own names); run it with --backend mlx, or load its float original")
