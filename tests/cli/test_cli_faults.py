@@ -234,6 +234,11 @@ CASES = {
         Case("not a GGUF", lambda c: ["import", str(c.file("x.gguf", "PK\x03\x04 zip")), "-o", str(c.out / "m")],
              "is not a GGUF file"),
         Case("missing GGUF", lambda c: ["import", str(c.tmp / "none.gguf"), "-o", str(c.out / "m")], "does not exist"),
+        Case("a float checkpoint", lambda c: ["import", str(c.ckpt()), "-o", str(c.out / "m")],
+             "is not a GPTQ, AWQ or compressed-tensors checkpoint"),
+        Case("GPTQ in marlin layout", lambda c: ["import", str(c.ckpt({"quantization_config": {
+            "quant_method": "gptq", "bits": 4, "group_size": 32, "checkpoint_format": "marlin"}})), "-o",
+            str(c.out / "m")], "checkpoint_format 'marlin' is not supported"),
         Case("truncated GGUF", lambda c: ["import", str(c.file("t.gguf", c.gguf.read_bytes()[:4000])), "-o",
                                           str(c.out / "m")], "truncated"),
         Case("GGUF version 99", lambda c: ["import", str(gguf_with_version(c, 99)), "-o", str(c.out / "m")],

@@ -13,7 +13,7 @@ NAMES = {"gptq": "GPTQ", "awq": "AWQ", "compressed-tensors": "compressed-tensors
 
 
 @click.command("import")
-@click.argument("source", type=click.Path(exists=True, path_type=str))
+@click.argument("source", type=click.Path(path_type=str))
 @click.option("--output", "-o", "out_dir", required=True, type=click.Path(file_okay=False), help="Directory to write.")
 @click.option("--force", is_flag=True, help="Replace the output directory if it exists.")
 def import_cmd(source, out_dir, force):
