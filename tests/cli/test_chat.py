@@ -376,7 +376,7 @@ def test_thinking_shows_dimmed_and_think_off_skips_it(tiny_model, monkeypatch):
     m.tokenizer = Tokenizer(tiny_model.info.path)
     m.tokenizer.chat_template = THINKING
     s = session(m)
-    assert s.thinking_switch and s.thinking_markers == ("<think>", "</think>")
+    assert s.thinking_switch and s.thinking_markers == ("<think>", "</think>", ())
     printed = []  # what reaches the terminal, styles kept (click drops them on a pipe)
     monkeypatch.setattr(click, "echo", lambda message="", nl=True, err=False, **_: printed.append(str(message)))
     repl = Repl(s, color=True, show_stats=False)
@@ -401,3 +401,41 @@ def test_think_needs_a_template_with_a_switch(tiny_model):
         repl.command("/think on")
     with pytest.raises(InvalidArgumentError, match="usage: /think on"):
         repl.command("/think maybe")
+
+
+HARMONY = (  # gpt-oss's harmony format, written for this test: past replies in their final channel
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}<|start|>assistant<|channel|>final<|message|>"
+    "{{ m['content'] }}<|end|>{% else %}<|start|>{{ m['role'] }}<|message|>{{ m['content'] }}<|end|>{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|start|>assistant{% endif %}"
+)
+
+
+def test_a_harmony_reply_shows_its_analysis_dimmed_and_the_history_keeps_its_final_text(tiny_model, monkeypatch):
+    """gpt-oss answers in channels: the chat shows the analysis as thinking and the final channel as the reply,
+    and the next turn's prompt holds the final text alone (no channel markers as content)."""
+    import click
+
+    from umakit.cli.chat_ui import Repl
+    from umakit.generate.chat import HARMONY_END, HARMONY_START
+    from umakit.generate.stream import Chunk
+
+    m = copy.copy(tiny_model)
+    m.tokenizer = Tokenizer(tiny_model.info.path)
+    m.tokenizer.chat_template = HARMONY
+    pieces = [HARMONY_START[:9], HARMONY_START[9:] + "They greet", " me.", HARMONY_END[:5], HARMONY_END[5:] + "Hel", "lo."]
+
+    def scripted(ids, cache, **kw):  # the model's reply, a piece a token
+        for i, p in enumerate(pieces):
+            yield Chunk(p, token=3 + i)
+
+    monkeypatch.setattr(m, "stream_tokens", scripted)
+    s = session(m)
+    printed = []
+    monkeypatch.setattr(click, "echo", lambda message="", nl=True, err=False, **_: printed.append(str(message)))
+    Repl(s, color=True, show_stats=False).reply("hi")
+    out = "".join(printed)
+    assert "".join(re.findall(r"\x1b\[2m(.*?)\x1b\[0m", out, re.S)) == "They greet me."
+    assert "Hello." in out and "<|" not in out
+    assert s.messages[-1] == {"role": "assistant", "content": "Hello.", "thinking": "They greet me."}
+    rendered = m.tokenizer.render_chat(s.messages, add_generation_prompt=True)
+    assert rendered.count("<|channel|>") == 1 and "final<|message|>Hello.<|end|>" in rendered

@@ -13,7 +13,7 @@ import json
 import httpx
 import pytest
 
-from umakit.serve.conversation import THINK_END, THINK_START
+from umakit.generate.chat import HARMONY_END, HARMONY_LEAD, HARMONY_START, THINK_END, THINK_START, thinking_markers
 from umakit.serve.replies import ReplyParser, Thinking, parse_reply
 from umakit.serve.toolcalls import GenericFormat, HermesFormat
 from support.tiny import make_tiny_model, write_tokenizer
@@ -55,7 +55,7 @@ def test_thinking_content_and_a_call_split_anywhere(step):
 
 
 def test_a_prompt_that_opened_thinking_and_markers_that_are_only_prefixes():
-    reply = parse_reply("still thinking </thi no </think>Answer <tool_ca", Thinking(THINK_START, THINK_END, True),
+    reply = parse_reply("still thinking </thi no </think>Answer <tool_ca", Thinking(THINK_START, THINK_END, open=True),
                         HermesFormat())
     assert reply.reasoning == "still thinking </thi no " and reply.content == "Answer <tool_ca" and not reply.calls
 
@@ -209,3 +209,60 @@ def test_thinking_off_and_reasoning_effort_reach_the_template(app):
     _post(app, "/v1/chat/completions", {**body, "reasoning_effort": "none"})
     on, off, effort = (scripted.tokenizer.decode(r.prompt) for r in scripted.requests[-3:])
     assert off.endswith("<think>\n\n</think>") and effort == off and "</think>" not in on
+
+
+# -- gpt-oss's harmony format -------------------------------------------------------------------------
+# A harmony template written for these tests from the format's description: each message a <|start|>role ...
+# <|end|> block, an assistant's past reply in its final channel, the reasoning effort in the system block.
+HARMONY_TEMPLATE = (
+    "<|start|>system<|message|>Reasoning: {{ reasoning_effort | default('medium') }}<|end|>"
+    "{%- for m in messages %}{%- if m.role == 'assistant' %}<|start|>assistant<|channel|>final<|message|>"
+    "{{ m.content }}<|end|>{%- else %}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>{%- endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}<|start|>assistant{%- endif %}"
+)
+HARMONY_SPECIALS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>", "<|call|>")
+HARMONY = Thinking(*thinking_markers(HARMONY_TEMPLATE))
+
+
+@pytest.mark.parametrize("step", [1, 2, 5, 1000])
+def test_harmony_channels_split_anywhere(step):
+    text = HARMONY_START + "The user greets; answer briefly." + HARMONY_END + "Hello!"
+    pieces, reply = _split(ReplyParser(HARMONY), text, step)
+    assert reply.reasoning == "The user greets; answer briefly." and reply.content == "Hello!"
+    assert "".join(p.text for p in pieces if p.kind == "content") == "Hello!"
+    assert "".join(p.text for p in pieces if p.kind == "reasoning") == "The user greets; answer briefly."
+    _, direct = _split(ReplyParser(HARMONY), HARMONY_LEAD + "Straight to it.", step)  # no analysis at all
+    assert direct.reasoning is None or direct.reasoning == ""
+    assert direct.content == "Straight to it."
+
+
+def test_think_tags_are_not_harmony_and_a_template_with_neither_has_no_markers():
+    assert thinking_markers(TEMPLATE)[:2] == (THINK_START, THINK_END)
+    assert thinking_markers("{{ messages }}") is None
+    assert parse_reply("<|channel|>final<|message|>x").content == "<|channel|>final<|message|>x"  # no markers given
+
+
+@pytest.fixture(scope="module")
+def harmony_app(tmp_path_factory):
+    import umakit
+    from umakit.serve.app import make_app
+
+    path = make_tiny_model("qwen2", tmp_path_factory.mktemp("harmony"))
+    write_tokenizer(path, HARMONY_TEMPLATE, extra_specials=HARMONY_SPECIALS)
+    model = umakit.load(path, backend="torch", dtype="float32")
+    scripted = Scripted()
+    scripted.tokenizer = model.tokenizer
+    return make_app(model, scripted), scripted, model.info.name
+
+
+def test_a_harmony_reply_reaches_clients_as_reasoning_and_content(harmony_app):
+    app, scripted, name = harmony_app
+    scripted.text = HARMONY_START + "Greeting; be brief." + HARMONY_END + "Hello there."
+    body = {"model": name, "messages": [{"role": "user", "content": "Hi"}], "reasoning_effort": "low"}
+    whole = _post(app, "/v1/chat/completions", body)["choices"][0]["message"]
+    assert whole["content"] == "Hello there." and whole["reasoning_content"] == "Greeting; be brief."
+    events = _post(app, "/v1/chat/completions", {**body, "stream": True}, stream=True)
+    deltas = [e["choices"][0]["delta"] for e in events if e.get("choices")]
+    assert "".join(d.get("content") or "" for d in deltas) == "Hello there."
+    assert "".join(d.get("reasoning_content") or "" for d in deltas) == "Greeting; be brief."
+    assert "Reasoning: low" in scripted.tokenizer.decode(scripted.requests[-1].prompt)

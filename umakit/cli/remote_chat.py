@@ -108,9 +108,11 @@ class RemoteChat:
             raise
         if on_ready:
             on_ready(info)
-        shown, reasoning, cut = [], False, False
+        shown, said, reasoning, cut = [], [], False, False  # said: the reply's content, what the history keeps
         try:
             for thinking, piece in _pumped(reply, should_stop):
+                if not thinking:
+                    said.append(piece)
                 if thinking and not reasoning:
                     piece, reasoning, self.thinking_markers = THINK_START + piece, True, (THINK_START, THINK_END)
                 elif reasoning and not thinking:
@@ -135,7 +137,8 @@ class RemoteChat:
                 info.cancelled = True
                 self.messages.pop()
             else:
-                self.messages.append({"role": "assistant", "content": "".join(shown) + (CUT_MARK if cut else "")})
+                # the content alone: a template renders its own thinking markers (gpt-oss's channels, say)
+                self.messages.append({"role": "assistant", "content": "".join(said) + (CUT_MARK if cut else "")})
                 self.totals.add(info, reply.usage.get("completion_tokens", 0))  # a cut reply's: never came
 
     def _request(self, info: TurnInfo) -> attach.Attached:

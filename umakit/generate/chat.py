@@ -27,6 +27,10 @@ from umakit.plan.shapes import INTERRUPT_PREFILL_CHUNK, PREFILL_CHUNK
 
 CUT_MARK = " [cut]"  # appended to a reply the user interrupted
 THINK_START, THINK_END = "<think>", "</think>"  # a reasoning model's thinking, in the templates that mark it
+# gpt-oss's harmony format: the analysis channel, then the final one (a reply may go straight to the final one)
+HARMONY_START = "<|channel|>analysis<|message|>"
+HARMONY_END = "<|end|><|start|>assistant<|channel|>final<|message|>"
+HARMONY_LEAD = "<|channel|>final<|message|>"
 DEFAULT_CONTEXT = 4096  # a model that does not say its context length
 # A prefill chunk that finishes in under this doubles the next one: fast devices soon prefill at
 # full size (small chunks cost prefill speed), while the next chunk, about twice as long, still
@@ -138,10 +142,9 @@ class ChatSession:
         return "enable_thinking" in (self.model.tokenizer.chat_template or "")
 
     @property
-    def thinking_markers(self) -> tuple[str, str] | None:
-        """The template's thinking markers, when it has them: the reply's text between them is reasoning."""
-        template = self.model.tokenizer.chat_template or ""
-        return (THINK_START, THINK_END) if THINK_START in template and THINK_END in template else None
+    def thinking_markers(self) -> tuple[str, str, tuple[str, ...]] | None:
+        """The template's thinking markers, when it has them (`thinking_markers`)."""
+        return thinking_markers(self.model.tokenizer.chat_template or "")
 
     def _render(self, add_generation_prompt: bool = True) -> list[int]:
         kwargs = {} if self.settings.thinking is None else {"enable_thinking": self.settings.thinking}
@@ -234,12 +237,28 @@ class ChatSession:
                     break
         finally:
             stream.close()
-            content = "".join(reply) + (CUT_MARK if cut else "")
-            self.messages.append({"role": "assistant", "content": content})
+            self.messages.append(self._assistant("".join(reply), cut))
             known = list(ids) + generated
             self.cached_ids = known[: self.cache.offset]
             self.cache.trim(self.cache.offset - len(self.cached_ids))
             self._count(info, stats, len(generated))
+
+    def _assistant(self, text: str, cut: bool) -> dict:
+        """The reply as the history keeps it: as it came, but a harmony reply as its final channel's text, with
+        its analysis as ``thinking`` (what gpt-oss's template renders; its channel markers are no content)."""
+        markers = self.thinking_markers
+        if markers is None or not markers[2]:
+            return {"role": "assistant", "content": text + (CUT_MARK if cut else "")}
+        start, end, leads = markers
+        thinking = None
+        if text.startswith(start):  # the analysis first (all of it, where the reply was cut inside it)
+            thinking, _, content = text[len(start):].partition(end)
+        else:
+            content = next((text[len(m):] for m in leads if text.startswith(m)), text)
+        message = {"role": "assistant", "content": content + (CUT_MARK if cut else "")}
+        if thinking:
+            message["thinking"] = thinking
+        return message
 
     def _take_back(self, ids: Sequence[int] | None) -> None:
         """Remove the user message of a turn that never began its reply; the cache keeps the part of it
@@ -298,3 +317,14 @@ def _whole_turn(stats: GenerationStats, pre: int, prefill_s: float, prefill_peak
     stats.prefill_tps = stats.prompt_tokens / stats.ttft_s if stats.ttft_s > 0 else 0.0
     stats.peak_memory_bytes = max(stats.peak_memory_bytes, prefill_peak)
     return stats
+
+
+def thinking_markers(template: str) -> tuple[str, str, tuple[str, ...]] | None:
+    """(start, end, leads) of a chat template's reasoning: the reply's text between start and end is reasoning, a
+    lead begins a reply that has none (and is no text of it). ``<think>`` tags where the template has them; gpt-oss's
+    harmony channels (analysis, then final) where it renders them."""
+    if THINK_START in template and THINK_END in template:
+        return THINK_START, THINK_END, ()
+    if "<|channel|>" in template and "<|message|>" in template:
+        return HARMONY_START, HARMONY_END, (HARMONY_LEAD,)
+    return None

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from umakit.errors import InvalidArgumentError
-from umakit.generate.chat import THINK_END, THINK_START
+from umakit.generate.chat import thinking_markers
 from umakit.generate.constrain import Constraint, special_tokens
 from umakit.serve.replies import ReplyParser, Thinking
 from umakit.serve.toolcalls import GenericFormat, ToolFormat, detect, generic_auto_grammar
@@ -106,10 +106,10 @@ def _template_kwargs(template: str, call: ChatCall) -> dict:
 
 def _thinking(template: str, prompt_text: str) -> Thinking | None:
     """The template's thinking markers, if it has them, and whether the prompt opened them."""
-    if THINK_START not in template or THINK_END not in template:
+    markers = thinking_markers(template)
+    if markers is None:
         return None
-    tail = prompt_text.rstrip()
-    return Thinking(THINK_START, THINK_END, open=tail.endswith(THINK_START))
+    return Thinking(*markers, open=prompt_text.rstrip().endswith(markers[0]))
 
 
 def prepare(model, call: ChatCall) -> Prepared:
@@ -138,7 +138,7 @@ def prepare(model, call: ChatCall) -> Prepared:
                                                         choice is None, special_tokens=special_tokens(tok)))
     else:
         constraint = call.response
-    thinks = thinking is not None and (thinking.open or not text.rstrip().endswith(THINK_END))
+    thinks = thinking is not None and (thinking.open or not text.rstrip().endswith(thinking.end))
     if constraint is not None and thinks:
-        constraint = constraint.starting_after(THINK_END)
+        constraint = constraint.starting_after(thinking.end)
     return Prepared(prompt, constraint, thinking, fmt if offered else None)

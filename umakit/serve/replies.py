@@ -29,6 +29,7 @@ class Thinking:
 
     start: str
     end: str
+    leads: tuple[str, ...] = ()  # what begins a reply without reasoning (harmony's final channel), dropped
     open: bool = False  # the prompt ends with ``start``: the reply begins as reasoning
 
 
@@ -71,12 +72,17 @@ class ReplyParser:
         """Move what can move out of ``_pending``; False when the rest must wait for more text."""
         t = self.thinking
         if self._mode is None:  # the start of the reply: is it thinking?
-            if t is not None and self._pending.lstrip().startswith(t.start):
-                self._pending = self._pending.lstrip()[len(t.start):]
+            head = self._pending.lstrip()
+            if t is not None and head.startswith(t.start):
+                self._pending = head[len(t.start):]
                 self._mode = REASONING
                 return True
-            if t is not None and t.start.startswith(self._pending.lstrip()):
-                return False  # it may still become the start marker
+            lead = next((m for m in t.leads if head.startswith(m)), None) if t is not None else None
+            if lead is not None:  # a reply with no reasoning
+                self._pending, self._mode = head[len(lead):], CONTENT
+                return True
+            if t is not None and any(m.startswith(head) for m in (t.start, *t.leads)):
+                return False  # it may still become a marker
             self._mode = CONTENT
             return True
         if self._mode == REASONING:
