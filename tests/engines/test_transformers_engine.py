@@ -92,11 +92,22 @@ def test_batch_rows_are_their_lone_runs_whatever_the_cache(family):
     decoder = engine.batch_decoder()
     decoder.add([BatchRow(i, p, GREEDY) for i, p in prompts.items() if i != 2])
     got = {i: [] for i in prompts}
-    for step in range(8):
+    passes = []
+    hook = engine.model.register_forward_hook(lambda module, args, out: passes.append(1))
+    for step in range(10):
         if step == 3:
             decoder.add([BatchRow(2, prompts[2], GREEDY)])
+        if step == 6:  # a row leaves; the others go on
+            exported = decoder.export(1)
+            decoder.remove([1])
+        passes.clear()
         for row, token in decoder.step():
             got[row].append(token)
+        assert len(passes) == 1, step  # every row in one forward pass
+    hook.remove()
+    assert decoder.context_tokens() == len(PROMPT) + 9
+    rest = engine.generate_tokens([got[1][-1]], exported, GREEDY)  # the exported row goes on alone
+    got[1] += [next(rest) for _ in range(3)]
     for i, p in prompts.items():
         lone = engine.generate_tokens(p, engine.make_cache(), GREEDY)
         want = [next(lone) for _ in range(len(got[i]))]
