@@ -1,9 +1,11 @@
 """MLX batched decoder: many sequences advanced by one forward pass per step.
 
 The rows share mlx-lm's batch caches (`BatchKVCache`, `BatchRotatingKVCache`
-for sliding-window layers): keys and values are left-padded to a common
-length and each row keeps its own offset, so RoPE positions and the attention
-mask are per row. New rows are prefilled together in a cache of their own and
+for sliding-window layers, `ArraysCache` for a hybrid model's recurrent and
+convolution states): keys and values are left-padded to a common length and
+each row keeps its own offset, so RoPE positions and the attention mask are
+per row; a state has no positions, so a hybrid model's rows are prefilled one
+by one and merged, never through padding. New rows are prefilled together in a cache of their own and
 only then appended, so a prefill never writes into a running row's cache.
 A row that brings its own cache (a stored prefix, or a prompt the caller
 prefilled in chunks) is prefilled alone past it and merged in the same way;
@@ -15,6 +17,7 @@ seeded single-sequence run.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Iterable, Sequence
 
 import mlx.core as mx
@@ -32,6 +35,7 @@ from umakit.hardware import cpu_kv_budget, metal_working_set
 _cache = import_mlx_lm("models.cache")
 BatchKVCache, BatchRotatingKVCache = _cache.BatchKVCache, _cache.BatchRotatingKVCache
 KVCache, RotatingKVCache, make_prompt_cache = _cache.KVCache, _cache.RotatingKVCache, _cache.make_prompt_cache
+ArraysCache = _cache.ArraysCache  # a hybrid model's recurrent and convolution states: one batch array each
 
 PAD_WASTE = 1.5  # prefill rows together while padded tokens stay under this factor of real ones
 # Of the working set the weights leave free: the rest is for activations, logits and other
@@ -45,6 +49,8 @@ def _batch_kind(layer, model_type: str) -> type:
         return BatchKVCache
     if type(layer) is RotatingKVCache and layer.keep == 0:
         return BatchRotatingKVCache
+    if type(layer) is ArraysCache:  # its own batch form: arrays with a batch axis
+        return ArraysCache
     raise UnsupportedModelError(
         f"batched decoding does not support {type(layer).__name__} cache layers (model_type {model_type}) yet"
     )
@@ -53,6 +59,8 @@ def _batch_kind(layer, model_type: str) -> type:
 def _batch_layer(layer, left_padding: list[int], model_type: str):
     """An empty batch cache standing in for one layer's single-sequence cache."""
     kind = _batch_kind(layer, model_type)
+    if kind is ArraysCache:
+        return ArraysCache(len(layer.cache), left_padding)
     return kind(left_padding) if kind is BatchKVCache else kind(layer.max_size, left_padding)
 
 
@@ -78,8 +86,12 @@ class MLXBatchDecoder:
         self._model = engine.model
         self._model_type = engine.config.get("model_type", "?")
         self._device = mx.gpu if engine.device == "metal" else mx.cpu
-        for layer in make_prompt_cache(self._model):  # refuse unsupported layers up front
+        layers = make_prompt_cache(self._model)
+        for layer in layers:  # refuse unsupported layers up front
             _batch_layer(layer, [0], self._model_type)
+        # A recurrent state would take a left-padded prompt's padding in: such rows are prefilled one by one, each
+        # in a cache of its own, and merged (as rows that bring their own cache are).
+        self._alone = any(type(layer) is ArraysCache for layer in layers)
         self._logprobs: dict[int, tuple[float, list[tuple[int, float]]]] = {}  # those of the last step's tokens
         self._reset()
 
@@ -97,6 +109,8 @@ class MLXBatchDecoder:
 
     def add(self, rows: Sequence[BatchRow]) -> None:
         common.check_rows(rows, MLXCache)
+        if self._alone:
+            rows = [r if r.cache is not None else dataclasses.replace(r, cache=self._engine.make_cache()) for r in rows]
         fresh = [r for r in rows if r.cache is None]
         resumed = [r for r in rows if r.cache is not None]
         with mx.stream(self._device):

@@ -38,8 +38,9 @@ class MLXCache:
     @property
     def offset(self) -> int:
         # The minimum, so that a step interrupted half-way through the layers
-        # still leaves a consistent length to trim back to.
-        return min((c.offset for c in self.layers), default=0)
+        # still leaves a consistent length to trim back to. A recurrent layer's state has no length: the
+        # attention layers beside it say it.
+        return min((c.offset for c in self.layers if hasattr(c, "offset")), default=0)
 
     @property
     def trimmable(self) -> bool:
@@ -65,7 +66,7 @@ class MLXCache:
 
     def trim(self, n: int) -> int:
         keep = max(self.offset - n, 0)
-        if all(c.offset == keep for c in self.layers):
+        if all(getattr(c, "offset", keep) == keep for c in self.layers) and keep == self.offset:
             return 0
         if not all(c.is_trimmable() for c in self.layers):
             raise InvalidArgumentError("this model's cache cannot be trimmed")

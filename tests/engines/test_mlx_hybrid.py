@@ -1,0 +1,117 @@
+"""Hybrid models on the MLX engine (qwen3_next: gated delta-net linear attention beside full attention; lfm2:
+convolution layers): their recurrent and convolution states (mlx-lm's ArraysCache) batch with attention rows, so
+`batch` and `serve` take them. Tiny random checkpoints written by mlx-lm's own model classes (its layout, as
+mlx-community's files are): each batch row's tokens are its lone run's, rows joining, leaving and exported."""
+
+from __future__ import annotations
+
+import importlib
+import json
+
+import pytest
+
+import umakit
+from support.tiny import VOCAB, write_tokenizer
+from umakit.backends.base import BatchRow
+from umakit.generate.sampling import SamplingParams
+
+mx = pytest.importorskip("mlx.core")
+
+GREEDY = SamplingParams(temperature=0)
+BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=10000.0,
+            tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+CONFIGS = {
+    "qwen3_next": dict(BASE, model_type="qwen3_next", num_hidden_layers=4, full_attention_interval=2,
+                       linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+                       linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
+                       moe_intermediate_size=32, shared_expert_intermediate_size=32, decoder_sparse_step=1,
+                       mlp_only_layers=[], norm_topk_prob=True, partial_rotary_factor=0.25, attention_bias=False),
+    "lfm2": dict(BASE, model_type="lfm2", num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"],
+                 full_attn_idxs=[1], conv_L_cache=3, conv_bias=False, block_dim=64, block_ff_dim=128,
+                 block_multiple_of=32, block_ffn_dim_multiplier=1.0, block_auto_adjust_ff_dim=False, norm_eps=1e-5),
+}
+PROMPTS = {0: [(7 * i) % 400 + 3 for i in range(30)], 1: [5, 9, 11], 2: [40, 41, 42, 43, 44, 45, 46, 47, 48], 3: [8]}
+
+
+def make(model_type: str, path):
+    from mlx.utils import tree_flatten
+
+    module = importlib.import_module(f"mlx_lm.models.{model_type}")
+    mx.random.seed(0)
+    model = module.Model(module.ModelArgs.from_dict(CONFIGS[model_type]))
+    path.mkdir(parents=True)
+    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (path / "config.json").write_text(json.dumps(CONFIGS[model_type]))
+    write_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def hybrid(request, tmp_path_factory):
+    path = make(request.param, tmp_path_factory.mktemp(request.param) / "model")
+    return umakit.load(path, backend="mlx", dtype="float32")
+
+
+def lone(engine, prompt, n):
+    stream = engine.generate_tokens(prompt, engine.make_cache(), GREEDY)
+    return [next(stream) for _ in range(n)]
+
+
+def test_batch_rows_of_a_hybrid_model_are_their_lone_runs(hybrid):
+    engine = hybrid.engine
+    decoder = engine.batch_decoder()
+    decoder.add([BatchRow(i, PROMPTS[i], GREEDY) for i in (0, 1)])
+    got = {i: [] for i in PROMPTS}
+    for step in range(8):
+        if step == 2:  # rows joining a running batch, a one-token prompt among them
+            decoder.add([BatchRow(i, PROMPTS[i], GREEDY) for i in (2, 3)])
+        if step == 5:
+            exported = decoder.export(1)
+            decoder.remove([1])
+        for row, token in decoder.step():
+            got[row].append(token)
+    # the row's positions, as the protocol says: the prompt and the returned tokens, the latest fed or not yet
+    assert exported.offset in (len(PROMPTS[1]) + len(got[1]) - 1, len(PROMPTS[1]) + len(got[1]))
+    for i, prompt in PROMPTS.items():
+        assert got[i] == lone(engine, prompt, len(got[i])), i
+
+
+def test_batch_command_api_takes_a_hybrid_model(hybrid):
+    texts = ["The quick brown fox", "Paris is", "Unified memory"]
+    run = hybrid.generate_batch(texts, max_tokens=6, temperature=0, raw=True)
+    for text, result in zip(texts, run.results):
+        assert result.tokens == hybrid.generate(text, max_tokens=6, temperature=0, raw=True).tokens
+
+
+@pytest.mark.slow
+def test_serve_answers_concurrent_requests_on_a_hybrid_model(tmp_path, tmp_path_factory):
+    """`umakit serve --backend mlx` on qwen3_next: concurrent greedy chats in one batch, each its lone reply, and a
+    second round (the prompt cache cannot hold a recurrent state: it is prefilled again, with the same answers)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    from support.serve_helpers import start_server
+
+    path = make("qwen3_next", tmp_path / "qwen3_next")
+    questions = ["The quick brown fox", "Paris is the capital of", "Unified memory", "fox fox fox"]
+    local = umakit.load(path, backend="mlx", dtype="float32")
+    want = [local.generate(messages=[{"role": "user", "content": q}], max_tokens=8, temperature=0).text
+            for q in questions]
+    srv = start_server(path, ["--backend", "mlx", "--dtype", "float32"], tmp_path_factory, "mlx-hybrid")
+    try:
+        name = httpx.get(f"{srv.url}/v1/models").json()["data"][0]["id"]
+
+        def ask(q: str) -> str:
+            r = httpx.post(f"{srv.url}/v1/chat/completions", timeout=120, json={
+                "model": name, "messages": [{"role": "user", "content": q}], "max_tokens": 8, "temperature": 0})
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["message"]["content"]
+
+        with ThreadPoolExecutor(4) as pool:
+            first = list(pool.map(ask, questions))
+            second = list(pool.map(ask, questions))
+    finally:
+        srv.stop()
+    assert first == want and second == want
