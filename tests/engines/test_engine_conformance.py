@@ -125,6 +125,20 @@ def test_trim_forgets_tokens_so_decoding_resumes_as_before(engine):
     np.testing.assert_allclose(again, engine.logits(PROMPT)[-4:], atol=1e-4, rtol=1e-4)
 
 
+def test_a_mark_rewinds_the_cache_as_trimming_does(engine):
+    """`KVCache.mark` and `rewind`: back to a length the cache had, whatever its layers keep (the chat's way back
+    to its last prompt where trimming cannot go)."""
+    cache = engine.make_cache()
+    engine.prefill(PROMPT[:-4], cache)
+    mark = cache.mark()
+    engine.prefill(PROMPT[-4:], cache)
+    assert cache.rewind(mark) == 4 and cache.offset == len(PROMPT) - 4
+    for _ in range(2):  # a mark serves more than one rewind
+        again = engine.logits(PROMPT[-4:], cache)
+        np.testing.assert_allclose(again, engine.logits(PROMPT)[-4:], atol=1e-4, rtol=1e-4)
+        cache.rewind(mark)
+
+
 def test_a_copy_holds_the_prefix_and_both_go_on_alone(engine, kv_bits=None):
     """`copy(n)` (a shared prompt prefix handed to another request): the copy continues as a cache prefilled with
     those n tokens does, and the original, extended after it, is untouched by the copy's own tokens.

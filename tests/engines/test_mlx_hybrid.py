@@ -11,6 +11,7 @@ import json
 import pytest
 
 import umakit
+from support.chats import chat_turns
 from support.tiny import VOCAB, write_tokenizer
 from umakit.backends.base import BatchRow
 from umakit.generate.sampling import SamplingParams
@@ -115,3 +116,11 @@ def test_serve_answers_concurrent_requests_on_a_hybrid_model(tmp_path, tmp_path_
     finally:
         srv.stop()
     assert first == want and second == want
+
+
+def test_a_chat_goes_back_to_its_last_prompt_instead_of_prefilling_all_again(hybrid):
+    """A recurrent state cannot be trimmed: the chat marks it at each prompt and the next turn rewinds there, so it
+    prefills the reply and the new message only, with the replies of a chat that prefills everything again."""
+    turns, fresh = chat_turns(hybrid, ["The quick brown fox", "Paris is the capital", "again"])
+    assert turns[0][0] == 0 and all(reused > 0 for reused, _ in turns[1:]), turns
+    assert [reply for _, reply in turns] == fresh

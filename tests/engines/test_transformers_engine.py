@@ -247,3 +247,16 @@ def test_a_quantized_checkpoint_whose_names_are_not_transformers_is_refused(tmp_
     save_file(renamed, q / "model.safetensors")
     with pytest.raises(UnsupportedModelError, match="model.layers.0.block"):
         umakit.load(q, backend="transformers", dtype="float32")
+
+
+def test_a_chat_goes_back_to_its_last_prompt_instead_of_prefilling_all_again(family):
+    """Sliding windows and linear-attention states cannot be trimmed: the chat marks the cache at each prompt and
+    the next turn rewinds there; a cache of full attention trims. Either way the next turn reuses the conversation,
+    with the replies of a chat that prefills everything again."""
+    from support.chats import chat_turns
+
+    _, path = family
+    model = umakit.load(path, backend="transformers", dtype="float32")
+    turns, fresh = chat_turns(model, ["The quick brown fox", "Paris is the capital", "again"])
+    assert turns[0][0] == 0 and all(reused > 0 for reused, _ in turns[1:]), turns
+    assert [reply for _, reply in turns] == fresh

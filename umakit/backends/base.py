@@ -104,6 +104,14 @@ class KVCache(Protocol):
         """A new cache holding this one's first ``n`` tokens (a trimmable cache's; a shared prefix handed to
         another request while this one is kept)."""
 
+    def mark(self) -> object:
+        """What `rewind` needs to bring the cache back to its length now: the length alone where it is trimmable;
+        else also the state trimming cannot give back (a recurrent layer's, a sliding window's), kept aside."""
+
+    def rewind(self, mark: object) -> int:
+        """Back to ``mark``, taken of this cache at this length or a shorter one of the same tokens; returns the
+        tokens dropped."""
+
 
 @dataclass
 class WeightInfo:

@@ -122,6 +122,7 @@ class ChatSession:
         that may have left the cache in doubt)."""
         self.cache = self.model.make_cache(kv_bits=self.settings.kv_bits)
         self.cached_ids: list[int] = []
+        self._mark: tuple[list[int], object] | None = None  # a cache that cannot trim: its last prompt's state
 
     def set_system(self, text: str | None) -> None:
         if text:
@@ -158,9 +159,14 @@ class ChatSession:
         keep = min(common_prefix(self.cached_ids, ids), len(ids) - 1)
         try:
             self.cache.trim(self.cache.offset - keep)
-        except InvalidArgumentError:  # e.g. a full sliding-window cache: start over
-            self.cache = self.model.make_cache(kv_bits=self.settings.kv_bits)
-            keep = 0
+        except InvalidArgumentError:  # a recurrent state, a full sliding window: back to the last prompt's mark
+            marked, mark = self._mark if self._mark is not None else ([], None)
+            if mark is not None and len(marked) <= keep and list(ids[:len(marked)]) == marked:
+                self.cache.rewind(mark)
+                keep = len(marked)
+            else:  # or start over
+                self.cache, self._mark = self.model.make_cache(kv_bits=self.settings.kv_bits), None
+                keep = 0
         self.cached_ids = list(ids[:keep])
         return keep
 
@@ -209,6 +215,8 @@ class ChatSession:
             prefill_interruptibly(engine, ids[info.reused_tokens:-1], self.cache, should_stop)
             prefill_s, prefill_peak = time.perf_counter() - start, engine.peak_memory()
             self.cached_ids = list(ids[: self.cache.offset])
+            if not self.cache.trimmable:  # the prompt's state, for the next turn to go back to (`_rewind`)
+                self._mark = (list(self.cached_ids), self.cache.mark())
             info.cancelled = should_stop()
             if not info.cancelled:
                 done = len(self.cached_ids)

@@ -99,6 +99,12 @@ class LeaderCache:
         self._leader.send("trim", cache=self.id, n=n)
         return self.inner.trim(n)
 
+    def mark(self) -> int:
+        return self.offset  # the ranks' caches are trimmable ones
+
+    def rewind(self, mark: int) -> int:
+        return self.trim(self.offset - mark)
+
     def copy(self, n: int) -> "LeaderCache":
         cid = self._leader.new_id()
         self._leader.send("copy", cache=self.id, into=cid, n=n)

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import mlx.core as mx
+
 from umakit.core.affine import KV_BITS, KV_GROUP_SIZE
 from umakit.errors import InvalidArgumentError
 from umakit.backends.mlx.mlx_lm_import import import_mlx_lm
 
 _cache = import_mlx_lm("models.cache")
 KVCache, QuantizedKVCache, make_prompt_cache = _cache.KVCache, _cache.QuantizedKVCache, _cache.make_prompt_cache
+ArraysCache = _cache.ArraysCache
 
 
 @dataclass
@@ -63,6 +66,34 @@ class MLXCache:
                 made.keys, made.values, made.offset = cut(c.keys), cut(c.values), n
             layers.append(made)
         return MLXCache(layers, self.kv_bits)
+
+    def mark(self) -> tuple:
+        """(length, the states trimming cannot give back: a recurrent layer's arrays, a rotating layer's window)."""
+        kept, arrays = {}, []
+        for i, c in enumerate(self.layers):
+            if type(c) is ArraysCache:
+                kept[i] = list(c.cache)  # replaced, never written into, by the model's steps
+            elif type(c) not in (KVCache, QuantizedKVCache):  # a rotating window's buffers are written into
+                state = tuple(a + 0 for a in c.state) if getattr(c, "keys", None) is not None else None
+                kept[i] = (state, c.meta_state)
+                arrays += list(state or ())
+        mx.eval(arrays)
+        return self.offset, kept
+
+    def rewind(self, mark: tuple) -> int:
+        offset, kept = mark
+        dropped = self.offset - offset
+        for i, c in enumerate(self.layers):
+            if i in kept and type(c) is ArraysCache:
+                c.cache = list(kept[i])
+            elif i in kept:
+                state, meta = kept[i]
+                if state:
+                    c.state = tuple(a + 0 for a in state)  # the mark stays as it was, for another rewind
+                c.meta_state = meta
+            else:
+                c.trim(c.offset - offset)
+        return dropped
 
     def trim(self, n: int) -> int:
         keep = max(self.offset - n, 0)

@@ -141,6 +141,12 @@ class QuantizedKVCache:
         self.offset -= n  # stale entries are overwritten before they are read again
         return n
 
+    def mark(self) -> int:
+        return self.offset
+
+    def rewind(self, mark: int) -> int:
+        return self.trim(self.offset - mark)
+
     def copy(self, n: int) -> "QuantizedKVCache":
         L, _, H, _, D = self.shape
         n = max(min(n, self.offset), 0)

@@ -37,8 +37,12 @@ class TransformersCache:
 
     @property
     def trimmable(self) -> bool:
+        # full-attention layers only: a linear-attention layer says it can be cropped, but only where it recorded
+        # every past state (which umakit's caches do not ask of it)
         sliding = getattr(self.hf, "is_sliding", None) or []
-        return bool(getattr(self.hf, "is_croppable", False)) and not any(sliding)
+        layers = getattr(self.hf, "layers", None) or []
+        return bool(getattr(self.hf, "is_croppable", False)) and not any(sliding) and all(
+            type(layer).__name__ == "DynamicLayer" for layer in layers)
 
     def trim(self, n: int) -> int:
         n = max(0, min(n, self._offset))
@@ -50,6 +54,27 @@ class TransformersCache:
         self._offset -= n
         return n
 
+    def mark(self) -> tuple:
+        """(length, copies of what cropping cannot give back: sliding windows, linear-attention states)."""
+        kept = {}
+        for i, layer in enumerate(getattr(self.hf, "layers", ())):
+            if type(layer).__name__ == "DynamicLayer":
+                continue
+            kept[i] = {k: _cloned(v) for k, v in vars(layer).items()}
+        return self._offset, kept
+
+    def rewind(self, mark: tuple) -> int:
+        offset, kept = mark
+        dropped = self._offset - offset
+        for i, layer in enumerate(getattr(self.hf, "layers", ())):
+            if i in kept:
+                for k, v in kept[i].items():
+                    setattr(layer, k, _cloned(v))
+            elif layer.is_initialized:
+                layer.keys, layer.values = layer.keys[..., :offset, :], layer.values[..., :offset, :]
+        self._offset = offset
+        return dropped
+
     def copy(self, n: int) -> TransformersCache:
         if not 0 <= n <= self._offset:
             raise InvalidArgumentError(f"a copy of {n} tokens from a cache of {self._offset}")
@@ -59,6 +84,17 @@ class TransformersCache:
         out = TransformersCache(copy.deepcopy(self.hf), self._offset)
         out.trim(self._offset - n)
         return out
+
+
+def _cloned(v):
+    """A layer attribute kept aside: its tensors copied (a linear-attention layer writes into its states)."""
+    if isinstance(v, torch.Tensor):
+        return v.clone()
+    if isinstance(v, dict):
+        return {k: _cloned(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_cloned(x) for x in v]
+    return v
 
 
 def _tensors(obj, depth: int = 0):
