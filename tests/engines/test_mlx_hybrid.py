@@ -5,47 +5,18 @@ mlx-community's files are): each batch row's tokens are its lone run's, rows joi
 
 from __future__ import annotations
 
-import importlib
-import json
-
 import pytest
 
 import umakit
 from support.chats import chat_turns
-from support.tiny import VOCAB, write_tokenizer
+from support.mlx_models import CONFIGS, make
 from umakit.backends.base import BatchRow
 from umakit.generate.sampling import SamplingParams
 
 mx = pytest.importorskip("mlx.core")
 
 GREEDY = SamplingParams(temperature=0)
-BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=10000.0,
-            tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
-CONFIGS = {
-    "qwen3_next": dict(BASE, model_type="qwen3_next", num_hidden_layers=4, full_attention_interval=2,
-                       linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
-                       linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
-                       moe_intermediate_size=32, shared_expert_intermediate_size=32, decoder_sparse_step=1,
-                       mlp_only_layers=[], norm_topk_prob=True, partial_rotary_factor=0.25, attention_bias=False),
-    "lfm2": dict(BASE, model_type="lfm2", num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"],
-                 full_attn_idxs=[1], conv_L_cache=3, conv_bias=False, block_dim=64, block_ff_dim=128,
-                 block_multiple_of=32, block_ffn_dim_multiplier=1.0, block_auto_adjust_ff_dim=False, norm_eps=1e-5),
-}
 PROMPTS = {0: [(7 * i) % 400 + 3 for i in range(30)], 1: [5, 9, 11], 2: [40, 41, 42, 43, 44, 45, 46, 47, 48], 3: [8]}
-
-
-def make(model_type: str, path):
-    from mlx.utils import tree_flatten
-
-    module = importlib.import_module(f"mlx_lm.models.{model_type}")
-    mx.random.seed(0)
-    model = module.Model(module.ModelArgs.from_dict(CONFIGS[model_type]))
-    path.mkdir(parents=True)
-    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    (path / "config.json").write_text(json.dumps(CONFIGS[model_type]))
-    write_tokenizer(path)
-    return path
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
@@ -88,7 +59,7 @@ def test_batch_command_api_takes_a_hybrid_model(hybrid):
 @pytest.mark.slow
 def test_serve_answers_concurrent_requests_on_a_hybrid_model(tmp_path, tmp_path_factory):
     """`umakit serve --backend mlx` on qwen3_next: concurrent greedy chats in one batch, each its lone reply, and a
-    second round (the prompt cache cannot hold a recurrent state: it is prefilled again, with the same answers)."""
+    second round with the same answers."""
     from concurrent.futures import ThreadPoolExecutor
 
     import httpx

@@ -299,3 +299,42 @@ def test_run_raises_when_the_worker_cannot_start(model, monkeypatch):
     with pytest.raises(RuntimeError, match="no decoder today"):
         Scheduler(model, SchedulerSettings()).run(ready=lambda: ready.append(1))
     assert ready == []
+
+
+@pytest.fixture(scope="module", params=["mlx-qwen3_next", "transformers-qwen3_next", "transformers-gemma4"])
+def unrewindable(request, tmp_path_factory):
+    """Models whose cache cannot be trimmed: a hybrid's recurrent state (qwen3_next, on MLX and on transformers),
+    sliding windows past their size (gemma4)."""
+    backend, family = request.param.split("-")
+    path = tmp_path_factory.mktemp(family) / "model"
+    if backend == "mlx":
+        from support.mlx_models import make
+    else:
+        from engines.test_transformers_engine import make
+    return umakit.load(make(family, path), backend=backend, dtype="float32")
+
+
+def test_the_next_turn_extends_an_untrimmable_cache_whole(unrewindable, loop):
+    """The prompt cache keeps such a cache for a prompt that extends it whole (a conversation's next turn), and
+    gives none to one that shares only a part (which would need trimming)."""
+    model = unrewindable
+    s = Scheduler(model, SchedulerSettings())
+    s.start()
+    try:
+        first = GenerationRequest([(7 * i) % 400 + 3 for i in range(24)], 10, GREEDY)
+        (events,) = run_all(loop, [s.submit(first, loop)])
+        _, tokens, _ = text_and_tokens(events)
+        follow = first.prompt + tokens + [33, 44, 55]
+        (events,) = run_all(loop, [s.submit(GenerationRequest(follow, 8, GREEDY), loop)])
+        _, again, final = text_and_tokens(events)
+        assert final.usage.cached_tokens >= len(first.prompt) + len(tokens) - 1
+        stream = model.engine.generate_tokens(follow, model.make_cache(), GREEDY)
+        assert again == [next(stream) for _ in range(len(again))]
+        part = follow[:20] + [66, 77, 88]  # shares a part only
+        (events,) = run_all(loop, [s.submit(GenerationRequest(part, 4, GREEDY), loop)])
+        _, other, final = text_and_tokens(events)
+        assert final.usage.cached_tokens == 0
+        stream = model.engine.generate_tokens(part, model.make_cache(), GREEDY)
+        assert other == [next(stream) for _ in range(len(other))]
+    finally:
+        s.stop()

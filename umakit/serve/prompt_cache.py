@@ -8,7 +8,10 @@ message extends its entry whole: the entry is handed over, trimmed, and the
 finished request puts its own, longer cache back. A prompt that shares only
 part of an entry (the same system prompt, another question) gets a copy of
 that part and the entry stays, so any number of requests reuse one system
-prompt. Least recently used entries go first when the bytes run out.
+prompt. A cache that cannot be trimmed (a hybrid model's recurrent state, a
+sliding window) serves only a prompt that extends its entry whole: the next
+turn of its conversation. Least recently used entries go first when the bytes
+run out.
 """
 
 from __future__ import annotations
@@ -50,10 +53,12 @@ class PromptCache:
         prompt, a few-shot header) stays, and the request gets a copy of that part."""
         self.lookups += 1
         best, shared = None, 0
-        for key, (tokens, _, own) in self._entries.items():
+        for key, (tokens, cache, own) in self._entries.items():
             if own != salt:
                 continue
             n = common_prefix(tokens, prompt)
+            if not cache.trimmable and (n < len(tokens) or n >= len(prompt)):
+                continue  # a recurrent state or a sliding window serves only a prompt that extends it whole
             if n > shared:
                 best, shared = key, n
         keep = min(shared, len(prompt) - 1)
@@ -72,7 +77,7 @@ class PromptCache:
     def put(self, tokens: Sequence[int], cache, salt: str = "") -> None:
         """Keep ``cache`` (holding ``tokens[:cache.offset]``), dropping the oldest entries to stay in budget."""
         size = cache.nbytes
-        if not cache.trimmable or size > self.max_bytes or cache.offset < MIN_SHARED_TOKENS:
+        if size > self.max_bytes or cache.offset < MIN_SHARED_TOKENS:
             return
         while self._entries and self.bytes + size > self.max_bytes:
             _, (_, old, _) = self._entries.popitem(last=False)
