@@ -21,10 +21,10 @@ import torch
 import umakit
 from umakit.checkpoint.hfquant import layouts
 from umakit.errors import CheckpointError, UnsupportedModelError
-from tests.support.tiny import make_tiny_model
+from support.tiny import make_tiny_model
 
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", ".w1", ".w2", ".w3")
 
 
 def grid(w: torch.Tensor, bits: int, group: int, symmetric: bool, seed: int, dtype=torch.float16):
@@ -244,3 +244,20 @@ def test_plan_and_ls_read_the_packed_checkpoint_before_it_is_imported(tmp_path):
     four_bit = plan_model(json.loads((twin / "config.json").read_text()), bits=4, group_size=64)
     assert ours.weight_bytes < float_plan.weight_bytes  # not planned as float
     assert ours.weight_bytes > four_bit.weight_bytes  # the embedding and head stay float
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_an_moe_whose_experts_are_quantized_one_by_one_runs_on_both_engines(tmp_path, family):
+    """GPTQ and AWQ MoE checkpoints quantize each routed expert's projections as their own layers: the torch engine
+    takes them so, MLX stacks their scales and biases as mlx-lm stacks their codes; transformers, which fuses the
+    experts into one tensor, refuses them by name."""
+    packed, twin, grids = foreign(tmp_path, "gptq", 4, 32, False, family)
+    assert any(".experts." in m for m in grids)
+    ids = [3, 17, 99, 250, 7]
+    for backend in ("torch", "mlx"):
+        model = umakit.load(packed, backend=backend, device="cpu", dtype="float32")
+        ref = umakit.load(twin, backend=backend, device="cpu", dtype="float32")
+        want = ref.logits(ids)
+        assert np.abs(model.logits(ids) - want).max() < 1e-4 * max(1.0, np.abs(want).max()), backend
+    with pytest.raises(UnsupportedModelError, match="experts stored one by one"):
+        umakit.load(packed, backend="transformers", device="cpu", dtype="float32")

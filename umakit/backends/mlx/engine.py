@@ -68,6 +68,30 @@ def cast_weights(weights: dict, target: mx.Dtype, castable=lambda name: True) ->
     return {k: cast(k, v) for k, v in weights.items()}
 
 
+def _sanitized(model, weights: dict) -> dict:
+    """mlx-lm's ``sanitize``, also for quantized routed experts stored one by one (an imported GPTQ, AWQ or
+    compressed-tensors MoE): sanitize stacks their ``weight``s, and their scales and biases are stacked the same
+    way, by running it on them under the weights' names."""
+    if not hasattr(model, "sanitize"):
+        return weights
+    stacked = {}
+    for suffix in ("scales", "biases"):
+        part = {k.removesuffix(suffix) + "weight": weights[k] for k in weights
+                if ".experts." in k and k.endswith("." + suffix)}
+        if not part:
+            continue
+        try:
+            done = model.sanitize(dict(part))
+        except (KeyError, ValueError, IndexError):
+            continue  # sanitize needs more than the experts: left as they are, and refused by name below
+        for k in part:
+            weights.pop(k.removesuffix("weight") + suffix)
+        stacked.update({k.removesuffix("weight") + suffix: v for k, v in done.items()})
+    weights = model.sanitize(weights)
+    weights.update(stacked)
+    return weights
+
+
 def _castable(model: nn.Module):
     return getattr(model, "cast_predicate", lambda name: True)  # mlx-lm's own default (convert.py)
 
@@ -173,8 +197,7 @@ class MLXEngine:
         weights = {}
         for f in ckpt.files:  # lazy: nothing is read until evaluated
             weights.update(mx.load(str(f)))
-        if hasattr(model, "sanitize"):
-            weights = model.sanitize(weights)
+        weights = _sanitized(model, weights)
         self.quantization = ckpt.config.get("quantization")
         if self.quantization:
             _hook_up_quantization(model, weights, self.quantization)

@@ -145,9 +145,15 @@ def load(transformers, ckpt, device: torch.device, dtype: torch.dtype) -> tuple[
     hf_config = transformers.AutoConfig.from_pretrained(str(ckpt.path))
     for cfg in {id(x): x for x in (hf_config, hf_config.get_text_config())}.values():
         cfg.quantization_config = None  # MLX's block, which transformers cannot read: ours instead
-    model, info = transformers.AutoModelForCausalLM.from_pretrained(
-        str(ckpt.path), config=hf_config, quantization_config=c, dtype=dtype, device_map={"": device},
-        output_loading_info=True)
+    try:
+        model, info = transformers.AutoModelForCausalLM.from_pretrained(
+            str(ckpt.path), config=hf_config, quantization_config=c, dtype=dtype, device_map={"": device},
+            output_loading_info=True)
+    except RuntimeError as e:  # its shapes refused: routed experts quantized one by one where transformers fuses them
+        raise UnsupportedModelError(
+            f"{ckpt.path}: transformers' model does not take this checkpoint's quantized tensors "
+            f"({str(e).splitlines()[0][:200]}); quantized routed experts stored one by one run on --backend torch "
+            "or mlx") from None
     unexpected = [k for k in info.get("unexpected_keys", ()) if not k.endswith("inv_freq")]
     if unexpected:
         raise UnsupportedModelError(_unmapped(ckpt, sorted(unexpected)[0], "a parameter"))
