@@ -198,7 +198,10 @@ def test_act_order_and_unsupported_schemes_are_refused_by_name(tmp_path):
                       "float-quantized"),
                      ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {
                          "weights": {"num_bits": 8, "type": "int", "strategy": "channel"},
-                         "input_activations": {"num_bits": 8, "type": "int"}}}}, "activations are quantized")]:
+                         "input_activations": {"num_bits": 8, "type": "int"}}}}, "activations are quantized"),
+                     ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {
+                         "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32}}},
+                       "kv_cache_scheme": {"num_bits": 8, "type": "float"}}, "kv_cache_scheme")]:
         (packed / "config.json").write_text(json.dumps({**config, "quantization_config": q}))
         with pytest.raises(UnsupportedModelError, match=words):
             import_checkpoint(packed, tmp_path / "out")

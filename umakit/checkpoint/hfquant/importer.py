@@ -67,6 +67,9 @@ def _scheme(config: dict, where: str) -> Scheme:
         return Scheme(method, 4, int(q.get("group_size", q.get("q_group_size", 128))), False, 0)
     fmt = q.get("format")
     groups = q.get("config_groups") or {}
+    if q.get("kv_cache_scheme"):
+        raise UnsupportedModelError(f"{where}: its KV cache is quantized too (kv_cache_scheme), which umakit does "
+                                    "not run as compressed-tensors does; weight-only schemes are")
     if fmt != "pack-quantized" or len(groups) != 1:
         raise UnsupportedModelError(f"{where}: compressed-tensors format {fmt!r} with {len(groups)} scheme(s) is "
                                     "not supported (one pack-quantized scheme of integer weights is)")
