@@ -60,32 +60,10 @@ def test_batch_command_api_takes_a_hybrid_model(hybrid):
 def test_serve_answers_concurrent_requests_on_a_hybrid_model(tmp_path, tmp_path_factory):
     """`umakit serve --backend mlx` on qwen3_next: concurrent greedy chats in one batch, each its lone reply, and a
     second round with the same answers."""
-    from concurrent.futures import ThreadPoolExecutor
+    from support.serve_helpers import concurrent_chats
 
-    import httpx
-
-    from support.serve_helpers import start_server
-
-    path = make("qwen3_next", tmp_path / "qwen3_next")
-    questions = ["The quick brown fox", "Paris is the capital of", "Unified memory", "fox fox fox"]
-    local = umakit.load(path, backend="mlx", dtype="float32")
-    want = [local.generate(messages=[{"role": "user", "content": q}], max_tokens=8, temperature=0).text
-            for q in questions]
-    srv = start_server(path, ["--backend", "mlx", "--dtype", "float32"], tmp_path_factory, "mlx-hybrid")
-    try:
-        name = httpx.get(f"{srv.url}/v1/models").json()["data"][0]["id"]
-
-        def ask(q: str) -> str:
-            r = httpx.post(f"{srv.url}/v1/chat/completions", timeout=120, json={
-                "model": name, "messages": [{"role": "user", "content": q}], "max_tokens": 8, "temperature": 0})
-            assert r.status_code == 200, r.text
-            return r.json()["choices"][0]["message"]["content"]
-
-        with ThreadPoolExecutor(4) as pool:
-            first = list(pool.map(ask, questions))
-            second = list(pool.map(ask, questions))
-    finally:
-        srv.stop()
+    (first, second), want = concurrent_chats(make("qwen3_next", tmp_path / "qwen3_next"), "mlx", tmp_path_factory,
+                                             "mlx-hybrid", rounds=2)
     assert first == want and second == want
 
 

@@ -151,31 +151,10 @@ def test_batch_command_runs_a_hybrid_model(tmp_path):
 @pytest.mark.slow
 def test_serve_answers_concurrent_requests_on_a_hybrid_model(tmp_path, tmp_path_factory):
     """`umakit serve --backend transformers` on qwen3_next: concurrent greedy chats, each its lone reply."""
-    from concurrent.futures import ThreadPoolExecutor
+    from support.serve_helpers import concurrent_chats
 
-    import httpx
-
-    from support.serve_helpers import start_server
-
-    path = make("qwen3_next", tmp_path / "qwen3_next")
-    questions = ["The quick brown fox", "Paris is the capital of", "Unified memory", "fox fox fox"]
-    local = umakit.load(path, backend="transformers", dtype="float32")
-    want = [local.generate(messages=[{"role": "user", "content": q}], max_tokens=8, temperature=0).text
-            for q in questions]
-    srv = start_server(path, ["--backend", "transformers", "--dtype", "float32"], tmp_path_factory, "hybrid")
-    try:
-        name = httpx.get(f"{srv.url}/v1/models").json()["data"][0]["id"]
-
-        def ask(q: str) -> str:
-            r = httpx.post(f"{srv.url}/v1/chat/completions", timeout=120, json={
-                "model": name, "messages": [{"role": "user", "content": q}], "max_tokens": 8, "temperature": 0})
-            assert r.status_code == 200, r.text
-            return r.json()["choices"][0]["message"]["content"]
-
-        with ThreadPoolExecutor(4) as pool:
-            got = list(pool.map(ask, questions))
-    finally:
-        srv.stop()
+    (got,), want = concurrent_chats(make("qwen3_next", tmp_path / "qwen3_next"), "transformers", tmp_path_factory,
+                                    "hybrid")
     assert got == want
 
 

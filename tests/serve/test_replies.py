@@ -109,17 +109,22 @@ class Scripted:
         return {}
 
 
-@pytest.fixture(scope="module")
-def app(tmp_path_factory):
+def scripted_app(tmp_path_factory, name: str, template: str, specials: tuple[str, ...]):
+    """(the app, its scripted scheduler, the model's name) of a tiny model with ``template``."""
     import umakit
     from umakit.serve.app import make_app
 
-    path = make_tiny_model("qwen2", tmp_path_factory.mktemp("thinking"))
-    write_tokenizer(path, TEMPLATE, extra_specials=SPECIALS)
+    path = make_tiny_model("qwen2", tmp_path_factory.mktemp(name))
+    write_tokenizer(path, template, extra_specials=specials)
     model = umakit.load(path, backend="torch", dtype="float32")
     scripted = Scripted()
     scripted.tokenizer = model.tokenizer
     return make_app(model, scripted), scripted, model.info.name
+
+
+@pytest.fixture(scope="module")
+def app(tmp_path_factory):
+    return scripted_app(tmp_path_factory, "thinking", TEMPLATE, SPECIALS)
 
 
 def _post(app, path, payload, stream=False):
@@ -244,15 +249,7 @@ def test_think_tags_are_not_harmony_and_a_template_with_neither_has_no_markers()
 
 @pytest.fixture(scope="module")
 def harmony_app(tmp_path_factory):
-    import umakit
-    from umakit.serve.app import make_app
-
-    path = make_tiny_model("qwen2", tmp_path_factory.mktemp("harmony"))
-    write_tokenizer(path, HARMONY_TEMPLATE, extra_specials=HARMONY_SPECIALS)
-    model = umakit.load(path, backend="torch", dtype="float32")
-    scripted = Scripted()
-    scripted.tokenizer = model.tokenizer
-    return make_app(model, scripted), scripted, model.info.name
+    return scripted_app(tmp_path_factory, "harmony", HARMONY_TEMPLATE, HARMONY_SPECIALS)
 
 
 def test_a_harmony_reply_reaches_clients_as_reasoning_and_content(harmony_app):

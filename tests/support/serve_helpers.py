@@ -111,3 +111,33 @@ def asgi_calls(app, calls):
             return [await c.request(method, path, json=payload) for method, path, payload in calls]
 
     return asyncio.run(go())
+
+
+def concurrent_chats(path, backend: str, tmp_path_factory, name: str, rounds: int = 1):
+    """``umakit serve --backend BACKEND`` on ``path`` asked four greedy chats at once, ``rounds`` times over: (the
+    replies of each round, the replies the model gives each question alone in process)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    import umakit
+
+    questions = ["The quick brown fox", "Paris is the capital of", "Unified memory", "fox fox fox"]
+    local = umakit.load(path, backend=backend, dtype="float32")
+    want = [local.generate(messages=[{"role": "user", "content": q}], max_tokens=8, temperature=0).text
+            for q in questions]
+    srv = start_server(path, ["--backend", backend, "--dtype", "float32"], tmp_path_factory, name)
+    try:
+        model = httpx.get(f"{srv.url}/v1/models").json()["data"][0]["id"]
+
+        def ask(q: str) -> str:
+            r = httpx.post(f"{srv.url}/v1/chat/completions", timeout=120, json={
+                "model": model, "messages": [{"role": "user", "content": q}], "max_tokens": 8, "temperature": 0})
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["message"]["content"]
+
+        with ThreadPoolExecutor(4) as pool:
+            got = [list(pool.map(ask, questions)) for _ in range(rounds)]
+    finally:
+        srv.stop()
+    return got, want

@@ -48,7 +48,7 @@ from umakit.backends.base import PREFILL_CHUNK, WeightInfo, refuse_options
 from umakit.backends.torch import SPEC
 from umakit.backends.torch.cpu import build
 from umakit.backends.torch import crossover
-from umakit.backends.torch import quant
+from umakit.backends.torch import peak, quant
 from umakit.backends.torch.batch_decoder import TorchBatchDecoder
 from umakit.backends.torch.cache import GROW_STEP, StaticKVCache
 from umakit.backends.torch.quant_cache import QuantizedKVCache
@@ -345,15 +345,10 @@ class TorchEngine:
             self._graphs, self._fused = graphs, fused
 
     def reset_peak_memory(self) -> None:
-        if self.device == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        else:
-            common.reset_process_peak_memory()
+        peak.reset(self.device)
 
     def peak_memory(self) -> int:
         """Peak device memory on CUDA; on CPU the process's peak resident memory."""
-        if self.device == "cuda":
-            return torch.cuda.max_memory_allocated()
-        return common.process_peak_memory()
+        return peak.measured(self.device)
 
 

@@ -23,6 +23,7 @@ from torch import nn
 
 from umakit.backends import common
 from umakit.backends.base import PREFILL_CHUNK, WeightInfo, refuse_options
+from umakit.backends.torch import peak
 from umakit.backends.torch.quant import forms
 from umakit.backends.torch.quant.layout import QuantizedLinear, quantize as quantize_weights
 from umakit.backends.torch.sampler import TorchOps
@@ -186,15 +187,11 @@ class TransformersEngine:
         return contextlib.nullcontext()
 
     def reset_peak_memory(self) -> None:
-        if self.device == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        else:
-            common.reset_process_peak_memory()
+        peak.reset(self.device)
 
     def peak_memory(self) -> int:
-        if self.device == "cuda":
-            return torch.cuda.max_memory_allocated()
-        return common.process_peak_memory()
+        """Peak device memory on CUDA; on CPU the process's peak resident memory."""
+        return peak.measured(self.device)
 
 
 def _check_device(device: str) -> None:
