@@ -14,7 +14,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from umakit.core.fsutil import atomic_dir
 
@@ -83,6 +83,40 @@ def fill_model_dir(
     index even for one file; otherwise a single `WEIGHTS_FILE`, no index.
     """
     _write_weights(dest, weights, sharded)
+    return _finish(dest, config, files, copy_from)
+
+
+def fill_model_dir_streamed(dest: Path, items: Iterable[tuple[str, Any]], config: Callable[[], dict], *,
+                            copy_from: Path | None = None, shard_bytes: int = MAX_SHARD_BYTES) -> int:
+    """`fill_model_dir` for weights that come one at a time (an import of a model too large to hold whole):
+    shards of at most ``shard_bytes`` written as they fill, so memory holds one; ``config`` is asked for
+    config.json's object once every weight is written. Returns the bytes written."""
+    names, weight_map, shard, size = [], {}, {}, 0
+
+    def flush():
+        names.append(f"model-{len(names) + 1:05d}.safetensors")
+        _save(dest / names[-1], shard)
+        weight_map.update(dict.fromkeys(shard, names[-1]))
+
+    total = 0
+    for k, v in items:
+        if shard and size + v.nbytes > shard_bytes:
+            flush()
+            shard, size = {}, 0
+        shard[k], size, total = v, size + v.nbytes, total + v.nbytes
+    flush()
+    final = {n: WEIGHTS_FILE if len(names) == 1 else f"model-{i + 1:05d}-of-{len(names):05d}.safetensors"
+             for i, n in enumerate(names)}
+    for n, f in final.items():
+        os.rename(dest / n, dest / f)
+    index = {"metadata": {"total_size": total},
+             "weight_map": dict(sorted((k, final[v]) for k, v in weight_map.items()))}
+    (dest / INDEX_FILE).write_text(json.dumps(index, indent=4))
+    return _finish(dest, config(), None, copy_from)
+
+
+def _finish(dest: Path, config: dict | str, files: Mapping[str, str] | None, copy_from: Path | None) -> int:
+    """config.json and the other files beside the weights; the bytes of every file in ``dest``."""
     text = config if isinstance(config, str) else json.dumps(config, indent=4)
     (dest / "config.json").write_text(text, encoding="utf-8")
     for name, content in (files or {}).items():

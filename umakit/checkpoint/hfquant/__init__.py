@@ -18,16 +18,15 @@ IMPORTS = ("models", "imported")  # under $UMAKIT_HOME
 def import_checkpoint(path: str | os.PathLike, out_dir: str | os.PathLike, force: bool = False):
     """Write ``path``'s checkpoint as an MLX-layout directory at ``out_dir``, atomically; an existing
     ``out_dir`` is replaced only with ``force``, once the new one is complete; returns importer.ImportReport."""
-    from umakit.checkpoint.hfquant.importer import convert, plan_import
-    from umakit.checkpoint.writer import write_model_dir
-    from umakit.core.fsutil import check_destination, check_not_inside, check_writable
+    from umakit.checkpoint.hfquant.importer import plan_import, write
+    from umakit.core.fsutil import atomic_dir, check_destination, check_not_inside, check_writable
 
     plan = plan_import(Path(path))
     check_destination(out_dir, force)
     check_not_inside(path, out_dir)
     check_writable(out_dir)
-    weights, config, report = convert(plan)
-    report.bytes_written = write_model_dir(out_dir, weights, config, copy_from=plan.path, force=force)
+    with atomic_dir(out_dir, force=force) as tmp:
+        report = write(plan, tmp)
     report.out_dir = Path(out_dir)
     return report
 
@@ -36,9 +35,8 @@ def cached_import(path: Path) -> Path:
     """The import of the checkpoint directory ``path`` under ``$UMAKIT_HOME/models/imported``, made first unless
     a finished one is there; keyed by the directory, its files' sizes and times, and the import's format."""
     from umakit.checkpoint.gguf.store import install_dir
-    from umakit.checkpoint.hfquant.importer import convert, plan_import
     from umakit.checkpoint.hfquant.detect import IMPORT_FORMAT
-    from umakit.checkpoint.writer import fill_model_dir
+    from umakit.checkpoint.hfquant.importer import plan_import, write
     from umakit.core.fsutil import new_temp_dir, writing
     from umakit.core.home import home_dir
 
@@ -55,8 +53,7 @@ def cached_import(path: Path) -> Path:
     with writing(cache):
         tmp = new_temp_dir(target)
         try:
-            weights, config, _ = convert(plan)
-            fill_model_dir(tmp, weights, config, copy_from=path)
+            write(plan, tmp)
             install_dir(tmp, target, is_complete)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -11,10 +11,12 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 
 from umakit.checkpoint.files import TensorInfo, read_safetensors_header, weight_files
+from umakit.checkpoint.writer import fill_model_dir_streamed
 from umakit.checkpoint.hfquant import layouts
 from umakit.checkpoint.hfquant.detect import IMPORT_FORMAT, method_of
 from umakit.core.affine import BITS, quantization_block
@@ -26,6 +28,7 @@ TENSORS = {
     "awq": ("qweight", "qzeros", "scales"),
     "compressed-tensors": ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx"),
 }
+SHARD_BYTES = 2 << 30  # an import holds one shard in memory at a time
 _NUMPY = {"F16": np.float16, "F32": np.float32, "BF16": np.uint16, "I32": np.int32, "U32": np.uint32,
           "I64": np.int64, "I8": np.int8, "U8": np.uint8, "I16": np.int16, "F64": np.float64}
 
@@ -158,20 +161,19 @@ class ImportReport:
     seconds: float = 0.0
 
 
-def convert(plan: ImportPlan) -> tuple[dict, dict, ImportReport]:
-    """(weights as mx arrays, config.json, report) of the import."""
+def tensors(plan: ImportPlan, layers: dict) -> Iterator[tuple[str, object]]:
+    """The import's tensors as mx arrays, one layer at a time (a whole model is never held); ``layers`` gets each
+    quantized module's (group size, bits) as it goes."""
     import mlx.core as mx
 
-    start = time.perf_counter()
     suffixes = TENSORS[plan.scheme.method]
     quantized = set(plan.modules)
-    weights, layers = {}, {}
     for module in plan.modules:
         layer = _layer(plan, module)
         dtype = _scale_dtype(layer.scales, layer.biases)
-        weights[f"{module}.weight"] = mx.array(layer.weight)
-        weights[f"{module}.scales"] = mx.array(layer.scales).astype(dtype)
-        weights[f"{module}.biases"] = mx.array(layer.biases).astype(dtype)
+        yield f"{module}.weight", mx.array(layer.weight)
+        yield f"{module}.scales", mx.array(layer.scales).astype(dtype)
+        yield f"{module}.biases", mx.array(layer.biases).astype(dtype)
         layers[module] = (layer.group, layer.bits)
     for name, info in plan.tensors.items():
         module, _, leaf = name.rpartition(".")
@@ -182,11 +184,23 @@ def convert(plan: ImportPlan) -> tuple[dict, dict, ImportReport]:
             continue  # AutoGPTQ writes a zero bias for every layer, architectures without biases included
         if info.dtype not in ("F16", "F32", "BF16"):
             raise CheckpointError(f"{plan.path}: tensor {name} is {info.dtype}, not part of a quantized layer")
-        weights[name] = mx.array(a).view(mx.bfloat16) if info.dtype == "BF16" else mx.array(a)
+        yield name, mx.array(a).view(mx.bfloat16) if info.dtype == "BF16" else mx.array(a)
+
+
+def config_of(plan: ImportPlan, layers: dict) -> dict:
+    """config.json's object for the import, once `tensors` has listed its ``layers``."""
     config = {k: v for k, v in plan.config.items() if k != "quantization_config"}
     block = quantization_block(layers, layer_mode=False)
     config["quantization"], config["quantization_config"] = block, dict(block)
     config["umakit"] = {"source": plan.scheme.method, "import_format": IMPORT_FORMAT, "from": str(plan.path)}
-    s = plan.scheme
-    report = ImportReport(Path(), s.method, len(layers), s.bits, block["group_size"], 0, time.perf_counter() - start)
-    return weights, config, report
+    return config
+
+
+def write(plan: ImportPlan, dest: Path) -> ImportReport:
+    """The import written into the existing, empty directory ``dest``."""
+    start, layers = time.perf_counter(), {}
+    written = fill_model_dir_streamed(dest, tensors(plan, layers), lambda: config_of(plan, layers),
+                                      copy_from=plan.path, shard_bytes=SHARD_BYTES)
+    group = quantization_block(layers, layer_mode=False)["group_size"]  # the most common
+    return ImportReport(dest, plan.scheme.method, len(layers), plan.scheme.bits, group, written,
+                        time.perf_counter() - start)
