@@ -264,3 +264,21 @@ def test_an_moe_whose_experts_are_quantized_one_by_one_runs_on_both_engines(tmp_
         assert np.abs(model.logits(ids) - want).max() < 1e-4 * max(1.0, np.abs(want).max()), backend
     with pytest.raises(UnsupportedModelError, match="experts stored one by one"):
         umakit.load(packed, backend="transformers", device="cpu", dtype="float32")
+
+
+@pytest.mark.parametrize("method,side", [("gptq", "quantize_config.json"), ("awq", "quant_config.json")])
+def test_an_older_checkpoint_with_its_quantization_beside_config_json(tmp_path, method, side):
+    """AutoGPTQ and AutoAWQ wrote their settings to a file of their own before transformers read them from
+    config.json: such a checkpoint imports as well, by its directory."""
+    packed, twin, _ = foreign(tmp_path, method, 4, 32, False)
+    config = json.loads((packed / "config.json").read_text())
+    q = config.pop("quantization_config")
+    q.pop("quant_method")
+    if method == "awq":  # AutoAWQ's own names
+        q = {"w_bit": q["bits"], "q_group_size": q["group_size"], "zero_point": True, "version": "GEMM"}
+    (packed / side).write_text(json.dumps(q))
+    (packed / "config.json").write_text(json.dumps(config))
+    model = umakit.load(packed, backend="torch", device="cpu", dtype="float32")
+    ids = [3, 17, 99, 250, 7]
+    want = umakit.load(twin, backend="torch", device="cpu", dtype="float32").logits(ids)
+    assert np.abs(model.logits(ids) - want).max() < 1e-4 * max(1.0, np.abs(want).max())

@@ -111,9 +111,9 @@ def _imported(path: Path) -> Path:
         config = json.loads((path / "config.json").read_text())
     except (OSError, ValueError):
         return path  # read_config says what is wrong with it
-    from umakit.checkpoint.hfquant.detect import method_of
+    from umakit.checkpoint.hfquant.detect import method_of, with_side_file
 
-    if not isinstance(config, dict) or method_of(config) is None:
+    if not isinstance(config, dict) or method_of(with_side_file(path, config)) is None:
         return path
     from umakit.checkpoint.hfquant import cached_import
 

@@ -20,6 +20,25 @@ def method_of(config: dict) -> str | None:
     return method if method in METHODS else None
 
 
+# where older checkpoints keep their quantization beside config.json instead of in it: AutoGPTQ's, AutoAWQ's
+SIDE_FILES = {"quantize_config.json": "gptq", "quant_config.json": "awq"}
+
+
+def with_side_file(path: Path, config: dict) -> dict:
+    """``config``, its ``quantization_config`` read from AutoGPTQ's ``quantize_config.json`` or AutoAWQ's
+    ``quant_config.json`` where config.json has none (checkpoints made before transformers read them)."""
+    if isinstance(config.get("quantization_config"), dict) or isinstance(config.get("quantization"), dict):
+        return config
+    for name, method in SIDE_FILES.items():
+        try:
+            q = json.loads((path / name).read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(q, dict):
+            return {**config, "quantization_config": {"quant_method": method, **q}}
+    return config
+
+
 def foreign_block(config: dict) -> dict | None:
     """A foreign integer checkpoint's bits and group size as an mlx-lm ``quantization`` block of what its import
     holds (a row's one scale as groups of 128; the embedding and head float, as these formats leave them), for what

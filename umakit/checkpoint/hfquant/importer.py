@@ -18,7 +18,7 @@ import numpy as np
 from umakit.checkpoint.files import TensorInfo, read_safetensors_header, weight_files
 from umakit.checkpoint.writer import fill_model_dir_streamed
 from umakit.checkpoint.hfquant import layouts
-from umakit.checkpoint.hfquant.detect import IMPORT_FORMAT, method_of
+from umakit.checkpoint.hfquant.detect import IMPORT_FORMAT, method_of, with_side_file
 from umakit.core.affine import BITS, quantization_block
 from umakit.errors import CheckpointError, UnsupportedModelError
 
@@ -91,7 +91,7 @@ def _scheme(config: dict, where: str) -> Scheme:
 
 def plan_import(path: Path) -> ImportPlan:
     """Read ``path``'s config and tensor headers and check that every quantized layer has an exact form."""
-    config = json.loads((path / "config.json").read_text())
+    config = with_side_file(path, json.loads((path / "config.json").read_text()))
     where = str(path)
     if method_of(config) is None:
         raise CheckpointError(f"{where} is not a GPTQ, AWQ or compressed-tensors checkpoint (its config.json has "
