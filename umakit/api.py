@@ -259,7 +259,7 @@ def load(
 ) -> Model:
     """Load a model directory, Hub repo id, .gguf file, or (None) the built-in default.
 
-    ``backend`` is "auto", "mlx", "torch" or "cuda"; ``dtype`` is the compute
+    ``backend`` is "auto", "mlx", "torch", "transformers" or "cuda"; ``dtype`` is the compute
     dtype ("auto": float32 on CPU, the checkpoint's dtype on a GPU).
     ``quantize`` (e.g. ``4`` or ``{"bits": 4, "group_size": 64, "recipe": "mixed"}``)
     quantizes a float checkpoint in memory, without writing files (mlx backend).
