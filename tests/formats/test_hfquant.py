@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import umakit
+from umakit.checkpoint.gguf.quants import pack
 from umakit.checkpoint.hfquant import layouts
 from umakit.errors import CheckpointError, UnsupportedModelError
 from support.tiny import make_tiny_model
@@ -227,7 +228,7 @@ def test_bit_streams_round_trip_at_every_width():
     rng = np.random.default_rng(0)
     for bits in (2, 3, 4, 5, 6, 8):
         q = rng.integers(0, 2 ** bits, size=(5, 96)).astype(np.uint8)
-        words = layouts.pack(q, bits)
+        words = pack(q, bits)
         assert words.shape == (5, 96 * bits // 32)
         assert np.array_equal(layouts.codes(words, bits, 96), q)
         assert np.array_equal(words.view(np.int32), bitstream(torch.from_numpy(q.astype(np.int64)), bits).numpy())

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 
 import torch
+from transformers.cache_utils import DynamicLayer
 
 from umakit.errors import InvalidArgumentError
 
@@ -42,7 +43,7 @@ class TransformersCache:
         sliding = getattr(self.hf, "is_sliding", None) or []
         layers = getattr(self.hf, "layers", None) or []
         return bool(getattr(self.hf, "is_croppable", False)) and not any(sliding) and all(
-            type(layer).__name__ == "DynamicLayer" for layer in layers)
+            type(layer) is DynamicLayer for layer in layers)
 
     def trim(self, n: int) -> int:
         n = max(0, min(n, self._offset))
@@ -58,7 +59,7 @@ class TransformersCache:
         """(length, copies of what cropping cannot give back: sliding windows, linear-attention states)."""
         kept = {}
         for i, layer in enumerate(getattr(self.hf, "layers", ())):
-            if type(layer).__name__ == "DynamicLayer":
+            if type(layer) is DynamicLayer:
                 continue
             kept[i] = {k: _cloned(v) for k, v in vars(layer).items()}
         return self._offset, kept

@@ -23,6 +23,7 @@ from umakit.errors import UnsupportedModelError
 
 
 METHOD = "umakit-affine"  # the quantization method registered with transformers for MLX's layout
+SCALE_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
 
 
 class _Packed(nn.Module):
@@ -61,7 +62,7 @@ def _quantizer_classes(transformers):
             self.quant_method, self.block, self.tensors, self.device = METHOD, block or {}, tensors or {}, device
             self.dtype = dtype  # of activations and float tensors
             self.packed: dict[str, _Packed] = {}
-            self.scales: dict[str, torch.Tensor | None] = {}
+            self.scales: dict[str, float | None] = {}  # a quantized table's: what its rows are multiplied by
             self.head: str | None = None  # a tied head reading a quantized table
 
         def to_dict(self):
@@ -78,8 +79,7 @@ def _quantizer_classes(transformers):
             return False
 
         def _process_model_before_weight_loading(self, model, **kwargs):
-            c = self.quantization_config
-            _swap_in_packed(model, c)
+            _swap_in_packed(model, self.quantization_config)
 
         def _process_model_after_weight_loading(self, model, **kwargs):
             _swap_in_forms(model, self.quantization_config)
@@ -109,7 +109,8 @@ def _swap_in_packed(model: nn.Module, c) -> None:
             c.scales[path] = _embed_scale(module)
         else:
             continue
-        c.packed[path] = _Packed(rows, cols, bias, spec["bits"], spec["group_size"], torch.float16)
+        stored = SCALE_DTYPES.get(c.tensors[f"{path}.scales"].dtype, torch.float32)  # as the checkpoint has them
+        c.packed[path] = _Packed(rows, cols, bias, spec["bits"], spec["group_size"], stored)
         _put(model, path, c.packed[path])
         if module is table and head is not None and f"{path}.scales" in c.tensors:
             c.head = next((p for p, m in modules.items() if m is head), None)
@@ -161,8 +162,7 @@ def load(transformers, ckpt, device: torch.device, dtype: torch.dtype) -> tuple[
     if missing:
         raise UnsupportedModelError(f"{ckpt.path}: the checkpoint has no tensor for {missing[0]} (of {len(missing)} "
                                     f"parameters transformers' {type(model).__name__} has and it lacks)")
-    params = sum(p.in_features * p.out_features + (p.out_features if p.bias is not None else 0)
-                 for p in (m.layout() for m in c.packed.values()))
+    params = sum(p.rows * p.cols + (p.rows if p.bias is not None else 0) for p in c.packed.values())
     return model.eval(), params + sum(p.numel() for p in model.parameters())
 
 
@@ -173,7 +173,7 @@ def _embed_scale(module: nn.Embedding) -> float | None:
         if module.embed_scale.is_meta:
             raise UnsupportedModelError(f"{type(module).__name__} scales its rows by a buffer umakit cannot read "
                                         "before the weights load; load its float original")
-        scale = float(module.embed_scale)
+        scale = module.embed_scale
     return None if scale is None else float(scale)
 
 

@@ -19,6 +19,8 @@ from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingW
 
 KINDS = (DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer)
 STATES = ("conv_states", "recurrent_states")
+INITIALIZED = ("is_conv_states_initialized", "is_recurrent_states_initialized")  # one flag a state, as STATES
+FLAGS = (*INITIALIZED, "has_previous_state", "conv_kernel_size")  # a linear-attention layer's per-state dicts
 
 
 def stackable(cache) -> bool:
@@ -39,11 +41,10 @@ def _stack_layer(rows: list, longest: int):
     if isinstance(layer, LinearAttentionLayer):
         for name in STATES:
             setattr(layer, name, dict(getattr(layer, name)))
-        for flag in ("is_conv_states_initialized", "is_recurrent_states_initialized", "has_previous_state",
-                     "conv_kernel_size"):
+        for flag in FLAGS:
             setattr(layer, flag, dict(getattr(layer, flag)))
         for idx in range(layer.number_of_states):
-            for name, flag in zip(STATES, ("is_conv_states_initialized", "is_recurrent_states_initialized")):
+            for name, flag in zip(STATES, INITIALIZED):
                 got = [getattr(r, name)[idx] if getattr(r, flag)[idx] else None for r in rows]
                 like = next((t for t in got if t is not None), None)
                 if like is None:
@@ -90,8 +91,7 @@ def _row_layer(layer, i: int, n: int):
         for name in STATES:
             setattr(one, name, {k: (v[i:i + 1].clone() if v is not None else None)
                                 for k, v in getattr(layer, name).items()})
-        for flag in ("is_conv_states_initialized", "is_recurrent_states_initialized", "has_previous_state",
-                     "conv_kernel_size"):
+        for flag in FLAGS:
             setattr(one, flag, dict(getattr(layer, flag)))
         one.cumulative_length_linear = torch.tensor(n, dtype=torch.long, device=layer.cumulative_length_linear.device)
         return one

@@ -151,6 +151,8 @@ def pack(q: np.ndarray, bits: int) -> np.ndarray:
     assert bits in MLX_BITS and cols % 32 == 0 and q.dtype == np.uint8
     if bits == 8:
         return np.ascontiguousarray(q).view("<u4")
+    if bits == 4:  # two codes a byte, the first in the low nibble
+        return np.ascontiguousarray(q[:, 0::2] | (q[:, 1::2] << 4)).view("<u4")
     out = np.empty((rows, cols * bits // 32), dtype="<u4")
     shifts = np.arange(8, dtype=np.uint64) * np.uint64(bits)
     step = max(1, (1 << 21) // cols)  # bound the uint64 temporary to ~16 MB

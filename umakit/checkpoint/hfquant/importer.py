@@ -1,5 +1,5 @@
 """A GPTQ, AWQ or compressed-tensors checkpoint read (`plan_import`) and written as an MLX-layout model directory
-(`write_import`), every quantized layer exactly (layouts.py), every other tensor as it is.
+(`write`), every quantized layer exactly (layouts.py), every other tensor as it is.
 
 What no exact form holds is refused by name before anything is written: act-order GPTQ, AWQ's other kernels'
 layouts, compressed-tensors' float and activation-quantized schemes, groups MLX cannot express.
@@ -16,6 +16,7 @@ from typing import Iterator
 import numpy as np
 
 from umakit.checkpoint.files import TensorInfo, read_safetensors_header, weight_files
+from umakit.checkpoint.gguf.quants import pick_dtype
 from umakit.checkpoint.writer import fill_model_dir_streamed
 from umakit.checkpoint.hfquant import layouts
 from umakit.checkpoint.hfquant.detect import IMPORT_FORMAT, method_of, with_side_file
@@ -139,13 +140,13 @@ def _layer(plan: ImportPlan, module: str) -> layouts.Layer:
     return layouts.compressed(t, s.bits, s.group if s.group > 0 else None, s.symmetric, where)
 
 
-def _scale_dtype(*arrays: np.ndarray):
+def _scale_dtype(scales: np.ndarray, biases: np.ndarray):
     """float16, else bfloat16, else float32: the narrowest that holds every value exactly."""
     import mlx.core as mx
 
-    if all(np.array_equal(a.astype(np.float16).astype(np.float32), a) for a in arrays):
+    if pick_dtype(scales, biases) == np.float16:
         return mx.float16
-    if all(not (a.view(np.uint32) & 0xFFFF).any() for a in arrays):
+    if not any((a.view(np.uint32) & 0xFFFF).any() for a in (scales, biases)):  # bfloat16 is float32's top half
         return mx.bfloat16
     return mx.float32
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from umakit.checkpoint.gguf.quants import pack
 from umakit.core.affine import GROUP_SIZES
 from umakit.errors import CheckpointError
 
@@ -41,7 +42,7 @@ class Layer:
 
 def codes(words: np.ndarray, bits: int, count: int) -> np.ndarray:
     """(..., n) 32-bit words -> (..., count) uint8: code j at bits [j * bits, (j + 1) * bits) of each row's
-    little-endian bit stream (MLX's packing, GPTQ's and compressed-tensors')."""
+    little-endian bit stream (MLX's packing, GPTQ's and compressed-tensors'; the inverse of gguf.quants.pack)."""
     w = np.ascontiguousarray(words).view(np.uint32)
     if bits in (4, 8):  # whole bytes, a 4-bit code in a byte's low nibble before its high one
         b = w.view(np.uint8)
@@ -54,21 +55,6 @@ def codes(words: np.ndarray, bits: int, count: int) -> np.ndarray:
     stream = np.unpackbits(w.view(np.uint8), axis=-1, bitorder="little")[..., : count * bits]
     stream = stream.reshape(*w.shape[:-1], count, bits)
     return (stream << np.arange(bits, dtype=np.uint8)).sum(axis=-1, dtype=np.uint8)
-
-
-def pack(q: np.ndarray, bits: int) -> np.ndarray:
-    """(rows, cols) codes -> (rows, cols * bits / 32) uint32 in MLX's packing (the inverse of `codes`)."""
-    rows, cols = q.shape
-    if bits in (4, 8):
-        q = q.astype(np.uint8)
-        b = q if bits == 8 else q[:, 0::2] | (q[:, 1::2] << 4)
-        return np.ascontiguousarray(b).view(np.uint32)
-    if 32 % bits == 0:
-        per = 32 // bits
-        parts = q.reshape(rows, cols // per, per).astype(np.uint32) << (np.arange(per, dtype=np.uint32) * bits)
-        return np.bitwise_or.reduce(parts, axis=-1)
-    stream = np.unpackbits(q.astype(np.uint8)[..., None], axis=-1, bitorder="little")[..., :bits]
-    return np.packbits(stream.reshape(rows, cols * bits), axis=-1, bitorder="little").view(np.uint32)
 
 
 def as_float32(a: np.ndarray, dtype: str) -> np.ndarray:
@@ -126,7 +112,7 @@ def awq(t: dict, group: int, where: str) -> Layer:
 
     q = outputs(t["qweight"])  # (in, out)
     group = q.shape[0] if group <= 0 else group
-    return _layer(pack(q.T, 4), t["scales"].T, outputs(t["qzeros"]).T, 4, group, where)
+    return _layer(pack(np.ascontiguousarray(q.T), 4), t["scales"].T, outputs(t["qzeros"]).T, 4, group, where)
 
 
 def compressed(t: dict, bits: int, group: int | None, symmetric: bool, where: str) -> Layer:
