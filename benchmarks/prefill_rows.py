@@ -8,6 +8,8 @@ The same prompt into the same engine (``--dtype auto`` on a CPU whose torch kern
   which decodes each weight once per four input rows; torch's int4 kernel where that is not built, once per row);
 - ``dequantize + GEMM``: the forward pass, each layer's weight dequantized once per call for one GEMM (float32
   for the affine kernel, bfloat16 for the int4 one);
+- ``dequantize + GEMM, torch's BLAS``: the same with torch's oneDNN turned off, so the affine kernel's float32
+  GEMMs take torch's own (csrc/gemm.cpp takes oneDNN's where it can);
 - ``fused rows``: each token run as its own fused decode step, all in one C++ call.
 
 The engine takes the first below `crossover.AFFINE_DENSE_ROWS` (or `DENSE_ROWS`) rows and the second from there up. For each way it
@@ -37,12 +39,13 @@ from umakit.backends.torch import crossover
 from umakit.backends.torch.cpu import affine_kernel
 
 OUT = Path(__file__).parent / "out" / "prefill_rows.md"
-WAYS = ("packed kernel", "dequantize + GEMM", "fused rows")
+WAYS = ("packed kernel", "dequantize + GEMM", "dequantize + GEMM, torch's BLAS", "fused rows")
 
 
 @contextlib.contextmanager
 def dense_from(rows: int):
-    names = ("DENSE_ROWS", "AFFINE_DENSE_ROWS", "AFFINE_INT8_DENSE_ROWS", "AFFINE_INT8X2_DENSE_ROWS")
+    names = ("DENSE_ROWS", "AFFINE_DENSE_ROWS", "AFFINE_INT8_DENSE_ROWS", "AFFINE_INT8X2_DENSE_ROWS",
+             "AFFINE_INT8X2_ONEDNN_DENSE_ROWS", "AFFINE_INT8X2_BF16_DENSE_ROWS")
     old = [getattr(crossover, n) for n in names]
     for n in names:
         setattr(crossover, n, rows)
@@ -53,6 +56,17 @@ def dense_from(rows: int):
             setattr(crossover, n, value)
 
 
+@contextlib.contextmanager
+def onednn(way: str):
+    """torch's oneDNN off for the BLAS way (not `torch.backends.mkldnn.flags`, which also turns on TF32 matmuls)."""
+    before = torch.backends.mkldnn.enabled
+    torch.backends.mkldnn.enabled = way != "dequantize + GEMM, torch's BLAS"
+    try:
+        yield
+    finally:
+        torch.backends.mkldnn.enabled = before
+
+
 def prefill(engine, ids: list[int], way: str):
     """A fresh cache holding ``ids``, prefilled ``way``."""
     cache = engine.make_cache()
@@ -60,7 +74,7 @@ def prefill(engine, ids: list[int], way: str):
         if way == "fused rows":
             engine._fused.prefill(torch.tensor(ids), cache)
         else:
-            with dense_from(10**9 if way == "packed kernel" else 1), engine.eager():  # the forward pass alone
+            with dense_from(10**9 if way == "packed kernel" else 1), engine.eager(), onednn(way):  # the forward pass
                 engine.prefill(ids, cache)
     return cache
 
@@ -137,7 +151,7 @@ def main() -> None:
              "|---|" + "---:|" * (len(args.lengths) + (2 if scores else 0))]
     for way in WAYS:
         cells = " | ".join(f"{times[way][n] * 1e3:.0f}" if n in times[way] else "" for n in args.lengths)
-        score = f" | {scores[way][0]}/{args.windows} | {scores[way][1]:.5f} |" if scores else " |"
+        score = f" | {scores[way][0]}/{args.windows} | {scores[way][1]:.2e} |" if scores else " |"
         lines.append(f"| {way} | {cells}{score}")
     table = "\n".join(lines)
     print(table)

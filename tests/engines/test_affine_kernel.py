@@ -12,6 +12,9 @@ Tolerance, per form of the inputs:
 - int8 inputs in two passes (the CPU default with AVX512-VNNI): the remainder of that rounding, at most max|x|
   / 254, rounded the same way again, so input k is off by at most max|x| of its block / (254 * 254), and an
   output by at most the same sum times that.
+- a GEMM's rows (from `dense_rows()` on): float32, or, where the kernel's GEMMs are bfloat16 (`gemm_form()`),
+  x and the weights rounded to bfloat16 (2^-9 relative each), products summed in float32, each output rounded
+  to bfloat16: off by at most sum_k |x_k w_nk| * 2 * 2^-9 plus 2^-9 of the output (checked at twice that).
 """
 
 import pytest
@@ -54,6 +57,11 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, x: torch.Tensor, parts: 
     """Within the tolerance of the inputs' form (see the module's docstring); ``exact``: float32 whatever the form
     (a GEMM's rows)."""
     form = affine.FLOAT32 if exact else affine.inputs()
+    if exact and affine.gemm_form() & affine.DENSE_BF16:
+        weights = torch.cat([m.dequantized(torch.float32) for m in parts])
+        bound = F.linear(x.abs(), weights.abs()) * 2 ** -8 + want.abs() * 2 ** -8
+        assert ((got - want).abs() <= 2 * bound).all()
+        return
     if form in (affine.INT8, affine.INT8X2):
         codes = torch.cat([layout.dequantize(m.weight, m.scales, m.scales * -(2 ** (m.bits - 1)), m.bits,
                                              m.group_size) for m in parts])  # scale * (code - 2^(bits-1))
@@ -113,7 +121,7 @@ def test_the_kernel_equals_dequantize_then_matmul(bits, group, rows):
 def test_each_row_gets_the_bits_it_gets_alone(bits):
     """What lets a batch's rows and a verification's tokens reproduce their single decode steps."""
     run = affine.AffineLinear([layer(96, 512, bits, 64)])
-    x = torch.randn(DENSE - 1, 512)
+    x = torch.randn(min(DENSE, affine.dense_rows()) - 1, 512)
     together = run(x)
     for i in (0, 3, 4, len(x) - 1):
         assert torch.equal(run(x[i:i + 1])[0], together[i])
@@ -187,3 +195,47 @@ def test_the_largest_codes_times_the_largest_inputs_do_not_saturate(bits, sign):
     x = torch.full((3, cols), sign)
     got = affine.AffineLinear([m])(x)
     assert_close(got, F.linear(x, m.dequantized(torch.float32)), x, [m])
+
+
+@pytest.mark.parametrize("rows", [1, 7, 130])
+def test_the_float32_gemm_is_torchs_within_float32_rounding(rows):
+    """csrc/gemm.cpp: oneDNN's GEMM where it runs here, torch's own with torch's oneDNN turned off."""
+    x, w = torch.randn(rows, 320), torch.randn(72, 320)
+    exact = (x.double() @ w.double().t()).float()
+    y = torch.ops.umakit.gemm_f32(x, w)
+    torch.testing.assert_close(y, exact, rtol=1e-5, atol=1e-4)
+    with torch.backends.mkldnn.flags(enabled=False, allow_tf32=False):
+        assert not affine.onednn()
+        assert torch.equal(torch.ops.umakit.gemm_f32(x, w), torch.mm(x, w.t()))
+        if affine.inputs() == affine.INT8X2:
+            assert affine.dense_rows() == crossover.AFFINE_INT8X2_DENSE_ROWS
+
+
+def test_a_long_prefill_on_either_gemm_equals_dequantize_then_matmul():
+    m = layer(72, 256, 5, 64, bias=True)
+    run, x = affine.AffineLinear([m]), torch.randn(max(DENSE, crossover.AFFINE_INT8X2_DENSE_ROWS) + 5, 256)
+    expected = F.linear(x, m.dequantized(torch.float32), m.bias)
+    for enabled in (True, False):
+        with torch.backends.mkldnn.flags(enabled=enabled, allow_tf32=False):
+            assert_close(run(x), expected, x, [m], exact=len(x) >= affine.dense_rows())
+
+
+def test_umakit_prefill_gemm_float32_keeps_a_long_prefill_in_float32(monkeypatch):
+    m = layer(72, 256, 4, 64)
+    run, x = affine.AffineLinear([m]), torch.randn(crossover.AFFINE_INT8X2_DENSE_ROWS + 5, 256)
+    expected = F.linear(x, m.dequantized(torch.float32))
+    monkeypatch.setenv(affine.PREFILL_VARIABLE, "float32")
+    assert affine.prefill_gemm() == "float32" and not affine.gemm_form() & affine.DENSE_BF16
+    in_float32 = run(x)
+    assert_close(in_float32, expected, x, [m], exact=len(x) >= affine.dense_rows())
+    monkeypatch.delenv(affine.PREFILL_VARIABLE)
+    if affine.gemm_form() & affine.DENSE_BF16:  # this CPU multiplies bfloat16 natively: the default differs
+        assert not torch.equal(run(x), in_float32)
+
+
+def test_an_unknown_umakit_prefill_gemm_is_refused_by_name(monkeypatch):
+    from umakit.errors import ConfigError
+
+    monkeypatch.setenv(affine.PREFILL_VARIABLE, "float16")
+    with pytest.raises(ConfigError, match="UMAKIT_PREFILL_GEMM='float16'"):
+        affine.prefill_gemm()

@@ -109,6 +109,7 @@ def convert_model(model: nn.Module, device: torch.device, dtype: torch.dtype, te
     """
     fp16 = device.type == "cpu" and dtype == torch.float16 and Fp16Linear.available()
     if device.type == "cpu" and dtype == torch.bfloat16 and affine.available():
+        affine.prefill_gemm()  # a bad UMAKIT_PREFILL_GEMM is refused here, at load
         for path, module in list(model.named_modules()):  # parts of different widths: still one call
             if isinstance(module, Concat) and _affine_parts(list(module.parts)):
                 _replace(model, path, affine.AffineLinear(list(module.parts), prepacked(path)))
@@ -158,7 +159,8 @@ def describe_execution(model: nn.Module) -> str:
     if "Fp16Linear" in kinds:
         return "runs as float16 weights, float32 math"
     if "AffineLinear" in kinds:
-        return "runs on umakit's packed kernels, float32 activations"
+        gemms = ", bfloat16 GEMMs in long prefills" if affine.prefill_gemm() == "bfloat16" else ""
+        return f"runs on umakit's packed kernels, float32 activations{gemms}"
     if "Int4PackLinear" in kinds:
         return "runs on int4 kernels, bfloat16"
     if "TritonAffineLinear" in kinds:

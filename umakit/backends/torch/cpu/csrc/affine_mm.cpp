@@ -56,6 +56,7 @@ constexpr bool kVNNI = true;
 constexpr bool kVNNI = false;
 #endif
 constexpr int64_t FLOAT32 = 0, INT8 = 2, INT8X2 = 3;  // the forms x is multiplied in (affine.h)
+constexpr int64_t DENSE_BF16 = 16;  // or'ed into them: the GEMMs in bfloat16
 
 // x as the parts multiply it: as is, or in int8 blocks of 32, block b of row m being dx[m * K / 32 + b] *
 // xq[m * K + 32 b ...], plus, in two passes, the remainder in int8 blocks again (xq2, dx2).
@@ -362,20 +363,21 @@ void block_codes(const uint8_t* tb, int64_t bits, uint8_t (*out)[BLOCK]) {
     for (int j = 0; j < BLOCK; ++j) out[r][j] = static_cast<uint8_t>(code_at(tb, static_cast<int>(bits), r, j));
 }
 
-// Tiles [t0, t1) of a part as float32 rows (8 (t1 - t0), K): scale * code + bias.
-void dequantize_tiles(const Part& p, int64_t t0, int64_t t1, int64_t K, float* w) {
+// Tiles [t0, t1) of a part as float32 (or bfloat16, rounded to nearest) rows (8 (t1 - t0), K): scale * code + bias.
+template <typename T>
+void dequantize_tiles(const Part& p, int64_t t0, int64_t t1, int64_t K, T* w) {
   float s[ROWS], b[ROWS];
   uint8_t q[ROWS][BLOCK];
   const int64_t per = p.group / BLOCK;
   for (int64_t t = t0; t < t1; ++t) {
     const uint8_t* tb = p.tile(t, K);
-    float* rows = w + (t - t0) * ROWS * K;
+    T* rows = w + (t - t0) * ROWS * K;
     for (int64_t g = 0, k = 0; g < p.groups; ++g) {
       tile_scales(p, t, g, s, b);
       for (int64_t j = 0; j < per; ++j, k += BLOCK, tb += 32 * p.bits) {
         block_codes(tb, p.bits, q);
         for (int r = 0; r < ROWS; ++r)
-          for (int i = 0; i < BLOCK; ++i) rows[r * K + k + i] = static_cast<float>(q[r][i]) * s[r] + b[r];
+          for (int i = 0; i < BLOCK; ++i) rows[r * K + k + i] = T(static_cast<float>(q[r][i]) * s[r] + b[r]);
       }
     }
   }
@@ -430,20 +432,26 @@ Tensor affine_mm(const Tensor& x_in, at::TensorList codes, at::TensorList sb, at
   const int64_t N = parts.back().col + parts.back().rows;
   Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;
-  if (M >= dense_rows) {  // a long prefill: dequantize blocks of tiles once, then float32 GEMMs
+  if (M >= dense_rows) {  // a long prefill: dequantize blocks of tiles once, then float32 GEMMs (gemm.cpp)
+    const bool bf16 = inputs & DENSE_BF16;
+    const Tensor xb = bf16 ? x.to(at::kBFloat16) : x;
     for (const Part& p : parts) {
-      const int64_t tiles = p.rows / ROWS, block = std::max<int64_t>(8, (int64_t{1} << 20) / (ROWS * K));
+      const int64_t tiles = p.rows / ROWS, block = std::max<int64_t>(8, (int64_t{1} << (bf16 ? 22 : 20)) / (ROWS * K));
       for (int64_t t0 = 0; t0 < tiles; t0 += block) {
         const int64_t t1 = std::min(tiles, t0 + block);
-        Tensor w = at::empty({(t1 - t0) * ROWS, K}, x.options());
+        Tensor w = at::empty({(t1 - t0) * ROWS, K}, xb.options());
         at::parallel_for(t0, t1, 1, [&](int64_t a, int64_t b) {
-          dequantize_tiles(p, a, b, K, w.data_ptr<float>() + (a - t0) * ROWS * K);
+          if (bf16)
+            dequantize_tiles(p, a, b, K, w.data_ptr<at::BFloat16>() + (a - t0) * ROWS * K);
+          else
+            dequantize_tiles(p, a, b, K, w.data_ptr<float>() + (a - t0) * ROWS * K);
         });
-        y.narrow(1, p.col + t0 * ROWS, (t1 - t0) * ROWS).copy_(at::mm(x, w.t()));
+        y.narrow(1, p.col + t0 * ROWS, (t1 - t0) * ROWS).copy_(bf16 ? at::mm(xb, w.t()) : umakit::gemm_f32(x, w));
       }
     }
     return y;
   }
+  inputs &= ~DENSE_BF16;
   const int64_t form = (inputs == INT8 || inputs == INT8X2) && kSIMD ? inputs : FLOAT32;
   const bool int8 = form != FLOAT32, two = form == INT8X2;
   std::vector<int8_t> xq(int8 ? M * K : 0), xq2(two ? M * K : 0);
@@ -575,10 +583,14 @@ TORCH_LIBRARY_FRAGMENT(umakit, m) {
   m.def("affine_mm(Tensor x, Tensor[] codes, Tensor[] sb, int[] bits, int[] groups, int dense_rows, "
         "int inputs) -> Tensor");
   m.def("affine_features() -> int");
+  m.def("gemm_f32(Tensor x, Tensor w) -> Tensor");
+  m.def("gemm_onednn() -> bool");
   m.def("affine_planes(Tensor weight, int bits) -> Tensor");
   m.def("affine_dequantize(Tensor codes, Tensor sb, int bits, int group, Tensor ids) -> Tensor");
   m.impl("affine_mm", c10::DispatchKey::CPU, TORCH_FN(umakit::affine_mm));
   m.impl("affine_planes", c10::DispatchKey::CPU, TORCH_FN(umakit::affine_planes));
   m.impl("affine_features", c10::DispatchKey::CatchAll, TORCH_FN(umakit::affine_features));
+  m.impl("gemm_f32", c10::DispatchKey::CPU, TORCH_FN(umakit::gemm_f32));
+  m.impl("gemm_onednn", c10::DispatchKey::CatchAll, TORCH_FN(umakit::gemm_onednn));
   m.impl("affine_dequantize", c10::DispatchKey::CPU, TORCH_FN(umakit::affine_dequantize));
 }
