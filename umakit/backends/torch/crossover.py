@@ -20,13 +20,13 @@ row a lane: 339, 561 and 1037 ms at 32, 64 and 128 tokens against 755, 824 and 7
 
 Those GEMMs run on oneDNN where torch carries it and the CPU passes its checks (csrc/gemm.cpp; AVX-512): twice
 torch's BLAS in float32 on an AMD EPYC, and in bfloat16 (the default where the CPU multiplies it natively:
-cpu/affine_kernel.py `prefill_gemm`) twice that again, so the two-pass form takes the GEMM sooner:
-`AFFINE_INT8X2_BF16_DENSE_ROWS` in bfloat16, `AFFINE_INT8X2_ONEDNN_DENSE_ROWS` in float32. Measured with
-benchmarks/prefill_rows.py and alternating runs of the three (2026-12-06, 2 threads, AMD EPYC with AVX512-BF16),
-Qwen2.5-1.5B's shapes at Q4_K_M, kernel / float32 GEMM / bfloat16 GEMM: 344/481/397, 492/912/651, 642/972/691,
-955/1158/811 and 5711/4109/2173 ms at 32, 48, 64, 96 and 512 tokens (torch's BLAS: 7027-7130 ms at 512); the
-float32 GEMM overtook the kernel at 128 tokens (1195 against 1274 ms). The GEMMs' side pays a dequantization of
-every weight per call, whatever the tokens, which the VM's noise moved by a third from run to run.
+cpu/affine_kernel.py `prefill_gemm`) faster again. The layer runs in slabs of 256 output rows, each dequantized
+and multiplied by one thread while its weights are in that core's cache, so the two-pass form takes the GEMMs
+sooner: from `AFFINE_INT8X2_BF16_DENSE_ROWS` in bfloat16, `AFFINE_INT8X2_ONEDNN_DENSE_ROWS` in float32. Measured
+(2026-12-06, 2 threads, AMD EPYC with AVX512-BF16, Qwen2.5-1.5B's shapes at Q4_K_M, best of 3, the engine's
+forward forced each way in one process), kernel / bfloat16 GEMMs: 324/308, 478/356, 630/437 and 5213/2372 ms at
+32, 48, 64 and 512 tokens; with `UMAKIT_PREFILL_GEMM=float32`, kernel / float32 GEMMs: 322/422, 473/498,
+625/599 and 5278/3594 ms. Before the slabs and oneDNN (torch's BLAS, whole blocks of rows): 7027-7130 ms at 512.
 
 Logits of fewer than `FUSED_ROWS` tokens (a decode step, or a speculative verification of up to 17) come from
 the fused decode step where it applies (cpu/fused.py), each row exactly its own one-token step, so a
@@ -39,5 +39,5 @@ FUSED_ROWS = 32  # logits of fewer tokens than this come from the fused step, ro
 AFFINE_DENSE_ROWS = 96  # input rows from which the affine kernel on float32 inputs takes float32 GEMMs
 AFFINE_INT8_DENSE_ROWS = 1 << 62  # on int8 inputs in one pass: never (faster at every length measured, to 2048)
 AFFINE_INT8X2_DENSE_ROWS = 192  # on int8 inputs in two passes (the VNNI default)
-AFFINE_INT8X2_ONEDNN_DENSE_ROWS = 128  # the same, the GEMMs on oneDNN in float32
-AFFINE_INT8X2_BF16_DENSE_ROWS = 96  # in bfloat16
+AFFINE_INT8X2_ONEDNN_DENSE_ROWS = 64  # the same, the GEMMs on oneDNN in float32
+AFFINE_INT8X2_BF16_DENSE_ROWS = 48  # in bfloat16

@@ -13,6 +13,7 @@
 #include "affine.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -363,7 +364,7 @@ void block_codes(const uint8_t* tb, int64_t bits, uint8_t (*out)[BLOCK]) {
     for (int j = 0; j < BLOCK; ++j) out[r][j] = static_cast<uint8_t>(code_at(tb, static_cast<int>(bits), r, j));
 }
 
-// Tiles [t0, t1) of a part as float32 (or bfloat16, rounded to nearest) rows (8 (t1 - t0), K): scale * code + bias.
+// Tiles [t0, t1) of a part as float32 (or bfloat16, rounded to nearest even) rows (8 (t1 - t0), K): scale * code + bias.
 template <typename T>
 void dequantize_tiles(const Part& p, int64_t t0, int64_t t1, int64_t K, T* w) {
   float s[ROWS], b[ROWS];
@@ -376,8 +377,19 @@ void dequantize_tiles(const Part& p, int64_t t0, int64_t t1, int64_t K, T* w) {
       tile_scales(p, t, g, s, b);
       for (int64_t j = 0; j < per; ++j, k += BLOCK, tb += 32 * p.bits) {
         block_codes(tb, p.bits, q);
-        for (int r = 0; r < ROWS; ++r)
-          for (int i = 0; i < BLOCK; ++i) rows[r * K + k + i] = T(static_cast<float>(q[r][i]) * s[r] + b[r]);
+        for (int r = 0; r < ROWS; ++r) {
+          if constexpr (std::is_same_v<T, at::BFloat16>) {  // rounded to nearest even, in loops that vectorize
+            uint16_t* out = reinterpret_cast<uint16_t*>(rows + r * K + k);
+            for (int i = 0; i < BLOCK; ++i) {
+              const float v = static_cast<float>(q[r][i]) * s[r] + b[r];
+              uint32_t u;
+              std::memcpy(&u, &v, 4);
+              out[i] = static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+            }
+          } else {
+            for (int i = 0; i < BLOCK; ++i) rows[r * K + k + i] = static_cast<float>(q[r][i]) * s[r] + b[r];
+          }
+        }
       }
     }
   }
@@ -423,6 +435,14 @@ std::vector<Part> parts_of(at::TensorList codes, at::TensorList sb, at::IntArray
 
 namespace umakit {
 
+// Tiles of a GEMM's slab: 32 (256 rows; their bfloat16 weights, 768 KB at K = 1536, stay in a core's L2 between
+// their dequantization and their GEMM), fewer where that would leave threads without four slabs each.
+int64_t slab_tiles(const std::vector<Part>& parts) {
+  int64_t tiles = 0;
+  for (const Part& p : parts) tiles += p.rows / ROWS;
+  return std::clamp<int64_t>(tiles / (4 * at::get_num_threads()), 1, 32);
+}
+
 Tensor affine_mm(const Tensor& x_in, at::TensorList codes, at::TensorList sb, at::IntArrayRef bits,
                  at::IntArrayRef groups, int64_t dense_rows, int64_t inputs) {
   TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.dim() == 2, "x must be float32 (rows, K)");
@@ -435,20 +455,25 @@ Tensor affine_mm(const Tensor& x_in, at::TensorList codes, at::TensorList sb, at
   if (M >= dense_rows) {  // a long prefill: dequantize blocks of tiles once, then float32 GEMMs (gemm.cpp)
     const bool bf16 = inputs & DENSE_BF16;
     const Tensor xb = bf16 ? x.to(at::kBFloat16) : x;
-    for (const Part& p : parts) {
-      const int64_t tiles = p.rows / ROWS, block = std::max<int64_t>(8, (int64_t{1} << (bf16 ? 22 : 20)) / (ROWS * K));
-      for (int64_t t0 = 0; t0 < tiles; t0 += block) {
-        const int64_t t1 = std::min(tiles, t0 + block);
+    // slabs of output rows, each dequantized and multiplied by one thread while it is still in that core's cache
+    const int64_t slab = slab_tiles(parts);
+    std::vector<std::pair<const Part*, int64_t>> slabs;
+    for (const Part& p : parts)
+      for (int64_t t0 = 0; t0 < p.rows / ROWS; t0 += slab) slabs.emplace_back(&p, t0);
+    const at::ThreadLocalState caller;  // inference mode and the like, for the torch calls on the workers
+    at::parallel_for(0, static_cast<int64_t>(slabs.size()), 1, [&](int64_t a, int64_t b) {
+      const at::ThreadLocalStateGuard as_caller(caller);
+      for (int64_t i = a; i < b; ++i) {
+        const Part& p = *slabs[i].first;
+        const int64_t t0 = slabs[i].second, t1 = std::min(p.rows / ROWS, t0 + slab);
         Tensor w = at::empty({(t1 - t0) * ROWS, K}, xb.options());
-        at::parallel_for(t0, t1, 1, [&](int64_t a, int64_t b) {
-          if (bf16)
-            dequantize_tiles(p, a, b, K, w.data_ptr<at::BFloat16>() + (a - t0) * ROWS * K);
-          else
-            dequantize_tiles(p, a, b, K, w.data_ptr<float>() + (a - t0) * ROWS * K);
-        });
+        if (bf16)
+          dequantize_tiles(p, t0, t1, K, w.data_ptr<at::BFloat16>());
+        else
+          dequantize_tiles(p, t0, t1, K, w.data_ptr<float>());
         y.narrow(1, p.col + t0 * ROWS, (t1 - t0) * ROWS).copy_(bf16 ? at::mm(xb, w.t()) : umakit::gemm_f32(x, w));
       }
-    }
+    });
     return y;
   }
   inputs &= ~DENSE_BF16;
