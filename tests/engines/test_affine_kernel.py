@@ -202,11 +202,12 @@ def test_the_float32_gemm_is_torchs_within_float32_rounding(rows):
     """csrc/gemm.cpp: oneDNN's GEMM where it runs here, torch's own with torch's oneDNN turned off."""
     x, w = torch.randn(rows, 320), torch.randn(72, 320)
     exact = (x.double() @ w.double().t()).float()
-    y = torch.ops.umakit.gemm_f32(x, w)
-    torch.testing.assert_close(y, exact, rtol=1e-5, atol=1e-4)
+    for onednn in (True, False):
+        torch.testing.assert_close(torch.ops.umakit.gemm_f32(x, w, onednn), exact, rtol=1e-5, atol=1e-4)
+    assert torch.equal(torch.ops.umakit.gemm_f32(x, w, False), torch.mm(x, w.t()))
     with torch.backends.mkldnn.flags(enabled=False, allow_tf32=False):
-        assert not affine.onednn()
-        assert torch.equal(torch.ops.umakit.gemm_f32(x, w), torch.mm(x, w.t()))
+        assert not affine.onednn() and not affine.gemm_form() & (affine.DENSE_ONEDNN | affine.DENSE_BF16)
+        assert torch.equal(torch.ops.umakit.gemm_f32(x, w, True), torch.mm(x, w.t()))
         if affine.inputs() == affine.INT8X2:
             assert affine.dense_rows() == crossover.AFFINE_INT8X2_DENSE_ROWS
 

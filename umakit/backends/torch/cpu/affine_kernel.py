@@ -54,7 +54,7 @@ def inputs() -> int:
     return INT8X2 if features() & INT8_LOOPS else FLOAT32
 
 
-DENSE_BF16 = 16  # or'ed into the form: a long prefill's GEMMs in bfloat16 (csrc/affine_mm.cpp)
+DENSE_BF16, DENSE_ONEDNN = 16, 32  # or'ed into the form: a long prefill's GEMMs in bfloat16, or float32 on oneDNN
 PREFILL_VARIABLE = "UMAKIT_PREFILL_GEMM"  # "float32" keeps a long prefill's GEMMs in float32 where bfloat16 is the default
 PREFILL_GEMMS = ("bfloat16", "float32")
 
@@ -91,21 +91,25 @@ def _prefill_gemm(asked: str, onednn_on: bool) -> str:
 
 
 def gemm_form() -> int:
-    """`inputs()`, with `DENSE_BF16` where a long prefill's GEMMs are bfloat16 (the two-pass form's, whose CPUs
-    have oneDNN's bfloat16 GEMMs; the others' crossovers were measured in float32)."""
+    """`inputs()`, with `DENSE_ONEDNN` where the GEMMs take oneDNN and `DENSE_BF16` where a long prefill's GEMMs
+    are bfloat16 (the two-pass form's, whose CPUs have oneDNN's bfloat16 GEMMs; the others' crossovers were
+    measured in float32)."""
     form = inputs()
-    return form | (DENSE_BF16 if form == INT8X2 and onednn() and prefill_gemm() == "bfloat16" else 0)
+    if not onednn():
+        return form
+    return form | DENSE_ONEDNN | (DENSE_BF16 if form == INT8X2 and prefill_gemm() == "bfloat16" else 0)
 
 
 def onednn() -> bool:
-    """Whether the GEMMs run on oneDNN here (csrc/gemm.cpp); ``torch.backends.mkldnn.enabled`` is read on every
-    call."""
+    """Whether the GEMMs run on oneDNN here (csrc/gemm.cpp): where torch runs its AVX-512 kernels (so that
+    ATEN_CPU_CAPABILITY=avx2 shows what an AVX2 CPU gets) and oneDNN passes its own checks;
+    ``torch.backends.mkldnn.enabled`` is read on every call."""
     return torch.backends.mkldnn.enabled and _onednn_runs()
 
 
 @functools.cache
 def _onednn_runs() -> bool:
-    return bool(torch.ops.umakit.gemm_onednn())
+    return torch.backends.cpu.get_cpu_capability() == "AVX512" and bool(torch.ops.umakit.gemm_onednn())
 
 
 def supports(m: QuantizedLinear) -> bool:

@@ -32,9 +32,9 @@ at::Tensor affine_mm(const at::Tensor& x, at::TensorList codes, at::TensorList s
 // loop; bit 2: AVX512-VNNI's dot products; bit 3: int8 inputs (forms 2 and 3).
 int64_t affine_features();
 
-// (M, K) times (N, K) transposed, float32 in and out: oneDNN's GEMM where torch exports it and the CPU passes its
-// checks (faster than torch's BLAS on AMD's AVX-512 CPUs), else at::mm (gemm.cpp).
-at::Tensor gemm_f32(const at::Tensor& x, const at::Tensor& w);
+// (M, K) times (N, K) transposed, float32 in and out: with `onednn`, oneDNN's GEMM where torch exports it and the
+// CPU passes its checks (faster than torch's BLAS on AMD's AVX-512 CPUs), else at::mm (gemm.cpp).
+at::Tensor gemm_f32(const at::Tensor& x, const at::Tensor& w, bool onednn);
 
 // Whether `gemm_f32` runs on oneDNN here (with torch's oneDNN enabled, `torch.backends.mkldnn.enabled`).
 bool gemm_onednn();

@@ -57,7 +57,8 @@ constexpr bool kVNNI = true;
 constexpr bool kVNNI = false;
 #endif
 constexpr int64_t FLOAT32 = 0, INT8 = 2, INT8X2 = 3;  // the forms x is multiplied in (affine.h)
-constexpr int64_t DENSE_BF16 = 16;  // or'ed into them: the GEMMs in bfloat16
+constexpr int64_t DENSE_BF16 = 16, DENSE_ONEDNN = 32;  // or'ed into them: the GEMMs in bfloat16, float32 ones on
+                                                      // oneDNN (gemm.cpp)
 
 // x as the parts multiply it: as is, or in int8 blocks of 32, block b of row m being dx[m * K / 32 + b] *
 // xq[m * K + 32 b ...], plus, in two passes, the remainder in int8 blocks again (xq2, dx2).
@@ -453,7 +454,7 @@ Tensor affine_mm(const Tensor& x_in, at::TensorList codes, at::TensorList sb, at
   Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;
   if (M >= dense_rows) {  // a long prefill: dequantize blocks of tiles once, then float32 GEMMs (gemm.cpp)
-    const bool bf16 = inputs & DENSE_BF16;
+    const bool bf16 = inputs & DENSE_BF16, onednn = inputs & DENSE_ONEDNN;
     const Tensor xb = bf16 ? x.to(at::kBFloat16) : x;
     // slabs of output rows, each dequantized and multiplied by one thread while it is still in that core's cache
     const int64_t slab = slab_tiles(parts);
@@ -471,12 +472,12 @@ Tensor affine_mm(const Tensor& x_in, at::TensorList codes, at::TensorList sb, at
           dequantize_tiles(p, t0, t1, K, w.data_ptr<at::BFloat16>());
         else
           dequantize_tiles(p, t0, t1, K, w.data_ptr<float>());
-        y.narrow(1, p.col + t0 * ROWS, (t1 - t0) * ROWS).copy_(bf16 ? at::mm(xb, w.t()) : umakit::gemm_f32(x, w));
+        y.narrow(1, p.col + t0 * ROWS, (t1 - t0) * ROWS).copy_(bf16 ? at::mm(xb, w.t()) : umakit::gemm_f32(x, w, onednn));
       }
     });
     return y;
   }
-  inputs &= ~DENSE_BF16;
+  inputs &= ~(DENSE_BF16 | DENSE_ONEDNN);
   const int64_t form = (inputs == INT8 || inputs == INT8X2) && kSIMD ? inputs : FLOAT32;
   const bool int8 = form != FLOAT32, two = form == INT8X2;
   std::vector<int8_t> xq(int8 ? M * K : 0), xq2(two ? M * K : 0);
@@ -608,7 +609,7 @@ TORCH_LIBRARY_FRAGMENT(umakit, m) {
   m.def("affine_mm(Tensor x, Tensor[] codes, Tensor[] sb, int[] bits, int[] groups, int dense_rows, "
         "int inputs) -> Tensor");
   m.def("affine_features() -> int");
-  m.def("gemm_f32(Tensor x, Tensor w) -> Tensor");
+  m.def("gemm_f32(Tensor x, Tensor w, bool onednn) -> Tensor");
   m.def("gemm_onednn() -> bool");
   m.def("affine_planes(Tensor weight, int bits) -> Tensor");
   m.def("affine_dequantize(Tensor codes, Tensor sb, int bits, int group, Tensor ids) -> Tensor");

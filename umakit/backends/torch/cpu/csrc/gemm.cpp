@@ -5,7 +5,9 @@
 // precision with 512-bit FMAs there: (512 x 1536) x (1536 x 8960) took 31 ms against 68-73 ms on 2 threads of
 // an AMD EPYC (2026-12-06), with outputs within 1e-6 of float64's (MKL's within 4e-7). torch exports
 // at::native::mkldnn_matmul without declaring it in its installed headers, so it is declared here weak: a
-// build of torch without it, or a CPU oneDNN's checks refuse (no AVX-512 BW/VL/DQ), leaves at::mm.
+// build of torch without it, or a CPU oneDNN's checks refuse (no AVX-512 BW/VL/DQ), leaves at::mm, as does
+// `onednn` false (the caller's choice: cpu/affine_kernel.py takes oneDNN where torch runs its AVX-512 kernels, so
+// that ATEN_CPU_CAPABILITY=avx2 shows what an AVX2 CPU gets).
 #include "affine.h"
 
 #include <atomic>
@@ -28,10 +30,10 @@ bool onednn_usable() {
 
 namespace umakit {
 
-at::Tensor gemm_f32(const at::Tensor& x, const at::Tensor& w) {
+at::Tensor gemm_f32(const at::Tensor& x, const at::Tensor& w, bool onednn) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat && x.dim() == 2 && w.dim() == 2 &&
                   x.size(1) == w.size(1), "gemm_f32: float32 (M, K) and (N, K)");
-  if (onednn_usable() && x.size(0) > 0 && w.size(0) > 0) {
+  if (onednn && onednn_usable() && x.size(0) > 0 && w.size(0) > 0) {
     at::Tensor y = at::empty({x.size(0), w.size(0)}, x.options());
     try {
       at::native::mkldnn_matmul(x.contiguous(), w.contiguous().t(), y, 0.0f, 1.0f);
@@ -46,7 +48,7 @@ at::Tensor gemm_f32(const at::Tensor& x, const at::Tensor& w) {
 }
 
 bool gemm_onednn() {
-  if (onednn_usable() && onednn_state.load() == 0) gemm_f32(at::ones({1, 32}), at::ones({8, 32}));  // ask once
+  if (onednn_usable() && onednn_state.load() == 0) gemm_f32(at::ones({1, 32}), at::ones({8, 32}), true);  // ask once
   return onednn_usable() && onednn_state.load() == 1;
 }
 
