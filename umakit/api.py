@@ -49,11 +49,10 @@ class LoadInfo:
 
 def load_info(engine: Engine, name: str, path: Path | None, load_s: float, size_on_disk: int) -> LoadInfo:
     """The `LoadInfo` of ``engine`` as loaded, with its load notes and memory warnings."""
-    cfg = engine.config.get("text_config", engine.config)
     info = LoadInfo(
         name=name, path=path, backend=engine.name, device=engine.device, dtype=engine.dtype, load_s=load_s,
         size_on_disk=size_on_disk, weights=engine.weight_info(),
-        context_length=int(cfg.get("max_position_embeddings") or 0), offload=engine.offload,
+        context_length=config_compat.context_length(engine.config), offload=engine.offload,
     )
     # With layers streaming, the device holds only the resident part; the host holds all of it.
     resident = info.offload.resident_bytes if info.offload and engine.device != "cpu" else info.weights.total_bytes

@@ -77,3 +77,68 @@ def test_an_mlx_model_file_that_never_reads_rope_scaling_is_refused_not_run_unsc
             umakit.load(path, backend="mlx", device="cpu", dtype="float32")
     np.testing.assert_allclose(umakit.load(path, backend="torch", dtype="float32").logits(prompt),
                                ref_logits(reference(path), prompt), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("factor", [2.0, 4.0])
+@pytest.mark.parametrize("head_dim", [16, 64])
+def test_dynamic_frequencies_are_transformers_at_every_length(factor, head_dim):
+    from types import SimpleNamespace
+
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from umakit.backends.torch.model.rope import dynamic_inv_freq
+
+    rope = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": factor}
+    config = transformers.LlamaConfig(hidden_size=4 * head_dim, num_attention_heads=4, num_key_value_heads=2,
+                                      head_dim=head_dim, max_position_embeddings=32, rope_parameters=rope)
+    args = SimpleNamespace(rope_original=32, rope_scaling=rope, head_dim=head_dim, rope_theta=10000.0)
+    at_rest = _inv_freq(head_dim, 10000.0, rope, 32)
+    torch.testing.assert_close(at_rest, ROPE_INIT_FUNCTIONS["dynamic"](config, "cpu")[0], atol=1e-7, rtol=1e-6)
+    for n in (8, 32, 33, 48, 100, 1000):
+        want = ROPE_INIT_FUNCTIONS["dynamic"](config, "cpu", seq_len=n)[0]
+        prompt = dynamic_inv_freq(args, at_rest, torch.arange(n), rows=False)  # a prompt of n tokens
+        rows = dynamic_inv_freq(args, at_rest, torch.tensor([n - 1, 3]), rows=True)  # a batch: row 0 at n - 1
+        torch.testing.assert_close(prompt.reshape(-1, head_dim // 2)[0], want, atol=1e-7, rtol=1e-6)
+        torch.testing.assert_close(rows.reshape(-1, head_dim // 2)[0], want, atol=1e-7, rtol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def dynamic_model(tmp_path_factory):
+    rope = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0}  # a context of 4 x 32 tokens
+    return make_tiny_model("llama", tmp_path_factory.mktemp("dynamic"), max_position_embeddings=32,
+                           rope_parameters=rope)
+
+
+def test_a_dynamic_rope_model_runs_as_transformers_runs_it_past_its_original_context(dynamic_model):
+    """The prompt's logits against transformers' forward over it; greedy decoding against transformers' decode
+    steps on its own cache (each step's frequencies for its own length, the cached keys as written)."""
+    model = umakit.load(dynamic_model, backend="torch", dtype="float32")
+    assert model.info.context_length == 128 and model.engine._fused is None
+    prompt = [(7 * i) % 90 + 3 for i in range(60)]  # positions up to three times the original 32
+    np.testing.assert_allclose(model.logits(prompt), ref_logits(reference(dynamic_model), prompt), atol=1e-4,
+                               rtol=1e-4)
+    ours = model.engine.generate_tokens(prompt, model.make_cache(), SamplingParams(temperature=0))
+    ours = [next(ours) for _ in range(16)]
+    ref = transformers.AutoModelForCausalLM.from_pretrained(dynamic_model, dtype=torch.float32)
+    theirs, step = [], ref(torch.tensor([prompt]), use_cache=True)
+    with torch.no_grad():
+        for _ in range(16):  # transformers' decode steps on its cache, without generate's EOS handling
+            theirs.append(int(step.logits[0, -1].argmax()))
+            step = ref(torch.tensor([theirs[-1:]]), past_key_values=step.past_key_values, use_cache=True)
+    assert ours == theirs
+
+
+def test_dynamic_rope_batch_rows_are_their_lone_runs(dynamic_model):
+    """Each row of a batch takes the frequencies of its own length, as its lone run's decode steps do (transformers
+    would give a batch those of its longest row)."""
+    from support.oracle import batched_prompts, sequential
+
+    from umakit.generate.batch import generate_batch
+
+    model = umakit.load(dynamic_model, backend="torch", dtype="float32")
+    prompts = ["the cat sat on the mat " * 3, "a b c d e f g h i j k l " * 4, "hello world"]
+    expected = sequential(model, prompts, max_tokens=40, temperature=0)
+    run = generate_batch(model, batched_prompts(prompts), max_tokens=40, sampling=SamplingParams(temperature=0),
+                         batch_size=3, raw=True)
+    assert any(len(model.tokenizer.encode(p)) + 40 > 32 for p in prompts)
+    assert [r.tokens for r in run] == [r.tokens for r in expected]

@@ -101,26 +101,26 @@ def test_auto_passes_over_an_engine_that_cannot_run_the_architecture_and_says_wh
 
 
 def test_auto_passes_over_an_engine_that_does_not_apply_the_rope_scaling_and_says_why(monkeypatch):
-    """A Llama checkpoint with `dynamic` RoPE scaling: the torch engine computes default, linear, llama3 and yarn
-    only, so "auto" runs it on MLX (whose model file applies it), and `--backend torch` names MLX."""
+    """A Llama checkpoint with `longrope` RoPE scaling: the torch engine computes default, linear, llama3, yarn and
+    dynamic only, so "auto" runs it on MLX (whose model file applies it), and `--backend torch` names MLX."""
     _cpu_only(monkeypatch)
-    assert backends.choose("auto", model_type="llama", rope_kind="yarn") == ("torch", "cpu", None)
-    assert backends.choose("auto", model_type="llama", rope_kind="default") == ("torch", "cpu", None)
-    assert backends.choose("auto", model_type="llama", rope_kind="dynamic") == (
-        "mlx", "cpu", "running on mlx (cpu): torch does not apply dynamic RoPE scaling")
-    with pytest.raises(UnsupportedModelError, match="the torch backend does not apply 'dynamic' RoPE scaling, which "
-                                                    "this checkpoint sets; use --backend mlx"):
-        backends.choose("torch", model_type="llama", rope_kind="dynamic")
+    for kind in ("yarn", "default", "dynamic"):
+        assert backends.choose("auto", model_type="llama", rope_kind=kind) == ("torch", "cpu", None)
+    assert backends.choose("auto", model_type="llama", rope_kind="longrope") == (
+        "mlx", "cpu", "running on mlx (cpu): torch does not apply longrope RoPE scaling")
+    with pytest.raises(UnsupportedModelError, match="the torch backend does not apply 'longrope' RoPE scaling, "
+                                                    "which this checkpoint sets; use --backend mlx"):
+        backends.choose("torch", model_type="llama", rope_kind="longrope")
 
 
-def test_a_dynamic_rope_checkpoint_loads_on_mlx_with_the_reason(tmp_path, monkeypatch):
+def test_a_dynamic_rope_checkpoint_runs_on_torch_over_its_stretched_context(tmp_path, monkeypatch):
     _cpu_only(monkeypatch)
     from support.tiny import make_tiny_model
 
     rope = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
     m = umakit.load(make_tiny_model("llama", tmp_path, rope_parameters=rope), dtype="float32")
-    assert m.info.backend == "mlx" and m.info.warnings[0] == (
-        "running on mlx (cpu): torch does not apply dynamic RoPE scaling")
+    assert m.info.backend == "torch" and not m.info.warnings
+    assert m.info.context_length == 2 * m.engine.config["max_position_embeddings"]
 
 
 def test_auto_honours_features_on_cuda_too(monkeypatch):

@@ -55,6 +55,17 @@ def rope_kind(config: dict) -> str:
     return str(scaling.get("rope_type", scaling.get("type", "default"))) if isinstance(scaling, dict) else "default"
 
 
+def context_length(config: dict) -> int:
+    """The tokens a sequence may hold (0: unknown): ``max_position_embeddings``, times the factor of dynamic NTK
+    RoPE, which states the original context there and stretches its frequencies past it as a sequence grows."""
+    cfg = text_config(config)
+    limit = int(cfg.get("max_position_embeddings") or 0)
+    scaling = cfg.get("rope_scaling") or {}
+    if rope_kind(config) == "dynamic" and isinstance(scaling.get("factor"), (int, float)) and scaling["factor"] > 1:
+        return int(limit * scaling["factor"])
+    return limit
+
+
 def _rope(config: dict) -> None:
     """``rope_parameters`` ({"rope_theta", "rope_type", ...}, or one such dict per layer type) -> v4 fields."""
     params = config.get("rope_parameters")

@@ -166,8 +166,9 @@ class TorchEngine:
                 plan, fixed_bytes=fixed, resident_bytes=sum(n for _, n in resident), streamed_bytes=streamed,
                 ring_bytes=streamer.ring_bytes if streamer else 0,
                 counters=self.experts_streamer.counters if self.experts_streamer else None)
-        # Streamed layers change weights under a graph: run those eagerly.
-        self._graphs = GraphDecoder(self.model) if device == "cuda" and not offloaded else None
+        # Streamed layers change weights under a graph, and dynamic RoPE its frequencies: run those eagerly.
+        graphable = device == "cuda" and not offloaded and not getattr(self.model.args, "rope_dynamic", False)
+        self._graphs = GraphDecoder(self.model) if graphable else None
         # CPU: the layers of a decode step in one C++ call, where the model is one it covers (cpu/fused.py)
         # and the library builds (once per machine) and loads (cpu/build.py).
         self._fused = None

@@ -28,6 +28,8 @@ def covers(model: Transformer) -> bool:
     a = model.args
     if model.streamer is not None or a.gemma_norms or a.layer_types or a.num_experts or a.hidden_act != "silu":
         return False
+    if a.rope_dynamic:  # frequencies per position past the original context; the step takes one set
+        return False
     if a.num_attention_heads % a.num_key_value_heads or a.head_dim % 2:
         return False
     for block in model.model.layers:

@@ -16,8 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from umakit.checkpoint.config import SLIDING, normalized, text_config
-from umakit.backends.torch.model.rope import apply_rope, rope_attention_factor, rope_cos_sin, rope_inv_freq
+from umakit.checkpoint.config import SLIDING, context_length, normalized, text_config
+from umakit.backends.torch.model.rope import (apply_rope, dynamic_inv_freq, is_dynamic, rope_attention_factor,
+                                              rope_cos_sin, rope_inv_freq)
 from umakit.errors import UnsupportedModelError
 from umakit.backends.torch import ARCHITECTURES as SUPPORTED
 from umakit.backends.torch.model.gemma import GemmaRMSNorm, gemma_fields, softcap
@@ -39,7 +40,8 @@ class ModelArgs:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None
-    max_position_embeddings: int = 4096
+    max_position_embeddings: int = 4096  # the context a cache holds (dynamic RoPE: the original times its factor)
+    rope_original: int = 0  # dynamic RoPE: the original context, past which its frequencies stretch
     tie_word_embeddings: bool = False
     qkv_bias: bool = False  # qwen2: biases on q/k/v only
     o_bias: bool = False
@@ -61,6 +63,11 @@ class ModelArgs:
     norm_topk_prob: bool = True
     moe_layers: tuple[int, ...] = ()  # the layers whose MLP is sparse
     ffn_name: str = "mlp"  # the checkpoint's name of a layer's feed-forward module (mixtral: block_sparse_moe)
+
+    @property
+    def rope_dynamic(self) -> bool:
+        """Dynamic NTK RoPE: the frequencies depend on the sequence's length (model/rope.py `dynamic_inv_freq`)."""
+        return is_dynamic(self.rope_scaling)
 
     def sliding(self, layer: int) -> bool:
         """Whether ``layer`` attends within the window while others do not (gemma3's sliding layers)."""
@@ -110,6 +117,8 @@ class ModelArgs:
             made = cls(**{**fields, **gemma_fields(c), **moe_fields(c)})
         except KeyError as e:
             raise UnsupportedModelError(f"config.json lacks {e.args[0]!r}, which a {kind} model needs") from e
+        if made.rope_dynamic:
+            made.rope_original, made.max_position_embeddings = made.max_position_embeddings, context_length(c)
         factor = rope_attention_factor(made.rope_scaling, made.max_position_embeddings)
         if factor != 1.0:
             if made.rope_local_theta is not None:
@@ -313,10 +322,13 @@ class Transformer(nn.Module):
                 return cos[:, None, None], sin[:, None, None], mask[:, None, None]
             return cos, sin, mask
 
+        inv_freq = self.inv_freq[0]
+        if a.rope_dynamic:
+            inv_freq = dynamic_inv_freq(a, inv_freq, positions, rows)
         if not a.layer_types:  # every layer alike (mistral: all within its window)
-            cos, sin, mask = view(self.inv_freq[0], a.sliding_window)
+            cos, sin, mask = view(inv_freq, a.sliding_window)
             return Step(cos, sin, positions, mask, static)
-        cos, sin, mask = view(self.inv_freq[0], None)
+        cos, sin, mask = view(inv_freq, None)
         return Step(cos, sin, positions, mask, static, local=view(self.inv_freq[-1], a.sliding_window))
 
     def _blocks(self, x: torch.Tensor, step: Step, cache) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """RoPE for the torch engine's models: inverse frequencies for each kind a checkpoint may name (default, linear,
-llama3, yarn), and the rotation itself, in the Hugging Face (non-interleaved) layout. Pure functions; transformers'
+llama3, yarn, dynamic), and the rotation itself, in the Hugging Face (non-interleaved) layout. Pure functions; transformers'
 own ``rope_init_fn`` results are the oracle (tests/engines/test_torch_families.py)."""
 
 from __future__ import annotations
@@ -80,20 +80,44 @@ def _inv_freq(d: int, theta: float, scaling: dict | None, max_positions: int = 0
         inv = torch.where(wavelen > old / low, inv / s["factor"], torch.where(wavelen < old / high, inv, mid))
     elif kind == "yarn":
         return _yarn(d, theta, s, max_positions)
-    elif kind != "default":
+    elif kind not in ("default", "dynamic"):  # dynamic: the default within the original context (`dynamic_inv_freq`)
         raise UnsupportedModelError(f"rope_scaling type {kind!r} is not supported on the torch engine; supported: "
                                     f"{', '.join(ROPE_KINDS)}")
     return inv.float()
 
 
+def is_dynamic(scaling: dict | None) -> bool:
+    s = scaling or {}
+    return s.get("rope_type", s.get("type")) == "dynamic"
+
+
+def dynamic_inv_freq(args, inv_freq: torch.Tensor, positions: torch.Tensor, rows: bool) -> torch.Tensor:
+    """Dynamic NTK RoPE: past the original context the base grows with the sequence, as transformers grows it,
+    to theta * (factor * n / original - (factor - 1)) ^ (d / (d - 2)) for a sequence of n tokens.
+    transformers takes n as the forward pass's last position + 1 (every token of a prompt rotated for the whole
+    prompt, a decode step for its own length; keys already cached keep the rotation they were written with); so
+    does this for ``positions`` (T,), and, for ``rows`` (one position per row of a batch), each row as its own
+    decode step would: (T or B, head_dim/2) then, or ``inv_freq`` itself while every length is within the
+    original context. Unlike transformers it keeps no memory of earlier, longer calls."""
+    limit = args.rope_original
+    lengths = positions.to(torch.float64) + 1 if rows else positions.max().to(torch.float64)[None] + 1
+    if float(lengths.max()) <= limit:
+        return inv_freq
+    factor, d = float(args.rope_scaling["factor"]), args.head_dim
+    base = args.rope_theta * (factor * lengths.clamp(min=limit) / limit - (factor - 1)) ** (d / (d - 2))
+    exponents = torch.arange(0, d, 2, dtype=torch.float64, device=positions.device) / d
+    return (1.0 / base[:, None] ** exponents[None, :]).float()
+
+
 def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
-    """cos and signed sin, each (T, head_dim), for integer ``positions`` (T,).
+    """cos and signed sin, each (T, head_dim), for integer ``positions`` (T,); ``inv_freq`` (head_dim/2,), or
+    one row per position or one for all (`dynamic_inv_freq`).
 
     transformers rotates pairs (i, i + hd/2): x * cos + cat(-x2, x1) * sin. With
     the sign folded into the first half of sin, cat(-x2, x1) * sin becomes
     roll(x) * signed_sin, one op fewer per call.
     """
-    freqs = positions.float()[:, None] * inv_freq[None, :]  # (T, hd/2)
+    freqs = positions.float()[:, None] * (inv_freq if inv_freq.dim() == 2 else inv_freq[None, :])  # (T, hd/2)
     cos, sin = freqs.cos(), freqs.sin()
     return torch.cat((cos, cos), dim=-1).to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)
 
