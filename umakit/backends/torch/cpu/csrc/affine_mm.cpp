@@ -436,6 +436,23 @@ std::vector<Part> parts_of(at::TensorList codes, at::TensorList sb, at::IntArray
 
 namespace umakit {
 
+// A slab's outputs (M, n), float32 or bfloat16 (widened exactly), into columns of y whose rows are N apart: a plain
+// loop, where a strided copy_ took four times as long.
+void widen_into(const Tensor& out, float* y, int64_t N) {
+  const int64_t M = out.size(0), n = out.size(1);
+  if (out.scalar_type() == at::kFloat) {
+    const float* o = out.data_ptr<float>();
+    for (int64_t m = 0; m < M; ++m) std::memcpy(y + m * N, o + m * n, n * sizeof(float));
+    return;
+  }
+  const uint16_t* o = reinterpret_cast<const uint16_t*>(out.data_ptr<at::BFloat16>());
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t j = 0; j < n; ++j) {
+      const uint32_t bits = static_cast<uint32_t>(o[m * n + j]) << 16;
+      std::memcpy(y + m * N + j, &bits, 4);
+    }
+}
+
 // Tiles of a GEMM's slab: 32 (256 rows; their bfloat16 weights, 768 KB at K = 1536, stay in a core's L2 between
 // their dequantization and their GEMM), fewer where that would leave threads without four slabs each.
 int64_t slab_tiles(const std::vector<Part>& parts) {
@@ -472,7 +489,8 @@ Tensor affine_mm(const Tensor& x_in, at::TensorList codes, at::TensorList sb, at
           dequantize_tiles(p, t0, t1, K, w.data_ptr<at::BFloat16>());
         else
           dequantize_tiles(p, t0, t1, K, w.data_ptr<float>());
-        y.narrow(1, p.col + t0 * ROWS, (t1 - t0) * ROWS).copy_(bf16 ? at::mm(xb, w.t()) : umakit::gemm_f32(x, w, onednn));
+        const Tensor out = bf16 ? at::mm(xb, w.t()) : umakit::gemm_f32(x, w, onednn);  // (M, slab rows)
+        widen_into(out, y.data_ptr<float>() + p.col + t0 * ROWS, N);
       }
     });
     return y;
