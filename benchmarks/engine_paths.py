@@ -41,8 +41,8 @@ def worker(args) -> dict:
     from umakit.generate.sampling import SamplingParams
 
     backend, dtype, bits = WAYS[args.worker]
-    model = umakit.load_synthetic(args.preset, backend=backend, device="cpu", dtype=dtype, bits=bits,
-                                  group_size=32)
+    preset = json.loads(Path(args.preset).read_text()) if args.preset.endswith(".json") else args.preset
+    model = umakit.load_synthetic(preset, backend=backend, device="cpu", dtype=dtype, bits=bits, group_size=32)
     engine, greedy = model.engine, SamplingParams(temperature=0)
     stream = engine.generate_tokens(PROMPT, engine.make_cache(), greedy)
     next(stream)
@@ -64,7 +64,7 @@ def worker(args) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--preset", default="smollm2-135m")
+    ap.add_argument("--preset", default="smollm2-135m", help="a `umakit plan` preset, or a config.json of shapes")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)

@@ -120,7 +120,7 @@ def test_auto_takes_it_for_an_architecture_no_compact_engine_runs(tmp_path):
 
     from umakit import backends
 
-    path = make("smollm3", tmp_path / "smollm3")
+    path = make("lfm2", tmp_path / "lfm2")
     mlx = backends.ENGINES["mlx"]
     blind = dataclasses.replace(mlx, finds_architecture=lambda t: False)
     saved = dict(backends.ENGINES)
@@ -131,7 +131,7 @@ def test_auto_takes_it_for_an_architecture_no_compact_engine_runs(tmp_path):
         backends.ENGINES.clear()
         backends.ENGINES.update(saved)
     assert m.info.backend == "transformers"
-    assert m.info.warnings[0].startswith("running on transformers (cpu): torch does not run smollm3")
+    assert m.info.warnings[0].startswith("running on transformers (cpu): torch does not run lfm2")
 
 
 def test_batch_command_runs_a_hybrid_model(tmp_path):

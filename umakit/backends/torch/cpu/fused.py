@@ -28,7 +28,7 @@ def covers(model: Transformer) -> bool:
     a = model.args
     if model.streamer is not None or a.gemma_norms or a.layer_types or a.num_experts or a.hidden_act != "silu":
         return False
-    if a.rope_dynamic:  # frequencies per position past the original context; the step takes one set
+    if a.rope_dynamic:  # frequencies per position past the original context: the step takes one set
         return False
     if a.num_attention_heads % a.num_key_value_heads or a.head_dim % 2:
         return False
@@ -68,7 +68,7 @@ class FusedDecoder:
                 biases.append(attn.qkv_proj.bias)
         self.weights = (norms, qk_norms, *parts, biases)
         self.shape = (a.num_attention_heads, a.num_key_value_heads, a.head_dim, a.rms_norm_eps,
-                      a.attn_scale or 0.0, a.sliding_window or 0)
+                      a.attn_scale or 0.0, a.sliding_window or 0, list(a.nope_layers))
         self.inv_freq = model.inv_freq[0].contiguous()
         # The hook tables of the modules whose forward the step does not call (each module keeps its own,
         # filled in place), so that asking on every step is one any() over them.

@@ -42,6 +42,7 @@ class ModelArgs:
     rope_scaling: dict | None = None
     max_position_embeddings: int = 4096  # the context a cache holds (dynamic RoPE: the original times its factor)
     rope_original: int = 0  # dynamic RoPE: the original context, past which its frequencies stretch
+    nope_layers: tuple[int, ...] = ()  # layers whose attention takes no RoPE (smollm3's every fourth)
     tie_word_embeddings: bool = False
     qkv_bias: bool = False  # qwen2: biases on q/k/v only
     o_bias: bool = False
@@ -86,7 +87,7 @@ class ModelArgs:
         if act not in ACTIVATIONS:
             raise UnsupportedModelError(f"hidden_act {act!r} is not supported; supported: {', '.join(ACTIVATIONS)}")
         window = c.get("sliding_window")
-        if kind in ("qwen2", "qwen3", "qwen3_moe"):
+        if kind in ("qwen2", "qwen3", "qwen3_moe", "smollm3"):
             if c.get("use_sliding_window"):
                 raise UnsupportedModelError(f"{kind} with use_sliding_window is not supported by the torch backend")
             window = None
@@ -110,6 +111,7 @@ class ModelArgs:
                 qkv_bias=bias or kind == "qwen2",
                 o_bias=bias,
                 mlp_bias=bool(c.get("mlp_bias", False)),
+                nope_layers=tuple(i for i, rope in enumerate(c.get("no_rope_layers") or []) if not rope),
                 qk_norm=kind in ("qwen3", "qwen3_moe"),
                 sliding_window=window,
                 hidden_act=act,
@@ -170,7 +172,7 @@ class Attention(nn.Module):
     def __init__(self, a: ModelArgs, layer: int):
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = a.num_attention_heads, a.num_key_value_heads, a.head_dim
-        self.scale, self.sliding = a.attn_scale, a.sliding(layer)
+        self.scale, self.sliding, self.rope = a.attn_scale, a.sliding(layer), layer not in a.nope_layers
         q, kv = self.n_heads * self.head_dim, self.n_kv * self.head_dim
         self.q_proj = nn.Linear(a.hidden_size, q, bias=a.qkv_bias)
         self.k_proj = nn.Linear(a.hidden_size, kv, bias=a.qkv_bias)
@@ -191,7 +193,9 @@ class Attention(nn.Module):
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=2)
         else:
             qk, v = qkv.split([nh + nkv, nkv], dim=2)
-        qk = apply_rope(qk.transpose(1, 2), cos, sin)  # (B, nh+nkv, T, hd): q and k in one go
+        qk = qk.transpose(1, 2)  # (B, nh+nkv, T, hd): q and k rotated in one go
+        if self.rope:
+            qk = apply_rope(qk, cos, sin)
         q, k = qk.split([nh, nkv], dim=1)
         k, v = cache.update(layer, k, v.transpose(1, 2), step.positions, step.static)  # (B, nkv, S, hd)
         if T == 1:

@@ -12,6 +12,7 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -96,7 +97,7 @@ Tensor decode_layers(const Tensor& x_in, const Tensor& inv_freq, at::IntArrayRef
                      at::TensorList qk_norms, at::TensorList ta, at::TensorList tb, at::IntArrayRef kinds,
                      at::IntArrayRef counts, at::IntArrayRef bits, at::IntArrayRef groups, at::TensorList qkv_bias,
                      int64_t nh, int64_t nkv, int64_t hd, double eps, double scale, int64_t window,
-                     int64_t inputs) {
+                     at::IntArrayRef nope, int64_t inputs) {
   TORCH_CHECK(x_in.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat, "float32 activations only");
   TORCH_CHECK(k_cache.dim() == 5 && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "the cache must be contiguous, (layers, rows, kv heads, capacity, head dim)");
@@ -139,6 +140,7 @@ Tensor decode_layers(const Tensor& x_in, const Tensor& inv_freq, at::IntArrayRef
 
   for (int64_t l = 0; l < L; ++l) {
     const int64_t j = 4 * l;
+    const bool rope = std::find(nope.begin(), nope.end(), l) == nope.end();  // smollm3: every fourth layer has none
     // attention
     for (int64_t b = 0; b < B; ++b) rms_norm(xp + b * H, norms[2 * l].data_ptr<float>(), H, eps, np_ + b * H);
     Tensor qkv = apply(lin[j], normed, inputs);
@@ -157,7 +159,7 @@ Tensor decode_layers(const Tensor& x_in, const Tensor& inv_freq, at::IntArrayRef
         }
         if (!qk_norms.empty())
           rms_norm_inplace(head.data(), qk_norms[2 * l + (h < nh ? 0 : 1)].data_ptr<float>(), hd, eps);
-        for (int64_t i = 0; i < hd; ++i) rotated[i] = head[i] * c[i] + head[(i + half) % hd] * s[i];
+        for (int64_t i = 0; i < hd; ++i) rotated[i] = rope ? head[i] * c[i] + head[(i + half) % hd] * s[i] : head[i];
         float* dst = h < nh ? qp + (b * nh + h) * hd : kl + row[b] * row_stride + ((h - nh) * capacity + pos) * hd;
         std::copy(rotated.begin(), rotated.end(), dst);
       }
@@ -202,6 +204,6 @@ TORCH_LIBRARY(umakit, m) {
   m.def("decode_layers(Tensor x, Tensor inv_freq, int[] positions, int[] cache_rows, Tensor(a!) k_cache, "
         "Tensor(b!) v_cache, Tensor[] norms, Tensor[] qk_norms, Tensor[] ta, Tensor[] tb, int[] kinds, "
         "int[] counts, int[] bits, int[] groups, Tensor[] qkv_bias, int nh, int nkv, int hd, float eps, "
-        "float scale, int window, int inputs) -> Tensor");
+        "float scale, int window, int[] nope, int inputs) -> Tensor");
   m.impl("decode_layers", c10::DispatchKey::CPU, TORCH_FN(umakit::decode_layers));
 }
