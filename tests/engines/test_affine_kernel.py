@@ -17,6 +17,8 @@ Tolerance, per form of the inputs:
   to bfloat16: off by at most sum_k |x_k w_nk| * 2 * 2^-9 plus 2^-9 of the output (checked at twice that).
 """
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -42,6 +44,17 @@ def inputs(request, monkeypatch):
         pytest.skip(f"the library is not built for {request.param} inputs here")
     monkeypatch.setattr(affine, "inputs", lambda: form)
     return form
+
+
+@contextlib.contextmanager
+def onednn_turned(enabled: bool):
+    """torch's oneDNN on or off (not `torch.backends.mkldnn.flags`, which also turns TF32 on)."""
+    before = torch.backends.mkldnn.enabled
+    torch.backends.mkldnn.enabled = enabled
+    try:
+        yield
+    finally:
+        torch.backends.mkldnn.enabled = before
 
 
 def layer(rows: int, cols: int, bits: int, group: int, seed: int = 0, bias: bool = False) -> layout.QuantizedLinear:
@@ -205,7 +218,7 @@ def test_the_float32_gemm_is_torchs_within_float32_rounding(rows):
     for onednn in (True, False):
         torch.testing.assert_close(torch.ops.umakit.gemm_f32(x, w, onednn), exact, rtol=1e-5, atol=1e-4)
     assert torch.equal(torch.ops.umakit.gemm_f32(x, w, False), torch.mm(x, w.t()))
-    with torch.backends.mkldnn.flags(enabled=False, allow_tf32=False):
+    with onednn_turned(False):
         assert not affine.onednn() and not affine.gemm_form() & (affine.DENSE_ONEDNN | affine.DENSE_BF16)
         assert torch.equal(torch.ops.umakit.gemm_f32(x, w, True), torch.mm(x, w.t()))
         if affine.inputs() == affine.INT8X2:
@@ -217,7 +230,7 @@ def test_a_long_prefill_on_either_gemm_equals_dequantize_then_matmul():
     run, x = affine.AffineLinear([m]), torch.randn(max(DENSE, crossover.AFFINE_INT8X2_DENSE_ROWS) + 5, 256)
     expected = F.linear(x, m.dequantized(torch.float32), m.bias)
     for enabled in (True, False):
-        with torch.backends.mkldnn.flags(enabled=enabled, allow_tf32=False):
+        with onednn_turned(enabled):
             assert_close(run(x), expected, x, [m], exact=len(x) >= affine.dense_rows())
 
 

@@ -124,7 +124,7 @@ def test_a_dynamic_rope_model_runs_as_transformers_runs_it_past_its_original_con
     with torch.no_grad():
         for _ in range(16):  # transformers' decode steps on its cache, without generate's EOS handling
             theirs.append(int(step.logits[0, -1].argmax()))
-            step = ref(torch.tensor([theirs[-1:]]), past_key_values=step.past_key_values, use_cache=True)
+            step = ref(torch.tensor([theirs[-1:]]), cache=step.past_key_values, use_cache=True)
     assert ours == theirs
 
 
