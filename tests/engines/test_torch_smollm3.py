@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import umakit
-from support.oracle import batched_prompts, ref_logits, reference, sequential
+from support.oracle import batched_prompts, greedy_reference, ref_logits, reference, sequential
 from support.tiny import VOCAB, write_tokenizer
 from umakit.generate.sampling import SamplingParams
 
@@ -29,13 +29,6 @@ def smollm3(tmp_path_factory):
     transformers.SmolLM3ForCausalLM(config).save_pretrained(path, safe_serialization=True)
     write_tokenizer(path)
     return path
-
-
-def greedy_reference(ref, prompt, n):
-    seq = list(prompt)
-    for _ in range(n):
-        seq.append(int(ref_logits(ref, seq)[-1].argmax()))
-    return seq[len(prompt):]
 
 
 def test_smollm3_runs_on_the_compact_code_as_transformers_runs_it(smollm3):

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import umakit
-from support.oracle import ref_logits, reference
+from support.oracle import greedy_reference, ref_logits, reference
 from support.tiny import VOCAB, write_tokenizer
 from umakit.backends.base import BatchRow
 from umakit.generate.sampling import SamplingParams
@@ -63,13 +63,6 @@ def make(family: str, path):
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def family(request, tmp_path_factory):
     return request.param, make(request.param, tmp_path_factory.mktemp(request.param))
-
-
-def greedy_reference(ref, prompt, n):
-    seq = list(prompt)
-    for _ in range(n):
-        seq.append(int(ref_logits(ref, seq)[-1].argmax()))
-    return seq[len(prompt):]
 
 
 def test_logits_and_greedy_tokens_are_transformers(family):

@@ -36,6 +36,14 @@ def ref_logits(ref, tokens):
         return ref(torch.tensor([tokens])).logits[0].numpy()
 
 
+def greedy_reference(ref, prompt, n):
+    """transformers' greedy continuation of ``prompt``, ``n`` tokens, each from a forward over all before it."""
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(int(ref_logits(ref, seq)[-1].argmax()))
+    return seq[len(prompt):]
+
+
 def sequential(model, prompts, **kw):
     """One `Model.generate` per prompt: plain strings raw, message lists through the template."""
     out = []
