@@ -79,3 +79,12 @@ def test_the_fused_step_leaves_rope_out_where_the_eager_step_does(smollm3, tmp_p
     with packed.engine.eager():
         eager = packed.logits(PROMPT[:20])
     np.testing.assert_allclose(fused, eager, atol=1e-4, rtol=1e-4)
+
+
+def test_a_config_without_the_list_takes_every_interval_th_layer_as_transformers_does():
+    from umakit.backends.torch.model.llama import nope_layers
+
+    assert nope_layers({"num_hidden_layers": 8, "no_rope_layers": None}) == (3, 7)
+    assert nope_layers({"num_hidden_layers": 6, "no_rope_layer_interval": 3}) == (2, 5)
+    want = transformers.SmolLM3Config(num_hidden_layers=8, no_rope_layer_interval=2).no_rope_layers
+    assert nope_layers({"num_hidden_layers": 8, "no_rope_layers": want}) == (1, 3, 5, 7)

@@ -111,7 +111,7 @@ class ModelArgs:
                 qkv_bias=bias or kind == "qwen2",
                 o_bias=bias,
                 mlp_bias=bool(c.get("mlp_bias", False)),
-                nope_layers=tuple(i for i, rope in enumerate(c.get("no_rope_layers") or []) if not rope),
+                nope_layers=nope_layers(c) if kind == "smollm3" else (),
                 qk_norm=kind in ("qwen3", "qwen3_moe"),
                 sliding_window=window,
                 hidden_act=act,
@@ -133,6 +133,18 @@ class ModelArgs:
 
 
 # -- masks: pure functions ----------------------------------------------------------
+
+
+def nope_layers(c: dict) -> tuple[int, ...]:
+    """smollm3's layers without RoPE: its ``no_rope_layers`` (1: RoPE, 0: none), or, where a config leaves that
+    out, every ``no_rope_layer_interval``-th layer (default 4), as transformers derives it."""
+    flags = c.get("no_rope_layers")
+    if flags is None:
+        interval = c.get("no_rope_layer_interval") or 4
+        flags = [int((i + 1) % interval != 0) for i in range(c["num_hidden_layers"])]
+    if len(flags) < c["num_hidden_layers"]:
+        raise UnsupportedModelError(f"no_rope_layers names {len(flags)} layers of {c['num_hidden_layers']}")
+    return tuple(i for i in range(c["num_hidden_layers"]) if not flags[i])
 
 
 def attention_mask(positions: torch.Tensor, key_len: int, window: int | None) -> torch.Tensor:
