@@ -20,13 +20,14 @@ row a lane: 339, 561 and 1037 ms at 32, 64 and 128 tokens against 755, 824 and 7
 
 Those GEMMs run on oneDNN where torch carries it and the CPU passes its checks (csrc/gemm.cpp; AVX-512): twice
 torch's BLAS in float32 on an AMD EPYC, and in bfloat16 (the default where the CPU multiplies it natively:
-cpu/affine_kernel.py `prefill_gemm`) faster again. The layer runs in slabs of 256 output rows, each dequantized
-and multiplied by one thread while its weights are in that core's cache, so the two-pass form takes the GEMMs
-sooner: from `AFFINE_INT8X2_BF16_DENSE_ROWS` in bfloat16, `AFFINE_INT8X2_ONEDNN_DENSE_ROWS` in float32. Measured
-(2026-12-06, 2 threads, AMD EPYC with AVX512-BF16, Qwen2.5-1.5B's shapes at Q4_K_M, best of 3, the engine's
-forward forced each way in one process), kernel / bfloat16 GEMMs: 324/308, 478/356, 630/437 and 5213/2372 ms at
-32, 48, 64 and 512 tokens; with `UMAKIT_PREFILL_GEMM=float32`, kernel / float32 GEMMs: 322/422, 473/498,
-625/599 and 5278/3594 ms. Before the slabs and oneDNN (torch's BLAS, whole blocks of rows): 7027-7130 ms at 512.
+cpu/affine_kernel.py `prefill_gemm`) faster again. The layer runs in slabs of output rows (512K weights each),
+each dequantized and multiplied by one thread while its weights are in that core's cache, so the two-pass form
+takes the GEMMs sooner: from `AFFINE_INT8X2_BF16_DENSE_ROWS` in bfloat16, `AFFINE_INT8X2_ONEDNN_DENSE_ROWS` in
+float32. Measured (2026-12-06, 2 threads, AMD EPYC with AVX512-BF16, Qwen2.5-1.5B's shapes at Q4_K_M, best of 3,
+the engine's forward forced each way in one process, slabs of 32 tiles then), kernel / bfloat16 GEMMs: 324/308,
+478/356, 630/437 and 5213/2372 ms at 32, 48, 64 and 512 tokens; with `UMAKIT_PREFILL_GEMM=float32`, kernel /
+float32 GEMMs: 322/422, 473/498, 625/599 and 5278/3594 ms. Before the slabs and oneDNN (torch's BLAS, whole
+blocks of rows): 7027-7130 ms at 512.
 
 Logits of fewer than `FUSED_ROWS` tokens (a decode step, or a speculative verification of up to 17) come from
 the fused decode step where it applies (cpu/fused.py), each row exactly its own one-token step, so a

@@ -55,7 +55,8 @@ def inputs() -> int:
 
 
 DENSE_BF16, DENSE_ONEDNN = 16, 32  # or'ed into the form: a long prefill's GEMMs in bfloat16, or float32 on oneDNN
-PREFILL_VARIABLE = "UMAKIT_PREFILL_GEMM"  # "float32" keeps a long prefill's GEMMs in float32 where bfloat16 is the default
+# "float32" keeps a long prefill's GEMMs in float32 where bfloat16 is the default
+PREFILL_VARIABLE = "UMAKIT_PREFILL_GEMM"
 PREFILL_GEMMS = ("bfloat16", "float32")
 
 
@@ -86,7 +87,8 @@ def prefill_gemm() -> str:
 def _prefill_gemm(asked: str, onednn_on: bool) -> str:
     if asked and asked not in PREFILL_GEMMS:
         raise ConfigError(f"{PREFILL_VARIABLE}={asked!r} is not one of {', '.join(PREFILL_GEMMS)}")
-    native = any(getattr(torch.cpu, f, lambda: False)() for f in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    native = any(getattr(torch.cpu, f, lambda: False)() for f in checks)
     return "bfloat16" if asked != "float32" and native and onednn_on and _onednn_runs() else "float32"
 
 

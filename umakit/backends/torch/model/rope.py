@@ -1,6 +1,6 @@
 """RoPE for the torch engine's models: inverse frequencies for each kind a checkpoint may name (default, linear,
-llama3, yarn, dynamic), and the rotation itself, in the Hugging Face (non-interleaved) layout. Pure functions; transformers'
-own ``rope_init_fn`` results are the oracle (tests/engines/test_torch_families.py)."""
+llama3, yarn, dynamic), and the rotation itself, in the Hugging Face (non-interleaved) layout. Pure functions;
+transformers' own ``rope_init_fn`` results are the oracle (tests/engines/test_torch_rope.py)."""
 
 from __future__ import annotations
 

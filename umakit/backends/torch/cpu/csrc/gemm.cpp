@@ -13,8 +13,8 @@
 #include <atomic>
 
 namespace at::native {
-__attribute__((weak)) void mkldnn_matmul(const at::Tensor& mat1, const at::Tensor& mat2, const at::Tensor& result, float beta,
-                                         float alpha);
+__attribute__((weak)) void mkldnn_matmul(const at::Tensor& mat1, const at::Tensor& mat2, const at::Tensor& result,
+                                         float beta, float alpha);
 }  // namespace at::native
 
 namespace {
