@@ -1,6 +1,6 @@
-"""RoPE kinds on the torch engine against transformers: yarn's inverse frequencies and attention factor against
-transformers' own ``rope_init_fn``, and a tiny yarn model's logits and greedy tokens against transformers at
-positions far past its original context."""
+"""RoPE kinds on the torch engine against transformers: yarn's, dynamic's and longrope's inverse frequencies and
+attention factors against transformers' own ``rope_init_fn``, and tiny models' logits and greedy tokens against
+transformers at positions far past their original context."""
 
 import numpy as np
 import pytest
@@ -38,8 +38,8 @@ def test_yarn_frequencies_and_factor_are_transformers(params, head_dim):
 
 
 def test_other_kinds_are_refused_by_name():
-    with pytest.raises(UnsupportedModelError, match="'longrope' is not supported on the torch engine"):
-        _inv_freq(16, 10000.0, {"rope_type": "longrope"})
+    with pytest.raises(UnsupportedModelError, match="'mrope' is not supported on the torch engine"):
+        _inv_freq(16, 10000.0, {"rope_type": "mrope"})
 
 
 @pytest.fixture(scope="module")
@@ -142,3 +142,49 @@ def test_dynamic_rope_batch_rows_are_their_lone_runs(dynamic_model):
                          batch_size=3, raw=True)
     assert any(len(model.tokenizer.encode(p)) + 40 > 32 for p in prompts)
     assert [r.tokens for r in run] == [r.tokens for r in expected]
+
+
+LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 32,
+            "short_factor": [1.0 + 0.1 * i for i in range(8)], "long_factor": [1.0 + 0.9 * i for i in range(8)]}
+
+
+@pytest.mark.parametrize("extra", [{}, {"attention_factor": 1.2}, {"factor": 3.0}])
+def test_longrope_frequencies_and_factor_are_transformers_at_every_length(extra):
+    from types import SimpleNamespace
+
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from umakit.backends.torch.model.rope import dynamic_inv_freq
+
+    rope = {**LONGROPE, **extra}
+    config = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                      max_position_embeddings=128, rope_parameters=dict(rope))
+    args = SimpleNamespace(rope_original=32, rope_scaling=rope, head_dim=16, rope_theta=10000.0)
+    at_rest = _inv_freq(16, 10000.0, rope, 128)
+    short, factor = ROPE_INIT_FUNCTIONS["longrope"](config, "cpu")
+    torch.testing.assert_close(at_rest, short, atol=1e-7, rtol=1e-6)
+    assert rope_attention_factor(rope, 128) == pytest.approx(factor, rel=1e-12)
+    for n in (8, 32, 33, 100):
+        want = ROPE_INIT_FUNCTIONS["longrope"](config, "cpu", seq_len=n)[0]
+        got = dynamic_inv_freq(args, at_rest, torch.arange(n), rows=False).reshape(-1, 8)[0]
+        torch.testing.assert_close(got, want, atol=1e-7, rtol=1e-6)
+
+
+def test_a_longrope_model_runs_as_transformers_runs_it_past_its_original_context(tmp_path):
+    path = make_tiny_model("llama", tmp_path, max_position_embeddings=128, rope_parameters=dict(LONGROPE),
+                           head_dim=16)
+    model = umakit.load(path, backend="torch", dtype="float32")
+    assert model.info.backend == "torch"
+    prompt = [(7 * i) % 90 + 3 for i in range(60)]
+    np.testing.assert_allclose(model.logits(prompt), ref_logits(reference(path), prompt), atol=1e-4, rtol=1e-4)
+    short = [(5 * i) % 90 + 3 for i in range(20)]  # within the original context: the short factors
+    np.testing.assert_allclose(model.logits(short), ref_logits(reference(path), short), atol=1e-4, rtol=1e-4)
+    ours = model.engine.generate_tokens(short, model.make_cache(), SamplingParams(temperature=0))
+    ours = [next(ours) for _ in range(24)]  # crossing the original context while decoding
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    theirs, step = [], ref(torch.tensor([short]), use_cache=True)
+    with torch.no_grad():
+        for _ in range(24):
+            theirs.append(int(step.logits[0, -1].argmax()))
+            step = ref(torch.tensor([theirs[-1:]]), cache=step.past_key_values, use_cache=True)
+    assert ours == theirs

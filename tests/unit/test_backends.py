@@ -101,16 +101,17 @@ def test_auto_passes_over_an_engine_that_cannot_run_the_architecture_and_says_wh
 
 
 def test_auto_passes_over_an_engine_that_does_not_apply_the_rope_scaling_and_says_why(monkeypatch):
-    """A Llama checkpoint with `longrope` RoPE scaling: the torch engine computes default, linear, llama3, yarn and
-    dynamic only, so "auto" runs it on MLX (whose model file applies it), and `--backend torch` names MLX."""
+    """A Llama checkpoint with `mrope` RoPE scaling (Qwen-VL's): the torch engine computes default, linear, llama3,
+    yarn, dynamic and longrope only, so "auto" runs it on MLX (whose model files apply it), and `--backend torch`
+    names MLX."""
     _cpu_only(monkeypatch)
-    for kind in ("yarn", "default", "dynamic"):
+    for kind in ("yarn", "default", "dynamic", "longrope"):
         assert backends.choose("auto", model_type="llama", rope_kind=kind) == ("torch", "cpu", None)
-    assert backends.choose("auto", model_type="llama", rope_kind="longrope") == (
-        "mlx", "cpu", "running on mlx (cpu): torch does not apply longrope RoPE scaling")
-    with pytest.raises(UnsupportedModelError, match="the torch backend does not apply 'longrope' RoPE scaling, "
+    assert backends.choose("auto", model_type="llama", rope_kind="mrope") == (
+        "mlx", "cpu", "running on mlx (cpu): torch does not apply mrope RoPE scaling")
+    with pytest.raises(UnsupportedModelError, match="the torch backend does not apply 'mrope' RoPE scaling, "
                                                     "which this checkpoint sets; use --backend mlx"):
-        backends.choose("torch", model_type="llama", rope_kind="longrope")
+        backends.choose("torch", model_type="llama", rope_kind="mrope")
 
 
 def test_a_dynamic_rope_checkpoint_runs_on_torch_over_its_stretched_context(tmp_path, monkeypatch):

@@ -9,7 +9,7 @@ from umakit.backends.base import BATCH, BATCH_KV_BITS, CONSTRAIN, OFFLOAD, QUANT
 # The model types backends/torch/model/llama.py runs (config.json's, of the language model).
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma3_text", "mixtral", "qwen3_moe")
 # The RoPE scaling kinds model/rope.py computes.
-ROPE_KINDS = ("default", "linear", "llama3", "yarn", "dynamic")
+ROPE_KINDS = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
 
 SPEC = EngineSpec(name="torch", module="umakit.backends.torch.engine", cls="TorchEngine", dependency="torch",
                   extra="umakit[cuda]", devices=("cuda", "cpu"),

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from umakit.checkpoint.config import SLIDING, context_length, normalized, text_config
+from umakit.checkpoint.config import SLIDING, context_length, normalized, rope_kind, text_config
 from umakit.backends.torch.model.rope import (apply_rope, dynamic_inv_freq, is_dynamic, rope_attention_factor,
                                               rope_cos_sin, rope_inv_freq)
 from umakit.errors import UnsupportedModelError
@@ -67,7 +67,7 @@ class ModelArgs:
 
     @property
     def rope_dynamic(self) -> bool:
-        """Dynamic NTK RoPE: the frequencies depend on the sequence's length (model/rope.py `dynamic_inv_freq`)."""
+        """Dynamic NTK or longrope: the frequencies depend on the sequence's length (rope.py `dynamic_inv_freq`)."""
         return is_dynamic(self.rope_scaling)
 
     def sliding(self, layer: int) -> bool:
@@ -119,13 +119,15 @@ class ModelArgs:
             made = cls(**{**fields, **gemma_fields(c), **moe_fields(c)})
         except KeyError as e:
             raise UnsupportedModelError(f"config.json lacks {e.args[0]!r}, which a {kind} model needs") from e
-        if made.rope_dynamic:
+        if rope_kind(config) == "longrope":
+            made.rope_original = int(made.rope_scaling["original_max_position_embeddings"])
+        elif made.rope_dynamic:
             made.rope_original, made.max_position_embeddings = made.max_position_embeddings, context_length(c)
         factor = rope_attention_factor(made.rope_scaling, made.max_position_embeddings)
         if factor != 1.0:
             if made.rope_local_theta is not None:
-                raise UnsupportedModelError("yarn RoPE on a model with sliding layers of their own RoPE base is not "
-                                            "supported on the torch engine")
+                raise UnsupportedModelError("yarn or longrope RoPE on a model with sliding layers of their own RoPE "
+                                            "base is not supported on the torch engine")
             # yarn scales cos and sin by the factor, so q.k by its square: folded into the attention's scale, which
             # every path (eager, fused, CUDA) already takes
             made.attn_scale = (made.attn_scale or made.head_dim ** -0.5) * factor ** 2

@@ -1,5 +1,5 @@
 """RoPE for the torch engine's models: inverse frequencies for each kind a checkpoint may name (default, linear,
-llama3, yarn, dynamic), and the rotation itself, in the Hugging Face (non-interleaved) layout. Pure functions;
+llama3, yarn, dynamic, longrope), and the rotation itself, in the Hugging Face (non-interleaved) layout. Pure functions;
 transformers' own ``rope_init_fn`` results are the oracle (tests/engines/test_torch_rope.py)."""
 
 from __future__ import annotations
@@ -22,9 +22,16 @@ def rope_inv_freq(args) -> torch.Tensor:
 
 
 def rope_attention_factor(scaling: dict | None, max_positions: int) -> float:
-    """yarn's factor on cos and sin (1.0 for every other kind), as transformers computes it."""
+    """yarn's and longrope's factor on cos and sin (1.0 for every other kind), as transformers computes it."""
     s = scaling or {}
-    if s.get("rope_type", s.get("type")) != "yarn":
+    kind = s.get("rope_type", s.get("type"))
+    if kind == "longrope":
+        if s.get("attention_factor") is not None:
+            return float(s["attention_factor"])
+        factor, old = s.get("factor") or max_positions / s["original_max_position_embeddings"], \
+            s["original_max_position_embeddings"]
+        return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(old))
+    if kind != "yarn":
         return 1.0
     if s.get("attention_factor") is not None:
         return float(s["attention_factor"])
@@ -80,6 +87,8 @@ def _inv_freq(d: int, theta: float, scaling: dict | None, max_positions: int = 0
         inv = torch.where(wavelen > old / low, inv / s["factor"], torch.where(wavelen < old / high, inv, mid))
     elif kind == "yarn":
         return _yarn(d, theta, s, max_positions)
+    elif kind == "longrope":  # its short factors within the original context (`dynamic_inv_freq`)
+        return _longrope(d, theta, s["short_factor"])
     elif kind not in ("default", "dynamic"):  # dynamic: the default within the original context (`dynamic_inv_freq`)
         raise UnsupportedModelError(f"rope_scaling type {kind!r} is not supported on the torch engine; supported: "
                                     f"{', '.join(ROPE_KINDS)}")
@@ -87,8 +96,14 @@ def _inv_freq(d: int, theta: float, scaling: dict | None, max_positions: int = 0
 
 
 def is_dynamic(scaling: dict | None) -> bool:
+    """Whether the frequencies follow the sequence's length: dynamic NTK, and longrope's short and long factors."""
     s = scaling or {}
-    return s.get("rope_type", s.get("type")) == "dynamic"
+    return s.get("rope_type", s.get("type")) in ("dynamic", "longrope")
+
+
+def _longrope(d: int, theta: float, factors) -> torch.Tensor:
+    exponents = torch.arange(0, d, 2, dtype=torch.int64).float() / d
+    return 1.0 / (torch.tensor(factors, dtype=torch.float32) * theta ** exponents)
 
 
 def dynamic_inv_freq(args, inv_freq: torch.Tensor, positions: torch.Tensor, rows: bool) -> torch.Tensor:
@@ -98,11 +113,16 @@ def dynamic_inv_freq(args, inv_freq: torch.Tensor, positions: torch.Tensor, rows
     prompt, a decode step for its own length; keys already cached keep the rotation they were written with); so
     does this for ``positions`` (T,), and, for ``rows`` (one position per row of a batch), each row as its own
     decode step would: (T or B, head_dim/2) then, or ``inv_freq`` itself while every length is within the
-    original context. Unlike transformers it keeps no memory of earlier, longer calls."""
+    original context. Unlike transformers it keeps no memory of earlier, longer calls. longrope the same way:
+    its long factors for a length past the original context, its short ones within."""
     limit = args.rope_original
     lengths = positions.to(torch.float64) + 1 if rows else positions.max().to(torch.float64)[None] + 1
     if float(lengths.max()) <= limit:
         return inv_freq
+    s = args.rope_scaling
+    if s.get("rope_type", s.get("type")) == "longrope":  # its long factors past the original context, else short
+        long = _longrope(args.head_dim, args.rope_theta, s["long_factor"]).to(inv_freq.device)
+        return torch.where((lengths > limit)[:, None], long[None], inv_freq[None])
     factor, d = float(args.rope_scaling["factor"]), args.head_dim
     base = args.rope_theta * (factor * lengths.clamp(min=limit) / limit - (factor - 1)) ** (d / (d - 2))
     exponents = torch.arange(0, d, 2, dtype=torch.float64, device=positions.device) / d
