@@ -188,3 +188,19 @@ def test_a_longrope_model_runs_as_transformers_runs_it_past_its_original_context
             theirs.append(int(step.logits[0, -1].argmax()))
             step = ref(torch.tensor([theirs[-1:]]), cache=step.past_key_values, use_cache=True)
     assert ours == theirs
+
+
+def test_longrope_reads_a_top_level_original_context_and_refuses_what_it_lacks():
+    from umakit.backends.torch.model.llama import ModelArgs
+
+    base = dict(model_type="llama", vocab_size=32, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    scaling = {k: v for k, v in LONGROPE.items() if k not in ("rope_theta", "original_max_position_embeddings")}
+    phi3 = ModelArgs.from_config({**base, "original_max_position_embeddings": 32, "rope_scaling": scaling})
+    assert phi3.rope_original == 32 and phi3.rope_scaling["original_max_position_embeddings"] == 32
+    with pytest.raises(UnsupportedModelError, match="without original_max_position_embeddings"):
+        ModelArgs.from_config({**base, "rope_scaling": scaling})
+    with pytest.raises(UnsupportedModelError, match="without long_factor"):
+        ModelArgs.from_config({**base, "rope_scaling": {**LONGROPE, "long_factor": None}})
+    with pytest.raises(UnsupportedModelError, match="dynamic RoPE scaling without a numeric 'factor'"):
+        ModelArgs.from_config({**base, "rope_scaling": {"rope_type": "dynamic"}})

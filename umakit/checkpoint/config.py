@@ -58,10 +58,10 @@ def rope_kind(config: dict) -> str:
 def context_length(config: dict) -> int:
     """The tokens a sequence may hold (0: unknown): ``max_position_embeddings``, times the factor of dynamic NTK
     RoPE, which states the original context there and stretches its frequencies past it as a sequence grows."""
-    cfg = text_config(config)
+    cfg = text_config(normalized(config))
     limit = int(cfg.get("max_position_embeddings") or 0)
     scaling = cfg.get("rope_scaling") or {}
-    if rope_kind(config) == "dynamic" and isinstance(scaling.get("factor"), (int, float)) and scaling["factor"] > 1:
+    if rope_kind(cfg) == "dynamic" and isinstance(scaling.get("factor"), (int, float)) and scaling["factor"] > 1:
         return int(limit * scaling["factor"])
     return limit
 

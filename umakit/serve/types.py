@@ -79,7 +79,7 @@ class SchedulerSettings:
     # While rows decode, the prompt tokens prefilled between two of their steps: what bounds how long a running
     # row stalls behind arriving prompts (benchmarks/serve_load.py chose it; `umakit serve --step-tokens`). 48:
     # where a CPU slice takes the bfloat16 GEMMs (backends/torch/crossover.py); at 8 clients it gave 13-40% more
-    # tokens a second than 32 for 7% more p95 inter-token latency (docs/performance.md, 2026-12-06)
+    # tokens a second than 32 for a lower or similar p95 inter-token latency (docs/performance.md, 2026-12-06)
     step_tokens: int = 48
     request_timeout_s: float = 600.0
     kv_bits: int | None = None  # 4 or 8: every request's KV cache quantized (the engine's batch_kv_bits feature)

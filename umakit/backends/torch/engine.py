@@ -167,7 +167,7 @@ class TorchEngine:
                 ring_bytes=streamer.ring_bytes if streamer else 0,
                 counters=self.experts_streamer.counters if self.experts_streamer else None)
         # Streamed layers change weights under a graph, and dynamic RoPE its frequencies: run those eagerly.
-        graphable = device == "cuda" and not offloaded and not getattr(self.model.args, "rope_dynamic", False)
+        graphable = device == "cuda" and not offloaded and not self.model.args.rope_dynamic
         self._graphs = GraphDecoder(self.model) if graphable else None
         # CPU: the layers of a decode step in one C++ call, where the model is one it covers (cpu/fused.py)
         # and the library builds (once per machine) and loads (cpu/build.py).

@@ -119,10 +119,11 @@ class ModelArgs:
             made = cls(**{**fields, **gemma_fields(c), **moe_fields(c)})
         except KeyError as e:
             raise UnsupportedModelError(f"config.json lacks {e.args[0]!r}, which a {kind} model needs") from e
-        if rope_kind(config) == "longrope":
-            made.rope_original = int(made.rope_scaling["original_max_position_embeddings"])
+        made.rope_original = rope_original(c, made.max_position_embeddings)
+        if rope_kind(c) == "longrope":  # the original beside its factors, where rope_attention_factor reads it
+            made.rope_scaling = {**made.rope_scaling, "original_max_position_embeddings": made.rope_original}
         elif made.rope_dynamic:
-            made.rope_original, made.max_position_embeddings = made.max_position_embeddings, context_length(c)
+            made.max_position_embeddings = context_length(c)
         factor = rope_attention_factor(made.rope_scaling, made.max_position_embeddings)
         if factor != 1.0:
             if made.rope_local_theta is not None:
@@ -135,6 +136,25 @@ class ModelArgs:
 
 
 # -- masks: pure functions ----------------------------------------------------------
+
+
+def rope_original(c: dict, max_positions: int) -> int:
+    """The original context of a RoPE whose frequencies follow the sequence's length (0 for the other kinds):
+    dynamic's ``max_position_embeddings``; longrope's ``original_max_position_embeddings``, beside its factors or,
+    in older configs (Phi-3's), at the top level. What they need and lack is refused here, at load."""
+    kind, s = rope_kind(c), c.get("rope_scaling") or {}
+    if kind == "dynamic":
+        if not isinstance(s.get("factor"), (int, float)):
+            raise UnsupportedModelError("dynamic RoPE scaling without a numeric 'factor' is not supported")
+        return max_positions
+    if kind == "longrope":
+        original = s.get("original_max_position_embeddings") or c.get("original_max_position_embeddings")
+        missing = [k for k in ("short_factor", "long_factor") if not s.get(k)] + ([] if original else
+                                                                                 ["original_max_position_embeddings"])
+        if missing:
+            raise UnsupportedModelError(f"longrope RoPE scaling without {', '.join(missing)} is not supported")
+        return int(original)
+    return 0
 
 
 def nope_layers(c: dict) -> tuple[int, ...]:

@@ -20,11 +20,12 @@ namespace umakit {
 
 // (M, K) float32 times the concatenated parts (each (N_p, K) in tiles) -> (M, sum N_p) float32. Below
 // `dense_rows` rows every output is a dot product of its own, so each row of x gets the bits it gets alone;
-// from `dense_rows` rows on, blocks of weights are dequantized once for a float32 GEMM. `inputs`: the form x is
+// from `dense_rows` rows on, slabs of weights are dequantized once for GEMMs. `inputs`: the form x is
 // multiplied in below that: 0, float32, as it is; 2, int8 in blocks of 32 with a float scale each (llama.cpp's
 // Q8_0; by AVX512-VNNI's vpdpbusd, else AVX2's vpmaddubsw, an 8-bit part then in float32); 3, that plus the
 // remainder of its rounding in int8 blocks again, a second pass (15 bits of each block's largest value). A form
-// the library is not built for is float32.
+// the library is not built for is float32. Or'ed into it, for the GEMMs: 16, in bfloat16 (x and the weights
+// rounded, float32 sums, each output rounded once); 32, float32 ones on oneDNN (`gemm_f32`).
 at::Tensor affine_mm(const at::Tensor& x, at::TensorList codes, at::TensorList sb, at::IntArrayRef bits,
                      at::IntArrayRef groups, int64_t dense_rows, int64_t inputs);
 

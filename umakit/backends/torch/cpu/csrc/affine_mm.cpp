@@ -365,7 +365,8 @@ void block_codes(const uint8_t* tb, int64_t bits, uint8_t (*out)[BLOCK]) {
     for (int j = 0; j < BLOCK; ++j) out[r][j] = static_cast<uint8_t>(code_at(tb, static_cast<int>(bits), r, j));
 }
 
-// Tiles [t0, t1) of a part as float32 (or bfloat16, rounded to nearest even) rows (8 (t1 - t0), K): scale * code + bias.
+// Tiles [t0, t1) of a part as float32 (or bfloat16, rounded to nearest even) rows (8 (t1 - t0), K):
+// scale * code + bias.
 template <typename T>
 void dequantize_tiles(const Part& p, int64_t t0, int64_t t1, int64_t K, T* w) {
   float s[ROWS], b[ROWS];
@@ -437,7 +438,7 @@ std::vector<Part> parts_of(at::TensorList codes, at::TensorList sb, at::IntArray
 namespace umakit {
 
 // A slab's outputs (M, n), float32 or bfloat16 (widened exactly), into columns of y whose rows are N apart: a plain
-// loop, where a strided copy_ took four times as long.
+// loop, where a strided copy_ took about twice its CPU time (torch's profiler, 2026-12-06).
 void widen_into(const Tensor& out, float* y, int64_t N) {
   const int64_t M = out.size(0), n = out.size(1);
   if (out.scalar_type() == at::kFloat) {
@@ -455,8 +456,9 @@ void widen_into(const Tensor& out, float* y, int64_t N) {
 
 // Tiles of a GEMM's slab: as many as hold 512K weights (1 MB in bfloat16, which stays in a core's L2 between its
 // dequantization and its GEMM; 8 to 128 tiles), fewer where that would leave threads without four slabs each.
-// Measured against 32 tiles whatever K (2026-12-06, 512 tokens, GEMM / kernel time in one process): 0.37 against
-// 0.44 on Qwen2.5-1.5B's shapes, 0.48 against 0.50 on the built-in model's.
+// Measured against 32 tiles whatever K (2026-12-06, 512 tokens, GEMM / kernel time, the two builds run one after
+// the other): 0.37 against 0.44 on Qwen2.5-1.5B's shapes, 0.48 against 0.50 on the built-in model's; a third
+// pair on Qwen2.5-0.5B's was within the VM's noise.
 int64_t slab_tiles(const std::vector<Part>& parts, int64_t K) {
   int64_t tiles = 0;
   for (const Part& p : parts) tiles += p.rows / ROWS;
@@ -473,7 +475,7 @@ Tensor affine_mm(const Tensor& x_in, at::TensorList codes, at::TensorList sb, at
   const int64_t N = parts.back().col + parts.back().rows;
   Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;
-  if (M >= dense_rows) {  // a long prefill: dequantize blocks of tiles once, then float32 GEMMs (gemm.cpp)
+  if (M >= dense_rows) {  // a long prefill: dequantize slabs of tiles once, then GEMMs (bfloat16, or gemm.cpp's)
     const bool bf16 = inputs & DENSE_BF16, onednn = inputs & DENSE_ONEDNN;
     const Tensor xb = bf16 ? x.to(at::kBFloat16) : x;
     // slabs of output rows, each dequantized and multiplied by one thread while it is still in that core's cache
