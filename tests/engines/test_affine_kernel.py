@@ -253,3 +253,73 @@ def test_an_unknown_umakit_prefill_gemm_is_refused_by_name(monkeypatch):
     monkeypatch.setenv(affine.PREFILL_VARIABLE, "float16")
     with pytest.raises(ConfigError, match="UMAKIT_PREFILL_GEMM='float16'"):
         affine.prefill_gemm()
+
+
+def k_quant_layer(rows: int, cols: int, bits: int, group: int, seed: int = 0) -> layout.QuantizedLinear:
+    """A GGUF K-quant's layer as the import holds it: per super-block of 256 weights a float16 factor d (and
+    dmin), per group a code, the scale d * sc (float32, exact). Groups of 32: Q4_K/Q5_K's 6-bit sc and m, biases
+    -dmin * m; of 16: Q6_K's int8 sc, symmetric (bias -2^(bits-1) * scale), its largest |sc| 128."""
+    g = torch.Generator().manual_seed(seed)
+    supers, per = cols // 256, 256 // group
+    d = (torch.rand(rows, supers, 1, generator=g) * 0.01 + 1e-4).half().float()
+    if group == 16:
+        sc = torch.randint(-127, 128, (rows, supers, per), generator=g).float()
+        sc[..., 0] = -128
+        scales, biases = (d * sc).view(rows, -1), None
+    else:
+        sc = torch.randint(0, 64, (rows, supers, per), generator=g).float()
+        sc[..., 1] = 63
+        m = torch.randint(0, 64, (rows, supers, per), generator=g).float()
+        dmin = (torch.rand(rows, supers, 1, generator=g) * 0.01).half().float()
+        scales, biases = (d * sc).view(rows, -1), -(dmin * m).view(rows, -1)
+    if biases is None:
+        biases = scales * -(2 ** (bits - 1))
+    q = torch.randint(0, 2 ** bits, (rows, cols), generator=g, dtype=torch.uint8)
+    layer = layout.QuantizedLinear(cols, rows, False, bits, group, dtype=torch.float32, device="meta")
+    layer.weight, layer.scales, layer.biases = layout.pack(q, bits), scales, biases
+    return layer
+
+
+@pytest.mark.parametrize("bits,group", [(4, 32), (5, 32), (6, 16), (3, 16)])
+def test_k_quant_scales_are_held_as_codes_exactly(bits, group):
+    """A byte a scale and a float16 factor a super-block: Q4_K's 4.625 bits a weight, Q6_K's 6.5625."""
+    m = k_quant_layer(40, 512, bits, group)
+    codes, sb = affine.planes(m)
+    planes = 1 if group == 16 else 2
+    assert sb.dtype == torch.uint8 and sb.shape == (5, 2, planes * (16 + 8 * 256 // group))
+    assert (codes.numel() + sb.numel()) * 8 / (40 * 512) == bits + planes * (8 + 16 / (256 // group)) / group
+    assert torch.equal(dequantize(codes, sb, bits, group, 40), m.dequantized(torch.float32))
+    run = affine.AffineLinear([m])
+    for rows in (1, 3, 6, DENSE + 3):
+        x = torch.randn(rows, 512)
+        assert_close(run(x), F.linear(x, m.dequantized(torch.float32)), x, [m], exact=rows >= affine.dense_rows())
+
+
+def test_scales_that_are_not_a_k_quants_keep_float16():
+    """An MLX quantization's min-max scales are no factor times int8 codes: the float16 form, as before."""
+    assert affine.planes(layer(40, 512, 4, 32))[1].dtype == torch.float16
+    m = k_quant_layer(40, 512, 4, 32)
+    m.scales = m.scales.clone()
+    m.scales[3, 5] += 1e-7  # one scale no longer a product: the whole layer keeps float16
+    assert affine.planes(m)[1].dtype == torch.float16
+
+
+@pytest.mark.parametrize("bits", [3, 6, 8])
+def test_groups_of_16_in_float16(bits):
+    m = layer(24, 256, bits, 16)
+    codes, sb = affine.planes(m)
+    assert sb.shape == (3, 16, 2, 8)
+    assert torch.equal(dequantize(codes, sb, bits, 16, 24), m.dequantized(torch.float32))
+    run = affine.AffineLinear([m])
+    for rows in (1, 5, DENSE + 1):
+        x = torch.randn(rows, 256)
+        assert_close(run(x), F.linear(x, m.dequantized(torch.float32)), x, [m], exact=rows >= affine.dense_rows())
+
+
+def test_coded_and_float16_parts_are_one_projection():
+    """A Q4_K_M's q/k/v: Q4_K, Q4_K and Q6_K parts (coded, groups of 32 and 16) beside a float16 one."""
+    parts = [k_quant_layer(64, 512, 4, 32, seed=1), k_quant_layer(32, 512, 6, 16, seed=2), layer(32, 512, 5, 32)]
+    run = affine.AffineLinear(parts)
+    x = torch.randn(3, 512)
+    want = torch.cat([F.linear(x, m.dequantized(torch.float32)) for m in parts], dim=-1)
+    assert_close(run(x), want, x, parts)

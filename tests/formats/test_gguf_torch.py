@@ -75,3 +75,65 @@ def test_files_quantized_by_llama_cpp_run_packed_as_transformers_reads_them(ftyp
     for token, row in zip(tokens, ref, strict=True):
         top2 = np.sort(row)[-2:]
         assert token == row.argmax() or top2[1] - top2[0] <= 2 * tolerance * np.abs(row).max()
+
+
+Q6K_LAYERS = [dict(EXACT_LAYERS[0], attn_q=T.Q6_K, ffn_down=T.Q6_K), EXACT_LAYERS[1]]
+
+
+def test_q6_k_tensors_are_imported_exactly_in_groups_of_16_beside_the_8_bit_ones(tmp_path):
+    """MLX cannot hold groups of 16: the weights keep Q6_K re-quantized to 8 bits, and exact/groups16 the GGUF's
+    own codes and scales, whose products are the gguf package's dequantization exactly."""
+    import gguf
+    from gguf import quants as gguf_quants
+    from safetensors.numpy import load_file
+
+    from support.gguf_files import SHAPES, hf_name_of, reverse_permute
+    from umakit.checkpoint.gguf.finished import EXACT16_FILE
+    from umakit.backends.torch.quant.layout import dequantize
+    import json
+    import torch
+
+    src = write_gguf(tmp_path / "q6k.gguf", "llama", layers=Q6K_LAYERS, tied=False, output=T.Q6_K)
+    import_gguf(src, tmp_path / "out")
+    meta = json.loads((tmp_path / "out" / "config.json").read_text())["umakit"]["exact_groups"]
+    assert meta["file"] == EXACT16_FILE
+    assert meta["layers"] == {name: {"bits": 6, "group_size": 16, "from": "Q6_K"} for name in (
+        "model.layers.0.self_attn.q_proj", "model.layers.0.mlp.down_proj", "lm_head")}
+    held = load_file(str(tmp_path / "out" / EXACT16_FILE))
+    heads = SHAPES["llama"][0]
+    for t in gguf.GGUFReader(src).tensors:
+        if t.tensor_type != T.Q6_K:
+            continue
+        module = hf_name_of(t.name, "llama").removesuffix(".weight")
+        want = gguf_quants.dequantize(np.asarray(t.data), t.tensor_type)
+        if ".attn_q." in t.name:
+            want = reverse_permute(want, heads)
+        scales = torch.from_numpy(held[f"{module}.scales"])
+        got = dequantize(torch.from_numpy(held[f"{module}.weight"]), scales, scales * -32, 6, 16)
+        assert np.array_equal(got.numpy(), want), module
+
+
+@pytest.mark.skipif(not affine.available(), reason="umakit's CPU kernel is not built here")
+def test_q6_k_layers_run_exactly_on_the_cpu_kernel(tmp_path, monkeypatch):
+    """The default engine loads the exact groups for its kernel (scales as codes: the GGUF's 6.5625 bits a
+    weight, not 8.5) and agrees with transformers' reading of the file as closely as the exact types do."""
+    from umakit import backends
+
+    monkeypatch.setattr(backends, "is_apple_silicon", lambda: False)
+    monkeypatch.setattr(backends, "_cuda_available", lambda: False)
+    src = write_gguf(tmp_path / "q6k.gguf", "llama", layers=Q6K_LAYERS, tied=False, output=T.Q6_K)
+    import_gguf(src, tmp_path / "out")
+    model = umakit.load(tmp_path / "out")
+    net = model.engine.model
+    for layer in (net.lm_head, net.model.layers[0].mlp.down_proj):
+        assert (layer.bits, layer.groups, layer.sb0.dtype) == ([6], [16], torch_uint8())
+        assert (layer.codes0.numel() + layer.sb0.numel()) * 8 / (layer.codes0.shape[0] * layer.in_features) == 6.5625
+    tolerance = {affine.FLOAT32: 2e-3, affine.INT8: 0.04, affine.INT8X2: 2e-3}[affine.inputs()]
+    ours, ref = model.logits(IDS), hf_forward(src, IDS)
+    assert np.abs(ours - ref).max() <= tolerance * np.abs(ref).max()
+
+
+def torch_uint8():
+    import torch
+
+    return torch.uint8

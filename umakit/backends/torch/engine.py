@@ -69,7 +69,9 @@ from umakit.backends.torch.model.llama import ModelArgs
 from umakit.backends.torch.offload.experts import ExpertStreamer, plan_expert_offload
 from umakit.backends.torch.cpu.fused import FusedDecoder, covers
 from umakit.backends.torch.offload.layers import LayerStreamer
+from umakit.backends.torch.load import exact
 from umakit.backends.torch.load.packed import PackedCache
+from umakit.backends.torch.cpu import affine_kernel
 from umakit.backends.torch.sampler import TorchOps
 from umakit.backends.torch.load.synthetic import random_tensors, synthetic_shapes
 
@@ -96,8 +98,10 @@ class TorchEngine:
         # CPU packed kernels: the packing of a quantized checkpoint, kept from its first load (load/packed.py)
         packs = device == "cpu" and target == torch.bfloat16 and ckpt.config.get("quantization")
         packed = PackedCache.for_checkpoint(ckpt.path, ckpt.files) if packs else None
-        return cls(ckpt.config, shapes, lambda: stream_checkpoint(ckpt, staging, progress), device, target,
-                   gpu_layers, vram_budget, packed)
+        config, source = ckpt.config, lambda: stream_checkpoint(ckpt, staging, progress)
+        if packs and affine_kernel.available():  # a GGUF's Q6_K tensors exactly, in groups of 16
+            config, shapes, source = exact.substitute(ckpt, config, shapes, source)
+        return cls(config, shapes, source, device, target, gpu_layers, vram_budget, packed)
 
     @classmethod
     def synthetic(cls, config: dict, *, device: str, dtype: str = "auto", bits: int | None = None,

@@ -18,12 +18,12 @@ from typing import NamedTuple
 import numpy as np
 
 from umakit.core.affine import quantization_block
-from umakit.checkpoint.writer import fill_model_dir, write_model_dir
-from umakit.core.fsutil import check_destination, check_not_inside, check_writable
+from umakit.checkpoint.writer import fill_model_dir
+from umakit.core.fsutil import atomic_dir, check_destination, check_not_inside, check_writable
 from umakit.errors import UnsupportedModelError
 from umakit.checkpoint.gguf import quants
 from umakit.checkpoint.gguf.arch import ArchSpec, map_names, qk_row_order, spec_for
-from umakit.checkpoint.gguf.finished import IMPORT_FORMAT, is_complete  # noqa: F401 (is_complete: part of this module's API)
+from umakit.checkpoint.gguf.finished import EXACT16_FILE, IMPORT_FORMAT, is_complete  # noqa: F401 (is_complete: part of this module's API)
 from umakit.checkpoint.gguf.reader import GGUFFile, open_gguf, sha256_file
 from umakit.checkpoint.gguf.vocab import TokenizerFiles, build_tokenizer, dumps
 
@@ -133,6 +133,16 @@ def _requantize(t, order: np.ndarray | None) -> tuple[tuple, int, float]:
     return (w, scales, biases), bits, float(err)
 
 
+def _exact16(t, order: np.ndarray | None) -> dict[str, np.ndarray]:
+    """A `quants.EXACT16` tensor's codes and scales in groups of 16, exactly (MLX's packing, float32 scales; the
+    biases are -2^(bits-1) times them): the torch engine's CPU kernel reads these instead of the re-quantized
+    tensor (backends/torch/load/exact.py)."""
+    aff = quants.to_affine16(np.asarray(t.data), t.tensor_type, cols=int(t.shape[0]))
+    if order is not None:
+        aff = aff.take_rows(order)
+    return {"weight": quants.pack(aff.q, aff.bits), "scales": np.ascontiguousarray(aff.scales, dtype=np.float32)}
+
+
 @dataclass
 class _Converted:
     """A GGUF's tensors in MLX's layout and the files beside them, ready to write."""
@@ -142,6 +152,7 @@ class _Converted:
     files: dict[str, str]  # tokenizer and generation files by name
     exact: int
     lossy: list[LossyTensor]
+    exact16: dict = field(default_factory=dict)  # HF tensor name -> numpy array, for EXACT16_FILE
 
 
 def _convert(plan: ImportPlan) -> _Converted:
@@ -152,6 +163,8 @@ def _convert(plan: ImportPlan) -> _Converted:
     quantized: dict[str, tuple[int, int]] = {}  # module path -> (group_size, bits)
     lossy: list[LossyTensor] = []
     exact = 0
+    exact16: dict[str, np.ndarray] = {}
+    groups16: dict[str, dict] = {}  # module path -> its exact groups' bits, group size and GGUF type
     for name, hf in plan.names.items():
         t = gf.tensors[name]
         rows = int(t.shape[1]) if len(t.shape) == 2 else int(t.shape[0])  # ne = (cols, rows)
@@ -170,12 +183,19 @@ def _convert(plan: ImportPlan) -> _Converted:
         for suffix, arr in zip(("weight", "scales", "biases"), packed):
             arrays[f"{module}.{suffix}"] = mx.array(arr) if isinstance(arr, np.ndarray) else arr
         quantized[module] = (quants.GROUP_SIZE, bits)
+        if t.tensor_type in quants.EXACT16:
+            exact16.update({f"{module}.{k}": v for k, v in _exact16(t, order).items()})
+            groups16[module] = {"bits": quants.EXACT16[t.tensor_type][1], "group_size": quants.EXACT16_GROUP,
+                                "from": t.tensor_type.name}
     files = {
         "tokenizer_config.json": dumps(plan.tokenizer.tokenizer_config),
         "generation_config.json": dumps(plan.tokenizer.generation_config),
         "tokenizer.json": plan.tokenizer.tokenizer_json,
     }
-    return _Converted(arrays, dumps(_full_config(plan, quantized, lossy)), files, exact, lossy)
+    config = _full_config(plan, quantized, lossy)
+    if groups16:
+        config["umakit"]["exact_groups"] = {"file": EXACT16_FILE, "layers": groups16}
+    return _Converted(arrays, dumps(config), files, exact, lossy, exact16)
 
 
 def _report(plan: ImportPlan, converted: _Converted, out_dir: Path, written: int, start: float) -> ImportReport:
@@ -193,8 +213,21 @@ def write_import(plan: ImportPlan, dest: Path) -> ImportReport:
     """Convert ``plan.gf`` into the existing, empty directory ``dest``."""
     start = time.perf_counter()
     c = _convert(plan)
+    return _report(plan, c, dest, _fill(dest, c), start)
+
+
+def _fill(dest: Path, c: _Converted) -> int:
+    """Write ``c`` into the empty directory ``dest``: the weights, the files beside them and the exact groups of
+    16 (`EXACT16_FILE`); returns the bytes written."""
     written = fill_model_dir(dest, c.arrays, c.config_text, files=c.files, sharded=False)
-    return _report(plan, c, dest, written, start)
+    if c.exact16:
+        from safetensors.numpy import save_file
+
+        path = Path(dest) / EXACT16_FILE
+        path.parent.mkdir()
+        save_file(c.exact16, str(path))
+        written += path.stat().st_size
+    return written
 
 
 def _full_config(plan: ImportPlan, quantized: dict, lossy: list[LossyTensor]) -> dict:
@@ -239,5 +272,6 @@ def import_gguf(path: str | os.PathLike, out_dir: str | os.PathLike, force: bool
     check_not_inside(path, out_dir)  # with --force, replacing a folder that holds the GGUF would destroy it
     check_writable(out_dir)
     c = _convert(plan)
-    written = write_model_dir(out_dir, c.arrays, c.config_text, files=c.files, sharded=False, force=force)
+    with atomic_dir(out_dir, force=force) as tmp:
+        written = _fill(Path(tmp), c)
     return _report(plan, c, Path(out_dir), written, start)

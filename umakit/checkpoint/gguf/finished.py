@@ -10,6 +10,9 @@ from umakit.checkpoint.writer import WEIGHTS_FILE
 
 # Bump when the output layout changes: cached imports of an older format are then redone.
 IMPORT_FORMAT = 1
+# Beside the weights: the tensors a GGUF holds exactly in groups of 16 (its Q6_K), which MLX's groups (32, 64,
+# 128) cannot hold, so the weights have them re-quantized; config.json's umakit.exact_groups names them.
+EXACT16_FILE = "exact/groups16.safetensors"
 
 
 def is_complete(model_dir: Path) -> bool:

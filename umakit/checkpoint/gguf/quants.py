@@ -127,6 +127,35 @@ EXACT: dict[T, tuple[Callable, int]] = {
 }
 
 
+def _q6_k(b: np.ndarray):
+    """Q6_K (ql[128], qh[64], int8 scales[16], d): w = d * sc_j * (q - 32), one scale per 16 weights. Of each
+    half (128 weights), quarter j's weight l is ql's nibble and qh's 2-bit field: low nibbles of ql[l] (j = 0)
+    and ql[32 + l] (j = 1), high nibbles of both (j = 2, 3), qh[l] bits 2j, 2j + 1 above them."""
+    ql, qh = b[:, :128].reshape(-1, 2, 1, 64), b[:, 128:192].reshape(-1, 2, 1, 32)
+    nib = np.concatenate([ql[..., :32] & 0x0F, ql[..., 32:] & 0x0F, ql[..., :32] >> 4, ql[..., 32:] >> 4], axis=2)
+    high = (qh >> (2 * np.arange(4, dtype=np.uint8)).reshape(1, 1, 4, 1)) & 3  # (n, half, j, l)
+    q = (nib.reshape(-1, 2, 4, 32) | (high << 4)).reshape(-1, 256)
+    scales = _f16(b[:, 208:210]) * b[:, 192:208].view(np.int8).astype(np.float32)  # (n, 16)
+    return q, scales, -32 * scales
+
+
+# Block types exact as affine groups of 16, which MLX does not take (its groups are 32, 64 or 128): imported
+# re-quantized for every engine, and exactly besides for umakit's CPU kernel (`Affine` with group_size 16).
+EXACT16: dict[T, tuple[Callable, int]] = {T.Q6_K: (_q6_k, 6)}
+EXACT16_GROUP = 16
+
+
+def to_affine16(data: np.ndarray, qtype: T, cols: int) -> Affine:
+    """`to_affine` for the `EXACT16` types."""
+    decode, bits = EXACT16[qtype]
+    _, type_size = GGML_QUANT_SIZES[qtype]
+    rows = data.shape[0]
+    q, scales, biases = decode(np.ascontiguousarray(data).reshape(-1, type_size))
+    groups = cols // EXACT16_GROUP
+    return Affine(q.reshape(rows, cols), scales.reshape(rows, groups), biases.reshape(rows, groups), bits,
+                  EXACT16_GROUP)
+
+
 def to_affine(data: np.ndarray, qtype: T, cols: int) -> Affine:
     """Decode a 2-D tensor's raw blocks, (rows, bytes per row), to affine groups."""
     decode, bits = EXACT[qtype]

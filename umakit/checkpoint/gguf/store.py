@@ -54,7 +54,7 @@ def install_dir(tmp: Path, target: Path, complete=is_complete) -> None:
     os.rename(tmp, target)
 
 
-IMPORTER = 2  # bump when an import's output changes (2: Q6_K and Q3_K re-quantized symmetric)
+IMPORTER = 3  # bump when an import's output changes (2: Q6_K and Q3_K re-quantized symmetric; 3: Q6_K exact too)
 
 
 def cached_import(gguf_path: str | os.PathLike) -> Path:

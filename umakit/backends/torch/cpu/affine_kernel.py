@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from umakit.backends.torch import crossover
-from umakit.backends.torch.cpu import build
+from umakit.backends.torch.cpu import build, scale_codes
 from umakit.backends.torch.quant.layout import QuantizedLinear
 from umakit.errors import ConfigError
 
@@ -115,7 +115,7 @@ def _onednn_runs() -> bool:
 
 
 def supports(m: QuantizedLinear) -> bool:
-    return m.bits in KERNEL_BITS and m.in_features % BLOCK == 0 and m.group_size % BLOCK == 0
+    return m.bits in KERNEL_BITS and m.in_features % BLOCK == 0 and (m.group_size % BLOCK == 0 or m.group_size == 16)
 
 
 def concatenates(parts: list[QuantizedLinear]) -> bool:
@@ -131,7 +131,8 @@ def symmetric(m: QuantizedLinear) -> bool:
 
 def planes(m: QuantizedLinear) -> tuple[torch.Tensor, torch.Tensor]:
     """``m``'s codes in the kernel's tiles, (rows, in * bits / 8) uint8, and its float16 scales and biases,
-    (rows / 8, groups, 2, 8), or its scales alone, (rows / 8, groups, 1, 8), where it is `symmetric`; rows is
+    (rows / 8, groups, 2, 8), or its scales alone, (rows / 8, groups, 1, 8), where it is `symmetric`; or, where
+    they are a K-quant's, the same as int8 codes and float16 factors (`scale_codes.coded`); rows is
     ``m.out_features`` rounded up to a multiple of 8, the rows added all zero."""
     rows = _padded_rows(m)
     weight = m.weight.contiguous()
@@ -139,6 +140,9 @@ def planes(m: QuantizedLinear) -> tuple[torch.Tensor, torch.Tensor]:
         weight = torch.cat([weight, weight.new_zeros(rows - m.out_features, weight.shape[1])])
     codes = torch.ops.umakit.affine_planes(weight, m.bits)
     kept = [m.scales] if symmetric(m) else [m.scales, m.biases]
+    coded = scale_codes.coded(kept, m.group_size, rows)  # a K-quant's: a byte a scale
+    if coded is not None:
+        return codes, coded
     return codes, torch.stack([_tiled(t.to(torch.float16), rows) for t in kept], dim=2).contiguous()
 
 
@@ -182,10 +186,16 @@ class AffineLinear(nn.Module):
         groups, rows = m.in_features // m.group_size, _padded_rows(m)
         # scales alone or with biases, as the packing found them (`symmetric` would read the checkpoint's scales;
         # the stored packing is keyed by the checkpoint's files)
-        return (codes is not None and sb is not None and codes.dtype == torch.uint8 and sb.dtype == torch.float16
-                and tuple(codes.shape) == (rows, m.in_features * m.bits // 8)
-                and sb.dim() == 4 and tuple(sb.shape[:2]) == (rows // ROWS, groups) and sb.shape[2] in (1, 2)
-                and sb.shape[3] == ROWS)
+        if codes is None or sb is None or codes.dtype != torch.uint8:
+            return False
+        if tuple(codes.shape) != (rows, m.in_features * m.bits // 8):
+            return False
+        if sb.dtype == torch.uint8:  # coded: (rows / 8, super-blocks, planes * (16 + 8 * per))
+            per = scale_codes.SUPER // m.group_size
+            return (sb.dim() == 3 and tuple(sb.shape[:2]) == (rows // ROWS, groups // per)
+                    and sb.shape[2] in (16 + 8 * per, 2 * (16 + 8 * per)))
+        return (sb.dtype == torch.float16 and sb.dim() == 4 and tuple(sb.shape[:2]) == (rows // ROWS, groups)
+                and sb.shape[2] in (1, 2) and sb.shape[3] == ROWS)
 
     def packing(self) -> dict[str, torch.Tensor]:
         """What `load/packed.py` keeps of this layer, by name."""

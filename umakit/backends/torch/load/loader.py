@@ -33,6 +33,7 @@ from umakit.backends.torch.load.packed import PackedCache
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 SAFETENSORS_FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+EXACT_GROUP = 16  # a GGUF's Q6_K groups, which only the CPU kernel is given (load/exact.py)
 CUDA_CACHE_TOKENS = KV_RESERVE_TOKENS  # initial KV capacity on CUDA: what the offload budget reserves for
 
 
@@ -69,7 +70,7 @@ def _swap_quantized(model: Transformer, q: dict, tensors, dtype: torch.dtype) ->
         spec = quant_spec(path, q, tensors)
         if spec is None:
             continue
-        if spec["bits"] not in BITS or spec["group_size"] not in GROUP_SIZES:
+        if spec["bits"] not in BITS or spec["group_size"] not in (*GROUP_SIZES, EXACT_GROUP):
             raise CheckpointError(f"{path}: {spec['bits']}-bit groups of {spec['group_size']} are not supported")
         try:
             if isinstance(module, Experts):

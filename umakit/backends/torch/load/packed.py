@@ -27,8 +27,9 @@ from umakit.core.fsutil import atomic_file
 from umakit.core.home import home_dir
 
 ALIGNMENT = 64  # bytes: torch's CPU allocator's, and AVX-512's loads
-# bump when a packed form or the file layout changes (2: 64-byte aligned data; 3: affine planes; 4: affine tiles)
-FORMAT_VERSION = 4
+# bump when a packed form or the file layout changes (2: 64-byte aligned data; 3: affine planes; 4: affine tiles;
+# 5: K-quants' scales as codes)
+FORMAT_VERSION = 5
 SUFFIX = ".safetensors"
 
 

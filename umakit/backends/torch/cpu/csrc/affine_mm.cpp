@@ -91,22 +91,43 @@ inline int code_at(const uint8_t* tb, int bits, int r, int j) {
   return v;
 }
 
-// One part of a layer: (rows, K) weights in tiles, their float16 (rows / 8, groups, 2, 8) scales and biases, or
-// (rows / 8, groups, 1, 8) scales alone where every bias is -2^(bits-1) times its scale (a symmetric layer: a
-// GGUF's Q4_0, Q5_0, Q8_0), which the kernel recomputes exactly instead of reading.
+// One part of a layer: (rows, K) weights in tiles, and its scales (affine.h) as float16, (rows / 8, groups, 2, 8)
+// scales and biases or (rows / 8, groups, 1, 8) scales alone where every bias is -2^(bits-1) times its scale (a
+// symmetric layer: a GGUF's Q4_0, Q5_0, Q8_0, Q6_K), which the kernel recomputes exactly instead of reading; or
+// coded (`coded`), as the K-quants hold them: per tile and super-block of `per_super` groups, the planes' 8
+// float16 factors each, then per group the planes' 8 int8 codes each, a scale (bias) being factor * code.
 struct Part {
   const uint8_t* codes;
-  const Half* sb;
+  const Half* sb;          // float16 scales and biases, or null
+  const uint8_t* coded;    // coded ones, or null
   int64_t rows, bits, group, groups, col, planes;  // col: where its outputs start in y; planes: 1 or 2
+  int64_t per_super, super_bytes;                  // coded: groups a super-block, its bytes
 
   const uint8_t* tile(int64_t t, int64_t K) const { return codes + t * K * bits; }
   const Half* tile_sb(int64_t t, int64_t g) const { return sb + (t * groups + g) * planes * ROWS; }
+  // coded: group g's super-block of tile t (its factors), and the group's codes in it
+  const uint8_t* super(int64_t t, int64_t g) const {
+    return coded + (t * (groups / per_super) + g / per_super) * super_bytes;
+  }
+  const int8_t* group_codes(const uint8_t* sup, int64_t g) const {
+    return reinterpret_cast<const int8_t*>(sup + planes * ROWS * 2 + (g % per_super) * planes * ROWS);
+  }
 };
 
 // A tile's 8 scales and 8 biases of group g as float32.
 void tile_scales(const Part& p, int64_t t, int64_t g, float* s, float* b) {
-  const Half* h = p.tile_sb(t, g);
   const float offset = -static_cast<float>(int64_t{1} << (p.bits - 1));
+  if (p.coded) {
+    const uint8_t* sup = p.super(t, g);
+    const Half* f = reinterpret_cast<const Half*>(sup);
+    const int8_t* c = p.group_codes(sup, g);
+    for (int r = 0; r < ROWS; ++r) {
+      s[r] = static_cast<float>(f[r]) * static_cast<float>(c[r]);
+      b[r] = p.planes == 2 ? static_cast<float>(f[ROWS + r]) * static_cast<float>(c[ROWS + r]) : offset * s[r];
+    }
+    return;
+  }
+  const Half* h = p.tile_sb(t, g);
   for (int r = 0; r < ROWS; ++r) {
     s[r] = static_cast<float>(h[r]);
     b[r] = p.planes == 2 ? static_cast<float>(h[ROWS + r]) : offset * s[r];
@@ -115,6 +136,24 @@ void tile_scales(const Part& p, int64_t t, int64_t g, float* s, float* b) {
 
 #ifdef UMAKIT_SIMD
 inline __m256 halves8(const Half* h) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h))); }
+inline __m256 codes8(const int8_t* c) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c))));
+}
+
+// tile_scales in registers: the same products, lane r row r.
+inline void group_scales(const Part& p, int64_t t, int64_t g, __m256 offset, __m256& s, __m256& b) {
+  if (p.coded) {
+    const uint8_t* sup = p.super(t, g);
+    const Half* f = reinterpret_cast<const Half*>(sup);
+    const int8_t* c = p.group_codes(sup, g);
+    s = _mm256_mul_ps(halves8(f), codes8(c));
+    b = p.planes == 2 ? _mm256_mul_ps(halves8(f + ROWS), codes8(c + ROWS)) : _mm256_mul_ps(s, offset);
+    return;
+  }
+  const Half* h = p.tile_sb(t, g);
+  s = halves8(h);
+  b = p.planes == 2 ? halves8(h + ROWS) : _mm256_mul_ps(s, offset);
+}
 
 #ifndef UMAKIT_AVX512
 // A 32-bit mask as 32 bytes, byte i all ones where bit i is set: each 128-bit lane takes the mask's two bytes it
@@ -161,40 +200,47 @@ inline void decode(const uint8_t* tb, __m256i* q) {
 }
 
 // Outputs of tile t for TM rows of x, x in float32: per block, each chunk's 4 weights of 8 rows widened to
-// float32 and met by the broadcast x value. Each x row's arithmetic is the same whatever TM is.
-template <int BITS, int TM>
+// float32 and met by the broadcast x value. Each x row's arithmetic is the same whatever TM is. SUB: the groups
+// in a block, 1 (groups of 32 or more) or 2 (of 16: chunks 0-3, then 4-7).
+template <int BITS, int TM, int SUB>
 void tile_f32(const Part& p, int64_t t, const float* x, const float* xsum, int64_t K, float* y, int64_t ldy) {
-  const int64_t per = p.group / BLOCK;
+  constexpr int CH = 8 / SUB;  // chunks of a group in a block
+  const int64_t per = SUB == 1 ? p.group / BLOCK : 1, blocks = K / BLOCK;
   const uint8_t* tb = p.tile(t, K);
   const __m256i byte = _mm256_set1_epi32(255);
   const __m256 offset = _mm256_set1_ps(-static_cast<float>(1 << (BITS - 1)));
   __m256 acc[TM];
   for (int m = 0; m < TM; ++m) acc[m] = _mm256_setzero_ps();
-  for (int64_t g = 0, k = 0; g < p.groups; ++g) {
-    __m256 gs[TM];
-    for (int m = 0; m < TM; ++m) gs[m] = _mm256_setzero_ps();
-    for (int64_t j = 0; j < per; ++j, k += BLOCK, tb += 32 * BITS) {
+  for (int64_t b = 0, g = 0; b < blocks;) {
+    __m256 gs[SUB][TM];
+    for (int h = 0; h < SUB; ++h)
+      for (int m = 0; m < TM; ++m) gs[h][m] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < per; ++j, ++b, tb += 32 * BITS) {
       __m256i q[8];
       decode<BITS>(tb, q);
-      for (int m = 0; m < TM; ++m) {
-        const float* xb = x + m * K + k;
-        __m256 d[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-        for (int c = 0; c < 8; ++c) {
-          d[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(q[c], byte)), _mm256_set1_ps(xb[4 * c]), d[0]);
-          d[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(q[c], 8), byte)),
-                                 _mm256_set1_ps(xb[4 * c + 1]), d[1]);
-          d[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(q[c], 16), byte)),
-                                 _mm256_set1_ps(xb[4 * c + 2]), d[2]);
-          d[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(q[c], 24)), _mm256_set1_ps(xb[4 * c + 3]), d[3]);
+      for (int h = 0; h < SUB; ++h)
+        for (int m = 0; m < TM; ++m) {
+          const float* xb = x + m * K + b * BLOCK;
+          __m256 d[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+          for (int c = h * CH; c < (h + 1) * CH; ++c) {
+            d[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(q[c], byte)), _mm256_set1_ps(xb[4 * c]), d[0]);
+            d[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(q[c], 8), byte)),
+                                   _mm256_set1_ps(xb[4 * c + 1]), d[1]);
+            d[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(q[c], 16), byte)),
+                                   _mm256_set1_ps(xb[4 * c + 2]), d[2]);
+            d[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(q[c], 24)), _mm256_set1_ps(xb[4 * c + 3]),
+                                   d[3]);
+          }
+          gs[h][m] = _mm256_add_ps(gs[h][m], _mm256_add_ps(_mm256_add_ps(d[0], d[1]), _mm256_add_ps(d[2], d[3])));
         }
-        gs[m] = _mm256_add_ps(gs[m], _mm256_add_ps(_mm256_add_ps(d[0], d[1]), _mm256_add_ps(d[2], d[3])));
-      }
     }
-    const Half* h = p.tile_sb(t, g);
-    const __m256 s = halves8(h), b = p.planes == 2 ? halves8(h + ROWS) : _mm256_mul_ps(s, offset);
-    for (int m = 0; m < TM; ++m) {
-      acc[m] = _mm256_fmadd_ps(s, gs[m], acc[m]);
-      acc[m] = _mm256_fmadd_ps(b, _mm256_set1_ps(xsum[m * p.groups + g]), acc[m]);
+    for (int h = 0; h < SUB; ++h, ++g) {
+      __m256 s, bias;
+      group_scales(p, t, g, offset, s, bias);
+      for (int m = 0; m < TM; ++m) {
+        acc[m] = _mm256_fmadd_ps(s, gs[h][m], acc[m]);
+        acc[m] = _mm256_fmadd_ps(bias, _mm256_set1_ps(xsum[m * p.groups + g]), acc[m]);
+      }
     }
   }
   for (int m = 0; m < TM; ++m) _mm256_storeu_ps(y + m * ldy, acc[m]);
@@ -202,24 +248,25 @@ void tile_f32(const Part& p, int64_t t, const float* x, const float* xsum, int64
 #endif
 
 #ifdef UMAKIT_SIMD
-// 32 codes of 8 rows (q) times x's int8 block (xb, 4 values broadcast at a time), summed per row in int32. Without
-// VNNI, vpmaddubsw sums pairs of products in int16, saturating: a pair is at most 2 (2^BITS - 1) 127, so as many
-// pairs as fit 32767 are added in int16 before vpmaddwd widens them (8 chunks at 4 bits or fewer, 4 at 5, 2 at
-// 6); 8-bit parts never come here without VNNI (`int8_loops`).
-template <int BITS>
+// CH chunks of codes of 8 rows (q, 4 weights a row each) times x's int8 values (xb, 4 values broadcast at a time),
+// summed per row in int32. Without VNNI, vpmaddubsw sums pairs of products in int16, saturating: a pair is at most
+// 2 (2^BITS - 1) 127, so as many pairs as fit 32767 are added in int16 before vpmaddwd widens them (8 chunks at 4
+// bits or fewer, 4 at 5, 2 at 6); 8-bit parts never come here without VNNI (`int8_loops`).
+template <int BITS, int CH>
 inline __m256i block_dot(const __m256i* q, const uint8_t* xb) {
 #ifdef UMAKIT_VNNI
   __m256i i0 = _mm256_setzero_si256(), i1 = _mm256_setzero_si256();
-  for (int c = 0; c < 8; c += 2) {
+  for (int c = 0; c < CH; c += 2) {
     i0 = _mm256_dpbusd_epi32(i0, q[c], _mm256_set1_epi32(static_cast<int>(load32(xb + 4 * c))));
     i1 = _mm256_dpbusd_epi32(i1, q[c + 1], _mm256_set1_epi32(static_cast<int>(load32(xb + 4 * c + 4))));
   }
   return _mm256_add_epi32(i0, i1);
 #else
   constexpr int PAIR = 2 * ((1 << BITS) - 1) * 127;
-  constexpr int RUN = PAIR * 8 <= 32767 ? 8 : PAIR * 4 <= 32767 ? 4 : 2;  // chunks summed in int16
+  constexpr int FIT = PAIR * 8 <= 32767 ? 8 : PAIR * 4 <= 32767 ? 4 : 2;  // chunks summed in int16
+  constexpr int RUN = FIT < CH ? FIT : CH;
   __m256i acc = _mm256_setzero_si256();
-  for (int c = 0; c < 8; c += RUN) {
+  for (int c = 0; c < CH; c += RUN) {
     __m256i pairs = _mm256_maddubs_epi16(q[c], _mm256_set1_epi32(static_cast<int>(load32(xb + 4 * c))));
     for (int k = 1; k < RUN; ++k)
       pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(
@@ -239,37 +286,44 @@ constexpr bool int8_loops(int bits) { return kVNNI || bits < 8; }
 // blocks, is multiplied too: 15 bits of each block's largest value instead of 8. What rounding is left is that of
 // the codes centred, (code - c) * (rounded x - x) with c = 2^(bits-1), as llama.cpp's symmetric blocks have it,
 // not code * (rounded x - x), twice as large: xdiff holds each group's sum of x minus the sum of its rounded
-// values, and c * scale * xdiff goes back in.
-template <int BITS, int TM, int PASSES>
+// values, and c * scale * xdiff goes back in. SUB as in tile_f32 (groups of 16 share a block's input scale).
+template <int BITS, int TM, int PASSES, int SUB>
 void tile_i8(const Part& p, int64_t t, const Inputs& in, const float* xsum, const float* xdiff, int64_t K,
              float* y, int64_t ldy) {
-  const int64_t per = p.group / BLOCK, blocks = K / BLOCK;
+  constexpr int CH = 8 / SUB;
+  const int64_t per = SUB == 1 ? p.group / BLOCK : 1, blocks = K / BLOCK;
   const uint8_t* tb = p.tile(t, K);
   const float centre = static_cast<float>(1 << (BITS - 1));
   const __m256 offset = _mm256_set1_ps(-centre);
   __m256 acc[TM];
   for (int m = 0; m < TM; ++m) acc[m] = _mm256_setzero_ps();
-  for (int64_t g = 0, b = 0; g < p.groups; ++g) {
-    __m256 gs[TM];
-    for (int m = 0; m < TM; ++m) gs[m] = _mm256_setzero_ps();
+  for (int64_t b = 0, g = 0; b < blocks;) {
+    __m256 gs[SUB][TM];
+    for (int h = 0; h < SUB; ++h)
+      for (int m = 0; m < TM; ++m) gs[h][m] = _mm256_setzero_ps();
     for (int64_t j = 0; j < per; ++j, ++b, tb += 32 * BITS) {
       __m256i q[8];
       decode<BITS>(tb, q);
-      for (int m = 0; m < TM; ++m) {
-        const int64_t at = m * K + b * BLOCK;
-        gs[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_dot<BITS>(q, reinterpret_cast<const uint8_t*>(in.xq + at))),
-                                _mm256_set1_ps(in.dx[m * blocks + b]), gs[m]);
-        if constexpr (PASSES == 2)
-          gs[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_dot<BITS>(q, reinterpret_cast<const uint8_t*>(in.xq2 + at))),
-                                  _mm256_set1_ps(in.dx2[m * blocks + b]), gs[m]);
-      }
+      for (int h = 0; h < SUB; ++h)
+        for (int m = 0; m < TM; ++m) {
+          const int64_t at = m * K + b * BLOCK + 4 * CH * h;
+          gs[h][m] = _mm256_fmadd_ps(
+              _mm256_cvtepi32_ps(block_dot<BITS, CH>(q + CH * h, reinterpret_cast<const uint8_t*>(in.xq + at))),
+              _mm256_set1_ps(in.dx[m * blocks + b]), gs[h][m]);
+          if constexpr (PASSES == 2)
+            gs[h][m] = _mm256_fmadd_ps(
+                _mm256_cvtepi32_ps(block_dot<BITS, CH>(q + CH * h, reinterpret_cast<const uint8_t*>(in.xq2 + at))),
+                _mm256_set1_ps(in.dx2[m * blocks + b]), gs[h][m]);
+        }
     }
-    const Half* h = p.tile_sb(t, g);
-    const __m256 s = halves8(h), bias = p.planes == 2 ? halves8(h + ROWS) : _mm256_mul_ps(s, offset);
-    for (int m = 0; m < TM; ++m) {
-      const __m256 sum = _mm256_add_ps(gs[m], _mm256_set1_ps(centre * xdiff[m * p.groups + g]));
-      acc[m] = _mm256_fmadd_ps(s, sum, acc[m]);
-      acc[m] = _mm256_fmadd_ps(bias, _mm256_set1_ps(xsum[m * p.groups + g]), acc[m]);
+    for (int h = 0; h < SUB; ++h, ++g) {
+      __m256 s, bias;
+      group_scales(p, t, g, offset, s, bias);
+      for (int m = 0; m < TM; ++m) {
+        const __m256 sum = _mm256_add_ps(gs[h][m], _mm256_set1_ps(centre * xdiff[m * p.groups + g]));
+        acc[m] = _mm256_fmadd_ps(s, sum, acc[m]);
+        acc[m] = _mm256_fmadd_ps(bias, _mm256_set1_ps(xsum[m * p.groups + g]), acc[m]);
+      }
     }
   }
   for (int m = 0; m < TM; ++m) _mm256_storeu_ps(y + m * ldy, acc[m]);
@@ -279,18 +333,19 @@ void tile_i8(const Part& p, int64_t t, const Inputs& in, const float* xsum, cons
 // The same sums in plain C++, per row of the tile (a different rounding from the vector lanes').
 void tile_scalar(const Part& p, int64_t t, const float* x, const float* xsum, int64_t M, int64_t K, float* y,
                  int64_t ldy) {
-  const int64_t per = p.group / BLOCK;
   float s[ROWS], b[ROWS];
+  const uint8_t* tiles = p.tile(t, K);
+  const int bits = static_cast<int>(p.bits);
   for (int64_t m = 0; m < M; ++m) {
     float acc[ROWS] = {};
-    const uint8_t* tb = p.tile(t, K);
-    for (int64_t g = 0, k = 0; g < p.groups; ++g) {
+    for (int64_t g = 0; g < p.groups; ++g) {
       tile_scales(p, t, g, s, b);
       float d[ROWS] = {};
-      for (int64_t j = 0; j < per; ++j, k += BLOCK, tb += 32 * p.bits)
+      for (int64_t k = g * p.group; k < (g + 1) * p.group; ++k) {
+        const uint8_t* tb = tiles + k / BLOCK * 32 * p.bits;
         for (int r = 0; r < ROWS; ++r)
-          for (int i = 0; i < BLOCK; ++i)
-            d[r] += static_cast<float>(code_at(tb, static_cast<int>(p.bits), r, i)) * x[m * K + k + i];
+          d[r] += static_cast<float>(code_at(tb, bits, r, static_cast<int>(k % BLOCK))) * x[m * K + k];
+      }
       for (int r = 0; r < ROWS; ++r) acc[r] += d[r] * s[r] + b[r] * xsum[m * p.groups + g];
     }
     for (int r = 0; r < ROWS; ++r) y[m * ldy + r] = acc[r];
@@ -335,12 +390,18 @@ void part_tile(const Part& p, int64_t t, const Inputs& in, int64_t form, const f
     constexpr int B = decltype(width)::value;
     over_x_rows(M, [&](auto tile, int64_t m) {
       constexpr int TM = decltype(tile)::value;
+      const bool halves = p.group < BLOCK;
       if ((form == INT8 || form == INT8X2) && int8_loops(B)) {
         const Inputs at{nullptr, in.xq + m * K, in.xq2 + m * K, in.dx + m * blocks, in.dx2 + m * blocks};
-        if (form == INT8X2) return tile_i8<B, TM, 2>(p, t, at, xsum + m * G, xdiff + m * G, K, out + m * ldy, ldy);
-        return tile_i8<B, TM, 1>(p, t, at, xsum + m * G, xdiff + m * G, K, out + m * ldy, ldy);
+        const float *sums = xsum + m * G, *diffs = xdiff + m * G;
+        if (form == INT8X2)
+          return halves ? tile_i8<B, TM, 2, 2>(p, t, at, sums, diffs, K, out + m * ldy, ldy)
+                        : tile_i8<B, TM, 2, 1>(p, t, at, sums, diffs, K, out + m * ldy, ldy);
+        return halves ? tile_i8<B, TM, 1, 2>(p, t, at, sums, diffs, K, out + m * ldy, ldy)
+                      : tile_i8<B, TM, 1, 1>(p, t, at, sums, diffs, K, out + m * ldy, ldy);
       }
-      tile_f32<B, TM>(p, t, in.x + m * K, xsum + m * G, K, out + m * ldy, ldy);
+      if (halves) return tile_f32<B, TM, 2>(p, t, in.x + m * K, xsum + m * G, K, out + m * ldy, ldy);
+      tile_f32<B, TM, 1>(p, t, in.x + m * K, xsum + m * G, K, out + m * ldy, ldy);
     });
   });
   if (done) return;
@@ -371,25 +432,25 @@ template <typename T>
 void dequantize_tiles(const Part& p, int64_t t0, int64_t t1, int64_t K, T* w) {
   float s[ROWS], b[ROWS];
   uint8_t q[ROWS][BLOCK];
-  const int64_t per = p.group / BLOCK;
+  const int64_t span = std::min(p.group, BLOCK);  // weights of a block under one group's scales
   for (int64_t t = t0; t < t1; ++t) {
     const uint8_t* tb = p.tile(t, K);
     T* rows = w + (t - t0) * ROWS * K;
-    for (int64_t g = 0, k = 0; g < p.groups; ++g) {
-      tile_scales(p, t, g, s, b);
-      for (int64_t j = 0; j < per; ++j, k += BLOCK, tb += 32 * p.bits) {
-        block_codes(tb, p.bits, q);
+    for (int64_t k = 0; k < K; k += BLOCK, tb += 32 * p.bits) {
+      block_codes(tb, p.bits, q);
+      for (int64_t i0 = 0; i0 < BLOCK; i0 += span) {
+        if ((k + i0) % p.group == 0) tile_scales(p, t, (k + i0) / p.group, s, b);
         for (int r = 0; r < ROWS; ++r) {
           if constexpr (std::is_same_v<T, at::BFloat16>) {  // rounded to nearest even, in loops that vectorize
             uint16_t* out = reinterpret_cast<uint16_t*>(rows + r * K + k);
-            for (int i = 0; i < BLOCK; ++i) {
+            for (int64_t i = i0; i < i0 + span; ++i) {
               const float v = static_cast<float>(q[r][i]) * s[r] + b[r];
               uint32_t u;
               std::memcpy(&u, &v, 4);
               out[i] = static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
             }
           } else {
-            for (int i = 0; i < BLOCK; ++i) rows[r * K + k + i] = static_cast<float>(q[r][i]) * s[r] + b[r];
+            for (int64_t i = i0; i < i0 + span; ++i) rows[r * K + k + i] = static_cast<float>(q[r][i]) * s[r] + b[r];
           }
         }
       }
@@ -419,15 +480,34 @@ std::vector<Part> parts_of(at::TensorList codes, at::TensorList sb, at::IntArray
   for (size_t i = 0; i < codes.size(); ++i) {
     const int64_t b = bits[i], g = groups[i], rows = codes[i].size(0);
     TORCH_CHECK(b >= 2 && b <= 8 && b != 7, "bits must be 2, 3, 4, 5, 6 or 8, not ", b);
-    TORCH_CHECK(g % BLOCK == 0 && K % g == 0, "group ", g, " must be a multiple of 32 dividing ", K);
+    TORCH_CHECK((g == 16 || g % BLOCK == 0) && g > 0 && K % g == 0, "group ", g,
+                " must be 16 or a multiple of 32 dividing ", K);
     TORCH_CHECK(codes[i].scalar_type() == at::kByte && codes[i].is_contiguous() && codes[i].dim() == 2 &&
                     rows % ROWS == 0 && codes[i].size(1) == K * b / 8,
                 "part ", i, ": codes must be contiguous uint8 (rows, K*bits/8), rows a multiple of ", ROWS);
-    const int64_t planes = sb[i].dim() == 4 ? sb[i].size(2) : 0;
-    TORCH_CHECK(sb[i].scalar_type() == at::kHalf && sb[i].is_contiguous() && (planes == 1 || planes == 2) &&
-                    sb[i].size(0) * ROWS == rows && sb[i].size(1) == K / g && sb[i].size(3) == ROWS,
-                "part ", i, ": scales and biases must be contiguous float16 (rows/8, K/group, 2 or 1, 8)");
-    parts.push_back({codes[i].data_ptr<uint8_t>(), sb[i].data_ptr<Half>(), rows, b, g, K / g, col, planes});
+    Part part{codes[i].data_ptr<uint8_t>(), nullptr, nullptr, rows, b, g, K / g, col, 0, 0, 0};
+    const Tensor& s = sb[i];
+    if (s.scalar_type() == at::kByte) {  // coded: (rows / 8, super-blocks, bytes each)
+      const int64_t supers = s.dim() == 3 ? s.size(1) : 0;
+      const int64_t per = supers > 0 && part.groups % supers == 0 ? part.groups / supers : 0;
+      const int64_t planes = per > 0 && s.size(2) % (2 * ROWS + per * ROWS) == 0 ? s.size(2) / (2 * ROWS + per * ROWS)
+                                                                                 : 0;
+      TORCH_CHECK(s.is_contiguous() && s.size(0) * ROWS == rows && (planes == 1 || planes == 2),
+                  "part ", i, ": coded scales must be contiguous uint8 (rows/8, super-blocks, planes * (16 + ",
+                  "8 * groups a super-block))");
+      part.coded = s.data_ptr<uint8_t>();
+      part.planes = planes;
+      part.per_super = per;
+      part.super_bytes = s.size(2);
+    } else {
+      const int64_t planes = s.dim() == 4 ? s.size(2) : 0;
+      TORCH_CHECK(s.scalar_type() == at::kHalf && s.is_contiguous() && (planes == 1 || planes == 2) &&
+                      s.size(0) * ROWS == rows && s.size(1) == K / g && s.size(3) == ROWS,
+                  "part ", i, ": scales and biases must be contiguous float16 (rows/8, K/group, 2 or 1, 8)");
+      part.sb = s.data_ptr<Half>();
+      part.planes = planes;
+    }
+    parts.push_back(part);
     col += rows;
   }
   return parts;
@@ -616,11 +696,11 @@ Tensor affine_dequantize(const Tensor& codes, const Tensor& sb, int64_t bits, in
       const int64_t t = id[i] / ROWS;
       const int r = static_cast<int>(id[i] % ROWS);
       const uint8_t* tb = p.tile(t, K);
-      for (int64_t k = 0; k < K; k += BLOCK, tb += 32 * bits) {
-        if (k % group == 0) tile_scales(p, t, k / group, s, bias);
-        for (int j = 0; j < BLOCK; ++j)
+      for (int64_t k = 0; k < K; k += BLOCK, tb += 32 * bits)
+        for (int j = 0; j < BLOCK; ++j) {
+          if ((k + j) % group == 0) tile_scales(p, t, (k + j) / group, s, bias);
           out[i * K + k + j] = static_cast<float>(code_at(tb, static_cast<int>(bits), r, j)) * s[r] + bias[r];
-      }
+        }
     }
   });
   return w;

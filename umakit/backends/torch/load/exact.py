@@ -1,0 +1,58 @@
+"""A GGUF import's exact groups of 16 (checkpoint/gguf: its Q6_K tensors), read by umakit's CPU kernel.
+
+MLX's groups are 32, 64 or 128 weights, so the import holds a Q6_K tensor (a scale per 16 weights) re-quantized
+to 8 bits, 8.5 bits a weight, for every engine; and beside the weights, exactly, its 6-bit codes and scales in
+groups of 16 (`EXACT16_FILE`). Where the torch engine runs umakit's affine kernel (CPU, packed), those layers
+load from there instead: 6.5625 bits a weight with the scales held as codes (cpu/scale_codes.py), the GGUF's
+own size and values. Elsewhere (CUDA, dequantized forms) the 8-bit tensors load, as before.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from umakit.checkpoint.files import Checkpoint, read_safetensors_header
+from umakit.checkpoint.gguf.finished import EXACT16_FILE
+from umakit.errors import CheckpointError
+
+PARTS = ("weight", "scales", "biases")
+
+
+def layers(ckpt: Checkpoint) -> dict[str, dict]:
+    """The module paths the import holds exactly in groups of 16, with their bits and group size; empty where
+    the checkpoint has none (not a GGUF import, or one made before they were kept)."""
+    meta = (ckpt.config.get("umakit") or {}).get("exact_groups") or {}
+    return dict(meta.get("layers") or {}) if (Path(ckpt.path) / EXACT16_FILE).is_file() else {}
+
+
+def substitute(ckpt: Checkpoint, config: dict, shapes: dict, source):
+    """``config``, ``shapes`` and ``source`` (a callable giving (name, tensor) pairs) with the exact layers'
+    tensors in place of the re-quantized ones: their quantization, shapes and tensors from `EXACT16_FILE`."""
+    exact = layers(ckpt)
+    if not exact:
+        return config, shapes, source
+    file = Path(ckpt.path) / EXACT16_FILE
+    header = read_safetensors_header(file)
+    missing = [f"{m}.{p}" for m in exact for p in PARTS[:2] if f"{m}.{p}" not in header]
+    if missing:
+        raise CheckpointError(f"{file} lacks {', '.join(missing[:3])}: import the GGUF again")
+    quantization = dict(config.get("quantization") or {})
+    shapes = dict(shapes)
+    for module, spec in exact.items():
+        quantization[module] = {"bits": spec["bits"], "group_size": spec["group_size"]}
+        shapes[f"{module}.weight"] = tuple(header[f"{module}.weight"].shape)
+        shapes[f"{module}.scales"] = shapes[f"{module}.biases"] = tuple(header[f"{module}.scales"].shape)
+    replaced = {f"{m}.{p}" for m in exact for p in PARTS}
+
+    def stream():
+        from safetensors import safe_open
+
+        yield from ((name, t) for name, t in source() if name not in replaced)
+        with safe_open(str(file), framework="pt") as f:
+            for module, spec in exact.items():
+                scales = f.get_tensor(f"{module}.scales")
+                yield f"{module}.weight", f.get_tensor(f"{module}.weight")
+                yield f"{module}.scales", scales
+                yield f"{module}.biases", scales * -(2 ** (spec["bits"] - 1))  # symmetric, as the GGUF's are
+
+    return {**config, "quantization": quantization}, shapes, stream
