@@ -323,3 +323,14 @@ def test_coded_and_float16_parts_are_one_projection():
     x = torch.randn(3, 512)
     want = torch.cat([F.linear(x, m.dequantized(torch.float32)) for m in parts], dim=-1)
     assert_close(run(x), want, x, parts)
+
+
+def test_a_stored_coded_packing_is_used_only_when_it_fits():
+    m = k_quant_layer(48, 512, 6, 16)
+    fresh = affine.AffineLinear([m])
+    stored = {k: v.clone() for k, v in fresh.packing().items()}
+    assert stored["sb0"].dtype == torch.uint8
+    stored["sb0"][0, 0, 20] ^= 1  # marked: taken as stored, not repacked
+    assert torch.equal(affine.AffineLinear([m], stored).sb0, stored["sb0"])
+    wrong = {"codes0": stored["codes0"], "sb0": stored["sb0"][:, :1]}  # one super-block of two
+    assert torch.equal(affine.AffineLinear([m], wrong).sb0, fresh.sb0)

@@ -293,7 +293,9 @@ def test_cli_import_prints_summary(cli, tmp_path):
     assert result.exit_code == 0, result.output
     assert "tensors converted exactly" in result.output
     assert "Q6_K -> 8-bit, max abs error" in result.output
+    assert "2 of them also kept exactly, in groups of 16, for the torch engine's CPU kernel" in result.output
     assert (tmp_path / "out" / "model.safetensors").is_file()
+    assert (tmp_path / "out" / "exact" / "groups16.safetensors").is_file()
     again = cli("import", src, "-o", tmp_path / "out")
     assert again.exit_code == 1 and "already exists" in again.output
     assert cli("import", src, "-o", tmp_path / "out", "--force").exit_code == 0

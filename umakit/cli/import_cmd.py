@@ -36,5 +36,8 @@ def import_cmd(source, out_dir, force):
         click.echo(f"  {len(report.lossy_tensors)} tensors re-quantized (no exact MLX form):")
         for t in report.lossy_tensors:
             click.echo(f"    {t.name}: {t.from_type} -> {t.to_bits}-bit, max abs error {t.max_abs_err:.3g}")
+    if report.exact16:
+        click.echo(f"  {len(report.exact16)} of them also kept exactly, in groups of 16, for the torch engine's "
+                   "CPU kernel")
     for warning in report.warnings:
         click.echo(f"Warning: {warning}", err=True)

@@ -48,6 +48,7 @@ class ImportReport:
     bytes_written: int
     seconds: float
     warnings: list[str] = field(default_factory=list)
+    exact16: list[str] = field(default_factory=list)  # module paths also kept exactly in groups of 16
 
 
 @dataclass
@@ -206,6 +207,7 @@ def _report(plan: ImportPlan, converted: _Converted, out_dir: Path, written: int
         bytes_written=written,
         seconds=time.perf_counter() - start,
         warnings=list(plan.tokenizer.warnings),
+        exact16=sorted({k.rsplit(".", 1)[0] for k in converted.exact16}),
     )
 
 

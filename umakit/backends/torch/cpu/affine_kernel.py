@@ -1,11 +1,12 @@
 """umakit's CPU kernel for affine-quantized layers (csrc/affine_mm.cpp): every width from 2 to 8 bits, group sizes
-32, 64 and 128, one call for a projection whose parts differ in width.
+16 (a GGUF's Q6_K, load/exact.py), 32, 64 and 128, one call for a projection whose parts differ in width.
 
 torch's int4 kernels hold 4 bits only (8 as two nibble planes, at twice the reads and work), and a layer of any
 other width ran dequantized (float16 or float32: 3-6x the bytes of its codes), so one 5-bit tensor sent a
 whole GGUF to float16. This kernel reads each layer's own codes, ``bits`` bits a weight, with the rows in tiles
 of 8 that accumulate side by side in one register (csrc/affine.h), plus a float16 scale and bias per group (the
-scale alone for a symmetric layer). Its outputs, activations and sums are float32; its inputs are multiplied in
+scale alone for a symmetric layer), or, for a GGUF's K-quants, their int8 codes and float16 factors
+(cpu/scale_codes.py). Its outputs, activations and sums are float32; its inputs are multiplied in
 int8 blocks (`inputs`). quant/forms.py gives it every quantized CPU layer where it is vectorized: AVX2 with FMA
 and F16C, or AVX-512 (`available`).
 """

@@ -28,8 +28,8 @@ from umakit.core.home import home_dir
 
 ALIGNMENT = 64  # bytes: torch's CPU allocator's, and AVX-512's loads
 # bump when a packed form or the file layout changes (2: 64-byte aligned data; 3: affine planes; 4: affine tiles;
-# 5: K-quants' scales as codes)
-FORMAT_VERSION = 5
+# 5: K-quants' scales as codes; 6: the tiles' bits above 4 as 2- and 1-bit planes, not masks)
+FORMAT_VERSION = 6
 SUFFIX = ".safetensors"
 
 

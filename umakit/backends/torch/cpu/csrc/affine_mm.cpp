@@ -74,20 +74,24 @@ inline uint32_t load32(const uint8_t* p) {
   return w;
 }
 
-// The code of weight j of row r in a tile-block.
+// The code of weight j of row r in a tile-block: its planes (affine.h) from the lowest bits up.
 inline int code_at(const uint8_t* tb, int bits, int r, int j) {
   const int c = j / 4, lane = 4 * r + j % 4;
   if (bits == 8) return tb[32 * c + lane];
-  int v = 0, first = 0;
-  const uint8_t* masks = tb;
+  int v = 0, shift = 0;
+  const uint8_t* plane = tb;
   if (bits >= 4) {
     const uint8_t b = tb[32 * (c % 4) + lane];
     v = c < 4 ? b & 15 : b >> 4;
-    first = 4;
-    masks = tb + 128;
+    shift = 4;
+    plane += 128;
   }
-  for (int k = 0; k < bits - first; ++k)
-    v |= static_cast<int>((load32(masks + 32 * k + 4 * c) >> lane) & 1) << (first + k);
+  if (bits - shift >= 2) {
+    v |= ((plane[32 * (c / 4) + lane] >> (2 * (c % 4))) & 3) << shift;
+    shift += 2;
+    plane += 64;
+  }
+  if (bits - shift == 1) v |= ((plane[lane] >> c) & 1) << shift;
   return v;
 }
 
@@ -140,62 +144,79 @@ inline __m256 codes8(const int8_t* c) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c))));
 }
 
-// tile_scales in registers: the same products, lane r row r.
-inline void group_scales(const Part& p, int64_t t, int64_t g, __m256 offset, __m256& s, __m256& b) {
-  if (p.coded) {
-    const uint8_t* sup = p.super(t, g);
-    const Half* f = reinterpret_cast<const Half*>(sup);
-    const int8_t* c = p.group_codes(sup, g);
-    s = _mm256_mul_ps(halves8(f), codes8(c));
-    b = p.planes == 2 ? _mm256_mul_ps(halves8(f + ROWS), codes8(c + ROWS)) : _mm256_mul_ps(s, offset);
-    return;
+// tile_scales in registers, a tile's groups in order (lane r row r): the float16 pairs, or each super-block's
+// factors times the group's codes, stepped through without a division per group.
+struct GroupScales {
+  const Part& p;
+  const Half* h;
+  const uint8_t* sup;
+  int64_t in = 0;  // the group's place in its super-block
+
+  GroupScales(const Part& part, int64_t t)
+      : p(part),
+        h(part.sb ? part.tile_sb(t, 0) : nullptr),
+        sup(part.coded ? part.super(t, 0) : nullptr) {}
+
+  void next(__m256 offset, __m256& s, __m256& b) {
+    if (sup) {
+      const Half* f = reinterpret_cast<const Half*>(sup);
+      const int8_t* c = reinterpret_cast<const int8_t*>(sup + p.planes * ROWS * 2) + in * p.planes * ROWS;
+      s = _mm256_mul_ps(halves8(f), codes8(c));
+      b = p.planes == 2 ? _mm256_mul_ps(halves8(f + ROWS), codes8(c + ROWS)) : _mm256_mul_ps(s, offset);
+      if (++in == p.per_super) {
+        in = 0;
+        sup += p.super_bytes;
+      }
+      return;
+    }
+    s = halves8(h);
+    b = p.planes == 2 ? halves8(h + ROWS) : _mm256_mul_ps(s, offset);
+    h += p.planes * ROWS;
   }
-  const Half* h = p.tile_sb(t, g);
-  s = halves8(h);
-  b = p.planes == 2 ? halves8(h + ROWS) : _mm256_mul_ps(s, offset);
+};
+
+// v's bits [from, from + n) of each byte moved to [to, to + n), the other bits cleared (16-bit shifts: what crosses
+// a byte lies outside the kept bits, for the planes' from and to).
+template <int N>
+inline __m256i moved(__m256i v, int from, int to) {
+  const __m256i keep = _mm256_set1_epi8(static_cast<char>(((1 << N) - 1) << to));
+  if (from > to) return _mm256_and_si256(_mm256_srli_epi16(v, from - to), keep);
+  if (from < to) return _mm256_and_si256(_mm256_slli_epi16(v, to - from), keep);
+  return _mm256_and_si256(v, keep);
 }
 
-#ifndef UMAKIT_AVX512
-// A 32-bit mask as 32 bytes, byte i all ones where bit i is set: each 128-bit lane takes the mask's two bytes it
-// covers, 8 copies each, and keeps the one bit its place selects.
-inline __m256i bytes_of(uint32_t mask) {
-  const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,  //
-                                          2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
-  const __m256i select = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
-  const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(mask)), spread);
-  return _mm256_cmpeq_epi8(_mm256_and_si256(v, select), select);
-}
-#endif
-
-// A tile-block's codes as 8 registers of bytes, q[c] holding weights 4c..4c+3 of each row (affine.h).
+// A tile-block's codes as 8 registers of bytes, q[c] holding weights 4c..4c+3 of each row: its planes (affine.h),
+// each a few loads and per chunk a shift, a mask and an or.
 template <int BITS>
 inline void decode(const uint8_t* tb, __m256i* q) {
   if constexpr (BITS == 8) {
     for (int c = 0; c < 8; ++c) q[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tb + 32 * c));
     return;
   }
-  constexpr int FIRST = BITS >= 4 ? 4 : 0;
-  if constexpr (BITS >= 4) {
+  constexpr int NIBBLES = BITS >= 4 ? 4 : 0, CRUMBS = BITS - NIBBLES >= 2 ? 2 : 0;
+  constexpr int BIT = BITS - NIBBLES - CRUMBS;  // 0 or 1
+  const uint8_t* plane = tb;
+  if constexpr (NIBBLES) {
     const __m256i low = _mm256_set1_epi8(15);
     for (int c = 0; c < 4; ++c) {
-      const __m256i n = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tb + 32 * c));
+      const __m256i n = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(plane + 32 * c));
       q[c] = _mm256_and_si256(n, low);
       q[c + 4] = _mm256_and_si256(_mm256_srli_epi16(n, 4), low);
     }
+    plane += 128;
   } else {
     for (int c = 0; c < 8; ++c) q[c] = _mm256_setzero_si256();
   }
-  const uint8_t* masks = tb + (BITS >= 4 ? 128 : 0);
-  for (int k = 0; k < BITS - FIRST; ++k) {  // the bit is clear before: adding sets it
-    const __m256i bit = _mm256_set1_epi8(static_cast<char>(1 << (FIRST + k)));
-    for (int c = 0; c < 8; ++c) {
-      const uint32_t mask = load32(masks + 32 * k + 4 * c);
-#ifdef UMAKIT_AVX512
-      q[c] = _mm256_mask_add_epi8(q[c], static_cast<__mmask32>(mask), q[c], bit);
-#else
-      q[c] = _mm256_or_si256(q[c], _mm256_and_si256(bytes_of(mask), bit));
-#endif
+  if constexpr (CRUMBS) {
+    for (int half = 0; half < 2; ++half) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(plane + 32 * half));
+      for (int c = 0; c < 4; ++c) q[4 * half + c] = _mm256_or_si256(q[4 * half + c], moved<2>(v, 2 * c, NIBBLES));
     }
+    plane += 64;
+  }
+  if constexpr (BIT) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(plane));
+    for (int c = 0; c < 8; ++c) q[c] = _mm256_or_si256(q[c], moved<1>(v, c, NIBBLES + CRUMBS));
   }
 }
 
@@ -211,6 +232,7 @@ void tile_f32(const Part& p, int64_t t, const float* x, const float* xsum, int64
   const __m256 offset = _mm256_set1_ps(-static_cast<float>(1 << (BITS - 1)));
   __m256 acc[TM];
   for (int m = 0; m < TM; ++m) acc[m] = _mm256_setzero_ps();
+  GroupScales scales(p, t);
   for (int64_t b = 0, g = 0; b < blocks;) {
     __m256 gs[SUB][TM];
     for (int h = 0; h < SUB; ++h)
@@ -236,7 +258,7 @@ void tile_f32(const Part& p, int64_t t, const float* x, const float* xsum, int64
     }
     for (int h = 0; h < SUB; ++h, ++g) {
       __m256 s, bias;
-      group_scales(p, t, g, offset, s, bias);
+      scales.next(offset, s, bias);
       for (int m = 0; m < TM; ++m) {
         acc[m] = _mm256_fmadd_ps(s, gs[h][m], acc[m]);
         acc[m] = _mm256_fmadd_ps(bias, _mm256_set1_ps(xsum[m * p.groups + g]), acc[m]);
@@ -297,6 +319,7 @@ void tile_i8(const Part& p, int64_t t, const Inputs& in, const float* xsum, cons
   const __m256 offset = _mm256_set1_ps(-centre);
   __m256 acc[TM];
   for (int m = 0; m < TM; ++m) acc[m] = _mm256_setzero_ps();
+  GroupScales scales(p, t);
   for (int64_t b = 0, g = 0; b < blocks;) {
     __m256 gs[SUB][TM];
     for (int h = 0; h < SUB; ++h)
@@ -318,7 +341,7 @@ void tile_i8(const Part& p, int64_t t, const Inputs& in, const float* xsum, cons
     }
     for (int h = 0; h < SUB; ++h, ++g) {
       __m256 s, bias;
-      group_scales(p, t, g, offset, s, bias);
+      scales.next(offset, s, bias);
       for (int m = 0; m < TM; ++m) {
         const __m256 sum = _mm256_add_ps(gs[h][m], _mm256_set1_ps(centre * xdiff[m * p.groups + g]));
         acc[m] = _mm256_fmadd_ps(s, sum, acc[m]);
@@ -657,23 +680,35 @@ Tensor affine_planes(const Tensor& weight, int64_t bits) {
               for (int i = 0; i < 4; ++i) o[32 * ch + 4 * r + i] = static_cast<uint8_t>(c[r][4 * ch + i]);
           continue;
         }
-        const int first = bits >= 4 ? 4 : 0;
+        // chunk ch's weight lane l (row l / 4, weight 4 ch + l % 4), bits [shift, shift + n)
+        const auto field = [&](int ch, int l, int shift, int n) {
+          return (c[l / 4][4 * ch + l % 4] >> shift) & ((1 << n) - 1);
+        };
+        int shift = 0;
         if (bits >= 4) {
           for (int ch = 0; ch < 4; ++ch)
-            for (int r = 0; r < ROWS; ++r)
-              for (int i = 0; i < 4; ++i)
-                o[32 * ch + 4 * r + i] =
-                    static_cast<uint8_t>((c[r][4 * ch + i] & 15) | ((c[r][4 * (ch + 4) + i] & 15) << 4));
+            for (int l = 0; l < 32; ++l)
+              o[32 * ch + l] = static_cast<uint8_t>(field(ch, l, 0, 4) | (field(ch + 4, l, 0, 4) << 4));
           o += 128;
+          shift = 4;
         }
-        for (int kk = 0; kk < bits - first; ++kk)
-          for (int ch = 0; ch < 8; ++ch) {
-            uint32_t mask = 0;
-            for (int r = 0; r < ROWS; ++r)
-              for (int i = 0; i < 4; ++i)
-                mask |= static_cast<uint32_t>((c[r][4 * ch + i] >> (first + kk)) & 1) << (4 * r + i);
-            std::memcpy(o + 32 * kk + 4 * ch, &mask, 4);
+        if (bits - shift >= 2) {  // crumbs: byte l of half h holds chunk 4h + i's 2 bits at bits 2i, 2i + 1
+          for (int h = 0; h < 2; ++h)
+            for (int l = 0; l < 32; ++l) {
+              int byte = 0;
+              for (int i = 0; i < 4; ++i) byte |= field(4 * h + i, l, shift, 2) << (2 * i);
+              o[32 * h + l] = static_cast<uint8_t>(byte);
+            }
+          o += 64;
+          shift += 2;
+        }
+        if (bits - shift == 1) {  // one bit: byte l holds chunk ch's at bit ch
+          for (int l = 0; l < 32; ++l) {
+            int byte = 0;
+            for (int ch = 0; ch < 8; ++ch) byte |= field(ch, l, shift, 1) << ch;
+            o[l] = static_cast<uint8_t>(byte);
           }
+        }
       }
   });
   return out;
