@@ -5,13 +5,18 @@
 // 32 along the input, so that one 256-bit register holds 4 consecutive weights of each of the tile's 8 rows
 // (byte 4r + i: row r, weight 4c + i of the block, for the block's chunks c = 0..7). The outputs of 8 rows then
 // accumulate in the lanes of one register, with no reduction across lanes. A tile-block (256 weights, 32 * bits
-// bytes): for 8 bits, its 8 chunks as bytes; for 4-7 bits, a 128-byte nibble plane (chunk c's low four bits in
-// the low nibbles of the 32 bytes at 32 (c % 4), in the high nibbles for c >= 4), then one 32-bit mask per chunk
-// per bit above the fourth (bit 4r + i of mask (k, c) is bit 4 + k of weight (r, 4c + i)); for 2-3 bits the
-// masks alone (mask (k, c): bit k). Codes are (rows, K * bits / 8) uint8, rows a multiple of 8, tile after tile.
+// bytes) holds its codes in planes, lowest bits first: for 8 bits, its 8 chunks as bytes; otherwise a 128-byte
+// nibble plane for bits 0-3 where bits >= 4 (chunk c's in the low nibbles of the 32 bytes at 32 (c % 4), in the
+// high nibbles for c >= 4), then a 64-byte crumb plane for the next 2 bits where 2 or more remain (byte l of its
+// half h: chunk 4h + i's 2 bits of lane l at bits 2i, 2i + 1), then a 32-byte bit plane for a last single bit
+// (byte l: chunk c's bit of lane l at bit c). So 6 = 4 + 2, 5 = 4 + 1, 3 = 2 + 1, 2 = 2; each plane decodes with a
+// shift, a mask and an or per chunk. Codes are (rows, K * bits / 8) uint8, rows a multiple of 8, tile after tile.
 // Scales and biases are float16, (rows / 8, groups, 2, 8): each tile's 8 scales, then its 8 biases, per group of
-// 32, 64 or 128 weights along the input (w = scale * code + bias); or the scales alone, (rows / 8, groups, 1, 8),
-// for a symmetric layer whose every bias is -2^(bits-1) * scale.
+// 16, 32, 64 or 128 weights along the input (w = scale * code + bias); or the scales alone, (rows / 8, groups, 1,
+// 8), for a symmetric layer whose every bias is -2^(bits-1) * scale. Or coded, as a GGUF's K-quants hold them
+// (cpu/scale_codes.py): uint8 (rows / 8, super-blocks, planes * (16 + 8 * per)), per tile and super-block of `per`
+// groups its planes' 8 float16 factors each, then per group its planes' 8 int8 codes each; a scale (bias) is
+// factor * code, in float32.
 #pragma once
 
 #include <ATen/ATen.h>

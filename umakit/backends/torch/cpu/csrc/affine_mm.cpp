@@ -5,11 +5,11 @@
 // A row's dot product with x is, per group g of its weights, scale_g * sum_j code_j x_j + bias_g * sum_j x_j:
 // the biases meet precomputed group sums of x, and one scale multiply serves a group. The rows are in tiles of
 // 8 whose outputs accumulate in the 8 lanes of a register: a block of 32 weights of 8 rows is decoded into 8
-// registers of bytes (a nibble plane split, each further bit added under a mask), then met by x's 32 values 4
-// at a time, broadcast: on int8 inputs by vpdpbusd (AVX512-VNNI) or by vpmaddubsw and vpmaddwd (AVX2), else
-// widened to float32 for FMAs. No lane is ever summed across, and every instruction does 8 rows' work. The
-// loops need AVX2, FMA and F16C (256-bit registers throughout); AVX-512 adds the masked byte add of the
-// decoding and VNNI's dot products. Elsewhere a scalar loop.
+// registers of bytes (its nibble, crumb and bit planes shifted into place), then met by x's 32 values 4 at a time,
+// broadcast: on int8 inputs by vpdpbusd (AVX512-VNNI) or by vpmaddubsw and vpmaddwd (AVX2), else widened to
+// float32 for FMAs. No lane is ever summed across, and every instruction does 8 rows' work. The loops need AVX2,
+// FMA and F16C (256-bit registers throughout); VNNI adds its dot products. Elsewhere a scalar loop. Groups of 16
+// (a GGUF's Q6_K) split a block's chunks in two halves, each with its own scale.
 #include "affine.h"
 
 #include <ATen/Parallel.h>
