@@ -220,15 +220,14 @@ inline void decode(const uint8_t* tb, __m256i* q) {
   }
 }
 
-// Outputs of tile t for TM rows of x, x in float32: per block, each chunk's 4 weights of 8 rows widened to
-// float32 and met by the broadcast x value. Each x row's arithmetic is the same whatever TM is. SUB: the groups
-// in a block, 1 (groups of 32 or more) or 2 (of 16: chunks 0-3, then 4-7).
-template <int BITS, int TM, int SUB>
-void tile_f32(const Part& p, int64_t t, const float* x, const float* xsum, int64_t K, float* y, int64_t ldy) {
-  constexpr int CH = 8 / SUB;  // chunks of a group in a block
+// The loop of a tile's outputs for TM rows of x, the form of x aside: per block of the tile (decoded into q),
+// `block(q, b, gs)` adds each of its SUB groups' products to gs[h][m]; per group, after its last block, its
+// scales meet those sums: `group(s, bias, g, gs[h], acc)`. SUB: the groups in a block, 1 (groups of 32 or more)
+// or 2 (of 16: chunks 0-3, then 4-7).
+template <int BITS, int TM, int SUB, typename Block, typename Group>
+inline void tile_loop(const Part& p, int64_t t, int64_t K, float* y, int64_t ldy, Block&& block, Group&& group) {
   const int64_t per = SUB == 1 ? p.group / BLOCK : 1, blocks = K / BLOCK;
   const uint8_t* tb = p.tile(t, K);
-  const __m256i byte = _mm256_set1_epi32(255);
   const __m256 offset = _mm256_set1_ps(-static_cast<float>(1 << (BITS - 1)));
   __m256 acc[TM];
   for (int m = 0; m < TM; ++m) acc[m] = _mm256_setzero_ps();
@@ -240,32 +239,47 @@ void tile_f32(const Part& p, int64_t t, const float* x, const float* xsum, int64
     for (int64_t j = 0; j < per; ++j, ++b, tb += 32 * BITS) {
       __m256i q[8];
       decode<BITS>(tb, q);
-      for (int h = 0; h < SUB; ++h)
-        for (int m = 0; m < TM; ++m) {
-          const float* xb = x + m * K + b * BLOCK;
-          __m256 d[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-          for (int c = h * CH; c < (h + 1) * CH; ++c) {
-            d[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(q[c], byte)), _mm256_set1_ps(xb[4 * c]), d[0]);
-            d[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(q[c], 8), byte)),
-                                   _mm256_set1_ps(xb[4 * c + 1]), d[1]);
-            d[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(q[c], 16), byte)),
-                                   _mm256_set1_ps(xb[4 * c + 2]), d[2]);
-            d[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(q[c], 24)), _mm256_set1_ps(xb[4 * c + 3]),
-                                   d[3]);
-          }
-          gs[h][m] = _mm256_add_ps(gs[h][m], _mm256_add_ps(_mm256_add_ps(d[0], d[1]), _mm256_add_ps(d[2], d[3])));
-        }
+      block(q, b, gs);
     }
     for (int h = 0; h < SUB; ++h, ++g) {
       __m256 s, bias;
       scales.next(offset, s, bias);
-      for (int m = 0; m < TM; ++m) {
-        acc[m] = _mm256_fmadd_ps(s, gs[h][m], acc[m]);
-        acc[m] = _mm256_fmadd_ps(bias, _mm256_set1_ps(xsum[m * p.groups + g]), acc[m]);
-      }
+      group(s, bias, g, gs[h], acc);
     }
   }
   for (int m = 0; m < TM; ++m) _mm256_storeu_ps(y + m * ldy, acc[m]);
+}
+
+// Outputs of tile t for TM rows of x, x in float32: per block, each chunk's 4 weights of 8 rows widened to
+// float32 and met by the broadcast x value. Each x row's arithmetic is the same whatever TM is.
+template <int BITS, int TM, int SUB>
+void tile_f32(const Part& p, int64_t t, const float* x, const float* xsum, int64_t K, float* y, int64_t ldy) {
+  constexpr int CH = 8 / SUB;  // chunks of a group in a block
+  const __m256i byte = _mm256_set1_epi32(255);
+  const auto block = [&](const __m256i* q, int64_t b, __m256 (&gs)[SUB][TM]) {
+    for (int h = 0; h < SUB; ++h)
+      for (int m = 0; m < TM; ++m) {
+        const float* xb = x + m * K + b * BLOCK;
+        __m256 d[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+        for (int c = h * CH; c < (h + 1) * CH; ++c) {
+          d[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(q[c], byte)), _mm256_set1_ps(xb[4 * c]), d[0]);
+          d[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(q[c], 8), byte)),
+                                 _mm256_set1_ps(xb[4 * c + 1]), d[1]);
+          d[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(q[c], 16), byte)),
+                                 _mm256_set1_ps(xb[4 * c + 2]), d[2]);
+          d[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(q[c], 24)), _mm256_set1_ps(xb[4 * c + 3]),
+                                 d[3]);
+        }
+        gs[h][m] = _mm256_add_ps(gs[h][m], _mm256_add_ps(_mm256_add_ps(d[0], d[1]), _mm256_add_ps(d[2], d[3])));
+      }
+  };
+  const auto group = [&](__m256 s, __m256 bias, int64_t g, const __m256* gs, __m256* acc) {
+    for (int m = 0; m < TM; ++m) {
+      acc[m] = _mm256_fmadd_ps(s, gs[m], acc[m]);
+      acc[m] = _mm256_fmadd_ps(bias, _mm256_set1_ps(xsum[m * p.groups + g]), acc[m]);
+    }
+  };
+  tile_loop<BITS, TM, SUB>(p, t, K, y, ldy, block, group);
 }
 #endif
 
@@ -313,43 +327,29 @@ template <int BITS, int TM, int PASSES, int SUB>
 void tile_i8(const Part& p, int64_t t, const Inputs& in, const float* xsum, const float* xdiff, int64_t K,
              float* y, int64_t ldy) {
   constexpr int CH = 8 / SUB;
-  const int64_t per = SUB == 1 ? p.group / BLOCK : 1, blocks = K / BLOCK;
-  const uint8_t* tb = p.tile(t, K);
+  const int64_t blocks = K / BLOCK;
   const float centre = static_cast<float>(1 << (BITS - 1));
-  const __m256 offset = _mm256_set1_ps(-centre);
-  __m256 acc[TM];
-  for (int m = 0; m < TM; ++m) acc[m] = _mm256_setzero_ps();
-  GroupScales scales(p, t);
-  for (int64_t b = 0, g = 0; b < blocks;) {
-    __m256 gs[SUB][TM];
+  const auto block = [&](const __m256i* q, int64_t b, __m256 (&gs)[SUB][TM]) {
     for (int h = 0; h < SUB; ++h)
-      for (int m = 0; m < TM; ++m) gs[h][m] = _mm256_setzero_ps();
-    for (int64_t j = 0; j < per; ++j, ++b, tb += 32 * BITS) {
-      __m256i q[8];
-      decode<BITS>(tb, q);
-      for (int h = 0; h < SUB; ++h)
-        for (int m = 0; m < TM; ++m) {
-          const int64_t at = m * K + b * BLOCK + 4 * CH * h;
-          gs[h][m] = _mm256_fmadd_ps(
-              _mm256_cvtepi32_ps(block_dot<BITS, CH>(q + CH * h, reinterpret_cast<const uint8_t*>(in.xq + at))),
-              _mm256_set1_ps(in.dx[m * blocks + b]), gs[h][m]);
-          if constexpr (PASSES == 2)
-            gs[h][m] = _mm256_fmadd_ps(
-                _mm256_cvtepi32_ps(block_dot<BITS, CH>(q + CH * h, reinterpret_cast<const uint8_t*>(in.xq2 + at))),
-                _mm256_set1_ps(in.dx2[m * blocks + b]), gs[h][m]);
-        }
-    }
-    for (int h = 0; h < SUB; ++h, ++g) {
-      __m256 s, bias;
-      scales.next(offset, s, bias);
       for (int m = 0; m < TM; ++m) {
-        const __m256 sum = _mm256_add_ps(gs[h][m], _mm256_set1_ps(centre * xdiff[m * p.groups + g]));
-        acc[m] = _mm256_fmadd_ps(s, sum, acc[m]);
-        acc[m] = _mm256_fmadd_ps(bias, _mm256_set1_ps(xsum[m * p.groups + g]), acc[m]);
+        const int64_t at = m * K + b * BLOCK + 4 * CH * h;
+        gs[h][m] = _mm256_fmadd_ps(
+            _mm256_cvtepi32_ps(block_dot<BITS, CH>(q + CH * h, reinterpret_cast<const uint8_t*>(in.xq + at))),
+            _mm256_set1_ps(in.dx[m * blocks + b]), gs[h][m]);
+        if constexpr (PASSES == 2)
+          gs[h][m] = _mm256_fmadd_ps(
+              _mm256_cvtepi32_ps(block_dot<BITS, CH>(q + CH * h, reinterpret_cast<const uint8_t*>(in.xq2 + at))),
+              _mm256_set1_ps(in.dx2[m * blocks + b]), gs[h][m]);
       }
+  };
+  const auto group = [&](__m256 s, __m256 bias, int64_t g, const __m256* gs, __m256* acc) {
+    for (int m = 0; m < TM; ++m) {
+      const __m256 sum = _mm256_add_ps(gs[m], _mm256_set1_ps(centre * xdiff[m * p.groups + g]));
+      acc[m] = _mm256_fmadd_ps(s, sum, acc[m]);
+      acc[m] = _mm256_fmadd_ps(bias, _mm256_set1_ps(xsum[m * p.groups + g]), acc[m]);
     }
-  }
-  for (int m = 0; m < TM; ++m) _mm256_storeu_ps(y + m * ldy, acc[m]);
+  };
+  tile_loop<BITS, TM, SUB>(p, t, K, y, ldy, block, group);
 }
 #endif
 
