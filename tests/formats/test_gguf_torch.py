@@ -137,3 +137,47 @@ def torch_uint8():
     import torch
 
     return torch.uint8
+
+
+def test_the_re_quantized_tensors_the_exact_groups_replace_are_never_read(tmp_path, monkeypatch):
+    """The 8-bit Q6_K tensors stay for MLX; the torch engine's CPU kernel loads the exact ones and reads nothing
+    of the others."""
+    from safetensors import safe_open
+
+    from umakit.backends.torch.load import exact
+    from umakit.checkpoint.files import open_checkpoint
+    from umakit.backends.torch.load.loader import stream_checkpoint
+
+    src = write_gguf(tmp_path / "q6k.gguf", "llama", layers=Q6K_LAYERS, tied=False, output=T.Q6_K)
+    import_gguf(src, tmp_path / "out")
+    ckpt = open_checkpoint(tmp_path / "out")
+    shapes = {k: t.shape for k, t in ckpt.tensors.items()}
+    read = []
+    real = safe_open
+
+    class Spy:
+        def __init__(self, *a, **k):
+            self.f = real(*a, **k)
+
+        def __enter__(self):
+            self.f.__enter__()
+            return self
+
+        def __exit__(self, *a):
+            return self.f.__exit__(*a)
+
+        def keys(self):
+            return self.f.keys()
+
+        def get_tensor(self, key):
+            read.append(key)
+            return self.f.get_tensor(key)
+
+    monkeypatch.setattr("safetensors.safe_open", Spy)
+    config, shapes, source = exact.substitute(ckpt, ckpt.config, shapes,
+                                              lambda skip=frozenset(): stream_checkpoint(ckpt, "cpu", None, skip))
+    names = [name for name, _ in source()]
+    assert sorted(names) == sorted(shapes)  # every tensor the model needs, once
+    replaced = {f"{m}.{p}" for m in exact.layers(ckpt) for p in ("weight", "scales", "biases")}
+    assert len(read) == len(ckpt.tensors) - len(replaced) + 2 * len(exact.layers(ckpt))
+    assert config["quantization"]["lm_head"] == {"bits": 6, "group_size": 16}

@@ -98,7 +98,7 @@ class TorchEngine:
         # CPU packed kernels: the packing of a quantized checkpoint, kept from its first load (load/packed.py)
         packs = device == "cpu" and target == torch.bfloat16 and ckpt.config.get("quantization")
         packed = PackedCache.for_checkpoint(ckpt.path, ckpt.files) if packs else None
-        config, source = ckpt.config, lambda: stream_checkpoint(ckpt, staging, progress)
+        config, source = ckpt.config, lambda skip=frozenset(): stream_checkpoint(ckpt, staging, progress, skip)
         if packs and affine_kernel.available():  # a GGUF's Q6_K tensors exactly, in groups of 16
             config, shapes, source = exact.substitute(ckpt, config, shapes, source)
         return cls(config, shapes, source, device, target, gpu_layers, vram_budget, packed)

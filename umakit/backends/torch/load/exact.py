@@ -26,8 +26,10 @@ def layers(ckpt: Checkpoint) -> dict[str, dict]:
 
 
 def substitute(ckpt: Checkpoint, config: dict, shapes: dict, source):
-    """``config``, ``shapes`` and ``source`` (a callable giving (name, tensor) pairs) with the exact layers'
-    tensors in place of the re-quantized ones: their quantization, shapes and tensors from `EXACT16_FILE`."""
+    """``config``, ``shapes`` and ``source`` with the exact layers' tensors in place of the re-quantized ones: their
+    quantization, shapes and tensors from `EXACT16_FILE`. ``source(skip)`` gives the checkpoint's (name, tensor)
+    pairs, reading none of those named in ``skip`` (the re-quantized tensors replaced here: on the Q6_K file of
+    Qwen2.5-1.5B's shapes, 1.3 of its 1.7 GB)."""
     exact = layers(ckpt)
     if not exact:
         return config, shapes, source
@@ -47,7 +49,7 @@ def substitute(ckpt: Checkpoint, config: dict, shapes: dict, source):
     def stream():
         from safetensors import safe_open
 
-        yield from ((name, t) for name, t in source() if name not in replaced)
+        yield from source(frozenset(replaced))
         with safe_open(str(file), framework="pt") as f:
             for module, spec in exact.items():
                 scales = f.get_tensor(f"{module}.scales")

@@ -100,10 +100,10 @@ def _expected(model: Transformer) -> dict[str, torch.Tensor]:
     return out
 
 
-def stream_checkpoint(ckpt: Checkpoint, device: str, progress=None):
-    """Each tensor of the checkpoint in turn, read straight to ``device``.
+def stream_checkpoint(ckpt: Checkpoint, device: str, progress=None, skip=frozenset()):
+    """Each tensor of the checkpoint in turn, read straight to ``device``; those named in ``skip`` are not read.
 
-    ``progress(bytes_done, bytes_total)`` hears about every tensor read.
+    ``progress(bytes_done, bytes_total)`` hears about every tensor read or skipped.
     """
     from safetensors import safe_open
 
@@ -111,7 +111,8 @@ def stream_checkpoint(ckpt: Checkpoint, device: str, progress=None):
     for file in ckpt.files:
         with safe_open(str(file), framework="pt", device=device) as f:
             for key in f.keys():
-                yield key, f.get_tensor(key)
+                if key not in skip:
+                    yield key, f.get_tensor(key)
                 done += ckpt.tensors[key].nbytes
                 if progress:
                     progress(done, total)
