@@ -334,3 +334,15 @@ def test_a_stored_coded_packing_is_used_only_when_it_fits():
     assert torch.equal(affine.AffineLinear([m], stored).sb0, stored["sb0"])
     wrong = {"codes0": stored["codes0"], "sb0": stored["sb0"][:, :1]}  # one super-block of two
     assert torch.equal(affine.AffineLinear([m], wrong).sb0, fresh.sb0)
+
+
+def test_a_super_block_whose_largest_code_is_not_63_is_still_found():
+    """An importance-weighted K-quant may leave a block's largest 6-bit code below 63: searched with every code."""
+    m = k_quant_layer(40, 512, 4, 32)
+    scales = m.scales.view(40, 2, 8).clone()
+    d = torch.tensor(0.003, dtype=torch.float16).float()
+    scales[7, 1] = d * torch.tensor([1, 37, 5, 0, 12, 30, 2, 9.0])  # its largest code 37
+    m.scales = scales.view(40, -1)
+    codes, sb = affine.planes(m)
+    assert sb.dtype == torch.uint8
+    assert torch.equal(dequantize(codes, sb, 4, 32, 40), m.dequantized(torch.float32))

@@ -134,14 +134,18 @@ def _requantize(t, order: np.ndarray | None) -> tuple[tuple, int, float]:
     return (w, scales, biases), bits, float(err)
 
 
-def _exact16(t, order: np.ndarray | None) -> dict[str, np.ndarray]:
+def _exact16(t, order: np.ndarray | None) -> tuple[dict[str, np.ndarray], tuple, int, float]:
     """A `quants.EXACT16` tensor's codes and scales in groups of 16, exactly (MLX's packing, float32 scales; the
-    biases are -2^(bits-1) times them): the torch engine's CPU kernel reads these instead of the re-quantized
-    tensor (backends/torch/load/exact.py)."""
+    biases are -2^(bits-1) times them), which the torch engine's CPU kernel reads (backends/torch/load/exact.py);
+    and, from the same decoding, its symmetric 8-bit re-quantization for MLX's groups, as `_requantize` makes it."""
     aff = quants.to_affine16(np.asarray(t.data), t.tensor_type, cols=int(t.shape[0]))
     if order is not None:
         aff = aff.take_rows(order)
-    return {"weight": quants.pack(aff.q, aff.bits), "scales": np.ascontiguousarray(aff.scales, dtype=np.float32)}
+    exact = {"weight": quants.pack(aff.q, aff.bits), "scales": np.ascontiguousarray(aff.scales, dtype=np.float32)}
+    rows, cols = aff.q.shape
+    centred = aff.q.reshape(rows, -1, aff.group_size).astype(np.float32) - 2 ** (aff.bits - 1)
+    values = (aff.scales[..., None] * centred).reshape(rows, cols)  # the gguf package's products, bit for bit
+    return (exact, *quants.symmetric8(values))
 
 
 @dataclass
@@ -174,8 +178,12 @@ def _convert(plan: ImportPlan) -> _Converted:
             arrays[hf] = _float_tensor(t, hf, spec, order)
             exact += 1
             continue
-        convert = _exact if t.tensor_type in quants.EXACT else _requantize
-        packed, bits, err = convert(t, order)
+        if t.tensor_type in quants.EXACT16:
+            held, packed, bits, err = _exact16(t, order)
+            exact16.update({f"{hf.removesuffix('.weight')}.{k}": v for k, v in held.items()})
+        else:
+            convert = _exact if t.tensor_type in quants.EXACT else _requantize
+            packed, bits, err = convert(t, order)
         if err is None:
             exact += 1
         else:
@@ -185,7 +193,6 @@ def _convert(plan: ImportPlan) -> _Converted:
             arrays[f"{module}.{suffix}"] = mx.array(arr) if isinstance(arr, np.ndarray) else arr
         quantized[module] = (quants.GROUP_SIZE, bits)
         if t.tensor_type in quants.EXACT16:
-            exact16.update({f"{module}.{k}": v for k, v in _exact16(t, order).items()})
             groups16[module] = {"bits": quants.EXACT16[t.tensor_type][1], "group_size": quants.EXACT16_GROUP,
                                 "from": t.tensor_type.name}
     files = {
