@@ -59,4 +59,5 @@ def describe(block: dict | None) -> str:
         return "none"
     overrides = {v["bits"] for v in block.values() if isinstance(v, dict) and "bits" in v}
     extra = f", some layers {'/'.join(map(str, sorted(overrides)))}-bit" if overrides - {block["bits"]} else ""
-    return f"{block['bits']}-bit g{block['group_size']}{extra}"
+    mode = block.get("mode", MODE)
+    return f"{block['bits']}-bit g{block['group_size']}{extra}" if mode == MODE else f"{mode} g{block['group_size']}"

@@ -15,13 +15,14 @@ from mlx.utils import tree_flatten, tree_unflatten
 from umakit.core import affine
 from umakit.checkpoint import config as config_compat
 from umakit.checkpoint.files import Checkpoint, validate_checkpoint
+from umakit.checkpoint.hfquant.detect import native_block
 from umakit.errors import BackendUnavailableError, CheckpointError, InvalidArgumentError, UnsupportedModelError
 from umakit.quantize.recipes import parse_spec, quantize_model
 from umakit.plan.roofline import kv_bytes_per_token
 from umakit.generate.sampling import SamplingParams, recent_tokens
 from umakit.backends import common
 from umakit.backends.base import PREFILL_CHUNK, WeightInfo, refuse_options
-from umakit.backends.mlx import SPEC, wiring
+from umakit.backends.mlx import SPEC, rope, wiring
 from umakit.backends.mlx.batch_decoder import MLXBatchDecoder
 from umakit.backends.mlx.cache import MLXCache
 from umakit.backends.mlx.architectures import reads_rope_scaling
@@ -194,11 +195,13 @@ class MLXEngine:
             model = model_cls(args_cls.from_dict(ckpt.config))
         except (TypeError, KeyError, ValueError) as e:
             raise UnsupportedModelError(f"config.json does not fit mlx-lm's {ckpt.model_type} model: {e}") from e
+        text = config_compat.text_config(ckpt.config)
+        rope.correct(model, text.get("rope_scaling"), float(text.get("rope_theta", 10000.0)))
         weights = {}
         for f in ckpt.files:  # lazy: nothing is read until evaluated
             weights.update(mx.load(str(f)))
         weights = _sanitized(model, weights)
-        self.quantization = ckpt.config.get("quantization")
+        self.quantization = ckpt.config.get("quantization") or native_block(ckpt.config)
         if self.quantization:
             _hook_up_quantization(model, weights, self.quantization)
         target = self._compute_dtype(dtype, weights, ckpt.config)
@@ -352,6 +355,7 @@ def _hook_up_quantization(model: nn.Module, weights: dict, q: dict) -> None:
         return hasattr(module, "to_quantized") and f"{path}.scales" in weights
 
     try:
-        nn.quantize(model, group_size=q["group_size"], bits=q["bits"], class_predicate=predicate)
+        nn.quantize(model, group_size=q["group_size"], bits=q["bits"], mode=q.get("mode", affine.MODE),
+                    class_predicate=predicate)
     except (KeyError, ValueError) as e:
         raise CheckpointError(f"config.json has an invalid quantization block {q}: {e}") from e

@@ -31,6 +31,7 @@ from umakit.backends.transformers import SPEC
 from umakit.backends.transformers.batch_decoder import TransformersBatchDecoder
 from umakit.backends.transformers.cache import TransformersCache
 from umakit.checkpoint import config as config_compat
+from umakit.checkpoint.hfquant.detect import native_block
 from umakit.errors import BackendUnavailableError, InvalidArgumentError
 from umakit.generate.sampling import SamplingParams, recent_tokens
 from umakit.plan.roofline import kv_bytes_per_token
@@ -62,8 +63,14 @@ class TransformersEngine:
                 model, params = mapped.load(transformers, ckpt, torch.device(device), target)
             return cls(model, ckpt.config, device, target, params=params, quantization=ckpt.config["quantization"])
         with _quiet() as transformers:
-            model = transformers.AutoModelForCausalLM.from_pretrained(str(ckpt.path), dtype=target)
-        return cls(model, ckpt.config, device, target)
+            model = transformers.AutoModelForCausalLM.from_pretrained(str(ckpt.path), dtype=target,
+                                                                      **_native_quantization(transformers, ckpt))
+        native = native_block(ckpt.config)
+        engine = cls(model, ckpt.config, device, target, quantization=native)
+        if native:
+            engine.load_notes = (f"the checkpoint's {native['mode']} layers run dequantized to "
+                                 f"{engine.dtype} on this engine; the mlx engine runs them as stored",)
+        return engine
 
     @classmethod
     def synthetic(cls, config: dict, *, device: str, dtype: str = "auto", bits: int | None = None,
@@ -192,6 +199,15 @@ class TransformersEngine:
     def peak_memory(self) -> int:
         """Peak device memory on CUDA; on CPU the process's peak resident memory."""
         return peak.measured(self.device)
+
+
+def _native_quantization(transformers, ckpt) -> dict:
+    """from_pretrained's arguments for a checkpoint in a format MLX runs as stored (gpt-oss's MXFP4): transformers
+    dequantizes it at load. Its packed path needs GPU kernels fetched from the Hub on first use, which an offline
+    machine, or a CPU, cannot take; dequantizing runs anywhere, the same way each time."""
+    if not native_block(ckpt.config):
+        return {}
+    return {"quantization_config": transformers.Mxfp4Config(dequantize=True)}
 
 
 def _check_device(device: str) -> None:

@@ -20,6 +20,21 @@ def method_of(config: dict) -> str | None:
     return method if method in METHODS else None
 
 
+# formats MLX runs as they are stored (OpenAI's gpt-oss checkpoints: MXFP4 experts, FP4 E2M1 values in pairs a
+# byte, a shared E8M0 exponent per 32): their ``quantization_config`` as the mlx-lm ``quantization`` block it is
+NATIVE = {"mxfp4": {"group_size": 32, "bits": 4, "mode": "mxfp4"}}
+
+
+def native_block(config: dict) -> dict | None:
+    """The mlx-lm ``quantization`` block of a checkpoint quantized in a format MLX holds as it is (`NATIVE`),
+    else None."""
+    q = config.get("quantization_config")
+    if not isinstance(q, dict) or isinstance(config.get("quantization"), dict):
+        return None
+    block = NATIVE.get(q.get("quant_method"))
+    return dict(block) if block else None
+
+
 # where older checkpoints keep their quantization beside config.json instead of in it: AutoGPTQ's, AutoAWQ's
 SIDE_FILES = {"quantize_config.json": "gptq", "quant_config.json": "awq"}
 
