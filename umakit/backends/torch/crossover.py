@@ -29,6 +29,18 @@ the engine's forward forced each way in one process, slabs of 32 tiles then), ke
 float32 GEMMs: 322/422, 473/498, 625/599 and 5278/3594 ms. Before the slabs and oneDNN (torch's BLAS, whole
 blocks of rows): 7027-7130 ms at 512.
 
+Once the slabs' dequantization ran in vector loops (csrc/affine_mm.cpp `dequantize_tiles_simd`: 0.81 s of fixed
+cost a forward pass became 0.31 s on Qwen2.5-1.5B's shapes at Q4_K_M), the GEMMs won sooner. Measured 2026-12-06
+on an Intel Xeon with AMX (2 threads, best of 2, kernel / GEMMs, the engine's prefill forced each way in one
+process): bfloat16, at 8, 12, 16, 24 and 32 tokens, Q4_K_M 185/324, -, 344/372, 714/532, 1017/432 ms (1.5B
+shapes); Q6_K 306/428, 484/444, 572/461, 1076/570, 1532/620; Q8_0 341/518, 472/515, 595/579, 852/677, 861/662;
+Q5_K_M 205/393, 290/451, 372/368, 826/559, 692/613; 0.5B Q4_K_M 102/122, 137/133, 161/159, 251/154, 310/165: from
+16 rows (`AFFINE_INT8X2_BF16_DENSE_ROWS`). float32 on oneDNN, at 16, 24, 32 and 48: Q4_K_M 557/689, 843/951,
+1064/880, 1299/1130; Q6_K 714/719, 1083/914, 1409/916, 2094/1126: from 32. float32 on torch's BLAS
+(`ATEN_CPU_CAPABILITY=avx2`, which turns oneDNN's GEMMs off here), at 16, 24, 32 and 64: Q4_K_M 851/826,
+1099/892, 1173/813, 2268/1543; Q6_K 816/647, 1260/776, 1974/1151, 3515/1362: from 32 (it was 192). A 512-token
+prefill took 3.2-3.6 s on the 1.5B files (bfloat16 GEMMs), 4.1-4.6 s before.
+
 Logits of fewer than `FUSED_ROWS` tokens (a decode step, or a speculative verification of up to 17) come from
 the fused decode step where it applies (cpu/fused.py), each row exactly its own one-token step, so a
 verification accepts what plain decoding would pick.
@@ -39,6 +51,6 @@ DENSE_BLOCK = 4096  # output rows dequantized at a time: a float32 block of a 49
 FUSED_ROWS = 32  # logits of fewer tokens than this come from the fused step, row by row
 AFFINE_DENSE_ROWS = 96  # input rows from which the affine kernel on float32 inputs takes float32 GEMMs
 AFFINE_INT8_DENSE_ROWS = 1 << 62  # on int8 inputs in one pass: never (faster at every length measured, to 2048)
-AFFINE_INT8X2_DENSE_ROWS = 192  # on int8 inputs in two passes (the VNNI default)
-AFFINE_INT8X2_ONEDNN_DENSE_ROWS = 64  # the same, the GEMMs on oneDNN in float32
-AFFINE_INT8X2_BF16_DENSE_ROWS = 48  # in bfloat16
+AFFINE_INT8X2_DENSE_ROWS = 32  # on int8 inputs in two passes (the VNNI default), the GEMMs torch's BLAS
+AFFINE_INT8X2_ONEDNN_DENSE_ROWS = 32  # the same, the GEMMs on oneDNN in float32
+AFFINE_INT8X2_BF16_DENSE_ROWS = 16  # in bfloat16

@@ -449,10 +449,94 @@ void block_codes(const uint8_t* tb, int64_t bits, uint8_t (*out)[BLOCK]) {
     for (int j = 0; j < BLOCK; ++j) out[r][j] = static_cast<uint8_t>(code_at(tb, static_cast<int>(bits), r, j));
 }
 
+#ifdef UMAKIT_SIMD
+// An 8x8 matrix of 32-bit elements in 8 registers, transposed in place: a tile-block's chunks (q[c], lane r: row
+// r's weights 4c..4c+3) become its rows (q[r], bytes in order: row r's 32 codes).
+inline void transpose8(__m256i* q) {
+  __m256i t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_epi32(q[i], q[i + 1]);
+    t[i + 1] = _mm256_unpackhi_epi32(q[i], q[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);
+    u[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
+    u[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    q[i] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x20);
+    q[i + 4] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x31);
+  }
+}
+
+// 8 float32 as bfloat16, rounded to nearest even, in the low 16 bits of each 32-bit lane.
+inline __m256i bf16_lanes(__m256 f) {
+  const __m256i u = _mm256_castps_si256(f);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  return _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+}
+
+// 16 codes (bytes) as scale * code + bias, stored as float32 or bfloat16.
+template <typename T>
+inline void dequantize16(__m128i codes, __m256 s, __m256 b, T* out) {
+  const __m256 lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(codes)), s, b);
+  const __m256 hi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(codes, 8))), s, b);
+  if constexpr (std::is_same_v<T, float>) {
+    _mm256_storeu_ps(out, lo);
+    _mm256_storeu_ps(out + 8, hi);
+  } else {
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(bf16_lanes(lo), bf16_lanes(hi)), 0xD8);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), packed);
+  }
+}
+
+// `dequantize_tiles` in vector loops: each tile-block decoded as the kernel decodes it, transposed to its rows,
+// and each row's 32 codes widened, scaled and stored 16 at a time; scales stepped through as the kernel does.
+template <int BITS, typename T>
+void dequantize_tiles_simd(const Part& p, int64_t t0, int64_t t1, int64_t K, T* w) {
+  const __m256 offset = _mm256_set1_ps(-static_cast<float>(1 << (BITS - 1)));
+  alignas(32) float s[2][ROWS], b[2][ROWS];
+  for (int64_t t = t0; t < t1; ++t) {
+    const uint8_t* tb = p.tile(t, K);
+    T* rows = w + (t - t0) * ROWS * K;
+    GroupScales scales(p, t);
+    for (int64_t k = 0; k < K; k += BLOCK, tb += 32 * BITS) {
+      // the scales of the block's two halves: one group's, or (groups of 16) each half its own
+      for (int h = 0; h < 2; ++h) {
+        if ((k + 16 * h) % p.group != 0) continue;
+        __m256 sv, bv;
+        scales.next(offset, sv, bv);
+        _mm256_store_ps(s[h], sv);
+        _mm256_store_ps(b[h], bv);
+        if (p.group >= BLOCK || h == 1) break;
+      }
+      const int second = p.group < BLOCK ? 1 : 0;  // which scales the block's second half takes
+      __m256i q[8];
+      decode<BITS>(tb, q);
+      transpose8(q);
+      for (int r = 0; r < ROWS; ++r) {
+        T* out = rows + r * K + k;
+        dequantize16(_mm256_castsi256_si128(q[r]), _mm256_set1_ps(s[0][r]), _mm256_set1_ps(b[0][r]), out);
+        dequantize16(_mm256_extracti128_si256(q[r], 1), _mm256_set1_ps(s[second][r]),
+                     _mm256_set1_ps(b[second][r]), out + 16);
+      }
+    }
+  }
+}
+#endif
+
 // Tiles [t0, t1) of a part as float32 (or bfloat16, rounded to nearest even) rows (8 (t1 - t0), K):
 // scale * code + bias.
 template <typename T>
 void dequantize_tiles(const Part& p, int64_t t0, int64_t t1, int64_t K, T* w) {
+#ifdef UMAKIT_SIMD
+  using Out = std::conditional_t<std::is_same_v<T, float>, float, uint16_t>;
+  if (with_bits(p.bits, [&](auto width) {
+        dequantize_tiles_simd<decltype(width)::value>(p, t0, t1, K, reinterpret_cast<Out*>(w));
+      }))
+    return;
+#endif
   float s[ROWS], b[ROWS];
   uint8_t q[ROWS][BLOCK];
   const int64_t span = std::min(p.group, BLOCK);  // weights of a block under one group's scales
