@@ -1,7 +1,8 @@
 """What agents and extraction scripts send, through a real `umakit serve` and the official clients.
 
-Two tiny random models: one with a ChatML template that has no tool syntax (tools in the generic JSON form),
-one with Qwen2.5's real template (Hermes ``<tool_call>`` blocks, its markers added tokens). A random model
+Three tiny random models: one with a ChatML template that has no tool syntax (tools in the generic JSON form),
+one with Qwen2.5's real template (Hermes ``<tool_call>`` blocks, its markers added tokens), one with gpt-oss's
+(harmony: a call is a commentary message to the function, its markers special tokens). A random model
 says nothing sensible, so what is checked is what the server guarantees whatever the model: a forced call
 always names a tool and its arguments validate, a reply under a schema always parses and validates (the
 schemas are bounded, so a reply ends), Anthropic's and the Responses API's shapes hold, and errors are clear.
@@ -75,7 +76,21 @@ def hermes(tmp_path_factory):
     srv.stop()
 
 
-@pytest.fixture(params=["generic", "hermes"])
+@pytest.fixture(scope="module")
+def harmony(tmp_path_factory):
+    """gpt-oss's real template: a call is a commentary message to=functions.NAME, <|call|> ending the reply."""
+    path = make_tiny_model("qwen2", tmp_path_factory.mktemp("gpt_oss"), max_position_embeddings=LONG)
+    specials = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>")
+    write_tokenizer(path, (TEMPLATES / "openai-gpt-oss-120b.jinja").read_text(), extra_specials=specials)
+    vocab = json.loads((path / "tokenizer.json").read_text())["added_tokens"]
+    ids = {t["content"]: t["id"] for t in vocab}
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [ids["<|return|>"], ids["<|call|>"]]}))
+    srv = _server(path, tmp_path_factory)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(params=["generic", "hermes", "harmony"])
 def server(request):
     return request.getfixturevalue(request.param)
 
@@ -160,7 +175,9 @@ def test_tool_errors_are_400s_naming_the_field(server):
 
 
 # -- OpenAI: structured outputs ------------------------------------------------------------------------
-def test_json_schema_replies_validate_streamed_and_not(server):
+def test_json_schema_replies_validate_streamed_and_not(server, request):
+    if "harmony" in request.node.callspec.id:  # the schema holds in the final channel, which a random model
+        pytest.skip("never opens: gpt-oss writes its answer there (tests/serve/test_replies.py checks the switch)")
     c, name = client(server), name_of(server)
     fmt = {"type": "json_schema", "json_schema": {"name": "place", "schema": RECORD, "strict": True}}
     r = c.chat.completions.create(model=name, messages=user("A place as JSON"), response_format=fmt,

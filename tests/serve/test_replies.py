@@ -9,13 +9,14 @@ the calls come back whole, a call cut by max_tokens is plain content.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import httpx
 import pytest
 
 from umakit.generate.chat import HARMONY_END, HARMONY_LEAD, HARMONY_START, THINK_END, THINK_START, thinking_markers
 from umakit.serve.replies import ReplyParser, Thinking, parse_reply
-from umakit.serve.toolcalls import GenericFormat, HermesFormat
+from umakit.serve.toolcalls import GenericFormat, HarmonyFormat, HermesFormat
 from support.tiny import make_tiny_model, write_tokenizer
 
 THINKING = Thinking(THINK_START, THINK_END)
@@ -109,12 +110,12 @@ class Scripted:
         return {}
 
 
-def scripted_app(tmp_path_factory, name: str, template: str, specials: tuple[str, ...]):
+def scripted_app(tmp_path_factory, name: str, template: str, specials: tuple[str, ...], **config):
     """(the app, its scripted scheduler, the model's name) of a tiny model with ``template``."""
     import umakit
     from umakit.serve.app import make_app
 
-    path = make_tiny_model("qwen2", tmp_path_factory.mktemp(name))
+    path = make_tiny_model("qwen2", tmp_path_factory.mktemp(name), **config)
     write_tokenizer(path, template, extra_specials=specials)
     model = umakit.load(path, backend="torch", dtype="float32")
     scripted = Scripted()
@@ -263,3 +264,91 @@ def test_a_harmony_reply_reaches_clients_as_reasoning_and_content(harmony_app):
     assert "".join(d.get("content") or "" for d in deltas) == "Hello there."
     assert "".join(d.get("reasoning_content") or "" for d in deltas) == "Greeting; be brief."
     assert "Reasoning: low" in scripted.tokenizer.decode(scripted.requests[-1].prompt)
+
+
+# -- harmony's tool calls, with gpt-oss's own template (tests/support/fixtures/templates) -------------------
+GPT_OSS_TEMPLATE = (Path(__file__).resolve().parent.parent / "support" / "fixtures" / "templates" /
+                    "openai-gpt-oss-120b.jinja").read_text()
+GPT_OSS_SPECIALS = HARMONY_SPECIALS + ("<|constrain|>",)
+HARMONY_CALL = ('<|end|><|start|>assistant<|channel|>commentary to=functions.weather <|constrain|>json<|message|>'
+                '{"city": "Paris", "days": 2}')  # <|call|> ends the reply as an end token: not in the text
+
+
+@pytest.mark.parametrize("step", [1, 2, 5, 1000])
+@pytest.mark.parametrize("analysis", [True, False])
+def test_a_harmony_call_splits_from_its_analysis_anywhere(step, analysis):
+    text = (HARMONY_START + "The user wants the weather; call the tool." + HARMONY_CALL if analysis
+            else ' to=functions.weather<|channel|>commentary json<|message|>{"city": "Paris", "days": 2}')
+    pieces, reply = _split(ReplyParser(Thinking(*thinking_markers(GPT_OSS_TEMPLATE)), HarmonyFormat()), text, step)
+    assert [(c.name, json.loads(c.arguments)) for c in reply.calls] == [("weather", {"city": "Paris", "days": 2})]
+    assert reply.reasoning == ("The user wants the weather; call the tool." if analysis else "")
+    assert reply.content == "" and not any(p.kind == "content" for p in pieces)
+    assert all("<|" not in p.text for p in pieces)  # no marker reached a client
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_app(tmp_path_factory):
+    # gpt-oss's system and developer blocks alone take ~500 of the tiny tokenizer's tokens
+    return scripted_app(tmp_path_factory, "gpt_oss_tools", GPT_OSS_TEMPLATE, GPT_OSS_SPECIALS,
+                        max_position_embeddings=4096)
+
+
+WEATHER_TOOL = {"type": "function", "function": {"name": "weather", "description": "The weather in a city.",
+                                                  "parameters": {"type": "object", "properties": {
+                                                      "city": {"type": "string"}, "days": {"type": "integer"}},
+                                                      "required": ["city"]}}}
+
+
+def test_a_harmony_call_reaches_every_api_and_its_result_goes_back_as_the_template_writes_it(gpt_oss_app):
+    app, scripted, name = gpt_oss_app
+    scripted.text, scripted.finish = HARMONY_START + "Look it up." + HARMONY_CALL, "stop"
+    body = {"model": name, "messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [WEATHER_TOOL]}
+    choice = _post(app, "/v1/chat/completions", body)["choices"][0]
+    (call,) = choice["message"]["tool_calls"]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["reasoning_content"] == "Look it up."
+    assert call["function"]["name"] == "weather" and json.loads(call["function"]["arguments"]) == {"city": "Paris",
+                                                                                                    "days": 2}
+    assert not choice["message"]["content"]
+    prompt = scripted.tokenizer.decode(scripted.requests[-1].prompt)
+    assert "namespace functions {" in prompt and "type weather = (_: {" in prompt  # the tools, as gpt-oss reads them
+    events = _post(app, "/v1/chat/completions", {**body, "stream": True}, stream=True)
+    deltas = [e["choices"][0]["delta"] for e in events if e.get("choices")]
+    assert "".join(d.get("content") or "" for d in deltas) == ""
+    assert [c["function"]["name"] for d in deltas for c in d.get("tool_calls") or [] if c.get("function", {}).get(
+        "name")] == ["weather"]
+    blocks = _post(app, "/v1/messages", {"model": name, "max_tokens": 64, "messages": [
+        {"role": "user", "content": "Weather in Paris?"}], "tools": [{
+            "name": "weather", "input_schema": WEATHER_TOOL["function"]["parameters"]}]})["content"]
+    assert [b["type"] for b in blocks] == ["thinking", "tool_use"] and blocks[1]["input"] == {"city": "Paris",
+                                                                                            "days": 2}
+    # the next turn: the call, its reasoning and its result rendered back as gpt-oss's template writes them
+    scripted.text = HARMONY_START + "Done." + HARMONY_END + "Sunny."
+    history = [*body["messages"], {"role": "assistant", "content": None, "reasoning_content": "Look it up.",
+                                   "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": call["id"], "content": '{"sky": "clear"}'}]
+    assert _post(app, "/v1/chat/completions", {**body, "messages": history})["choices"][0]["message"]["content"] == \
+        "Sunny."
+    prompt = scripted.tokenizer.decode(scripted.requests[-1].prompt)
+    assert ('<|start|>assistant<|channel|>analysis<|message|>Look it up.<|end|><|start|>assistant to=functions.weather'
+            '<|channel|>commentary json<|message|>{"city": "Paris", "days": 2}<|call|><|start|>functions.weather '
+            'to=assistant<|channel|>commentary<|message|>"{\\"sky\\": \\"clear\\"}"<|end|><|start|>assistant') in prompt
+
+
+def test_harmony_constraints_start_where_gpt_oss_writes_what_they_govern(tmp_path):
+    """response_format governs the final channel (with or without an analysis before it); a forced call is the
+    reply's first message, so its grammar starts with the reply."""
+    import umakit
+    from umakit.generate.constrain import Constraint
+    from umakit.serve.conversation import ChatCall, prepare
+
+    path = make_tiny_model("qwen2", tmp_path / "m", max_position_embeddings=4096)
+    write_tokenizer(path, GPT_OSS_TEMPLATE, extra_specials=GPT_OSS_SPECIALS)
+    model = umakit.load(path, backend="torch", dtype="float32")
+    asked = [{"role": "user", "content": "Weather in Paris?"}]
+    schema = prepare(model, ChatCall(asked, response=Constraint.json_schema({"type": "object"})))
+    assert schema.constraint.after == HARMONY_LEAD and schema.tools is None
+    forced = prepare(model, ChatCall(asked, tools=[WEATHER_TOOL], tool_choice="required"))
+    assert forced.constraint.after is None and isinstance(forced.tools, HarmonyFormat)
+    assert "commentary to=functions.weather " in forced.constraint.value
+    free = prepare(model, ChatCall(asked, tools=[WEATHER_TOOL]))
+    assert free.constraint is None  # auto: the model chooses, and the reply is parsed

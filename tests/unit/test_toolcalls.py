@@ -18,7 +18,9 @@ TEMPLATES = Path(__file__).resolve().parent.parent / "support" / "fixtures" / "t
 BOS, EOS = "<s>", "</s>"
 # Markers as real tokenizers hold them: the [..] ones are special tokens, <tool_call> an added token
 # (llguidance treats every added <...> token as special, so a string literal never matches it).
-SPECIALS = [BOS, EOS, "<|im_start|>", "<|im_end|>", "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "<|python_tag|>"]
+SPECIALS = [BOS, EOS, "<|im_start|>", "<|im_end|>", "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "<|python_tag|>",
+            # gpt-oss's harmony
+            "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|call|>", "<|return|>"]
 ADDED = ["<tool_call>", "</tool_call>"]
 TRAIN_TEXT = '{"name": "get_weather", "arguments": {"city": "Paris"}} <parameter=city> Lyon Zürich 東京 ' * 10
 
@@ -62,6 +64,9 @@ FIXTURES = {
                    f'"id": "{MISTRAL_ID}"}}]'),
     "Mistral-Small-3.2-24B-Instruct-2506": (
         "mistral", f'[TOOL_CALLS]get_weather[CALL_ID]{MISTRAL_ID}[ARGS]{{"city": "Paris", "unit": "c"}}'),
+    "openai-gpt-oss-120b": (
+        "harmony", 'to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris", "unit": "c"}'
+                   "<|call|>"),
     "HuggingFaceTB-SmolLM2-135M-Instruct": (
         "generic", '{"tool_call": {"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}}'),
 }
@@ -123,7 +128,7 @@ def transformers_render(tokenizer_json, chat_template, messages, tools):
 
 
 def undated(text: str) -> str:
-    return re.sub(r"Today Date: [^\n]*", "Today Date: -", text)
+    return re.sub(r"(Today Date|Current date): [^\n]*", r"\1: -", text)
 
 
 @pytest.mark.parametrize("name", sorted(FIXTURES))
@@ -234,6 +239,19 @@ PARSE_CASES = [
      "Sure.", [("get_weather", PARIS), ("get_time", TOKYO)]),
     ("mistral", "cut", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Par', SAME, []),
     ("mistral", "bad JSON", "[TOOL_CALLS]get_weather[ARGS]not json", SAME, []),
+    ("harmony", "the model's order", '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>'
+     '{"city": "Paris"}<|call|>', "", [("get_weather", PARIS)]),
+    ("harmony", "the template's order, <|call|> left off as an end token",
+     ' to=functions.get_time<|channel|>commentary json<|message|>{"city": "東京"}', "", [("get_time", TOKYO)]),
+    ("harmony", "after the analysis, a preamble first",
+     '<|end|><|start|>assistant<|channel|>commentary<|message|>Checking.<|end|><|start|>assistant<|channel|>'
+     'commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>', "Checking.",
+     [("get_weather", PARIS)]),
+    ("harmony", "no arguments", "<|channel|>commentary to=functions.ping<|message|>", "", [("ping", {})]),
+    ("harmony", "bad JSON", '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": P',
+     SAME, []),
+    ("harmony", "cut in the header", "<|channel|>commentary to=functions.get_wea", SAME, []),
+    ("harmony", "a commentary message, no call", "<|channel|>commentary<|message|>Just a note.", "Just a note.", []),
     ("generic", "call", '{"tool_call": {"name": "get_weather", "arguments": {"city": "Paris"}}}', "",
      [("get_weather", PARIS)]),
     ("generic", "response", '  {"response": "It is sunny ☀."}\n', "It is sunny ☀.", []),
@@ -242,7 +260,7 @@ PARSE_CASES = [
     ("generic", "plain text", "Plain words.", SAME, []),
 ]
 FORMATS = {"hermes": tc.HermesFormat(), "qwen3_xml": tc.Qwen3XmlFormat(), "llama3": tc.Llama3Format(),
-           "mistral": tc.MistralFormat(), "generic": tc.GenericFormat()}
+           "mistral": tc.MistralFormat(), "generic": tc.GenericFormat(), "harmony": tc.HarmonyFormat()}
 
 
 @pytest.mark.parametrize("fmt, text, content, expected", [c[:1] + c[2:] for c in PARSE_CASES],
@@ -288,6 +306,7 @@ WEATHER_CALLS = {
     "mistral": '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]',
     "mistral_args": '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}',
     "generic": '{"tool_call": {"name": "get_weather", "arguments": {"city": "Paris"}}}',
+    "harmony": '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}',
 }
 GRAMMAR_FORMATS = {**FORMATS, "mistral_args": tc.MistralFormat(args_form=True)}
 
@@ -309,7 +328,7 @@ def test_grammar_forces_a_call_to_the_named_function(fmt, llg):
     assert accepts(llg, named, time) and not accepts(llg, named, weather)
     assert not accepts(llg, required, weather.replace("city", "town"))  # the schema's required key
     assert not accepts(llg, required, "Sure, let me check. " + weather)
-    if fmt != "generic":  # one JSON object by design
+    if fmt not in ("generic", "harmony"):  # one JSON object, one call a reply (<|call|> ends it), by design
         assert accepts(llg, required, two_calls(fmt))
         assert not accepts(llg, f.grammar(TOOLS, None, parallel=False, special_tokens=special), two_calls(fmt))
 

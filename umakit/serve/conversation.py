@@ -139,6 +139,12 @@ def prepare(model, call: ChatCall) -> Prepared:
     else:
         constraint = call.response
     thinks = thinking is not None and (thinking.open or not text.rstrip().endswith(thinking.end))
+    forced_call = offered and call.tool_choice != "auto"
+    if forced_call and fmt.call_opens_reply:
+        thinks = False  # the call is the reply's first message (harmony's): no reasoning before it
     if constraint is not None and thinks:
-        constraint = constraint.starting_after(thinking.end)
+        # after the thinking's end; with harmony, after the final channel's header, which ends that marker and
+        # also opens a reply that skipped the analysis
+        lead = next((m for m in thinking.leads if thinking.end.endswith(m)), thinking.end)
+        constraint = constraint.starting_after(lead)
     return Prepared(prompt, constraint, thinking, fmt if offered else None)

@@ -86,13 +86,18 @@ class ReplyParser:
             self._mode = CONTENT
             return True
         if self._mode == REASONING:
-            i = self._pending.find(t.end)
-            if i >= 0:
+            exits = self.tools.exits if self.tools is not None else ()  # a call ending the reasoning (harmony's)
+            found = [(i, m) for m in (t.end, *exits) if (i := self._pending.find(m)) >= 0]
+            if found:
+                i, end = min(found)
                 out.append(Piece(REASONING, self._pending[:i]))
+                if end != t.end:  # the call, parsed when the reply ends
+                    self._held, self._pending, self._mode = self._pending[i:], "", CONTENT
+                    return False
                 self._pending = self._pending[i + len(t.end):]
                 self._mode, self._trim = CONTENT, True
                 return True
-            keep = held_back(self._pending, [t.end])
+            keep = held_back(self._pending, [t.end, *exits])
             out.append(Piece(REASONING, self._pending[:len(self._pending) - keep]))
             self._pending = self._pending[len(self._pending) - keep:]
             return False

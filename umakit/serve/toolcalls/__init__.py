@@ -3,7 +3,8 @@
 A model calls tools in the syntax it was trained on, and its chat template is
 the one place that syntax is written down: Qwen2.5 and Hermes wrap JSON in
 ``<tool_call>`` tags, Qwen3-Coder writes XML-like ``<function=...>`` blocks,
-Mistral prefixes ``[TOOL_CALLS]``, Llama 3.x replies with a bare JSON object.
+Mistral prefixes ``[TOOL_CALLS]``, Llama 3.x replies with a bare JSON object,
+gpt-oss addresses a message on its commentary channel to the function (harmony).
 So the format is judged from the template text, never from the model's name
 (a Hermes fine-tune of Llama speaks Hermes). Each format does three things:
 
@@ -30,9 +31,10 @@ import re
 from umakit.serve.toolcalls.syntax import ToolCall, ToolFormat
 from umakit.serve.toolcalls.formats import HermesFormat, Llama3Format, MistralFormat, Qwen3XmlFormat
 from umakit.serve.toolcalls.generic import GenericFormat, generic_auto_grammar
+from umakit.serve.toolcalls.harmony import HarmonyFormat
 
-__all__ = ["ToolCall", "ToolFormat", "HermesFormat", "Qwen3XmlFormat", "MistralFormat", "Llama3Format", "GenericFormat",
-           "generic_auto_grammar", "detect", "template_supports_tools"]
+__all__ = ["ToolCall", "ToolFormat", "HermesFormat", "Qwen3XmlFormat", "MistralFormat", "Llama3Format", "HarmonyFormat",
+           "GenericFormat", "generic_auto_grammar", "detect", "template_supports_tools"]
 
 # -- choosing a format -----------------------------------------------------------
 
@@ -53,6 +55,8 @@ def detect(chat_template: str | None) -> ToolFormat:
         return Qwen3XmlFormat() if "<function=" in t else HermesFormat()
     if "[TOOL_CALLS]" in t:
         return MistralFormat(args_form="[ARGS]" in t)
+    if "<|channel|>" in t and "<|call|>" in t:  # gpt-oss's harmony: a call is a commentary message
+        return HarmonyFormat()
     if "<|python_tag|>" in t or ('"parameters"' in t and ("<|eom_id|>" in t or "ipython" in t)):
         return Llama3Format()
     return GenericFormat()

@@ -120,6 +120,8 @@ class ToolFormat(ABC):
 
     name: str = ""
     markers: tuple[str, ...] = ()  # texts that begin a call: streaming holds text back once one may be forming
+    exits: tuple[str, ...] = ()  # texts that end a reply's reasoning with a call (harmony's), where no marker does
+    call_opens_reply = False  # a forced call's grammar starts with the reply, before any reasoning
 
     def template_messages(self, messages: list[dict], tools: list[dict] | None) -> tuple[list[dict], list[dict] | None]:
         """Messages and tools as the chat template takes them: each assistant tool call's arguments parsed
