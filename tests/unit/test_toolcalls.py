@@ -175,6 +175,35 @@ def test_llama_gets_one_call_per_message(tmp_path, tokenizer_json):
     assert LLAMA_CALL in text and '{"name": "get_time", "parameters": {"city": "Paris"}}' in text
 
 
+def test_harmony_gets_one_call_per_message_each_followed_by_its_result(tmp_path, tokenizer_json):
+    """gpt-oss's template holds one call a message and names a result's function after the call just before it:
+    parallel calls become call, result, call, result (a call's reasoning, rendered as its analysis while no final
+    answer follows it, is checked in tests/serve/test_replies.py)."""
+    parallel = copy.deepcopy(CONVERSATION)
+    second = {"id": "call_2", "type": "function", "function": {"name": "get_time", "arguments": '{"city": "Paris"}'}}
+    parallel[2]["tool_calls"].append(second)
+    parallel[2]["reasoning_content"] = "Both are needed."
+    parallel.insert(4, {"role": "tool", "tool_call_id": "call_2", "content": "noon"})
+    messages, tools = tc.HarmonyFormat().template_messages(parallel, TOOLS)
+    assert [(m["role"], len(m.get("tool_calls", []))) for m in messages[2:6]] == [
+        ("assistant", 1), ("tool", 0), ("assistant", 1), ("tool", 0)]
+    assert messages[3]["tool_call_id"] == CALL_ID and messages[5]["tool_call_id"] == "call_2"
+    name = "openai-gpt-oss-120b"
+    text = transformers_render(tokenizer_json, template(name), messages, tools)
+    assert undated(umakit_render_with(tmp_path, tokenizer_json, template(name), messages, tools)) == undated(text)
+    assert "Both are needed." not in text  # a final answer follows the calls: the template drops their analysis
+    assert ('<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris", "unit": "c"}<|call|>'
+            '<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>"{\\"temp\\": 21}"<|end|>'
+            '<|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>{"city": "Paris"}<|call|>'
+            '<|start|>functions.get_time to=assistant<|channel|>commentary<|message|>"noon"<|end|>') in text
+
+
+def umakit_render_with(tmp_path, tokenizer_json, chat_template, messages, tools):
+    (tmp_path / "tokenizer.json").write_text(tokenizer_json)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": BOS, "eos_token": EOS}))
+    return umakit_render(tmp_path, chat_template, messages, tools)
+
+
 def test_generic_describes_tools_in_the_system_message():
     messages, tools = tc.GenericFormat().template_messages(CONVERSATION, TOOLS)
     assert tools is None
