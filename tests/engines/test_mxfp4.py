@@ -1,7 +1,8 @@
 """gpt-oss as OpenAI ships it: routed experts in MXFP4 (tests/support/mxfp4.py). On MLX they stay MXFP4 (its
-``mxfp4`` mode, 4.25 bits a weight) and decode exactly as transformers reads the format; the transformers engine
-runs them dequantized, and says so. gpt-oss's yarn RoPE leaves its blend's range unrounded (``truncate``:
-false), which mlx-lm's RoPE does not read: umakit corrects it (backends/mlx/rope.py)."""
+``mxfp4`` mode, 4.25 bits a weight) and decode exactly as transformers reads the format; on the torch side (the
+transformers engine) each expert's projections run packed, as exact 5-bit codes and power-of-two scales
+(backends/transformers/mxfp4.py). gpt-oss's yarn RoPE leaves its blend's range unrounded (``truncate``: false),
+which mlx-lm's RoPE does not read: umakit corrects it (backends/mlx/rope.py)."""
 
 from __future__ import annotations
 
@@ -48,16 +49,56 @@ def test_mlx_keeps_the_experts_in_mxfp4_as_transformers_reads_them(checkpoint):
     assert model.info.weights.quantization.startswith("mxfp4 g32")
 
 
-@pytest.mark.parametrize("backend", ["mlx", "transformers"])
-def test_logits_and_greedy_tokens_are_transformers(checkpoint, backend):
+# the packed torch form takes a 40-token prompt's bfloat16 GEMMs on a CPU that has them (inputs rounded to 2^-9)
+@pytest.mark.parametrize("backend, tolerance", [("mlx", 1e-5), ("transformers", 5e-3)])
+def test_logits_and_greedy_tokens_are_transformers(checkpoint, backend, tolerance):
     path, ref = checkpoint
     model = umakit.load(path, backend=backend, dtype="float32")
     want = ref_logits(ref, PROMPT)
-    np.testing.assert_allclose(model.logits(PROMPT), want, atol=1e-5 * np.abs(want).max(), rtol=0)
+    np.testing.assert_allclose(model.logits(PROMPT), want, atol=tolerance * np.abs(want).max(), rtol=0)
     tokens = model.engine.generate_tokens(PROMPT, model.make_cache(), SamplingParams(temperature=0))
     assert [next(tokens) for _ in range(8)] == greedy_reference(ref, PROMPT, 8)
-    if backend == "transformers":
-        assert any("mxfp4 layers run dequantized to float32" in w for w in model.info.warnings)
+    assert model.info.weights.quantization.startswith("mxfp4 g32") and not model.info.warnings
+
+
+def test_the_torch_side_holds_each_expert_packed_exactly(checkpoint):
+    """Each projection of each expert: 5-bit codes and float16 power-of-two scales that dequantize bit for bit to
+    transformers' reading of the MXFP4 blocks; on a CPU with the packed kernel, run by it (bfloat16 names it)."""
+    from umakit.backends.torch.cpu import affine_kernel
+    from umakit.backends.transformers import mxfp4 as packed
+
+    path, _ = checkpoint
+    want = mxfp4.dequantized(path)
+    from safetensors.torch import load_file
+
+    stored = load_file(path / "model.safetensors")
+    for name in ("gate_up_proj", "down_proj"):
+        blocks, scales = (stored[f"model.layers.1.mlp.experts.{name}_{k}"] for k in ("blocks", "scales"))
+        for e in range(blocks.shape[0]):
+            q = packed.linear(blocks[e], scales[e], torch.zeros(blocks.shape[1]), torch.float32)
+            assert q.bits == 5 and q.group_size == 32 and q.scales.dtype == torch.float16
+            assert torch.equal(q.dequantized(torch.float32), want[f"model.layers.1.mlp.experts.{name}"][e].T)
+    model = umakit.load(path, backend="transformers", dtype="bfloat16")
+    experts = model.engine.model.model.layers[0].mlp.experts
+    assert isinstance(experts, packed.PackedExperts) and len(experts.gate_up) == mxfp4.CONFIG["num_local_experts"]
+    if affine_kernel.available():
+        assert all(isinstance(m, affine_kernel.AffineLinear) for m in (*experts.gate_up, *experts.down))
+
+
+def test_a_scale_outside_the_exact_range_runs_that_expert_dequantized(tmp_path):
+    """An exponent of 2^20: 16 scales overflow float16, so that projection is held as float, and the load says
+    how many were; the logits still are transformers'."""
+    from safetensors.torch import load_file, save_file
+
+    path = mxfp4.write(tmp_path / "m", seed=1)
+    tensors = load_file(path / "model.safetensors")
+    tensors["model.layers.0.mlp.experts.down_proj_scales"][2, 0, 0] = 127 + 20
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    model = umakit.load(path, backend="transformers", dtype="float32")
+    assert tuple(model.info.warnings) == ("1 expert projections run dequantized to float32: their MXFP4 scales lie "
+                                   "outside what the packed form holds exactly",)
+    want = ref_logits(mxfp4.reference(path), PROMPT)
+    np.testing.assert_allclose(model.logits(PROMPT), want, atol=5e-3 * np.abs(want).max(), rtol=0)
 
 
 def test_yarn_unrounded_is_transformers_rope(checkpoint):

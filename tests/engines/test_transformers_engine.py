@@ -193,7 +193,8 @@ def quantized_twin(path, out, table_bits: int | None = None):
 def test_a_quantized_checkpoint_runs_its_packed_layers_as_its_float_twin(family, tmp_path):
     """MLX's layout (an imported GGUF, GPTQ, AWQ or compressed-tensors checkpoint) on transformers' classes: the
     packed layers swapped in by name, the same logits as the float model holding the dequantized weights, within
-    the packed forms' tolerance (int8 inputs in two passes on a CPU that has the affine kernel)."""
+    the packed forms' tolerance (int8 inputs in two passes on a CPU that has the affine kernel: a prompt shorter
+    than the bfloat16 GEMMs' 16 tokens, and longer than the sliding windows)."""
     name, path = family
     table = 8 if name == "gemma4" else None  # its scaled tables, and a tied head reading the main one
     q, twin, n = quantized_twin(path, tmp_path, table)
@@ -201,9 +202,10 @@ def test_a_quantized_checkpoint_runs_its_packed_layers_as_its_float_twin(family,
     ref = umakit.load(twin, backend="transformers", dtype="float32")
     assert model.info.weights.quantization.startswith("4-bit g32") and n >= 4, model.info.weights.quantization
     assert model.info.weights.params == ref.info.weights.params
-    ours, want = model.logits(PROMPT), ref.logits(PROMPT)
+    prompt = PROMPT[:12]
+    ours, want = model.logits(prompt), ref.logits(prompt)
     assert np.abs(ours - want).max() <= 2e-3 * np.abs(want).max(), np.abs(ours - want).max()
-    stream = lambda m: [t for _, t in zip(range(8), m.engine.generate_tokens(PROMPT, m.engine.make_cache(), GREEDY))]  # noqa: E731
+    stream = lambda m: [t for _, t in zip(range(8), m.engine.generate_tokens(prompt, m.engine.make_cache(), GREEDY))]  # noqa: E731
     assert stream(model) == stream(ref)
 
 

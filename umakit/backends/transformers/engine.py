@@ -62,15 +62,21 @@ class TransformersEngine:
             with _quiet() as transformers:
                 model, params = mapped.load(transformers, ckpt, torch.device(device), target)
             return cls(model, ckpt.config, device, target, params=params, quantization=ckpt.config["quantization"])
-        with _quiet() as transformers:
-            model = transformers.AutoModelForCausalLM.from_pretrained(str(ckpt.path), dtype=target,
-                                                                      **_native_quantization(transformers, ckpt))
         native = native_block(ckpt.config)
-        engine = cls(model, ckpt.config, device, target, quantization=native)
-        if native:
-            engine.load_notes = (f"the checkpoint's {native['mode']} layers run dequantized to "
-                                 f"{engine.dtype} on this engine; the mlx engine runs them as stored",)
-        return engine
+        if native:  # gpt-oss's MXFP4 experts: packed (mxfp4.py)
+            from umakit.backends.transformers import mxfp4
+
+            _check_device(device)
+            with _quiet() as transformers:
+                model, params, dense = mxfp4.load(transformers, ckpt, torch.device(device), target)
+            engine = cls(model, ckpt.config, device, target, params=params, quantization=native)
+            if dense:
+                engine.load_notes = (f"{dense} expert projections run dequantized to {engine.dtype}: their MXFP4 "
+                                     f"scales lie outside what the packed form holds exactly",)
+            return engine
+        with _quiet() as transformers:
+            model = transformers.AutoModelForCausalLM.from_pretrained(str(ckpt.path), dtype=target)
+        return cls(model, ckpt.config, device, target)
 
     @classmethod
     def synthetic(cls, config: dict, *, device: str, dtype: str = "auto", bits: int | None = None,
@@ -199,15 +205,6 @@ class TransformersEngine:
     def peak_memory(self) -> int:
         """Peak device memory on CUDA; on CPU the process's peak resident memory."""
         return peak.measured(self.device)
-
-
-def _native_quantization(transformers, ckpt) -> dict:
-    """from_pretrained's arguments for a checkpoint in a format MLX runs as stored (gpt-oss's MXFP4): transformers
-    dequantizes it at load. Its packed path needs GPU kernels fetched from the Hub on first use, which an offline
-    machine, or a CPU, cannot take; dequantizing runs anywhere, the same way each time."""
-    if not native_block(ckpt.config):
-        return {}
-    return {"quantization_config": transformers.Mxfp4Config(dequantize=True)}
 
 
 def _check_device(device: str) -> None:

@@ -1,0 +1,215 @@
+"""gpt-oss's MXFP4 experts on the torch engine, kept packed: each expert's projections run on the torch engine's
+packed forms (its affine kernel on a CPU) instead of being dequantized to float.
+
+An MXFP4 weight is an E2M1 value (0, 0.5, 1, 1.5, 2, 3, 4 or 6, or its negative) times 2^(e - 127), e one byte per
+32 weights. Twice the value is an integer of -12..12, so a weight is exactly (code - 16) * 2^(e - 128) with a 5-bit
+code of 4..28: MLX's affine form at 5 bits, groups of 32, a float16 scale and a bias of -16 scales (exact while
+2^(e - 128) lies between float16's smallest subnormal and 2^11, so that 16 scales still fit). The experts are
+read at 5.5 bits a weight (4.25 in the checkpoint) where dequantized float32 would take 32.
+
+As mapped.py does for MLX's layout, a quantizer registered with transformers swaps each experts module for a
+holder of the checkpoint's tensors by their own names (``gate_up_proj_blocks``, ``..._scales``, ``..._bias``)
+before the weights load, so transformers' loader fills them and no float copy is ever made; after, each holder
+becomes `PackedExperts`, which computes what transformers' ``GptOssExperts`` computes (its own gate function,
+its routing) with one packed linear layer per expert and projection. An expert whose exponents fall outside that
+range runs dequantized, and the load says how many did.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from umakit.backends.torch.quant import forms
+from umakit.backends.torch.quant.layout import QuantizedLinear, pack
+from umakit.errors import UnsupportedModelError
+
+METHOD = "umakit-mxfp4"
+BITS, GROUP, OFFSET = 5, 32, 16
+# twice each E2M1 code's value (codes 8-15 the negatives of 0-7)
+DOUBLED = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=torch.int16)
+LOWEST, HIGHEST = -24, 11  # the powers of two a scale may be: float16's smallest subnormal; 16 x 2^11 = 2^15
+PROJECTIONS = ("gate_up_proj", "down_proj")
+
+
+def affine(blocks: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(codes (rows, cols) uint8 of 4..28, scales (rows, cols / 32) float16) of one expert's MXFP4 projection
+    (blocks (rows, cols / 32, 16), scales (rows, cols / 32)), exactly; None where a scale is out of range."""
+    exponent = scales.to(torch.int32) - 128
+    if int(exponent.min()) < LOWEST or int(exponent.max()) > HIGHEST:
+        return None
+    rows = blocks.shape[0]
+    b = blocks.to(torch.int64)
+    doubled = torch.stack((DOUBLED[b & 15], DOUBLED[b >> 4]), dim=-1)  # the low nibble first
+    codes = (doubled.reshape(rows, -1) + OFFSET).to(torch.uint8)
+    return codes, torch.ldexp(torch.ones(exponent.shape), exponent).to(torch.float16)
+
+
+def linear(blocks, scales, bias, dtype: torch.dtype) -> QuantizedLinear | torch.Tensor:
+    """One expert's projection as a QuantizedLinear, or as its dequantized float weight (rows, cols) where it
+    cannot be held exactly."""
+    rows, cols = blocks.shape[0], blocks.shape[1] * GROUP
+    exact = affine(blocks, scales)
+    if exact is None:
+        b = blocks.to(torch.int64)
+        doubled = torch.stack((DOUBLED[b & 15], DOUBLED[b >> 4]), dim=-1).reshape(rows, -1, GROUP).float()
+        return (doubled * torch.exp2(scales.float() - 128)[..., None]).reshape(rows, cols).to(dtype)
+    codes, s = exact
+    q = QuantizedLinear(cols, rows, True, BITS, GROUP, device="meta")
+    q.weight, q.scales, q.biases = pack(codes, BITS), s, s * -OFFSET
+    q.bias = bias.to(dtype)
+    return q
+
+
+class _Stored(nn.Module):
+    """An experts module's tensors as the checkpoint stores them, for transformers' loader to fill by name."""
+
+    def __init__(self, experts: nn.Module):
+        super().__init__()
+        self.alpha, self.limit = experts.alpha, experts.limit
+        e, hidden, inner = experts.num_experts, experts.hidden_size, experts.intermediate_size
+        shapes = {"gate_up_proj": (2 * inner, hidden), "down_proj": (hidden, inner)}
+        for name, (rows, cols) in shapes.items():
+            meta = dict(device="meta", requires_grad=False)
+            setattr(self, f"{name}_blocks", nn.Parameter(torch.empty(e, rows, cols // GROUP, 16, dtype=torch.uint8,
+                                                                     device="meta"), requires_grad=False))
+            setattr(self, f"{name}_scales", nn.Parameter(torch.empty(e, rows, cols // GROUP, dtype=torch.uint8,
+                                                                     device="meta"), requires_grad=False))
+            setattr(self, f"{name}_bias", nn.Parameter(torch.empty(e, rows, **meta)))
+
+
+class PackedExperts(nn.Module):
+    """transformers' ``GptOssExperts`` computation over packed linear layers: each routed token's projection by
+    its experts, gate and up interleaved in one projection, gated as gpt-oss gates (clamped SwiGLU, ``alpha``,
+    ``limit``), weighted by the router's scores and summed."""
+
+    def __init__(self, gate_up: list[nn.Module], down: list[nn.Module], alpha: float, limit: float):
+        super().__init__()
+        self.gate_up, self.down = nn.ModuleList(gate_up), nn.ModuleList(down)
+        self.alpha, self.limit = alpha, limit
+        self.num_experts = len(gate_up)
+
+    def _gate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+        gate = gate.clamp(min=None, max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+    def forward(self, hidden_states: torch.Tensor, router_indices: torch.Tensor, routing_weights: torch.Tensor):
+        out = torch.zeros_like(hidden_states)
+        hit = torch.nn.functional.one_hot(router_indices, num_classes=self.num_experts).permute(2, 1, 0)
+        for e in torch.greater(hit.sum(dim=(-1, -2)), 0).nonzero()[:, 0].tolist():
+            top_k_pos, token_idx = torch.where(hit[e])
+            state = self.down[e](self._gate(self.gate_up[e](hidden_states[token_idx])))
+            out.index_add_(0, token_idx, (state * routing_weights[token_idx, top_k_pos, None]).to(out.dtype))
+        return out
+
+
+class _Dense(nn.Module):
+    """A projection held as float (its exponents out of the exact range): x @ weight.T + bias."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor):
+        super().__init__()
+        self.weight, self.bias = nn.Parameter(weight, requires_grad=False), nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x):
+        return torch.nn.functional.linear(x.to(self.weight.dtype), self.weight, self.bias)
+
+
+def _quantizer_classes(transformers):
+    from transformers.quantizers import auto
+    from transformers.quantizers.base import HfQuantizer
+    from transformers.utils.quantization_config import QuantizationConfigMixin
+
+    if METHOD in auto.AUTO_QUANTIZER_MAPPING:
+        return auto.AUTO_QUANTIZATION_CONFIG_MAPPING[METHOD]
+
+    @auto.register_quantization_config(METHOD)
+    class Mxfp4Packed(QuantizationConfigMixin):
+        def __init__(self, device=None, dtype=None, **kwargs):
+            self.quant_method, self.device, self.dtype = METHOD, device, dtype
+            self.stored: dict[str, _Stored] = {}
+            self.dense = 0  # projections held as float
+
+        def to_dict(self):
+            return {"quant_method": METHOD}
+
+    @auto.register_quantizer(METHOD)
+    class Mxfp4PackedQuantizer(HfQuantizer):
+        requires_calibration = False
+
+        def validate_environment(self, *args, **kwargs):
+            return None
+
+        def param_needs_quantization(self, model, param_name: str, **kwargs) -> bool:
+            return False
+
+        def _process_model_before_weight_loading(self, model, **kwargs):
+            c = self.quantization_config
+            for path, module in list(model.named_modules()):
+                if all(isinstance(getattr(module, p, None), nn.Parameter) and getattr(module, p).dim() == 3
+                       for p in PROJECTIONS) and hasattr(module, "alpha"):
+                    c.stored[path] = _Stored(module)
+                    _put(model, path, c.stored[path])
+
+        def _process_model_after_weight_loading(self, model, **kwargs):
+            _execute(model, self.quantization_config)
+            return model
+
+        def is_serializable(self):
+            return False
+
+        @property
+        def is_trainable(self) -> bool:
+            return False
+
+    return Mxfp4Packed
+
+
+def _execute(model: nn.Module, c) -> None:
+    device = torch.device(c.device)
+    form = torch.bfloat16 if device.type == "cpu" else c.dtype  # "bfloat16" names the packed CPU forms
+    for path, stored in c.stored.items():
+        if stored.gate_up_proj_blocks.is_meta:
+            raise UnsupportedModelError(f"the checkpoint has no MXFP4 blocks for {path}.gate_up_proj")
+        layers = {}
+        for name in PROJECTIONS:
+            blocks, scales, bias = (getattr(stored, f"{name}_{k}").data for k in ("blocks", "scales", "bias"))
+            made = []
+            for e in range(blocks.shape[0]):
+                q = linear(blocks[e], scales[e], bias[e], c.dtype)
+                if isinstance(q, torch.Tensor):
+                    c.dense += 1
+                    made.append(_Dense(q.to(device), bias[e].to(device, c.dtype)))
+                else:
+                    made.append(forms.for_execution(q, device, form))
+            layers[name] = made
+        _put(model, path, PackedExperts(layers["gate_up_proj"], layers["down_proj"], stored.alpha, stored.limit))
+
+
+def load(transformers, ckpt, device: torch.device, dtype: torch.dtype) -> tuple[nn.Module, int, int]:
+    """(the model, its parameter count, how many expert projections run dequantized) of an MXFP4 checkpoint."""
+    c = _quantizer_classes(transformers)(str(device), dtype)
+    hf_config = transformers.AutoConfig.from_pretrained(str(ckpt.path))
+    for cfg in {id(x): x for x in (hf_config, hf_config.get_text_config())}.values():
+        cfg.quantization_config = None  # transformers' own MXFP4 path: ours instead
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(
+        str(ckpt.path), config=hf_config, quantization_config=c, dtype=dtype, device_map={"": device},
+        output_loading_info=True)
+    if not c.stored:
+        raise UnsupportedModelError(f"{ckpt.path}: MXFP4 is read for gpt-oss's routed experts; transformers' "
+                                    f"{type(model).__name__} has none of their kind")
+    problems = [k for k in (*info.get("unexpected_keys", ()), *info.get("missing_keys", ()))
+                if not k.endswith("inv_freq")]
+    if problems:
+        raise UnsupportedModelError(f"{ckpt.path}: {sorted(problems)[0]} does not fit transformers' "
+                                    f"{type(model).__name__} (of {len(problems)} tensors)")
+    experts = sum(getattr(s, f"{p}_{k}").numel() * (2 if k == "blocks" else 1)  # two weights a block byte
+                  for s in c.stored.values() for p in PROJECTIONS for k in ("blocks", "bias"))
+    rest = sum(p.numel() for n, p in model.named_parameters() if not any(n.startswith(f"{e}.") for e in c.stored))
+    return model.eval(), experts + rest, c.dense
+
+
+def _put(model: nn.Module, path: str, module: nn.Module) -> None:
+    parent, _, attr = path.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, attr, module)
