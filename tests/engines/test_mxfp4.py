@@ -2,7 +2,8 @@
 ``mxfp4`` mode, 4.25 bits a weight) and decode exactly as transformers reads the format; on the torch side (the
 transformers engine) each expert's projections run packed, as exact 5-bit codes and power-of-two scales
 (backends/transformers/mxfp4.py). gpt-oss's yarn RoPE leaves its blend's range unrounded (``truncate``: false),
-which mlx-lm's RoPE does not read: umakit corrects it (backends/mlx/rope.py)."""
+which mlx-lm's RoPE does not read: umakit corrects it (backends/mlx/rope.py). A float gpt-oss as transformers
+saves it (fused, transposed experts) loads on MLX too (backends/mlx/fused_experts.py)."""
 
 from __future__ import annotations
 
@@ -132,3 +133,16 @@ def test_generate_and_batch_run_it_from_the_command_line(checkpoint, tmp_path):
     assert run.returncode == 0, run.stderr
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert sorted(r["id"] for r in rows) == [0, 1, 2] and all(r["text"] is not None for r in rows), rows
+
+
+def test_a_float_gpt_oss_saved_by_transformers_runs_on_mlx(tmp_path):
+    """Its experts fused and transposed, as transformers holds them: mlx-lm's sanitize alone mis-names them."""
+    from support.oracle import reference
+
+    path = mxfp4.write(tmp_path / "float", seed=2, packed=False)
+    model = umakit.load(path, backend="mlx", dtype="float32")
+    ref = reference(path)
+    want = ref_logits(ref, PROMPT)
+    np.testing.assert_allclose(model.logits(PROMPT), want, atol=1e-5 * np.abs(want).max(), rtol=0)
+    tokens = model.engine.generate_tokens(PROMPT, model.make_cache(), SamplingParams(temperature=0))
+    assert [next(tokens) for _ in range(8)] == greedy_reference(ref, PROMPT, 8)

@@ -41,8 +41,9 @@ def pack(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return blocks, (exponent.squeeze(-1) + 127).to(torch.uint8)
 
 
-def write(path: Path, seed: int = 0) -> Path:
-    """A random tiny gpt-oss at ``path`` with MXFP4 experts; its routers made decisive, so a wrong expert shows."""
+def write(path: Path, seed: int = 0, packed: bool = True) -> Path:
+    """A random tiny gpt-oss at ``path`` with MXFP4 experts (``packed``; else all float, as transformers saves a
+    float gpt-oss); its routers made decisive, so a wrong expert shows."""
     import transformers
     from safetensors.torch import save_file
 
@@ -53,14 +54,15 @@ def write(path: Path, seed: int = 0) -> Path:
     for name, p in model.state_dict().items():
         if name.endswith(".router.weight"):
             p = p * 20
-        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+        if packed and name.endswith(("experts.gate_up_proj", "experts.down_proj")):
             # transformers holds them (experts, in, out); the checkpoint (experts, out, in / 32, 16)
             tensors[name + "_blocks"], tensors[name + "_scales"] = pack(p.transpose(1, 2))
         else:
             tensors[name] = p.contiguous()
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
     config = model.config.to_dict()
-    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": NOT_CONVERTED}
+    if packed:
+        config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": NOT_CONVERTED}
     (path / "config.json").write_text(json.dumps(config, indent=1))
     write_tokenizer(path)
     return path

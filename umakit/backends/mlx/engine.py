@@ -22,7 +22,7 @@ from umakit.plan.roofline import kv_bytes_per_token
 from umakit.generate.sampling import SamplingParams, recent_tokens
 from umakit.backends import common
 from umakit.backends.base import PREFILL_CHUNK, WeightInfo, refuse_options
-from umakit.backends.mlx import SPEC, rope, wiring
+from umakit.backends.mlx import SPEC, fused_experts, rope, wiring
 from umakit.backends.mlx.batch_decoder import MLXBatchDecoder
 from umakit.backends.mlx.cache import MLXCache
 from umakit.backends.mlx.architectures import reads_rope_scaling
@@ -200,7 +200,7 @@ class MLXEngine:
         weights = {}
         for f in ckpt.files:  # lazy: nothing is read until evaluated
             weights.update(mx.load(str(f)))
-        weights = _sanitized(model, weights)
+        weights = _sanitized(model, fused_experts.unfused(weights, config_compat.text_config(ckpt.config)))
         self.quantization = ckpt.config.get("quantization") or native_block(ckpt.config)
         if self.quantization:
             _hook_up_quantization(model, weights, self.quantization)
