@@ -7,8 +7,9 @@
    matvec, dequantize + cuBLAS) against dequantize-then-matmul in float32,
    and the Triton matvec compiled at every config its autotuner may pick.
 2. Engine: CUDA against CPU float32 on a small random model (float and 4-bit),
-   the CUDA-graph decode step against the eager step, and the default model
-   when its package is installed.
+   the CUDA-graph decode step against the eager step, a tiny gpt-oss with
+   MXFP4 experts (packed as 5-bit codes) against its CPU run, and the default
+   model when its package is installed.
 3. Speed: decode tok/s, achieved GB/s and MBU for a synthetic Llama-3-8B in
    bfloat16, 8-bit and 4-bit, and for the default model.
 4. Offload (layers streamed from pinned host memory over PCIe):
@@ -260,6 +261,28 @@ def check_engine(report: Report) -> None:
                 report.check(f"engine {label} cuda float32: 24 greedy tokens as on cpu", same, "")
             del gpu
             torch.cuda.empty_cache()
+
+
+def check_mxfp4(report: Report) -> None:
+    """gpt-oss's MXFP4 experts on CUDA (the transformers engine, each expert's projections packed as exact 5-bit
+    codes: Triton's matvec for decode, dequantize + cuBLAS for a prompt) against the same checkpoint on CPU."""
+    import tempfile
+
+    import umakit
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from support import mxfp4
+
+    prompt = [(7 * i) % 400 + 3 for i in range(40)]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = mxfp4.write(Path(tmp) / "gpt_oss_mxfp4")
+        want = umakit.load(path, backend="transformers", device="cpu", dtype="float32").logits(prompt)
+        for dtype, limit in (("float32", 1e-3), ("bfloat16", 6e-2)):
+            got = umakit.load(path, backend="transformers", device="cuda", dtype=dtype).logits(prompt)
+            err = abs(got - want).max() / abs(want).max()
+            report.check(f"gpt-oss MXFP4 experts packed, cuda {dtype} vs cpu", err <= limit,
+                         f"max error {err:.1e} of max |logit| (limit {limit:.0e})")
+    torch.cuda.empty_cache()
 
 
 def check_default_model(report: Report) -> object | None:
@@ -523,6 +546,7 @@ def main() -> None:
     with torch.inference_mode():
         check_kernels(report, args.quick)
     check_engine(report)
+    check_mxfp4(report)
     default = check_default_model(report)
     check_offload(report, default)
 

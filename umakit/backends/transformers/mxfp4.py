@@ -38,11 +38,14 @@ def affine(blocks: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, to
     exponent = scales.to(torch.int32) - 128
     if int(exponent.min()) < LOWEST or int(exponent.max()) > HIGHEST:
         return None
-    rows = blocks.shape[0]
-    b = blocks.to(torch.int64)
-    doubled = torch.stack((DOUBLED[b & 15], DOUBLED[b >> 4]), dim=-1)  # the low nibble first
-    codes = (doubled.reshape(rows, -1) + OFFSET).to(torch.uint8)
-    return codes, torch.ldexp(torch.ones(exponent.shape), exponent).to(torch.float16)
+    codes = (_doubled(blocks).reshape(blocks.shape[0], -1) + OFFSET).to(torch.uint8)
+    return codes, torch.ldexp(torch.ones(exponent.shape, device=scales.device), exponent).to(torch.float16)
+
+
+def _doubled(blocks: torch.Tensor) -> torch.Tensor:
+    """Twice each weight's E2M1 value, (rows, cols / 32, 32), on the blocks' device: the low nibble first."""
+    table, b = DOUBLED.to(blocks.device), blocks.to(torch.int64)
+    return torch.stack((table[b & 15], table[b >> 4]), dim=-1).reshape(*blocks.shape[:-1], GROUP)
 
 
 def linear(blocks, scales, bias, dtype: torch.dtype) -> QuantizedLinear | torch.Tensor:
@@ -51,9 +54,8 @@ def linear(blocks, scales, bias, dtype: torch.dtype) -> QuantizedLinear | torch.
     rows, cols = blocks.shape[0], blocks.shape[1] * GROUP
     exact = affine(blocks, scales)
     if exact is None:
-        b = blocks.to(torch.int64)
-        doubled = torch.stack((DOUBLED[b & 15], DOUBLED[b >> 4]), dim=-1).reshape(rows, -1, GROUP).float()
-        return (doubled * torch.exp2(scales.float() - 128)[..., None]).reshape(rows, cols).to(dtype)
+        scale = torch.exp2(scales.float() - 128)[..., None]
+        return (_doubled(blocks).float() * scale).reshape(rows, cols).to(dtype)
     codes, s = exact
     q = QuantizedLinear(cols, rows, True, BITS, GROUP, device="meta")
     q.weight, q.scales, q.biases = pack(codes, BITS), s, s * -OFFSET
