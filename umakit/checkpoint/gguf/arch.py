@@ -179,6 +179,16 @@ def llama_config(gf: GGUFFile) -> dict:
     return config
 
 
+def smollm3_config(gf: GGUFFile) -> dict:
+    """SmolLM3: Llama's layout, with every fourth layer's attention taking no RoPE, a step llama.cpp hard-codes
+    rather than stores (its ``n_no_rope_layer_step``); transformers' ``no_rope_layers`` flags 1 for RoPE."""
+    config = llama_config(gf)
+    step = 4
+    config.update(no_rope_layer_interval=step,
+                  no_rope_layers=[int((i + 1) % step != 0) for i in range(config["num_hidden_layers"])])
+    return config
+
+
 def qwen2_config(gf: GGUFFile) -> dict:
     """Qwen 2 (Q/K/V biases are implied by the architecture)."""
     return base_config(gf, default_theta=1_000_000.0)
@@ -225,6 +235,7 @@ class ArchSpec:
 
 SPECS = {
     "llama": ArchSpec("llama", "LlamaForCausalLM", llama_name, llama_config, permute_qk=True),
+    "smollm3": ArchSpec("smollm3", "SmolLM3ForCausalLM", llama_name, smollm3_config, permute_qk=True),
     "qwen2": ArchSpec("qwen2", "Qwen2ForCausalLM", qwen_name, qwen2_config),
     "qwen3": ArchSpec("qwen3", "Qwen3ForCausalLM", qwen_name, qwen3_config),
     "gemma3": ArchSpec("gemma3_text", "Gemma3ForCausalLM", gemma3_name, gemma3_config, norm_offset=1.0),
