@@ -80,6 +80,8 @@ def test_the_torch_side_holds_each_expert_packed_exactly(checkpoint):
             assert q.bits == 5 and q.group_size == 32 and q.scales.dtype == torch.float16
             assert torch.equal(q.dequantized(torch.float32), want[f"model.layers.1.mlp.experts.{name}"][e].T)
     model = umakit.load(path, backend="transformers", dtype="bfloat16")
+    twin = mxfp4.reference(path)  # transformers' float model of the checkpoint: its parameter count
+    assert model.info.weights.params == sum(p.numel() for p in twin.parameters())
     experts = model.engine.model.model.layers[0].mlp.experts
     assert isinstance(experts, packed.PackedExperts) and len(experts.gate_up) == mxfp4.CONFIG["num_local_experts"]
     if affine_kernel.available():

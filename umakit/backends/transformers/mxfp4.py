@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from umakit.backends import trim_heap
 from umakit.backends.torch.quant import forms
 from umakit.backends.torch.quant.layout import QuantizedLinear, pack
 from umakit.errors import UnsupportedModelError
@@ -30,6 +31,7 @@ BITS, GROUP, OFFSET = 5, 32, 16
 DOUBLED = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=torch.int16)
 LOWEST, HIGHEST = -24, 11  # the powers of two a scale may be: float16's smallest subnormal; 16 x 2^11 = 2^15
 PROJECTIONS = ("gate_up_proj", "down_proj")
+PACK_ROWS = 256
 
 
 def affine(blocks: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -58,7 +60,9 @@ def linear(blocks, scales, bias, dtype: torch.dtype) -> QuantizedLinear | torch.
         return (_doubled(blocks).float() * scale).reshape(rows, cols).to(dtype)
     codes, s = exact
     q = QuantizedLinear(cols, rows, True, BITS, GROUP, device="meta")
-    q.weight, q.scales, q.biases = pack(codes, BITS), s, s * -OFFSET
+    # packed a slice of rows at a time: `pack` widens codes to int64, 8 bytes a weight
+    q.weight = torch.cat([pack(codes[i:i + PACK_ROWS], BITS) for i in range(0, rows, PACK_ROWS)])
+    q.scales, q.biases = s, s * -OFFSET
     q.bias = bias.to(dtype)
     return q
 
@@ -132,6 +136,7 @@ def _quantizer_classes(transformers):
             self.quant_method, self.device, self.dtype = METHOD, device, dtype
             self.stored: dict[str, _Stored] = {}
             self.dense = 0  # projections held as float
+            self.params = 0  # the experts' weights and biases, counted as they are packed
 
         def to_dict(self):
             return {"quant_method": METHOD}
@@ -177,6 +182,7 @@ def _execute(model: nn.Module, c) -> None:
         layers = {}
         for name in PROJECTIONS:
             blocks, scales, bias = (getattr(stored, f"{name}_{k}").data for k in ("blocks", "scales", "bias"))
+            c.params += blocks.numel() * 2 + bias.numel()  # two weights a block byte
             made = []
             for e in range(blocks.shape[0]):
                 q = linear(blocks[e], scales[e], bias[e], c.dtype)
@@ -185,8 +191,12 @@ def _execute(model: nn.Module, c) -> None:
                     made.append(_Dense(q.to(device), bias[e].to(device, c.dtype)))
                 else:
                     made.append(forms.for_execution(q, device, form))
+                del q
             layers[name] = made
+            for k in ("blocks", "scales", "bias"):  # the checkpoint's copy goes as its packed form comes
+                setattr(stored, f"{name}_{k}", None)
         _put(model, path, PackedExperts(layers["gate_up_proj"], layers["down_proj"], stored.alpha, stored.limit))
+        trim_heap()  # the layer's blocks, handed back before the next layer's are packed
 
 
 def load(transformers, ckpt, device: torch.device, dtype: torch.dtype) -> tuple[nn.Module, int, int]:
@@ -206,10 +216,8 @@ def load(transformers, ckpt, device: torch.device, dtype: torch.dtype) -> tuple[
     if problems:
         raise UnsupportedModelError(f"{ckpt.path}: {sorted(problems)[0]} does not fit transformers' "
                                     f"{type(model).__name__} (of {len(problems)} tensors)")
-    experts = sum(getattr(s, f"{p}_{k}").numel() * (2 if k == "blocks" else 1)  # two weights a block byte
-                  for s in c.stored.values() for p in PROJECTIONS for k in ("blocks", "bias"))
     rest = sum(p.numel() for n, p in model.named_parameters() if not any(n.startswith(f"{e}.") for e in c.stored))
-    return model.eval(), experts + rest, c.dense
+    return model.eval(), c.params + rest, c.dense
 
 
 def _put(model: nn.Module, path: str, module: nn.Module) -> None:
