@@ -19,6 +19,7 @@ from torch import nn
 from umakit.backends.torch.load.loader import quant_spec
 from umakit.backends.torch.quant import forms
 from umakit.backends.torch.quant.layout import QuantizedEmbedding, QuantizedLinear
+from umakit.backends.transformers import quantizer
 from umakit.errors import UnsupportedModelError
 
 
@@ -45,56 +46,6 @@ class _Packed(nn.Module):
         return q
 
 
-def _quantizer_classes(transformers):
-    """transformers' config and quantizer for MLX's layout, registered once: the quantized ``nn.Linear`` and
-    ``nn.Embedding`` modules swapped for `_Packed` before the weights load (transformers' own renames and merges
-    apply to the rest), and for the torch engine's execution forms after."""
-    from transformers.quantizers import auto
-    from transformers.quantizers.base import HfQuantizer
-    from transformers.utils.quantization_config import QuantizationConfigMixin
-
-    if METHOD in auto.AUTO_QUANTIZER_MAPPING:
-        return auto.AUTO_QUANTIZATION_CONFIG_MAPPING[METHOD]
-
-    @auto.register_quantization_config(METHOD)
-    class AffineConfig(QuantizationConfigMixin):
-        def __init__(self, block: dict | None = None, tensors=None, device=None, dtype=None, **kwargs):
-            self.quant_method, self.block, self.tensors, self.device = METHOD, block or {}, tensors or {}, device
-            self.dtype = dtype  # of activations and float tensors
-            self.packed: dict[str, _Packed] = {}
-            self.scales: dict[str, float | None] = {}  # a quantized table's: what its rows are multiplied by
-            self.head: str | None = None  # a tied head reading a quantized table
-
-        def to_dict(self):
-            return {"quant_method": METHOD, **{k: v for k, v in self.block.items() if not isinstance(v, dict)}}
-
-    @auto.register_quantizer(METHOD)
-    class AffineQuantizer(HfQuantizer):
-        requires_calibration = False
-
-        def validate_environment(self, *args, **kwargs):
-            return None
-
-        def param_needs_quantization(self, model, param_name: str, **kwargs) -> bool:
-            return False
-
-        def _process_model_before_weight_loading(self, model, **kwargs):
-            _swap_in_packed(model, self.quantization_config)
-
-        def _process_model_after_weight_loading(self, model, **kwargs):
-            _swap_in_forms(model, self.quantization_config)
-            return model
-
-        def is_serializable(self):
-            return False
-
-        @property
-        def is_trainable(self) -> bool:
-            return False
-
-    return AffineConfig
-
-
 def _swap_in_packed(model: nn.Module, c) -> None:
     modules = dict(model.named_modules())
     table, head = model.get_input_embeddings(), model.get_output_embeddings()
@@ -111,11 +62,11 @@ def _swap_in_packed(model: nn.Module, c) -> None:
             continue
         stored = SCALE_DTYPES.get(c.tensors[f"{path}.scales"].dtype, torch.float32)  # as the checkpoint has them
         c.packed[path] = _Packed(rows, cols, bias, spec["bits"], spec["group_size"], stored)
-        _put(model, path, c.packed[path])
+        quantizer.put(model, path, c.packed[path])
         if module is table and head is not None and f"{path}.scales" in c.tensors:
             c.head = next((p for p, m in modules.items() if m is head), None)
     if c.head is not None and f"{c.head}.weight" not in c.tensors and c.head not in c.packed:
-        _put(model, c.head, _Deferred())  # read from the table after loading
+        quantizer.put(model, c.head, _Deferred())  # read from the table after loading
     else:
         c.head = None
 
@@ -132,17 +83,21 @@ def _swap_in_forms(model: nn.Module, c) -> None:
         if path in c.scales:
             table = QuantizedEmbedding(q.out_features, q.in_features, q.bits, q.group_size, dtype=dtype, device="meta")
             table.weight, table.scales, table.biases = q.weight, q.scales, q.biases
-            _put(model, path, _Table(table, c.scales[path]))
+            quantizer.put(model, path, _Table(table, c.scales[path]))
             if c.head is not None and isinstance(model.get_submodule(c.head), _Deferred):
-                _put(model, c.head, forms.for_execution(table.as_linear(), device, form))
+                quantizer.put(model, c.head, forms.for_execution(table.as_linear(), device, form))
         else:
-            _put(model, path, forms.for_execution(q, device, form))
+            quantizer.put(model, path, forms.for_execution(q, device, form))
 
 
 def load(transformers, ckpt, device: torch.device, dtype: torch.dtype) -> tuple[nn.Module, int]:
     """(the model, its parameter count) of the quantized checkpoint ``ckpt``, ``dtype`` for its float tensors."""
-    config_cls = _quantizer_classes(transformers)
-    c = config_cls(ckpt.config["quantization"], ckpt.tensors, str(device), dtype)
+    config_cls = quantizer.register(METHOD, _swap_in_packed, _swap_in_forms, lambda c: {
+        k: v for k, v in c.block.items() if not isinstance(v, dict)})
+    # packed: the `_Packed` holders by path; scales: what a quantized table's rows are multiplied by; head: a tied
+    # head reading a quantized table
+    c = config_cls(block=ckpt.config["quantization"] or {}, tensors=ckpt.tensors or {}, device=str(device),
+                   dtype=dtype, packed={}, scales={}, head=None)
     hf_config = transformers.AutoConfig.from_pretrained(str(ckpt.path))
     for cfg in {id(x): x for x in (hf_config, hf_config.get_text_config())}.values():
         cfg.quantization_config = None  # MLX's block, which transformers cannot read: ours instead
@@ -197,11 +152,6 @@ class _Table(nn.Module):
         rows = self.table(ids)
         # as the float module does: the scale rounded to the rows' dtype first
         return rows if self.scale is None else rows * torch.tensor(self.scale, dtype=rows.dtype)
-
-
-def _put(model: nn.Module, path: str, module: nn.Module) -> None:
-    parent, _, attr = path.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, attr, module)
 
 
 def _unmapped(ckpt, name: str, what: str) -> str:

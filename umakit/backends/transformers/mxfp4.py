@@ -23,6 +23,7 @@ from torch import nn
 from umakit.backends import trim_heap
 from umakit.backends.torch.quant import forms
 from umakit.backends.torch.quant.layout import QuantizedLinear, pack
+from umakit.backends.transformers import quantizer
 from umakit.errors import UnsupportedModelError
 
 METHOD = "umakit-mxfp4"
@@ -123,55 +124,14 @@ class _Dense(nn.Module):
         return torch.nn.functional.linear(x.to(self.weight.dtype), self.weight, self.bias)
 
 
-def _quantizer_classes(transformers):
-    from transformers.quantizers import auto
-    from transformers.quantizers.base import HfQuantizer
-    from transformers.utils.quantization_config import QuantizationConfigMixin
-
-    if METHOD in auto.AUTO_QUANTIZER_MAPPING:
-        return auto.AUTO_QUANTIZATION_CONFIG_MAPPING[METHOD]
-
-    @auto.register_quantization_config(METHOD)
-    class Mxfp4Packed(QuantizationConfigMixin):
-        def __init__(self, device=None, dtype=None, **kwargs):
-            self.quant_method, self.device, self.dtype = METHOD, device, dtype
-            self.stored: dict[str, _Stored] = {}
-            self.dense = 0  # projections held as float
-            self.params = 0  # the experts' weights and biases, counted as they are packed
-
-        def to_dict(self):
-            return {"quant_method": METHOD}
-
-    @auto.register_quantizer(METHOD)
-    class Mxfp4PackedQuantizer(HfQuantizer):
-        requires_calibration = False
-
-        def validate_environment(self, *args, **kwargs):
-            return None
-
-        def param_needs_quantization(self, model, param_name: str, **kwargs) -> bool:
-            return False
-
-        def _process_model_before_weight_loading(self, model, **kwargs):
-            c = self.quantization_config
-            for path, module in list(model.named_modules()):
-                if all(isinstance(getattr(module, p, None), nn.Parameter) and getattr(module, p).dim() == 3
-                       for p in PROJECTIONS) and hasattr(module, "alpha"):
-                    c.stored[path] = _Stored(module)
-                    _put(model, path, c.stored[path])
-
-        def _process_model_after_weight_loading(self, model, **kwargs):
-            _execute(model, self.quantization_config)
-            return model
-
-        def is_serializable(self):
-            return False
-
-        @property
-        def is_trainable(self) -> bool:
-            return False
-
-    return Mxfp4Packed
+def _store(model: nn.Module, c) -> None:
+    """Before the weights load: each experts module (gpt-oss's: two 3-D projections and a gate's ``alpha``) as a
+    holder of its checkpoint tensors."""
+    for path, module in list(model.named_modules()):
+        if all(isinstance(getattr(module, p, None), nn.Parameter) and getattr(module, p).dim() == 3
+               for p in PROJECTIONS) and hasattr(module, "alpha"):
+            c.stored[path] = _Stored(module)
+            quantizer.put(model, path, c.stored[path])
 
 
 def _execute(model: nn.Module, c) -> None:
@@ -196,13 +156,15 @@ def _execute(model: nn.Module, c) -> None:
             layers[name] = made
             for k in ("blocks", "scales", "bias"):  # the checkpoint's copy goes as its packed form comes
                 setattr(stored, f"{name}_{k}", None)
-        _put(model, path, PackedExperts(layers["gate_up_proj"], layers["down_proj"], stored.alpha, stored.limit))
+        quantizer.put(model, path, PackedExperts(layers["gate_up_proj"], layers["down_proj"], stored.alpha, stored.limit))
         trim_heap()  # the layer's blocks, handed back before the next layer's are packed
 
 
 def load(transformers, ckpt, device: torch.device, dtype: torch.dtype) -> tuple[nn.Module, int, int]:
     """(the model, its parameter count, how many expert projections run dequantized) of an MXFP4 checkpoint."""
-    c = _quantizer_classes(transformers)(str(device), dtype)
+    # stored: the holders by path; dense: projections held as float; params: the experts' weights and biases,
+    # counted as they are packed
+    c = quantizer.register(METHOD, _store, _execute)(device=str(device), dtype=dtype, stored={}, dense=0, params=0)
     hf_config = transformers.AutoConfig.from_pretrained(str(ckpt.path))
     for cfg in {id(x): x for x in (hf_config, hf_config.get_text_config())}.values():
         cfg.quantization_config = None  # transformers' own MXFP4 path: ours instead
@@ -219,8 +181,3 @@ def load(transformers, ckpt, device: torch.device, dtype: torch.dtype) -> tuple[
                                     f"{type(model).__name__} (of {len(problems)} tensors)")
     rest = sum(p.numel() for n, p in model.named_parameters() if not any(n.startswith(f"{e}.") for e in c.stored))
     return model.eval(), c.params + rest, c.dense
-
-
-def _put(model: nn.Module, path: str, module: nn.Module) -> None:
-    parent, _, attr = path.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, attr, module)
