@@ -40,6 +40,7 @@ def test_smollm3_imports_as_llama_with_every_fourth_layer_without_rope(tmp_path)
     ref.tie_weights()
     with torch.no_grad():
         want = ref(torch.tensor([IDS])).logits[0].numpy()
+    assert umakit.load(tmp_path / "smollm3", device="cpu").info.backend == "torch"  # the default engine takes it
     for backend in ("torch", "mlx"):
         got = umakit.load(tmp_path / "smollm3", backend=backend, dtype="float32").logits(IDS)
         np.testing.assert_allclose(got, want, atol=1e-4 * np.abs(want).max(), rtol=0, err_msg=backend)

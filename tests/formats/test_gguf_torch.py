@@ -16,7 +16,8 @@ from umakit.checkpoint.gguf import import_gguf
 from umakit.checkpoint.gguf.arch import SPECS
 
 
-@pytest.mark.parametrize("arch", sorted(SPECS))
+# transformers' GGUF reader, the oracle here, does not read smollm3 (tests/formats/test_gguf_smollm3.py has its own)
+@pytest.mark.parametrize("arch", sorted(set(SPECS) - {"smollm3"}))
 def test_imported_gguf_runs_on_the_default_engine(arch, tmp_path, monkeypatch):
     from umakit import backends
 
