@@ -148,3 +148,21 @@ def test_a_float_gpt_oss_saved_by_transformers_runs_on_mlx(tmp_path):
     np.testing.assert_allclose(model.logits(PROMPT), want, atol=1e-5 * np.abs(want).max(), rtol=0)
     tokens = model.engine.generate_tokens(PROMPT, model.make_cache(), SamplingParams(temperature=0))
     assert [next(tokens) for _ in range(8)] == greedy_reference(ref, PROMPT, 8)
+
+
+def test_the_packing_is_kept_for_later_loads(tmp_path, monkeypatch):
+    """The first CPU load packs each expert and keeps the packing under $UMAKIT_HOME; the next one reads it and
+    packs nothing, with the same logits bit for bit."""
+    from umakit.backends.transformers import mxfp4 as packed
+
+    monkeypatch.setenv("UMAKIT_HOME", str(tmp_path / "home"))
+    path = mxfp4.write(tmp_path / "m", seed=3)
+    first = umakit.load(path, backend="transformers", dtype="float32").logits(PROMPT[:8])
+    assert list((tmp_path / "home" / "packed").glob("*.safetensors"))
+
+    def repacked(*args):
+        raise AssertionError("packed again")
+
+    monkeypatch.setattr(packed, "linear", repacked)
+    again = umakit.load(path, backend="transformers", dtype="float32").logits(PROMPT[:8])
+    np.testing.assert_array_equal(again, first)

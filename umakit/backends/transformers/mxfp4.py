@@ -12,7 +12,9 @@ holder of the checkpoint's tensors by their own names (``gate_up_proj_blocks``, 
 before the weights load, so transformers' loader fills them and no float copy is ever made; after, each holder
 becomes `PackedExperts`, which computes what transformers' ``GptOssExperts`` computes (its own gate function,
 its routing) with one packed linear layer per expert and projection. An expert whose exponents fall outside that
-range runs dequantized, and the load says how many did.
+range runs dequantized, and the load says how many did. On a CPU the packing is kept under ``$UMAKIT_HOME``
+(load/packed.py, as for every quantized checkpoint the torch engine packs): later loads read it instead of
+packing each expert again.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 from torch import nn
 
 from umakit.backends import trim_heap
+from umakit.backends.torch.load.packed import PackedCache
 from umakit.backends.torch.quant import forms
 from umakit.backends.torch.quant.layout import QuantizedLinear, pack
 from umakit.backends.transformers import quantizer
@@ -65,6 +68,14 @@ def linear(blocks, scales, bias, dtype: torch.dtype) -> QuantizedLinear | torch.
     # packed a slice of rows at a time: `pack` widens codes to int64, 8 bytes a weight
     q.weight = torch.cat([pack(codes[i:i + PACK_ROWS], BITS) for i in range(0, rows, PACK_ROWS)])
     q.scales, q.biases = s, s * -OFFSET
+    q.bias = bias.to(dtype)
+    return q
+
+
+def _shaped(blocks, bias, dtype: torch.dtype) -> QuantizedLinear:
+    """One expert's projection with its shapes and bias alone, for a packing stored by an earlier load."""
+    rows, cols = blocks.shape[0], blocks.shape[1] * GROUP
+    q = QuantizedLinear(cols, rows, True, BITS, GROUP, device="meta")
     q.bias = bias.to(dtype)
     return q
 
@@ -146,12 +157,16 @@ def _execute(model: nn.Module, c) -> None:
             c.params += blocks.numel() * 2 + bias.numel()  # two weights a block byte
             made = []
             for e in range(blocks.shape[0]):
-                q = linear(blocks[e], scales[e], bias[e], c.dtype)
+                where = f"{path}.{name}.{e}"
+                kept = c.packed.get(where) if c.packed is not None else {}
+                q = _shaped(blocks[e], bias[e], c.dtype) if kept else linear(blocks[e], scales[e], bias[e], c.dtype)
                 if isinstance(q, torch.Tensor):
                     c.dense += 1
                     made.append(_Dense(q.to(device), bias[e].to(device, c.dtype)))
                 else:
-                    made.append(forms.for_execution(q, device, form))
+                    made.append(forms.for_execution(q, device, form, kept))
+                    if c.packed is not None and hasattr(made[-1], "packing"):
+                        c.made.update({f"{where}.{k}": t for k, t in made[-1].packing().items()})
                 del q
             layers[name] = made
             for k in ("blocks", "scales", "bias"):  # the checkpoint's copy goes as its packed form comes
@@ -164,7 +179,10 @@ def load(transformers, ckpt, device: torch.device, dtype: torch.dtype) -> tuple[
     """(the model, its parameter count, how many expert projections run dequantized) of an MXFP4 checkpoint."""
     # stored: the holders by path; dense: projections held as float; params: the experts' weights and biases,
     # counted as they are packed
-    c = quantizer.register(METHOD, _store, _execute)(device=str(device), dtype=dtype, stored={}, dense=0, params=0)
+    # packed: the packing kept from an earlier CPU load (load/packed.py), made: this load's, to keep
+    packed = PackedCache.for_checkpoint(ckpt.path, ckpt.files) if device.type == "cpu" else None
+    c = quantizer.register(METHOD, _store, _execute)(device=str(device), dtype=dtype, stored={}, dense=0, params=0,
+                                                     packed=packed, made={})
     hf_config = transformers.AutoConfig.from_pretrained(str(ckpt.path))
     for cfg in {id(x): x for x in (hf_config, hf_config.get_text_config())}.values():
         cfg.quantization_config = None  # transformers' own MXFP4 path: ours instead
@@ -179,5 +197,7 @@ def load(transformers, ckpt, device: torch.device, dtype: torch.dtype) -> tuple[
     if problems:
         raise UnsupportedModelError(f"{ckpt.path}: {sorted(problems)[0]} does not fit transformers' "
                                     f"{type(model).__name__} (of {len(problems)} tensors)")
+    if packed is not None:
+        packed.store(c.made)  # nothing where every layer came from it
     rest = sum(p.numel() for n, p in model.named_parameters() if not any(n.startswith(f"{e}.") for e in c.stored))
     return model.eval(), c.params + rest, c.dense

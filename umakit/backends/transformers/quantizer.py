@@ -31,6 +31,9 @@ def register(method: str, before: Callable[[nn.Module, object], None], after: Ca
         def to_dict(self):
             return {"quant_method": method, **described(self)}
 
+        def __deepcopy__(self, memo):
+            return self  # the load's own state (its holders, an open packing), shared by the model's config copies
+
     @auto.register_quantizer(method)
     class Quantizer(HfQuantizer):
         requires_calibration = False
