@@ -166,3 +166,15 @@ def test_the_packing_is_kept_for_later_loads(tmp_path, monkeypatch):
     monkeypatch.setattr(packed, "linear", repacked)
     again = umakit.load(path, backend="transformers", dtype="float32").logits(PROMPT[:8])
     np.testing.assert_array_equal(again, first)
+
+
+def test_a_missing_expert_tensor_is_named(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path = mxfp4.write(tmp_path / "m", seed=4)
+    tensors = load_file(path / "model.safetensors")
+    del tensors["model.layers.1.mlp.experts.down_proj_blocks"]
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(umakit.errors.UnsupportedModelError,
+                       match=r"no tensor model\.layers\.1\.mlp\.experts\.down_proj_blocks"):
+        umakit.load(path, backend="transformers", dtype="float32")

@@ -46,8 +46,8 @@ def _describe(path: Path) -> tuple[str, str]:
     text = config.get("text_config") or {}
     arch = config.get("model_type") or text.get("model_type") or "?"
     q = config.get("quantization") or foreign_block(config) or config.get("quantization_config")
-    if native_block(config):  # gpt-oss's MXFP4
-        return arch, affine.describe(native_block(config))
+    if native := native_block(config):  # gpt-oss's MXFP4
+        return arch, affine.describe(native)
     if isinstance(q, dict) and "bits" in q:
         method = f"{q['quant_method']} " if isinstance(q.get("quant_method"), str) else ""  # gptq, awq
         return arch, f"{method}{q['bits']}-bit g{q.get('group_size', '?')}"

@@ -200,7 +200,7 @@ class MLXEngine:
         weights = {}
         for f in ckpt.files:  # lazy: nothing is read until evaluated
             weights.update(mx.load(str(f)))
-        weights = _sanitized(model, fused_experts.unfused(weights, config_compat.text_config(ckpt.config)))
+        weights = _sanitized(model, fused_experts.unfused(weights, text))
         self.quantization = ckpt.config.get("quantization") or native_block(ckpt.config)
         if self.quantization:
             _hook_up_quantization(model, weights, self.quantization)

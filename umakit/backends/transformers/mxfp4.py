@@ -31,8 +31,9 @@ from umakit.errors import UnsupportedModelError
 
 METHOD = "umakit-mxfp4"
 BITS, GROUP, OFFSET = 5, 32, 16
-# twice each E2M1 code's value (codes 8-15 the negatives of 0-7)
+# twice each E2M1 code's value (codes 8-15 the negatives of 0-7), and each byte's two (low nibble, high nibble)
 DOUBLED = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=torch.int16)
+PAIRS = torch.stack((DOUBLED.repeat(16), DOUBLED.repeat_interleave(16)), dim=-1)
 LOWEST, HIGHEST = -24, 11  # the powers of two a scale may be: float16's smallest subnormal; 16 x 2^11 = 2^15
 PROJECTIONS = ("gate_up_proj", "down_proj")
 PACK_ROWS = 256
@@ -51,8 +52,7 @@ def affine(blocks: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, to
 def _doubled(blocks: torch.Tensor) -> torch.Tensor:
     """Twice each weight's E2M1 value (`DOUBLED`), int16 (rows, cols / 32, 32), on the blocks' device, the low
     nibble first: each byte's two values looked up at once."""
-    pairs = torch.stack((DOUBLED.repeat(16), DOUBLED.repeat_interleave(16)), dim=-1)  # byte -> (low, high)
-    return pairs.to(blocks.device)[blocks.to(torch.int64)].reshape(*blocks.shape[:-1], GROUP)
+    return PAIRS.to(blocks.device)[blocks.to(torch.int64)].reshape(*blocks.shape[:-1], GROUP)
 
 
 def linear(blocks, scales, bias, dtype: torch.dtype) -> QuantizedLinear | torch.Tensor:
@@ -89,12 +89,10 @@ class _Stored(nn.Module):
         e, hidden, inner = experts.num_experts, experts.hidden_size, experts.intermediate_size
         shapes = {"gate_up_proj": (2 * inner, hidden), "down_proj": (hidden, inner)}
         for name, (rows, cols) in shapes.items():
-            meta = dict(device="meta", requires_grad=False)
-            setattr(self, f"{name}_blocks", nn.Parameter(torch.empty(e, rows, cols // GROUP, 16, dtype=torch.uint8,
-                                                                     device="meta"), requires_grad=False))
-            setattr(self, f"{name}_scales", nn.Parameter(torch.empty(e, rows, cols // GROUP, dtype=torch.uint8,
-                                                                     device="meta"), requires_grad=False))
-            setattr(self, f"{name}_bias", nn.Parameter(torch.empty(e, rows, **meta)))
+            for part, shape, dtype in (("blocks", (e, rows, cols // GROUP, 16), torch.uint8),
+                                       ("scales", (e, rows, cols // GROUP), torch.uint8), ("bias", (e, rows), None)):
+                empty = torch.empty(shape, dtype=dtype, device="meta")
+                setattr(self, f"{name}_{part}", nn.Parameter(empty, requires_grad=False))
 
 
 class PackedExperts(nn.Module):
@@ -149,8 +147,6 @@ def _execute(model: nn.Module, c) -> None:
     device = torch.device(c.device)
     form = torch.bfloat16 if device.type == "cpu" else c.dtype  # "bfloat16" names the packed CPU forms
     for path, stored in c.stored.items():
-        if stored.gate_up_proj_blocks.is_meta:
-            raise UnsupportedModelError(f"the checkpoint has no MXFP4 blocks for {path}.gate_up_proj")
         layers = {}
         for name in PROJECTIONS:
             blocks, scales, bias = (getattr(stored, f"{name}_{k}").data for k in ("blocks", "scales", "bias"))
@@ -178,8 +174,8 @@ def _execute(model: nn.Module, c) -> None:
 def load(transformers, ckpt, device: torch.device, dtype: torch.dtype) -> tuple[nn.Module, int, int]:
     """(the model, its parameter count, how many expert projections run dequantized) of an MXFP4 checkpoint."""
     # stored: the holders by path; dense: projections held as float; params: the experts' weights and biases,
-    # counted as they are packed
-    # packed: the packing kept from an earlier CPU load (load/packed.py), made: this load's, to keep
+    # counted as they are packed; packed: the packing kept from an earlier CPU load (load/packed.py); made: this
+    # load's, to keep
     packed = PackedCache.for_checkpoint(ckpt.path, ckpt.files) if device.type == "cpu" else None
     c = quantizer.register(METHOD, _store, _execute)(device=str(device), dtype=dtype, stored={}, dense=0, params=0,
                                                      packed=packed, made={})
@@ -192,11 +188,14 @@ def load(transformers, ckpt, device: torch.device, dtype: torch.dtype) -> tuple[
     if not c.stored:
         raise UnsupportedModelError(f"{ckpt.path}: MXFP4 is read for gpt-oss's routed experts; transformers' "
                                     f"{type(model).__name__} has none of their kind")
-    problems = [k for k in (*info.get("unexpected_keys", ()), *info.get("missing_keys", ()))
-                if not k.endswith("inv_freq")]
-    if problems:
-        raise UnsupportedModelError(f"{ckpt.path}: {sorted(problems)[0]} does not fit transformers' "
-                                    f"{type(model).__name__} (of {len(problems)} tensors)")
+    missing = sorted(info.get("missing_keys", ()))
+    if missing:
+        raise UnsupportedModelError(f"{ckpt.path}: the checkpoint has no tensor {missing[0]} (of {len(missing)} "
+                                    f"transformers' {type(model).__name__} needs and it lacks)")
+    unexpected = sorted(k for k in info.get("unexpected_keys", ()) if not k.endswith("inv_freq"))
+    if unexpected:
+        raise UnsupportedModelError(f"{ckpt.path}: {unexpected[0]} is not a tensor of transformers' "
+                                    f"{type(model).__name__} (of {len(unexpected)} such)")
     if packed is not None:
         packed.store(c.made)  # nothing where every layer came from it
     rest = sum(p.numel() for n, p in model.named_parameters() if not any(n.startswith(f"{e}.") for e in c.stored))
