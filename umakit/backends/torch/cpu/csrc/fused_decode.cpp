@@ -5,11 +5,12 @@
 // The eager step dispatches some 65 small ops per layer from Python, each a
 // few microseconds, which is a third of a step on a 135M model. Here each
 // layer is four calls of a quantized kernel (torch's int4 one, or umakit's
-// affine one of affine_mm.cpp) and one of torch's attention; the norms, RoPE,
+// affine one of affine_mm.cpp) and umakit's attention (attention.cpp); the norms, RoPE,
 // cache writes, residuals and SiLU are loops over a few thousand floats. The
 // math is the eager step's: float32 activations and cache, bfloat16 inputs
 // for the int4 kernel, the same formulas in the same order.
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -18,6 +19,7 @@
 #include <vector>
 
 #include "affine.h"
+#include "attention.h"
 
 namespace {
 
@@ -134,7 +136,8 @@ Tensor decode_layers(const Tensor& x_in, const Tensor& inv_freq, at::IntArrayRef
   std::vector<float> head(hd), rotated(hd);
   Tensor q = at::empty({B, nkv, nh / nkv, hd}, x.options());
   float* qp = q.data_ptr<float>();
-  const c10::optional<double> attn_scale = scale > 0 ? c10::optional<double>(scale) : c10::nullopt;
+  const float attn_scale = static_cast<float>(scale > 0 ? scale : 1.0 / std::sqrt(static_cast<double>(hd)));
+  const int64_t group = nh / nkv;
   Tensor normed = at::empty({B, H}, x.options());
   float* np_ = normed.data_ptr<float>();
 
@@ -164,19 +167,20 @@ Tensor decode_layers(const Tensor& x_in, const Tensor& inv_freq, at::IntArrayRef
         std::copy(rotated.begin(), rotated.end(), dst);
       }
     }
-    // Each row alone: one query per head at its position, each kv group's queries riding the time axis, over
-    // its keys [first, position]. All the rows' keys and values are written by now (the tokens of one
-    // sequence see each other's).
+    // Each row alone, over its keys [first, position]; all the rows' keys and values are written by now (the
+    // tokens of one sequence see each other's). Rows and kv heads split between the threads.
     Tensor attn = at::empty({B, nh * hd}, x.options());
-    for (int64_t b = 0; b < B; ++b) {
-      const int64_t first = window > 0 ? std::max<int64_t>(0, positions[b] + 1 - window) : 0;
-      const int64_t span = positions[b] + 1 - first;
-      Tensor keys = k_cache[l].narrow(0, row[b], 1).narrow(2, first, span);
-      Tensor values = v_cache[l].narrow(0, row[b], 1).narrow(2, first, span);
-      Tensor out = at::scaled_dot_product_attention(q.narrow(0, b, 1), keys, values, {}, 0.0, false, attn_scale)
-                       .contiguous();
-      std::copy(out.data_ptr<float>(), out.data_ptr<float>() + nh * hd, attn.data_ptr<float>() + b * nh * hd);
-    }
+    float* ap = attn.data_ptr<float>();
+    at::parallel_for(0, B * nkv, 1, [&](int64_t from, int64_t to) {
+      std::vector<float> scores(capacity);
+      for (int64_t u = from; u < to; ++u) {
+        const int64_t b = u / nkv, kvh = u % nkv;
+        const int64_t first = window > 0 ? std::max<int64_t>(0, positions[b] + 1 - window) : 0;
+        const int64_t at_key = row[b] * row_stride + (kvh * capacity + first) * hd;
+        attend_one(qp + (b * nh + kvh * group) * hd, kl + at_key, vl + at_key, positions[b] + 1 - first, group, hd,
+                   attn_scale, scores.data(), ap + (b * nh + kvh * group) * hd);
+      }
+    });
     Tensor o = apply(lin[j + 1], attn, inputs);
     const float* op = o.data_ptr<float>();
     for (int64_t i = 0; i < B * H; ++i) xp[i] += op[i];
