@@ -55,9 +55,10 @@ def _size_or_zero(ctx, param, value):
               default=str(SchedulerSettings.prompt_cache_bytes),
               help=f"KV caches kept across requests, so a conversation prefills only its new tokens "
                    f"(default {size(SchedulerSettings.prompt_cache_bytes)}; 0 keeps none).")
-@click.option("--step-tokens", type=click.IntRange(min=1), default=SchedulerSettings.step_tokens, show_default=True,
+@click.option("--step-tokens", type=click.IntRange(min=1), default=None,
               help="Prompt tokens prefilled between two decode steps while requests are decoding: lower keeps "
-                   "their tokens coming more evenly, higher prefills new prompts faster.")
+                   "their tokens coming more evenly, higher prefills new prompts faster (default: measured on the "
+                   "model at start, so that a prefill pass takes about twice its fixed cost).")
 @click.option("--max-body-bytes", metavar="SIZE", callback=_size, default=str(DEFAULT_MAX_BODY_BYTES),
               help=f"Largest request body; larger ones get 413 (default {size(DEFAULT_MAX_BODY_BYTES)}).")
 @click.option("--request-timeout", type=click.FloatRange(min=0, min_open=True), metavar="S",

@@ -362,11 +362,12 @@ class ModelHost:
         with self._lock:
             slots = list(self._slots.values())
         for s in slots:
-            scheduler = s.scheduler
-            if scheduler is not None:
-                for k, v in scheduler.metrics().items():
-                    total[k] = max(total.get(k, 0.0), v) if k in ("peak_gbps", "healthy") else total.get(k, 0.0) + v
+            figures = s.scheduler.metrics() if s.scheduler is not None else {}
+            step_tokens = figures.pop("step_tokens", 0.0)  # each model's own
+            for k, v in figures.items():
+                total[k] = max(total.get(k, 0.0), v) if k in ("peak_gbps", "healthy") else total.get(k, 0.0) + v
             per_model.append((s.name, {"loaded": float(s.state == "ready"), "loading": float(s.state == "loading"),
+                                       "step_tokens": step_tokens,
                                        "bytes": float(s.bytes if s.state in ("loading", "ready") else 0),
                                        "active_requests": float(s.active), "loads_total": float(s.loads),
                                        "idle_seconds": now - s.last_used if s.last_used else 0.0}))

@@ -19,6 +19,7 @@ METRIC_HELP = {
     "active_rows": "Rows decoding now.",
     "prefilling_requests": "Requests prefilling their prompt now.",
     "max_active_rows": "Most rows decoded together in one step since start.",
+    "step_tokens": "Prompt tokens prefilled between two decode steps while rows decode (--step-tokens, or measured).",
     "tokens_per_second": "Tokens generated per second, over the last few seconds.",
     "achieved_gbps": "Bytes the engine read per second (GB/s), over the last few seconds.",
     "peak_gbps": "The device's peak memory bandwidth (GB/s).",
@@ -30,6 +31,7 @@ METRIC_HELP = {
 }
 MODEL_METRIC_HELP = {
     "loaded": "1 while the model is loaded.", "loading": "1 while the model loads.",
+    "step_tokens": "Prompt tokens prefilled between two decode steps while rows decode (--step-tokens, or measured).",
     "bytes": "Bytes the model holds (its files while it loads).", "active_requests": "Requests holding the model.",
     "loads_total": "Times the model was loaded.", "idle_seconds": "Seconds since the model's last request ended.",
 }

@@ -1,27 +1,22 @@
 """The one owner of the engine: continuous batching across requests, supervised.
 
-A worker thread runs the engine's batched decoder (`Engine.batch_decoder`,
-the declared protocol) one step at a time. Every active request is one row of
-that step, whatever its sampling settings or seed; new requests join between
-steps. A prompt is prefilled into a cache of its own, one chunk per loop, so
-the running rows stall by one chunk at most; then it joins the batch with
-that cache (`BatchRow.cache`). A finished row's cache goes into the prompt
-cache, where the next turn of the same conversation finds it. A request
-whose client went away is dropped at the next step. Requests are validated
-before they get here; the HTTP layer talks to the worker only through
-`submit` and each request's event queue.
+A worker thread runs the engine's batched decoder (`Engine.batch_decoder`, the declared protocol) one step at
+a time. Every active request is one row of that step, whatever its sampling settings or seed; new requests
+join between steps. A prompt is prefilled into a cache of its own, a slice per loop (the step budget:
+serve/budget.py), so the running rows stall by one slice at most; then it joins the batch with that cache
+(`BatchRow.cache`). A finished row's cache goes into the prompt cache, where the next turn of the same
+conversation finds it. A request whose client went away is dropped at the next step. Requests are validated
+before they get here; the HTTP layer talks to the worker only through `submit` and each request's event queue.
 
 If the worker fails, every request in flight gets an `ErrorEvent` with the
 reason, `healthy` is False, and the worker starts again with a fresh decoder.
 
-`start` runs the worker on a thread of its own; `run` runs it in the calling
-thread, which `umakit serve` gives it: its main thread, with HTTP on another.
-On a CPU that matters. torch's OpenMP threads wait for work by spinning only
-while libgomp manages no more threads than there are cores; a team started
-from any thread but the process's first is one thread too many on a machine
-whose cores torch uses, and its threads then sleep between parallel regions.
-Waking them costs 20-50 us a region, which made a decode step there twice as
-slow (11 ms against 5 on the built-in model, 2 cores).
+`start` runs the worker on a thread of its own; `run` runs it in the calling thread, which `umakit serve` gives
+it: its main thread, with HTTP on another. On a CPU that matters. torch's OpenMP threads wait for work by
+spinning only while libgomp manages no more threads than there are cores; a team started from any thread but
+the process's first is one thread too many on a machine whose cores torch uses, and its threads then sleep
+between parallel regions. Waking them costs 20-50 us a region, which made a decode step there twice as slow
+(11 ms against 5 on the built-in model, 2 cores).
 """
 
 from __future__ import annotations
@@ -36,14 +31,14 @@ from typing import Callable
 
 from umakit.backends.base import BatchRow
 from umakit.generate.stream import FINISH_STOP, DecodeRow
+from umakit.serve.budget import StepBudget, measure_model
 from umakit.serve.api_errors import internal
 from umakit.serve.jobs import Handle, Job, NeverFits, QueueFull
 from umakit.serve.prompt_cache import PromptCache, common_prefix
 from umakit.serve.types import ErrorEvent, FinalEvent, GenerationRequest, SchedulerSettings, TokenEvent, Usage
 
 log = logging.getLogger("umakit.serve")
-IDLE_WAIT_S = 0.05  # how long an idle worker sleeps between looks at the queue
-RESTART_PAUSE_S = 0.5  # after a failure, before the worker starts again
+IDLE_WAIT_S, RESTART_PAUSE_S = 0.05, 0.5  # an idle worker's sleep between looks at the queue; after a failure
 GIVE_UP_AFTER = 3  # failures in a row after which waiting requests are failed too
 SHARE_MIN_TOKENS = 32  # a running row's cache is copied for a new request sharing at least this much prompt
 RATE_WINDOW_S = 5.0  # tokens/s and GB/s in /metrics are over this many recent seconds
@@ -77,6 +72,8 @@ class Scheduler:
         self._bytes_read = 0.0
         self._rows_summed = 0
         self._recent: deque[tuple[float, int, float]] = deque()  # (time, tokens, bytes) per step
+        self.step_budget: StepBudget | None = None  # measured when settings.step_tokens is None, then its tokens:
+        self._step_tokens = self.settings.step_tokens or self.settings.prefill_chunk
 
     # -- the HTTP side -------------------------------------------------------------
     def start(self) -> None:
@@ -159,6 +156,7 @@ class Scheduler:
                 "active_rows": float(decoding),
                 "prefilling_requests": float(len(self._jobs) - decoding),
                 "max_active_rows": float(self._max_rows),
+                "step_tokens": float(self._step_tokens),
                 "tokens_per_second": tokens / window if window else 0.0,
                 "achieved_gbps": read / window / 1e9 if window else 0.0,
                 "peak_gbps": self._peak_gbps,
@@ -200,6 +198,10 @@ class Scheduler:
     def _serve(self, ready: Callable[[], None] | None, until: Callable[[], bool]) -> None:
         decoder = self.model.engine.batch_decoder(self.settings.kv_bits)
         self._kv_budget = decoder.kv_budget_bytes()
+        if self.settings.step_tokens is None and self.step_budget is None:
+            self.step_budget = b = measure_model(self.model, self.settings.kv_bits, self.settings.prefill_chunk)
+            self._step_tokens = b.tokens
+            log.info("prefill: %s", b.describe())
         self._healthy = True
         if not self._ever_healthy:
             self._ever_healthy = True
@@ -289,10 +291,10 @@ class Scheduler:
         return need <= self._kv_budget
 
     def _prefill(self, decoder) -> bool:
-        """Prefill waiting prompts, oldest first, within a budget: `SchedulerSettings.step_tokens` while rows are
-        decoding (so none stalls longer than that many prompt tokens take), a whole `prefill_chunk` while none is.
-        A prompt done prefilling joins the batch."""
-        budget = self.settings.step_tokens if decoder.size else self.settings.prefill_chunk
+        """Prefill waiting prompts, oldest first, within a budget: the step budget while rows are decoding (so
+        none stalls longer than that many prompt tokens take; `SchedulerSettings.step_tokens`, or measured), a
+        whole `prefill_chunk` while none is. A prompt done prefilling joins the batch."""
+        budget = self._step_tokens if decoder.size else self.settings.prefill_chunk
         did = False
         while budget > 0:
             with self._lock:
@@ -316,7 +318,7 @@ class Scheduler:
                 job.cache = None
                 job.start = (time.perf_counter(), self._bytes_read, self._counters["decode_steps_total"],
                              self._rows_summed)
-                budget = min(budget, self.settings.step_tokens)  # rows are decoding now
+                budget = min(budget, self._step_tokens)  # rows are decoding now
         return did
 
     def _share(self, decoder, job: Job) -> None:

@@ -77,12 +77,9 @@ class SchedulerSettings:
     prompt_cache_bytes: int = 512 << 20  # KV caches kept for reuse across requests
     prefill_chunk: int = 512  # prompt tokens prefilled in one go while no row is decoding
     # While rows decode, the prompt tokens prefilled between two of their steps: what bounds how long a running
-    # row stalls behind arriving prompts (benchmarks/serve_load.py chose it; `umakit serve --step-tokens`). 48:
-    # where a CPU slice took the bfloat16 GEMMs when it was chosen (they start at 16 rows since; see
-    # backends/torch/crossover.py). At 8 clients, against 32: 13-40%
-    # more tokens a second on the built-in model, p95 inter-token latency lower or similar; 16% more on a Q4_K_M
-    # of Qwen2.5-0.5B's shapes, p95 inter-token latency 28% higher (docs/performance.md, 2026-12-06)
-    step_tokens: int = 48
+    # row stalls behind arriving prompts (`umakit serve --step-tokens`). None: measured on the engine when the
+    # worker starts (serve/budget.py says how).
+    step_tokens: int | None = None
     request_timeout_s: float = 600.0
     kv_bits: int | None = None  # 4 or 8: every request's KV cache quantized (the engine's batch_kv_bits feature)
     extra: dict = field(default_factory=dict)
