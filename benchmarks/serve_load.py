@@ -180,6 +180,8 @@ def run_server(name: str, cmd: list[str], health: str, levels, max_tokens: int, 
     try:
         wait_ready(base + health, proc)
         model_id = served_model(base)
+        if name.startswith("umakit") and "--step-tokens" not in cmd:  # the budget it measured at start
+            name += f", step budget {int(umakit_metrics(base).get('umakit_step_tokens', 0))} (measured)"
         counted = {"next": 1}
         one_request(base, model_id, prompts.messages(0), 8)  # warm up (and, with a shared prefix, cache it)
         rows = []
@@ -198,14 +200,19 @@ def run_server(name: str, cmd: list[str], health: str, levels, max_tokens: int, 
             proc.kill()
 
 
-def cached_share(base: str) -> float | None:
-    """The share of prompt tokens umakit's server took from its prompt cache so far (its /metrics)."""
+def umakit_metrics(base: str) -> dict[str, float]:
+    """umakit's server's /metrics figures (empty where it does not answer)."""
     try:
         text = httpx.get(f"{base}/metrics", timeout=10).text
     except httpx.HTTPError:
-        return None
-    values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
-              if line.startswith("umakit_") and len(line.split()) == 2}
+        return {}
+    return {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+            if line.startswith("umakit_") and len(line.split()) == 2}
+
+
+def cached_share(base: str) -> float | None:
+    """The share of prompt tokens umakit's server took from its prompt cache so far (its /metrics)."""
+    values = umakit_metrics(base)
     prompt, cached = values.get("umakit_prompt_tokens_total"), values.get("umakit_cached_tokens_total")
     return cached / prompt if prompt and cached is not None else None
 
