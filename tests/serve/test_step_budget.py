@@ -60,3 +60,53 @@ def test_the_scheduler_measures_its_budget_unless_given_one(tiny_dir, given):
         assert budget.LEAST <= step_tokens <= SchedulerSettings.prefill_chunk
     else:
         assert s.step_budget is None and step_tokens == given
+
+
+def test_a_running_row_waits_on_one_prefill_pass_at_most(tiny_dir, monkeypatch):
+    """While rows decode, a loop runs one prefill pass, whatever budget the last prompt's slice left over."""
+    import asyncio
+
+    from umakit.generate.sampling import SamplingParams
+    from umakit.serve.types import FinalEvent, GenerationRequest
+
+    model = umakit.load(tiny_dir("llama"), backend="torch", dtype="float32")
+    engine, events = model.engine, []
+    real_prefill, real_decoder = engine.prefill, type(engine).batch_decoder
+
+    def spying(self, kv_bits=None):
+        decoder = real_decoder(self, kv_bits)
+        step = decoder.step
+        decoder.step = lambda: events.append("step") or step()
+        return decoder
+
+    def prefill(ids, cache):  # the decoder's own call for a row whose cache holds its prompt already has no tokens
+        if len(ids):
+            events.append("prefill")
+        return real_prefill(ids, cache)
+
+    monkeypatch.setattr(engine, "prefill", prefill)
+    monkeypatch.setattr(type(engine), "batch_decoder", spying)
+    s = Scheduler(model, SchedulerSettings(max_concurrency=8, step_tokens=16))
+    loop = asyncio.new_event_loop()
+    s.start()
+    try:
+        # prompts of 21 tokens: a 16-token slice and a 4-token tail each, which used to leave 12 tokens of the
+        # budget to the next prompt's pass in the same loop
+        prompts = [[(7 * k + i) % 50 + 1 for i in range(21)] for k in range(4)]
+        handles = [s.submit(GenerationRequest(p, 12, SamplingParams(temperature=0)), loop) for p in prompts]
+
+        async def finish(h):
+            while not isinstance(await asyncio.wait_for(h.queue.get(), 60), FinalEvent):
+                pass
+
+        async def all_of():
+            await asyncio.gather(*(finish(h) for h in handles))
+
+        loop.run_until_complete(all_of())
+    finally:
+        s.stop()
+        loop.close()
+    first = events.index("step")
+    later = "".join("s" if e == "step" else "p" for e in events[first:])
+    assert "pp" not in later, later
+    assert later.count("p") >= 3  # prompts did prefill while rows decoded

@@ -291,12 +291,12 @@ class Scheduler:
         return need <= self._kv_budget
 
     def _prefill(self, decoder) -> bool:
-        """Prefill waiting prompts, oldest first, within a budget: the step budget while rows are decoding (so
-        none stalls longer than that many prompt tokens take; `SchedulerSettings.step_tokens`, or measured), a
-        whole `prefill_chunk` while none is. A prompt done prefilling joins the batch."""
+        """Prefill the oldest waiting prompts: while rows decode, one pass of at most the step budget (so none waits
+        on more than one pass between two of its tokens; `SchedulerSettings.step_tokens`, or measured), else a
+        `prefill_chunk`. A prompt done prefilling joins the batch."""
         budget = self._step_tokens if decoder.size else self.settings.prefill_chunk
-        did = False
-        while budget > 0:
+        did = passed = False
+        while budget > 0 and not (passed and decoder.size):
             with self._lock:
                 pending = [(i, j) for i, j in self._jobs.items() if j.cache is not None]
             if not pending:
@@ -309,7 +309,7 @@ class Scheduler:
             if end > job.prefilled:
                 self.model.engine.prefill(prompt[job.prefilled:end], job.cache)
                 budget -= end - job.prefilled
-                job.prefilled = end
+                job.prefilled, passed = end, True
             did = True
             if job.prefilled >= len(prompt) - 1:
                 r = job.request
