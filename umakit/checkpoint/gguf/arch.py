@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from umakit.errors import CheckpointError, UnsupportedModelError
+from umakit.checkpoint.gguf import gpt_oss
 from umakit.checkpoint.gguf.reader import GGUFFile
 
 _GLOBAL = {
@@ -221,6 +222,11 @@ def gemma3_config(gf: GGUFFile) -> dict:
     return config
 
 
+def gpt_oss_config(gf: GGUFFile) -> dict:
+    """gpt-oss: the shared hyperparameters, and its experts, sliding window and yarn RoPE (gpt_oss.py)."""
+    return gpt_oss.gpt_oss_config(gf, base_config(gf, default_theta=150000.0))
+
+
 @dataclass(frozen=True)
 class ArchSpec:
     """How one GGUF architecture becomes a Hugging Face checkpoint."""
@@ -231,6 +237,11 @@ class ArchSpec:
     config: Callable[[GGUFFile], dict]
     permute_qk: bool = False
     norm_offset: float = 0.0  # subtracted from every float ``*norm.weight``
+    # gpt-oss: the routed experts, converted together and kept in OpenAI's MXFP4 layout (their GGUF names, checked,
+    # and their arrays), every other quantized tensor dequantized (exactly, to float32), since the engines read
+    # OpenAI's layout with float tensors beside it and no MLX-quantized ones
+    experts: Callable[[GGUFFile], set[str]] | None = None
+    expert_arrays: Callable[[GGUFFile], dict[str, np.ndarray]] | None = None
 
 
 SPECS = {
@@ -239,6 +250,8 @@ SPECS = {
     "qwen2": ArchSpec("qwen2", "Qwen2ForCausalLM", qwen_name, qwen2_config),
     "qwen3": ArchSpec("qwen3", "Qwen3ForCausalLM", qwen_name, qwen3_config),
     "gemma3": ArchSpec("gemma3_text", "Gemma3ForCausalLM", gemma3_name, gemma3_config, norm_offset=1.0),
+    "gpt-oss": ArchSpec("gpt_oss", "GptOssForCausalLM", gpt_oss.gpt_oss_name, gpt_oss_config,
+                        experts=gpt_oss.check_experts, expert_arrays=gpt_oss.experts),
 }
 
 
@@ -254,8 +267,9 @@ def spec_for(gf: GGUFFile) -> ArchSpec:
 def map_names(gf: GGUFFile, spec: ArchSpec) -> dict[str, str]:
     """GGUF tensor name -> HF name for every tensor the model needs."""
     names = {}
+    grouped = spec.experts(gf) if spec.experts else set()
     for name in gf.tensors:
-        if name in _DERIVED:
+        if name in _DERIVED or name in grouped:
             continue
         hf = spec.rename(name)
         if hf is None:

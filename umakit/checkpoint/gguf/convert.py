@@ -72,6 +72,8 @@ def plan_import(gf: GGUFFile) -> ImportPlan:
         qtype = t.tensor_type
         if qtype in quants.FLOAT_TYPES:
             continue
+        if spec.expert_arrays and quants.can_dequantize(qtype):  # dequantized beside the experts (`_dequantized`)
+            continue
         if len(t.shape) != 2:
             raise UnsupportedModelError(f"{gf.path.name}: quantized tensor {name} is not 2-D")
         if qtype not in quants.EXACT and not quants.can_dequantize(qtype):
@@ -148,6 +150,15 @@ def _exact16(t, order: np.ndarray | None) -> tuple[dict[str, np.ndarray], tuple,
     return (exact, *quants.symmetric8(values))
 
 
+def _dequantized(t):
+    """A quantized tensor as float32 (the gguf package's values), for a checkpoint whose engines take no
+    MLX-quantized tensors beside its own format (gpt-oss's MXFP4)."""
+    import mlx.core as mx
+    from gguf import quants as gguf_quants
+
+    return mx.array(np.ascontiguousarray(gguf_quants.dequantize(np.asarray(t.data), t.tensor_type), dtype=np.float32))
+
+
 @dataclass
 class _Converted:
     """A GGUF's tensors in MLX's layout and the files beside them, ready to write."""
@@ -170,12 +181,20 @@ def _convert(plan: ImportPlan) -> _Converted:
     exact = 0
     exact16: dict[str, np.ndarray] = {}
     groups16: dict[str, dict] = {}  # module path -> its exact groups' bits, group size and GGUF type
+    if spec.expert_arrays:
+        grouped = spec.expert_arrays(gf)
+        arrays.update({k: mx.array(v) for k, v in grouped.items()})
+        exact += len(grouped)
     for name, hf in plan.names.items():
         t = gf.tensors[name]
         rows = int(t.shape[1]) if len(t.shape) == 2 else int(t.shape[0])  # ne = (cols, rows)
         order = qk_row_order(hf, rows, config) if spec.permute_qk else None
         if t.tensor_type in quants.FLOAT_TYPES:
             arrays[hf] = _float_tensor(t, hf, spec, order)
+            exact += 1
+            continue
+        if spec.expert_arrays:
+            arrays[hf] = _dequantized(t)
             exact += 1
             continue
         if t.tensor_type in quants.EXACT16:
@@ -247,7 +266,7 @@ def _full_config(plan: ImportPlan, quantized: dict, lossy: list[LossyTensor]) ->
         "model_type": spec.model_type,
         **plan.config,
         **plan.tokenizer.special_ids,
-        "torch_dtype": "bfloat16" if has_bf16 or spec.model_type.startswith("gemma") else "float16",
+        "torch_dtype": "bfloat16" if has_bf16 or spec.model_type.startswith(("gemma", "gpt_oss")) else "float16",
     }
     if quantized:
         q = quantization_block(quantized, layer_mode=False)  # imports have always written entries without "mode"

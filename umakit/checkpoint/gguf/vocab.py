@@ -33,12 +33,19 @@ _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# o200k (gpt-4o, gpt-oss): the regex of its tokenizer.json, as llama.cpp quotes it (LLAMA_VOCAB_PRE_TYPE_GPT4O)
+_GPT4O_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 # tokenizer.ggml.pre -> how text is split before byte-level BPE (llama.cpp's llama-vocab.cpp)
 _GPT2_PRE = {"default", "gpt2", "mpt", "olmo", "jais"}
 _DIGITS_THEN_GPT2_PRE = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
 _REGEX_PRE = {
     **dict.fromkeys(["llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral", "dbrx", "smaug-bpe"], _LLAMA3_SPLIT),
     **dict.fromkeys(["qwen2", "deepseek-r1-qwen", "megrez"], _QWEN2_SPLIT),
+    "gpt-4o": _GPT4O_SPLIT,
 }
 # Token texts llama.cpp also treats as end of generation when typed CONTROL.
 _EOG_TEXTS = {
