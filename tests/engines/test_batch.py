@@ -186,7 +186,7 @@ def test_empty_batch_and_unsupported_backends(models, monkeypatch):
     model = models("llama")
     engine = type(model.engine)
 
-    def no_batch(self, kv_bits=None):
+    def no_batch(self, kv_bits=None, lookup=None):
         raise UnsupportedModelError("batched decoding is not available on the other backend yet")
 
     monkeypatch.setattr(engine, "batch_decoder", no_batch)

@@ -236,6 +236,29 @@ def test_options_of_missing_features_are_refused(engine, tiny_dir):
             cls.from_checkpoint(ckpt, device=engine.device, gpu_layers=1)
 
 
+def test_lookup_feature_is_declared_honestly(engine):
+    """Without ``batch_lookup`` a lookup is refused; with it, a decoder speculates with its greedy rows' tokens
+    unchanged, or refuses saying why where this load cannot (the torch engine without its fused CPU step)."""
+    lookup = base.Lookup(ngram=1, tokens=4)
+    if base.LOOKUP not in engine.features:
+        with pytest.raises(InvalidArgumentError, match="--prompt-lookup"):
+            engine.batch_decoder(lookup=lookup)
+        return
+    try:
+        decoder = engine.batch_decoder(lookup=lookup)
+    except InvalidArgumentError as e:
+        assert "--prompt-lookup" in str(e)
+        return
+    prompt = PROMPT * 3
+    decoder.add([base.BatchRow(0, prompt, GREEDY)])
+    got = []
+    while len(got) < 12:
+        got += [token for _, token in decoder.step()]
+    tokens = engine.generate_tokens(prompt, engine.make_cache(), GREEDY)
+    assert got[:12] == [next(tokens) for _ in range(12)]
+    tokens.close()
+
+
 @pytest.mark.parametrize("bits", [None, 4])
 def test_synthetic_engine_runs_the_protocol(engine, tiny_dir, bits):
     config = checkpoint.open_checkpoint(tiny_dir("llama")).config

@@ -168,8 +168,8 @@ def spy(tiny_model, monkeypatch):
             spy.seen.append(spy.depth)
             yield t
 
-    def batch_decoder(kv_bits=None):
-        decoder = real_decoder()
+    def batch_decoder(kv_bits=None, lookup=None):
+        decoder = real_decoder(kv_bits, lookup)
         real_step = decoder.step
         decoder.step = lambda: spy.seen.append(spy.depth) or real_step()
         return decoder

@@ -195,8 +195,8 @@ def test_a_failing_worker_fails_requests_with_the_reason_and_restarts(model, loo
     real = type(model.engine).batch_decoder
     calls = {"n": 0}
 
-    def flaky(engine, kv_bits=None):
-        decoder = real(engine, kv_bits)
+    def flaky(engine, kv_bits=None, lookup=None):
+        decoder = real(engine, kv_bits, lookup)
         calls["n"] += 1
         if calls["n"] == 1:
             def boom():
@@ -263,8 +263,8 @@ def test_run_serves_in_the_calling_thread_until_told(model, monkeypatch):
     real = type(model.engine).batch_decoder
     stepped_in, ready, results = set(), [], []
 
-    def spying(engine, kv_bits=None):
-        decoder = real(engine, kv_bits)
+    def spying(engine, kv_bits=None, lookup=None):
+        decoder = real(engine, kv_bits, lookup)
         step = decoder.step
         decoder.step = lambda: stepped_in.add(threading.current_thread()) or step()
         return decoder
@@ -291,7 +291,7 @@ def test_run_serves_in_the_calling_thread_until_told(model, monkeypatch):
 
 
 def test_run_raises_when_the_worker_cannot_start(model, monkeypatch):
-    def broken(engine, kv_bits=None):
+    def broken(engine, kv_bits=None, lookup=None):
         raise RuntimeError("no decoder today")
 
     monkeypatch.setattr(type(model.engine), "batch_decoder", broken)

@@ -387,8 +387,8 @@ def test_worker_failure_is_a_500_with_the_reason_then_it_restarts(local, name, m
     real = local.engine.batch_decoder
     broken = {"left": 1}
 
-    def flaky(kv_bits=None):
-        decoder = real(kv_bits)
+    def flaky(kv_bits=None, lookup=None):
+        decoder = real(kv_bits, lookup)
         if broken["left"]:
             broken["left"] -= 1
 

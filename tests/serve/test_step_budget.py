@@ -73,8 +73,8 @@ def test_a_running_row_waits_on_one_prefill_pass_at_most(tiny_dir, monkeypatch):
     engine, events = model.engine, []
     real_prefill, real_decoder = engine.prefill, type(engine).batch_decoder
 
-    def spying(self, kv_bits=None):
-        decoder = real_decoder(self, kv_bits)
+    def spying(self, kv_bits=None, lookup=None):
+        decoder = real_decoder(self, kv_bits, lookup)
         step = decoder.step
         decoder.step = lambda: events.append("step") or step()
         return decoder

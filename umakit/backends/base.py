@@ -23,8 +23,8 @@ if TYPE_CHECKING:
     import numpy as np
 
 __all__ = ["PREFILL_CHUNK", "MAX_LOGPROBS", "QUANTIZED_KV", "BATCH", "BATCH_KV_BITS", "CONSTRAIN", "QUANTIZE", "OFFLOAD",
-           "EXPORT", "FEATURES", "FEATURE_NAMES", "EngineSpec", "KVCache", "WeightInfo", "TokenConstraint", "BatchRow",
-           "BatchDecoder", "Engine", "refuse_options"]
+           "EXPORT", "LOOKUP", "FEATURES", "FEATURE_NAMES", "EngineSpec", "KVCache", "WeightInfo", "TokenConstraint",
+           "BatchRow", "Lookup", "BatchDecoder", "Engine", "refuse_options"]
 
 # Optional features an engine declares (its spec's ``features``):
 QUANTIZED_KV = "kv_bits"  # a quantized KV cache (make_cache(kv_bits=4|8))
@@ -34,11 +34,13 @@ CONSTRAIN = "constrain"  # batch rows with a token mask (BatchRow.constraint: a 
 QUANTIZE = "quantize"  # quantize a float checkpoint on load (from_checkpoint(quantize=...))
 OFFLOAD = "offload"  # stream layers from host memory (from_checkpoint(gpu_layers=..., vram_budget=...))
 EXPORT = "export"  # hand its loaded weights back in checkpoint layout (export_weights())
-FEATURES = (QUANTIZED_KV, BATCH, BATCH_KV_BITS, CONSTRAIN, QUANTIZE, OFFLOAD, EXPORT)
+LOOKUP = "batch_lookup"  # batch rows that speculate by prompt lookup (batch_decoder(lookup=Lookup(...)))
+FEATURES = (QUANTIZED_KV, BATCH, BATCH_KV_BITS, CONSTRAIN, QUANTIZE, OFFLOAD, EXPORT, LOOKUP)
 # How an error names a feature to the user: the flag or option that asks for it.
 FEATURE_NAMES = {QUANTIZED_KV: "--kv-bits", BATCH: "batched decoding", BATCH_KV_BITS: "--kv-bits in a batch",
                  CONSTRAIN: "constrained decoding (a schema, regex, grammar or forced tool call)",
-                 QUANTIZE: "--quantize", OFFLOAD: "--gpu-layers and --vram-budget", EXPORT: "exporting its weights"}
+                 QUANTIZE: "--quantize", OFFLOAD: "--gpu-layers and --vram-budget", EXPORT: "exporting its weights",
+                 LOOKUP: "--prompt-lookup in batch and serve"}
 
 MAX_LOGPROBS = 20  # most alternatives a batch row may ask for (OpenAI's top_logprobs limit)
 
@@ -183,6 +185,18 @@ class BatchRow:
                 )
 
 
+@dataclass(frozen=True)
+class Lookup:
+    """Prompt-lookup speculation for a batch's rows (feature ``lookup``): each step, a row whose every token is its
+    logits' argmax (temperature 0, no penalties, no constraint, no log-probabilities asked) may feed up to
+    ``tokens`` proposals copied from its own text (what followed the last earlier occurrence of its last
+    ``ngram`` tokens) beside its token, and keeps those its logits confirm, so its tokens are what plain decoding
+    gives; the others decode one token a step."""
+
+    ngram: int = 3
+    tokens: int = 8
+
+
 @runtime_checkable
 class BatchDecoder(Protocol):
     """Rows join with `add`, advance together with `step`, and leave with `remove`.
@@ -203,7 +217,8 @@ class BatchDecoder(Protocol):
         """
 
     def step(self) -> list[tuple[int, int]]:
-        """Advance every row by one forward pass; returns ``(row id, token)`` pairs.
+        """Advance every row by one forward pass; returns ``(row id, token)`` pairs, a row's in order (several
+        where it speculates, `Lookup`).
 
         A decoder may run one step ahead of what it returns (so the device
         computes step n+1 while the caller handles step n): rows added since
@@ -306,9 +321,10 @@ class Engine(Protocol):
     def logits(self, tokens: Sequence[int], cache: KVCache | None = None) -> np.ndarray:
         """Float32 logits (T, V) for ``tokens`` appended to ``cache`` (or alone)."""
 
-    def batch_decoder(self, kv_bits: int | None = None) -> BatchDecoder:
+    def batch_decoder(self, kv_bits: int | None = None, lookup: Lookup | None = None) -> BatchDecoder:
         """A fresh batched decoder over this engine (feature ``batch``); its rows' caches quantized to ``kv_bits``
-        (4 or 8; feature ``batch_kv_bits``) as ``make_cache(kv_bits)`` makes them."""
+        (4 or 8; feature ``batch_kv_bits``) as ``make_cache(kv_bits)`` makes them; its greedy rows speculating
+        by ``lookup`` (feature ``batch_lookup``; `InvalidArgumentError` where it cannot now)."""
 
     def weight_info(self) -> WeightInfo: ...
 
@@ -330,8 +346,9 @@ def refuse_options(spec: EngineSpec, **options) -> None:
     from umakit.errors import InvalidArgumentError
 
     needs = {"quantize": QUANTIZE, "gpu_layers": OFFLOAD, "vram_budget": OFFLOAD, "batch_kv_bits": BATCH_KV_BITS,
-             "constrain": CONSTRAIN}
+             "constrain": CONSTRAIN, "lookup": LOOKUP}
     for key, value in options.items():
         if value is not None and needs[key] not in spec.features:
-            name = FEATURE_NAMES[needs[key]] if needs[key] in (BATCH_KV_BITS, CONSTRAIN) else key.replace("_", "-")
+            name = FEATURE_NAMES[needs[key]] if needs[key] in (BATCH_KV_BITS, CONSTRAIN, LOOKUP) else \
+                key.replace("_", "-")
             raise InvalidArgumentError(f"the {spec.name} backend does not support {name}")

@@ -12,8 +12,8 @@ from umakit.backends.base import BATCH
 from umakit.generate.batch import DEFAULT_BATCH_SIZE
 
 from umakit.cli.flags import (SAMPLING_KEYS, batch_kv_needs, constraint_options, follow_unless_leader, kv_bits_option,
-                              load_model, model_options, offload_options, parallel_option, read_constraint,
-                              sampling_options)
+                              load_model, lookup_needs, lookup_options, model_options, offload_options,
+                              parallel_option, read_constraint, sampling_options)
 
 
 class Progress:
@@ -75,21 +75,25 @@ class Progress:
 @click.option("--raw", is_flag=True, help="Send prompts as plain text, without the chat template.")
 @click.option("--stop", multiple=True, help="Stop string (repeatable), for items without their own.")
 @kv_bits_option
+@lookup_options
 @constraint_options(for_items=True)
 @sampling_options
 @model_options
 @offload_options
 @parallel_option
-def batch_cmd(model, input_path, output_path, batch_size, system, raw, stop, kv_bits, json_schema, regex, choices,
-              grammar, max_tokens, seed, backend, device, dtype, peak_bandwidth, gpu_layers, vram_budget, parallel,
-              **sampling):
+def batch_cmd(model, input_path, output_path, batch_size, system, raw, stop, kv_bits, prompt_lookup, draft_tokens, ngram,
+              json_schema, regex, choices, grammar, max_tokens, seed, backend, device, dtype, peak_bandwidth,
+              gpu_layers, vram_budget, parallel, **sampling):
     """Generate a reply to every prompt of a JSON Lines file, in batches."""
     from umakit.generate import batch_io
     from umakit.core import fsutil, validate
     from umakit.generate.sampling import SamplingParams
+    from umakit.generate.speculative import batch_lookup
 
+    batch_lookup(prompt_lookup, draft_tokens, ngram)  # checked before anything loads
     load = dict(backend=backend, device=device, dtype=dtype, peak_bandwidth=peak_bandwidth,
-                needs={BATCH} | batch_kv_needs(kv_bits), gpu_layers=gpu_layers, vram_budget=vram_budget)
+                needs={BATCH} | batch_kv_needs(kv_bits) | lookup_needs(prompt_lookup), gpu_layers=gpu_layers,
+                vram_budget=vram_budget)
     follow_unless_leader(parallel, model, **load)  # a follower reads no input and writes no output
     batch_io.check_paths(input_path, output_path)
     system = None if system is None else validate.text(system, "--system")
@@ -97,12 +101,13 @@ def batch_cmd(model, input_path, output_path, batch_size, system, raw, stop, kv_
     params = SamplingParams().with_overrides(**{k: sampling[k] for k in SAMPLING_KEYS})
     settings = dict(max_tokens=max_tokens, stop=stop, seed=seed, system=system, sampling=params,
                     **read_constraint(json_schema, regex, choices, grammar))
+    lookup = dict(prompt_lookup=prompt_lookup, draft_tokens=draft_tokens, ngram=ngram)
     load["parallel"] = parallel
     with fsutil.locked(output_path):  # a second batch onto the same output is refused, not interleaved
-        _run(model, input_path, output_path, batch_size, raw, kv_bits, settings, load)
+        _run(model, input_path, output_path, batch_size, raw, kv_bits, settings, load, lookup)
 
 
-def _run(model, input_path, output_path, batch_size, raw, kv_bits, settings, load_kwargs) -> None:
+def _run(model, input_path, output_path, batch_size, raw, kv_bits, settings, load_kwargs, lookup) -> None:
     from umakit.generate import batch, batch_io
     from umakit.errors import InvalidArgumentError
 
@@ -129,7 +134,7 @@ def _run(model, input_path, output_path, batch_size, raw, kv_bits, settings, loa
     try:
         if m is not None:
             stream = batch.stream_batch(m, [it.fields for it in todo], batch_size=batch_size, raw=raw,
-                                        kv_bits=kv_bits, on_error=skip, **settings)
+                                        kv_bits=kv_bits, on_error=skip, **settings, **lookup)
     finally:  # the skipped lines are reported even when the batch then cannot run
         _report(errors, output_path)
     if stream is not None and len(stream):

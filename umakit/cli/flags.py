@@ -51,6 +51,13 @@ def batch_kv_needs(kv_bits: int | None) -> frozenset[str]:
     return frozenset({BATCH_KV_BITS}) if kv_bits is not None else frozenset()
 
 
+def lookup_needs(prompt_lookup: bool) -> frozenset[str]:
+    """The engine features a batch's prompt lookup needs (`batch`, `serve`)."""
+    from umakit.backends.base import LOOKUP
+
+    return frozenset({LOOKUP}) if prompt_lookup else frozenset()
+
+
 def offload_options(f):
     """--gpu-layers, --vram-budget: stream the other layers from host memory (torch backend)."""
     f = click.option("--vram-budget", metavar="SIZE", default=None,
@@ -184,6 +191,21 @@ def speculative_options(f):
                           f"{DEFAULT_LOOKUP_TOKENS} with --prompt-lookup).")(f)
     f = click.option("--draft", metavar="MODEL", default=None,
                      help="Speculate with this smaller model (same tokenizer); greedy text is unchanged.")(f)
+    return f
+
+
+def lookup_options(f):
+    """--prompt-lookup, --ngram, --draft-tokens for a batch's rows (`batch`, `serve`)."""
+    from umakit.generate.speculative import DEFAULT_LOOKUP_TOKENS, DEFAULT_NGRAM, MAX_DRAFT_TOKENS, MAX_NGRAM
+
+    f = click.option("--ngram", type=click.IntRange(1, MAX_NGRAM), default=None,
+                     help=f"With --prompt-lookup: the n-gram to match (default {DEFAULT_NGRAM}).")(f)
+    f = click.option("--draft-tokens", type=click.IntRange(1, MAX_DRAFT_TOKENS), default=None, metavar="K",
+                     help=f"With --prompt-lookup: most tokens proposed per row and step (default "
+                          f"{DEFAULT_LOOKUP_TOKENS}).")(f)
+    f = click.option("--prompt-lookup", is_flag=True,
+                     help="Greedy requests speculate with candidates copied from their own text; their text is "
+                          "unchanged (torch engine, fused CPU step).")(f)
     return f
 
 

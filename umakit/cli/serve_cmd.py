@@ -19,8 +19,8 @@ from umakit.serve import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S, DEFA
 from umakit.serve.types import SchedulerSettings
 
 from umakit.cli.format import size
-from umakit.cli.flags import (batch_kv_needs, follow_unless_leader, kv_bits_option, load_model, model_options,
-                              offload_options, parallel_option)
+from umakit.cli.flags import (batch_kv_needs, follow_unless_leader, kv_bits_option, load_model, lookup_needs,
+                              lookup_options, model_options, offload_options, parallel_option)
 
 API_KEY_ENV = "UMAKIT_API_KEY"
 CONNECTIONS_SPARE = 64  # connections beyond the rows and the queue: /health, /metrics, requests refused with 429
@@ -86,13 +86,14 @@ def _size_or_zero(ctx, param, value):
               help="Comma-separated host names clients may call this server by, beyond localhost names, IP addresses "
                    "and --host (a guard against DNS rebinding; * allows any).")
 @kv_bits_option
+@lookup_options
 @model_options
 @offload_options
 @parallel_option
 def serve_cmd(models, models_file, keep_alive, memory_budget, host, port, api_key, api_keys_file, max_concurrency,
-              max_queue,
-              prompt_cache_bytes, step_tokens, max_body_bytes, request_timeout, body_timeout, header_timeout,
-              send_timeout, allowed_origins, allowed_hosts, kv_bits, backend, device, dtype, peak_bandwidth, gpu_layers, vram_budget, parallel):
+              max_queue, prompt_cache_bytes, step_tokens, max_body_bytes, request_timeout, body_timeout, header_timeout,
+              send_timeout, allowed_origins, allowed_hosts, kv_bits, prompt_lookup, draft_tokens, ngram, backend, device,
+              dtype, peak_bandwidth, gpu_layers, vram_budget, parallel):
     """Serve models over OpenAI's and Anthropic's HTTP APIs: chat completions, completions, responses and
     messages, streamed or not, with tool calls and structured outputs.
 
@@ -101,15 +102,18 @@ def serve_cmd(models, models_file, keep_alive, memory_budget, host, port, api_ke
     name): it loads on first use and unloads when idle, within --memory-budget."""
     import uvicorn
 
+    from umakit.generate.speculative import batch_lookup
     from umakit.serve.app import make_app
     from umakit.serve.scheduler import Scheduler
 
+    lookup = batch_lookup(prompt_lookup, draft_tokens, ngram)
     load = dict(backend=backend, device=device, dtype=dtype, peak_bandwidth=peak_bandwidth,
-                needs={BATCH} | batch_kv_needs(kv_bits), gpu_layers=gpu_layers, vram_budget=vram_budget)
+                needs={BATCH} | batch_kv_needs(kv_bits) | lookup_needs(prompt_lookup), gpu_layers=gpu_layers,
+                vram_budget=vram_budget)
     origins = tuple(o.strip().rstrip("/") for o in allowed_origins.split(",") if o.strip())
     settings = SchedulerSettings(max_concurrency=max_concurrency, max_queue=max_queue,
                                  prompt_cache_bytes=prompt_cache_bytes, request_timeout_s=request_timeout,
-                                 kv_bits=kv_bits, step_tokens=step_tokens)
+                                 kv_bits=kv_bits, step_tokens=step_tokens, lookup=lookup)
     keys = _keys(api_key, api_keys_file)
     hosts = (host, *(h.strip() for h in allowed_hosts.split(",") if h.strip()))
     deadlines = (header_timeout, send_timeout)

@@ -18,12 +18,13 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Iterator, Sequence
 
-from umakit.backends.base import BatchRow, refuse_options
+from umakit.backends.base import BatchRow, Lookup, refuse_options
 from umakit.core import validate
 from umakit.errors import InvalidArgumentError, UmakitError
 from umakit.generate.constrain import Constraint, from_options
 from umakit.generate.options import CONSTRAINTS, DEFAULT_BATCH_SIZE, LIMITS, MANY, SAMPLING, GenerationOptions, takes
 from umakit.generate.sampling import DEFAULT_MAX_TOKENS, SamplingParams
+from umakit.generate.speculative import batch_lookup
 from umakit.generate.stream import DecodeRow, GenerationResult
 
 KV_BLOCK = 256  # batch caches grow in blocks of this many positions
@@ -167,7 +168,7 @@ class BatchStream:
     """
 
     def __init__(self, model, requests: Sequence[BatchRequest], batch_size: int = DEFAULT_BATCH_SIZE,
-                 indices: Sequence[int] | None = None, kv_bits: int | None = None):
+                 indices: Sequence[int] | None = None, kv_bits: int | None = None, lookup: Lookup | None = None):
         self._model = model
         self.requests = list(requests)
         self.indices = list(range(len(self.requests))) if indices is None else list(indices)
@@ -175,7 +176,7 @@ class BatchStream:
             raise InvalidArgumentError(f"{len(self.indices)} indices for {len(self.requests)} requests")
         if any(r.constraint is not None for r in self.requests):
             refuse_options(model.engine.spec, constrain=True)
-        self._decoder = model.engine.batch_decoder(kv_bits) if self.requests else None
+        self._decoder = model.engine.batch_decoder(kv_bits, lookup) if self.requests else None
         budget = self._decoder.kv_budget_bytes() if self._decoder else 0
         self._kv_per_token = model.engine.kv_bytes_per_token(kv_bits)  # of the cache the rows hold
         self.batch_size, self.note = plan_batch_size(self.requests, batch_size, self._kv_per_token, budget)
@@ -224,7 +225,9 @@ class BatchStream:
                 stats.steps += 1
                 stats.bytes_read += w.bytes_per_token + self._decoder.size * self._decoder.context_tokens() * self._kv_per_token
                 finished = []
-                for i, token in out:
+                for i, token in out:  # a speculating row's several, in order
+                    if rows[i].finished:
+                        continue
                     rows[i].feed(token, now)
                     if rows[i].finished:
                         finished.append(i)
@@ -286,7 +289,8 @@ def stream_batch(model, prompts: Sequence, *, options: GenerationOptions) -> Bat
                 raise InvalidArgumentError(f"prompt {i}: {e}") from e
             raise
         indices.append(i)
-    return BatchStream(model, requests, options.batch_size, indices, options.kv_bits)
+    lookup = batch_lookup(options.prompt_lookup, options.draft_tokens, options.ngram)
+    return BatchStream(model, requests, options.batch_size, indices, options.kv_bits, lookup)
 
 
 @takes(*MANY)

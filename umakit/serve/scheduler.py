@@ -196,7 +196,7 @@ class Scheduler:
             self._serve(ready, until)
 
     def _serve(self, ready: Callable[[], None] | None, until: Callable[[], bool]) -> None:
-        decoder = self.model.engine.batch_decoder(self.settings.kv_bits)
+        decoder = self.model.engine.batch_decoder(self.settings.kv_bits, self.settings.lookup)
         self._kv_budget = decoder.kv_budget_bytes()
         if self.settings.step_tokens is None and self.step_budget is None:
             self.step_budget = b = measure_model(self.model, self.settings.kv_bits, self.settings.prefill_chunk)
@@ -358,9 +358,9 @@ class Scheduler:
             self._max_rows = max(self._max_rows, rows)
             self._recent.append((now, len(out), read))
         finished = []
-        for row_id, token in out:
+        for row_id, token in out:  # a speculating row's several, in order
             job = self._jobs.get(row_id)
-            if job is None:
+            if job is None or job.row.finished:
                 continue
             job.generated.append(token)
             text = job.row.feed(token, now)

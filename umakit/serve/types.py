@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from umakit.backends.base import Lookup
 from umakit.generate.sampling import SamplingParams
 
 
@@ -82,4 +83,5 @@ class SchedulerSettings:
     step_tokens: int | None = None
     request_timeout_s: float = 600.0
     kv_bits: int | None = None  # 4 or 8: every request's KV cache quantized (the engine's batch_kv_bits feature)
+    lookup: Lookup | None = None  # greedy requests speculate by prompt lookup (the engine's batch_lookup feature)
     extra: dict = field(default_factory=dict)

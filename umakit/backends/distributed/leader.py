@@ -23,7 +23,7 @@ from importlib import metadata
 from typing import ClassVar, Iterable, Iterator, Sequence
 
 from umakit.generate.sampling import SamplingParams, seed_or_random
-from umakit.backends.base import BatchRow, EngineSpec, WeightInfo, refuse_options
+from umakit.backends.base import BatchRow, EngineSpec, Lookup, WeightInfo, refuse_options
 from umakit.backends.distributed import DistributedError
 from umakit.core.sharding import TENSOR
 from umakit.backends.distributed.watchdog import stop_on_sigterm
@@ -244,8 +244,8 @@ class LeaderEngine:
         finally:
             tokens.close()
 
-    def batch_decoder(self, kv_bits: int | None = None) -> LeaderBatch:
-        refuse_options(self.spec, batch_kv_bits=kv_bits)
+    def batch_decoder(self, kv_bits: int | None = None, lookup: Lookup | None = None) -> LeaderBatch:
+        refuse_options(self.spec, batch_kv_bits=kv_bits, lookup=lookup)
         did = self.new_id()
         self.send("batch", batch=did)
         return LeaderBatch(self, did)

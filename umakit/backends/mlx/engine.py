@@ -21,7 +21,7 @@ from umakit.quantize.recipes import parse_spec, quantize_model
 from umakit.plan.roofline import kv_bytes_per_token
 from umakit.generate.sampling import SamplingParams, recent_tokens
 from umakit.backends import common
-from umakit.backends.base import PREFILL_CHUNK, WeightInfo, refuse_options
+from umakit.backends.base import PREFILL_CHUNK, Lookup, WeightInfo, refuse_options
 from umakit.backends.mlx import SPEC, fused_experts, rope, wiring
 from umakit.backends.mlx.batch_decoder import MLXBatchDecoder
 from umakit.backends.mlx.cache import MLXCache
@@ -299,8 +299,8 @@ class MLXEngine:
                 if n % CLEAR_EVERY == 0:
                     release_buffers()
 
-    def batch_decoder(self, kv_bits: int | None = None) -> MLXBatchDecoder:
-        refuse_options(SPEC, batch_kv_bits=kv_bits)
+    def batch_decoder(self, kv_bits: int | None = None, lookup: Lookup | None = None) -> MLXBatchDecoder:
+        refuse_options(SPEC, batch_kv_bits=kv_bits, lookup=lookup)
         return MLXBatchDecoder(self)
 
     def weight_info(self) -> WeightInfo:

@@ -20,14 +20,19 @@ from typing import Iterable, Sequence
 import torch
 
 from umakit.backends import common
-from umakit.backends.base import BatchRow
+from umakit.backends.base import BatchRow, Lookup
 from umakit.backends.common import TokenSampler
 from umakit.backends.torch.cache import GROW_STEP, StaticKVCache
 from umakit.backends.torch.quant_cache import QuantizedKVCache, check_kv_bits, dequantize, quantize
 from umakit.core.affine import KV_GROUP_SIZE
 from umakit.errors import InvalidArgumentError
 from umakit.generate.sampling import recent_tokens
+from umakit.generate.speculative.rows import RowLookup
 from umakit.hardware import cpu_kv_budget
+
+# Tokens a speculating step feeds at most, rows and proposals together: each costs the fused step a row's
+# arithmetic, which past this many outweighs the weights' one read that proposals share (crossover.FUSED_ROWS).
+LOOKUP_ROWS = 16
 
 
 class BatchKVCache:
@@ -139,7 +144,13 @@ class BatchKVCache:
 class TorchBatchDecoder:
     """`umakit.backends.base.BatchDecoder` for `TorchEngine`."""
 
-    def __init__(self, engine, kv_bits: int | None = None):
+    def __init__(self, engine, kv_bits: int | None = None, lookup: Lookup | None = None):
+        if lookup is not None and (kv_bits is not None or engine._fusing() is None):
+            raise InvalidArgumentError("--prompt-lookup in a batch runs on the torch engine's fused CPU step, with a "
+                                       "float KV cache; here " + ("the cache is quantized (--kv-bits)" if kv_bits
+                                                                  else "decode steps do not run on it"))
+        self._lookup = lookup
+        self._lookups: list[RowLookup | None] = []  # a greedy row's proposals, where the decoder speculates
         self._engine = engine
         self._device = engine.torch_device
         self._kv_bits = kv_bits
@@ -168,8 +179,11 @@ class TorchBatchDecoder:
             with torch.inference_mode():
                 self._cache.put(len(self._ids), single)
             self._ids.append(row.id)
-            self._rows.append(TokenSampler(self._engine._ops, row.sampling, row.seed,
-                                           recent_tokens(row.sampling, row.prompt), row.logprobs, row.constraint))
+            sampler = TokenSampler(self._engine._ops, row.sampling, row.seed, recent_tokens(row.sampling, row.prompt),
+                                   row.logprobs, row.constraint)
+            self._rows.append(sampler)
+            speculates = self._lookup is not None and sampler.plain and row.constraint is None and row.logprobs is None
+            self._lookups.append(RowLookup(row.prompt, self._lookup.ngram, self._lookup.tokens) if speculates else None)
             self._lengths.append(single.offset)
             self._next.append(row.prompt[-1])
 
@@ -177,6 +191,9 @@ class TorchBatchDecoder:
         self._logprobs = {}
         if not self._ids:
             return []
+        plans = self._proposals()
+        if any(plans):
+            return self._speculate(plans)
         span = max(self._lengths) + 1
         self._cache.reserve(len(self._ids), span, span - 1)
         with torch.inference_mode():
@@ -190,6 +207,49 @@ class TorchBatchDecoder:
         self._lengths = [n + 1 for n in self._lengths]
         self._next = picked
         return list(zip(self._ids, picked))
+
+    def _proposals(self) -> list[list[int]]:
+        """Each row's proposals this step, within LOOKUP_ROWS fed tokens and the model's context."""
+        spare = LOOKUP_ROWS - len(self._ids)
+        plans = []
+        for lookup, n in zip(self._lookups, self._lengths):
+            plan = lookup.propose(min(spare, self._cache.max_tokens - n - 1)) if lookup is not None and spare > 0 \
+                else []
+            spare -= len(plan)
+            plans.append(plan)
+        return plans
+
+    def _speculate(self, plans: list[list[int]]) -> list[tuple[int, int]]:
+        """One fused step over every row's token and its proposals; a row keeps the proposals its own argmax
+        confirms, then its pick after them (each position's logits are those of its own decode step)."""
+        feed, positions, slots, first = [], [], [], []
+        for i, plan in enumerate(plans):
+            first.append(len(feed))
+            feed += [self._next[i], *plan]
+            positions += range(self._lengths[i], self._lengths[i] + 1 + len(plan))
+            slots += [i] * (1 + len(plan))
+        self._cache.reserve(len(self._ids), max(positions) + 1, max(self._lengths))
+        with torch.inference_mode():
+            tokens = torch.tensor(feed, dtype=torch.long, device=self._device)[:, None]
+            logits = self._engine._fusing().rows(tokens, positions, self._cache, slots)  # (fed, V)
+            picked, figures = common.sample_rows(self._engine._ops, self._rows, logits[first])
+            picked, best = picked.tolist(), self._engine._ops.argmax(logits).tolist()
+            self._logprobs = {rid: common.read_figures(f) for rid, f in zip(self._ids, figures) if f is not None}
+        out = []
+        for i, plan in enumerate(plans):
+            emitted = [picked[i]]
+            for j, proposed in enumerate(plan):
+                if emitted[-1] != proposed:
+                    break
+                emitted.append(best[first[i] + j + 1])
+            for token in emitted:
+                self._rows[i].accept(token)
+                out.append((self._ids[i], token))
+            if self._lookups[i] is not None:
+                self._lookups[i].commit(emitted, plan)
+            self._lengths[i] += len(emitted)
+            self._next[i] = emitted[-1]
+        return out
 
     def logprobs(self) -> dict[int, tuple[float, list[tuple[int, float]]]]:
         return dict(self._logprobs)
@@ -211,8 +271,8 @@ class TorchBatchDecoder:
         if keep and keep != list(range(len(keep))):
             with torch.inference_mode():
                 self._cache.keep(keep, max(self._lengths[i] for i in keep))
-        self._ids, self._rows, self._lengths, self._next = common.take(keep, self._ids, self._rows, self._lengths,
-                                                                       self._next)
+        self._ids, self._rows, self._lengths, self._next, self._lookups = common.take(
+            keep, self._ids, self._rows, self._lengths, self._next, self._lookups)
 
     def kv_budget_bytes(self) -> int:
         if self._engine.device == "cuda":

@@ -44,7 +44,7 @@ from umakit.plan.placement import RING_SLOTS
 from umakit.plan.roofline import kv_bytes_per_token
 from umakit.generate.sampling import SamplingParams, recent_tokens
 from umakit.backends import common
-from umakit.backends.base import PREFILL_CHUNK, WeightInfo, refuse_options
+from umakit.backends.base import PREFILL_CHUNK, Lookup, WeightInfo, refuse_options
 from umakit.backends.torch import SPEC
 from umakit.backends.torch.cpu import build
 from umakit.backends.torch import crossover
@@ -301,8 +301,8 @@ class TorchEngine:
             if isinstance(m, quant.Fp16Linear):  # FBGEMM's packed weights are not tensors
                 yield name, m.packed_nbytes
 
-    def batch_decoder(self, kv_bits: int | None = None) -> TorchBatchDecoder:
-        return TorchBatchDecoder(self, kv_bits)
+    def batch_decoder(self, kv_bits: int | None = None, lookup: Lookup | None = None) -> TorchBatchDecoder:
+        return TorchBatchDecoder(self, kv_bits, lookup)
 
     def weight_info(self) -> WeightInfo:
         by_cat: dict[str, int] = {}

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from umakit.backends import common
-from umakit.backends.base import PREFILL_CHUNK, WeightInfo, refuse_options
+from umakit.backends.base import PREFILL_CHUNK, Lookup, WeightInfo, refuse_options
 from umakit.backends.torch import peak
 from umakit.backends.torch.quant import forms
 from umakit.backends.torch.quant.layout import QuantizedLinear, quantize as quantize_weights
@@ -162,7 +162,8 @@ class TransformersEngine:
             with torch.inference_mode():
                 logits = self.step_logits(token, cache)
 
-    def batch_decoder(self, kv_bits: int | None = None) -> TransformersBatchDecoder:
+    def batch_decoder(self, kv_bits: int | None = None, lookup: Lookup | None = None) -> TransformersBatchDecoder:
+        refuse_options(SPEC, lookup=lookup)
         if kv_bits is not None:
             raise InvalidArgumentError("the transformers backend has no quantized KV cache (--kv-bits)")
         return TransformersBatchDecoder(self)

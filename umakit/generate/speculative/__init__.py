@@ -23,7 +23,8 @@ DEFAULT_NGRAM = 3
 MAX_NGRAM = 8
 
 __all__ = ["DEFAULT_DRAFT_TOKENS", "DEFAULT_LOOKUP_TOKENS", "DEFAULT_NGRAM", "DraftModel", "MAX_DRAFT_TOKENS",
-           "MAX_NGRAM", "PromptLookup", "SpeculativeDecoder", "SpeculativeStats", "check_draft", "speculator"]
+           "MAX_NGRAM", "PromptLookup", "SpeculativeDecoder", "SpeculativeStats", "batch_lookup", "check_draft",
+           "speculator"]
 
 
 def __getattr__(name):
@@ -68,6 +69,20 @@ def speculator(target, *, draft=None, prompt_lookup: bool = False, draft_tokens:
         proposer = PromptLookup(_in_range("ngram", DEFAULT_NGRAM if ngram is None else ngram, 1, MAX_NGRAM))
     return SpeculativeDecoder(target.engine, proposer, k, target.info.context_length,
                               draft.info.weights.bytes_per_token if draft is not None else 0.0)
+
+
+def batch_lookup(prompt_lookup: bool = False, draft_tokens: int | None = None, ngram: int | None = None):
+    """The `umakit.backends.base.Lookup` a batch's (or a server's) greedy rows speculate with, or None; every value
+    checked here. A batch takes no draft model: each row would need its own draft cache, stepped alongside."""
+    if not prompt_lookup:
+        if draft_tokens is not None or ngram is not None:
+            raise InvalidArgumentError("--draft-tokens and --ngram need --prompt-lookup")
+        return None
+    from umakit.backends.base import Lookup
+
+    return Lookup(_in_range("ngram", DEFAULT_NGRAM if ngram is None else ngram, 1, MAX_NGRAM),
+                  _in_range("draft_tokens", DEFAULT_LOOKUP_TOKENS if draft_tokens is None else draft_tokens, 1,
+                            MAX_DRAFT_TOKENS))
 
 
 def check_draft(target, draft) -> None:

@@ -90,10 +90,12 @@ class FusedDecoder:
         answer off float32's)."""
         self._append(tokens, cache, head=False)
 
-    def rows(self, tokens: torch.Tensor, positions: list[int], cache) -> torch.Tensor:
+    def rows(self, tokens: torch.Tensor, positions: list[int], cache, slots: list[int] | None = None) -> torch.Tensor:
         """Logits (B, V) of one token per row, ``tokens`` (B, 1), row b at ``positions[b]`` of a `BatchKVCache`
-        (reserved for them), as `Transformer.decode_rows` computes them and as each row's own step would."""
-        return self._layers(tokens, positions, [], cache.k, cache.v)
+        (reserved for them), as `Transformer.decode_rows` computes them and as each row's own step would. With
+        ``slots``, row b goes to the cache's row ``slots[b]``: several rows may be consecutive tokens of one slot
+        (a speculating row's token and proposals), each seeing the ones before it."""
+        return self._layers(tokens, positions, slots or [], cache.k, cache.v)
 
     def _append(self, tokens: torch.Tensor, cache, head: bool) -> torch.Tensor | None:
         n = tokens.numel()

@@ -1,0 +1,189 @@
+"""Prompt lookup in a batch (`Lookup`, the torch engine's fused CPU step): greedy rows speculate and keep the
+tokens plain decoding gives; the other rows decode as before; what cannot speculate is refused clearly."""
+
+import asyncio
+
+import pytest
+
+import umakit
+from umakit.backends.base import BatchRow, Lookup
+from umakit.errors import InvalidArgumentError
+from umakit.generate.batch import generate_batch
+from umakit.generate.sampling import SamplingParams
+from umakit.serve.scheduler import Scheduler
+from umakit.serve.types import FinalEvent, GenerationRequest, SchedulerSettings, TokenEvent
+from support.markers import requires_default_model
+from support.oracle import PROMPTS
+
+GREEDY = SamplingParams(temperature=0)
+# text that repeats, so that lookups find candidates; and the oracle's mixed prompts
+REPEATS = ["one two three four five six one two three four five six one two three",
+           "The lazy dog. The lazy dog. The lazy dog. The lazy", *(p for p in PROMPTS[:6] if isinstance(p, str))]
+
+
+@pytest.fixture(scope="module")
+def model(quantized):
+    m = umakit.load(quantized("llama", 4), backend="torch", device="cpu", dtype="bfloat16")
+    assert m.engine._fused is not None  # the CPU default for a quantized checkpoint: the fused step
+    return m
+
+
+def lone(model, prompt, n, **kw):
+    return model.generate(prompt, raw=True, max_tokens=n, **kw)
+
+
+class Oracle:
+    """Proposals from the rows' lone greedy continuations (``wrong``: every third one corrupted), standing in for
+    prompt lookup, which finds little to copy in a random model's text: the verification is what is checked."""
+
+    def __init__(self, model, prompts, n, wrong=False):
+        self.next = {tuple(model.encode(p, raw=True)): lone(model, p, n, temperature=0).tokens for p in prompts}
+        self.wrong, self.made = wrong, []
+
+    def row(self, text, ngram, most):
+        oracle = self
+
+        class Row:
+            def __init__(self):
+                self.text, self.done, self.k = list(text), [], most
+
+            def propose(self, room):
+                # proposals for the tokens after the one the row feeds next (its last returned)
+                want = oracle.next[tuple(self.text)][len(self.done):len(self.done) + min(self.k, room)]
+                plan = [t + 1 if oracle.wrong and (len(self.done) + i) % 3 == 2 else t for i, t in enumerate(want)]
+                oracle.made.append(len(plan))
+                return plan
+
+            def commit(self, emitted, proposed):
+                self.done += emitted
+
+        return Row()
+
+
+@pytest.mark.parametrize("wrong", [False, True])
+def test_greedy_rows_keep_their_lone_tokens_in_fewer_steps(model, monkeypatch, wrong):
+    from umakit.backends.torch import batch_decoder
+
+    want = [lone(model, p, 40, temperature=0) for p in REPEATS]
+    oracle = Oracle(model, REPEATS, 40, wrong)
+    monkeypatch.setattr(batch_decoder, "RowLookup", oracle.row)
+    for size in (1, 3):
+        run = generate_batch(model, REPEATS, max_tokens=40, sampling=GREEDY, batch_size=size, raw=True,
+                             prompt_lookup=True, ngram=2, draft_tokens=4)
+        for i, (w, got) in enumerate(zip(want, run)):
+            assert got.tokens == w.tokens, f"batch {size} prompt {i}"
+            assert got.text == w.text and got.finish_reason == w.finish_reason
+        assert run.stats.steps < run.stats.generated_tokens / (1.5 if wrong else 3) / size
+    assert sum(oracle.made) > 0
+
+
+@requires_default_model
+def test_prompt_lookup_finds_what_a_copying_reply_copies():
+    model = umakit.load(backend="torch")
+    text = ("Copy this list exactly: apples, pears, plums, cherries, grapes, lemons, limes, figs, dates, kiwis. "
+            "Copy: apples, pears,")
+    want = lone(model, text, 40, temperature=0)
+    run = generate_batch(model, [text], max_tokens=40, sampling=GREEDY, raw=True, prompt_lookup=True)
+    assert run[0].tokens == want.tokens
+    assert run.stats.steps < 0.8 * run.stats.generated_tokens
+
+
+def test_sampled_and_logprob_rows_decode_beside_speculating_ones(model):
+    engine = model.engine
+    ids = [model.encode(p, raw=True) for p in REPEATS[:3]]
+    sampled = SamplingParams(temperature=0.8, top_k=20)
+    rows = [BatchRow(0, ids[0], GREEDY), BatchRow(1, ids[1], sampled, seed=7), BatchRow(2, ids[2], GREEDY, logprobs=2)]
+    decoder = engine.batch_decoder(lookup=Lookup(ngram=2, tokens=4))
+    decoder.add(rows)
+    got: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    steps = 0
+    while min(len(v) for v in got.values()) < 24:
+        steps += 1
+        out = decoder.step()
+        counts = {r: sum(1 for i, _ in out if i == r) for r in got}
+        assert counts[1] == 1 and counts[2] == 1  # the sampled row and the one asking for log-probabilities
+        assert set(decoder.logprobs()) == {2}
+        for r, t in out:
+            got[r].append(t)
+    assert got[0][:24] == lone(model, REPEATS[0], 24, temperature=0).tokens[:24]
+    assert got[1][:24] == lone(model, REPEATS[1], 24, temperature=0.8, top_k=20, seed=7).tokens[:24]
+    assert got[2][:24] == lone(model, REPEATS[2], 24, temperature=0).tokens[:24]
+    # the exported cache holds the prompt and every returned token but the last, as without speculation
+    assert decoder.export(0).offset == len(ids[0]) + len(got[0]) - 1
+
+
+def test_rows_leave_and_join_while_others_speculate(model):
+    want = [lone(model, p, 30, temperature=0).tokens for p in REPEATS]
+    run = generate_batch(model, REPEATS, max_tokens=30, sampling=GREEDY, batch_size=2, raw=True, prompt_lookup=True)
+    assert [r.tokens for r in run] == want
+
+
+def test_batch_from_the_cli_with_prompt_lookup(model, quantized, tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from umakit.cli.main import main
+
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"id": i, "prompt": p}) + "\n"
+                                               for i, p in enumerate(REPEATS[:3])))
+    out = tmp_path / "out.jsonl"
+    r = CliRunner().invoke(main, ["batch", str(quantized("llama", 4)), "-i", str(tmp_path / "in.jsonl"), "-o",
+                                  str(out), "--raw", "--temp", "0", "--max-tokens", "12", "--prompt-lookup", "--ngram",
+                                  "2", "--device", "cpu", "--dtype", "bfloat16"])
+    assert r.exit_code == 0, r.output
+    rows = {row["id"]: row["text"] for row in map(json.loads, out.read_text().splitlines())}
+    assert rows == {i: lone(model, p, 12, temperature=0).text for i, p in enumerate(REPEATS[:3])}
+    r = CliRunner().invoke(main, ["batch", str(quantized("llama", 4)), "-i", str(tmp_path / "in.jsonl"), "-o",
+                                  str(tmp_path / "other.jsonl"), "--prompt-lookup", "--backend", "mlx"])
+    assert r.exit_code != 0 and "--prompt-lookup" in r.output and "Traceback" not in r.output
+    assert not (tmp_path / "other.jsonl").exists()
+
+
+def test_what_cannot_speculate_is_refused(model, tiny_dir):
+    with pytest.raises(InvalidArgumentError, match="float KV cache.*--kv-bits"):
+        model.engine.batch_decoder(8, Lookup())
+    with model.engine.eager(), pytest.raises(InvalidArgumentError, match="fused CPU step"):
+        model.engine.batch_decoder(lookup=Lookup())
+    mlx = umakit.load(tiny_dir("llama"), backend="mlx", device="cpu")
+    with pytest.raises(InvalidArgumentError, match="mlx backend does not support --prompt-lookup"):
+        mlx.engine.batch_decoder(lookup=Lookup())
+    with pytest.raises(InvalidArgumentError, match="need --prompt-lookup"):
+        generate_batch(model, ["x"], ngram=2)
+    with pytest.raises(InvalidArgumentError, match="ngram must be"):
+        generate_batch(model, ["x"], prompt_lookup=True, ngram=0)
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_the_server_speculates_greedy_requests_and_keeps_their_tokens(model, monkeypatch, rows):
+    from umakit.backends.torch import batch_decoder
+
+    monkeypatch.setattr(batch_decoder, "RowLookup", Oracle(model, REPEATS, 30).row)
+    s = Scheduler(model, SchedulerSettings(max_concurrency=rows, step_tokens=16, lookup=Lookup(ngram=2, tokens=4)))
+    loop = asyncio.new_event_loop()
+    s.start()
+    try:
+        handles = [s.submit(GenerationRequest(model.encode(p, raw=True), 30, GREEDY), loop) for p in REPEATS]
+
+        async def collect(h):
+            tokens = []
+            while True:
+                e = await asyncio.wait_for(h.queue.get(), 60)
+                if isinstance(e, TokenEvent):
+                    tokens.append(e.token)
+                if isinstance(e, FinalEvent):
+                    return tokens, e
+
+        async def all_of():
+            return await asyncio.gather(*(collect(h) for h in handles))
+
+        results = loop.run_until_complete(all_of())
+        m = s.metrics()
+    finally:
+        s.stop()
+        loop.close()
+    for p, (tokens, final) in zip(REPEATS, results):
+        want = lone(model, p, 30, temperature=0)
+        assert tokens == want.tokens and final.usage.completion_tokens == len(want.tokens)
+    assert m["decode_steps_total"] < m["generated_tokens_total"] / 2 / rows
+
