@@ -112,6 +112,17 @@ def test_sampled_and_logprob_rows_decode_beside_speculating_ones(model):
     assert decoder.export(0).offset == len(ids[0]) + len(got[0]) - 1
 
 
+def test_a_rows_lookup_reads_every_token_it_returned(model):
+    """Steps without proposals (none found, or paused) still add the row's tokens to what it may copy."""
+    ids = model.encode(REPEATS[2], raw=True)
+    decoder = model.engine.batch_decoder(lookup=Lookup(ngram=2, tokens=4))
+    decoder.add([BatchRow(0, ids, GREEDY)])
+    got = []
+    for _ in range(20):
+        got += [t for _, t in decoder.step()]
+    assert decoder._lookups[0].lookup.tokens == ids + got
+
+
 def test_rows_leave_and_join_while_others_speculate(model):
     want = [lone(model, p, 30, temperature=0).tokens for p in REPEATS]
     run = generate_batch(model, REPEATS, max_tokens=30, sampling=GREEDY, batch_size=2, raw=True, prompt_lookup=True)

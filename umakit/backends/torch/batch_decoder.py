@@ -206,6 +206,9 @@ class TorchBatchDecoder:
             self._logprobs = {rid: common.read_figures(f) for rid, f in zip(self._ids, figures) if f is not None}
         self._lengths = [n + 1 for n in self._lengths]
         self._next = picked
+        for lookup, token in zip(self._lookups, picked):
+            if lookup is not None:  # its text grows without proposals too: what it may copy next
+                lookup.commit([token], [])
         return list(zip(self._ids, picked))
 
     def _proposals(self) -> list[list[int]]:
