@@ -18,7 +18,7 @@ MAX_LINES = 400
 # Layers, bottom up; a module may import its own layer and the layers its rule names (always `umakit.errors`).
 FOUNDATIONS = ("umakit.errors", "umakit.core")
 ARITHMETIC = ("umakit.plan.roofline", "umakit.plan.shapes", "umakit.plan.placement")
-SAMPLING = ("umakit.generate.sampling",)
+SAMPLING = ("umakit.generate.sampling", "umakit.generate.lookup")
 ENGINE_BASE = ("=umakit.backends", "umakit.backends.base", "umakit.backends.common")  # "=": that module alone
 BELOW_ENGINES = (*FOUNDATIONS, *ARITHMETIC, *SAMPLING, "umakit.hardware", "umakit.checkpoint")
 ENGINES = ("umakit.backends.torch", "umakit.backends.mlx", "umakit.backends.transformers", "umakit.backends.distributed")
@@ -30,6 +30,7 @@ RULES = [
     ("umakit.errors", ()),
     ("umakit.core", FOUNDATIONS),
     ("umakit.generate.sampling", FOUNDATIONS),
+    ("umakit.generate.lookup", (*FOUNDATIONS, "umakit.generate.sampling")),
     ("umakit.plan.roofline", (*FOUNDATIONS, *ARITHMETIC)),
     ("umakit.plan.shapes", (*FOUNDATIONS, *ARITHMETIC)),
     ("umakit.plan.placement", (*FOUNDATIONS, *ARITHMETIC)),

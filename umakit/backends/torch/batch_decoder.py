@@ -27,7 +27,7 @@ from umakit.backends.torch.quant_cache import QuantizedKVCache, check_kv_bits, d
 from umakit.core.affine import KV_GROUP_SIZE
 from umakit.errors import InvalidArgumentError
 from umakit.generate.sampling import recent_tokens
-from umakit.generate.speculative.rows import RowLookup
+from umakit.generate.lookup import RowLookup
 from umakit.hardware import cpu_kv_budget
 
 # Tokens a speculating step feeds at most, rows and proposals together: each costs the fused step a row's

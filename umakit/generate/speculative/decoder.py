@@ -28,13 +28,10 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from umakit.errors import InvalidArgumentError
+from umakit.generate.lookup import FIRST_PAUSE, MAX_PAUSE, POOR_ACCEPTANCE, SMOOTHING
 from umakit.generate.sampling import SamplingParams, seed_or_random
 from umakit.generate.speculative.distribution import draw, greedy_token, probabilities
 
-POOR_ACCEPTANCE = 0.3  # below this running acceptance rate, speculation pauses
-FIRST_PAUSE = 4  # target steps of the first pause; each pause after a poor run doubles, up to MAX_PAUSE
-MAX_PAUSE = 64
-SMOOTHING = 0.5  # weight of the newest step in the running acceptance rate
 
 
 @dataclass

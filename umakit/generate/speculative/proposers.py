@@ -12,56 +12,9 @@ from typing import Sequence
 
 import numpy as np
 
+from umakit.generate.lookup import PromptLookup  # noqa: F401  (proposers: prompt lookup and a draft model)
 from umakit.generate.sampling import SamplingParams
 from umakit.generate.speculative.distribution import draw, greedy_token, probabilities
-
-
-class PromptLookup:
-    """Candidates copied from the text so far: what followed the last earlier occurrence of the last n-gram.
-
-    llama.cpp's and vLLM's n-gram speculation: no second model, and a big win
-    where the reply copies from the prompt (edits, summaries, code, RAG). The
-    longest n-gram (``ngram`` down to 2, or 1 when ``ngram`` is 1) with an
-    earlier occurrence wins; the index is updated as tokens are committed, so a
-    lookup costs a dictionary probe per n-gram size.
-    """
-
-    method = "prompt_lookup"  # proposals are certain: q is one-hot at each proposed token
-
-    def __init__(self, ngram: int):
-        self.sizes = list(range(ngram, 1, -1)) or [1]
-        self.tokens: list[int] = []
-        self.index: dict[int, dict[tuple, int]] = {n: {} for n in self.sizes}
-
-    def start(self, context: Sequence[int]) -> None:
-        for t in context:
-            self._append(t)
-
-    def _append(self, token: int) -> None:
-        # Register the n-grams ending at the current end: the token that follows them is the one being appended.
-        end = len(self.tokens)
-        for n in self.sizes:
-            if end >= n:
-                self.index[n][tuple(self.tokens[end - n:end])] = end
-        self.tokens.append(token)
-
-    def propose(self, k: int, sampling: SamplingParams, rng) -> tuple[list[int], list | None]:
-        end = len(self.tokens)
-        for n in self.sizes:
-            if end < n:
-                continue
-            start = self.index[n].get(tuple(self.tokens[end - n:end]))
-            if start is not None:
-                return self.tokens[start:start + k], None
-        return [], None
-
-    def commit(self, tokens: Sequence[int], accepted: int, proposed: Sequence[int]) -> None:
-        for t in tokens:
-            self._append(t)
-
-    @property
-    def steps(self) -> int:
-        return 0  # no model runs
 
 
 class DraftModel:
