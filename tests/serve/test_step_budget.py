@@ -30,7 +30,7 @@ class FakePass:
     (0.060, 0.00046, 128),  # the built-in model's passes on a 2-core CPU: 130 tokens cost what the fixed part does
     (0.300, 0.0064, 32),  # a 1.5B Q4_K_M's: 47, in steps of 16
     (0.001, 0.0001, 16),  # a fixed part worth 10 tokens: the least
-    (2.0, 0.0001, 512),  # one worth 20,000: at most a whole prefill chunk
+    (0.4, 0.00001, 512),  # one worth 40,000: at most a whole prefill chunk
 ])
 def test_the_budget_is_the_slice_whose_tokens_cost_what_the_fixed_part_does(fixed, per, want):
     fake = FakePass(fixed, per)
@@ -39,6 +39,13 @@ def test_the_budget_is_the_slice_whose_tokens_cost_what_the_fixed_part_does(fixe
     assert got.fixed_s == pytest.approx(fixed) and got.per_token_s == pytest.approx(per)
     assert fake.lengths == [budget.SMALL] * budget.ROUNDS + [budget.LARGE] * budget.ROUNDS
     assert f"{want} prompt tokens" in got.describe()
+
+
+def test_a_slow_model_gets_the_least_budget_without_a_long_pass_timed():
+    fake = FakePass(0.2, 0.030)  # 16 tokens: 0.68 s, as a 7B on a 2-core CPU
+    got = budget.measure(fake.prefill, [1, 2], most=512, clock=fake.clock)
+    assert got.tokens == budget.LEAST and fake.lengths == [budget.SMALL] * budget.ROUNDS
+    assert "a prefill pass of 16 tokens took 680 ms" in got.describe()
 
 
 def test_a_budget_never_exceeds_the_prefill_chunk():

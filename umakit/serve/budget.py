@@ -9,7 +9,10 @@ on the fixed part, so at 8 clients the prompts waited in many small passes
 the slice whose tokens cost what the fixed part costs, so a pass takes at
 most about twice the least any pass takes (the bound on a running row's stall
 between two of its tokens, beside its own step) and half of it or more goes
-to prompt tokens. `umakit serve --step-tokens N` sets it instead.
+to prompt tokens. Where a 16-token pass alone takes SLOW_S or more (a large
+model on a CPU), the budget is the least, and nothing longer is timed: the
+measurement would hold up the server's start for tens of seconds, to find
+what the stall already decides. `umakit serve --step-tokens N` sets it instead.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Callable, Sequence
 SMALL, LARGE = 16, 256  # the two slice lengths timed
 ROUNDS = 2  # each timed this many times, the shortest kept (the first also warms the engine up)
 LEAST = 16  # tokens a step at least
+SLOW_S = 0.5  # a SMALL pass this slow: the least budget, without timing a LARGE one
 
 
 @dataclass(frozen=True)
@@ -30,6 +34,9 @@ class StepBudget:
     per_token_s: float  # and its cost a token
 
     def describe(self) -> str:
+        if not self.per_token_s:
+            return (f"{self.tokens} prompt tokens between two decode steps (a prefill pass of {SMALL} tokens took "
+                    f"{self.fixed_s * 1e3:.0f} ms)")
         return (f"{self.tokens} prompt tokens between two decode steps (a prefill pass measured "
                 f"{self.fixed_s * 1e3:.0f} ms + {self.per_token_s * 1e3:.2f} ms a token)")
 
@@ -50,6 +57,8 @@ def measure(prefill: Callable[[Sequence[int]], None], text: Sequence[int], most:
             prefill(ids)
             runs.append(clock() - t0)
         took[n] = min(runs)
+        if took[SMALL] >= SLOW_S:
+            return StepBudget(min(most, LEAST), took[SMALL], 0.0)
     per = max((took[large] - took[SMALL]) / (large - SMALL), 1e-9)
     fixed = max(took[SMALL] - SMALL * per, 0.0)
     tokens = int(fixed / per) // 16 * 16
