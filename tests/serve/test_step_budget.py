@@ -37,14 +37,14 @@ def test_the_budget_is_the_slice_whose_tokens_cost_what_the_fixed_part_does(fixe
     got = budget.measure(fake.prefill, [5, 6, 7], most=512, clock=fake.clock)
     assert got.tokens == want
     assert got.fixed_s == pytest.approx(fixed) and got.per_token_s == pytest.approx(per)
-    assert fake.lengths == [budget.SMALL] * budget.ROUNDS + [budget.LARGE] * budget.ROUNDS
+    assert fake.lengths == [budget.SMALL if w == "small" else budget.LARGE for w in budget.ORDER]
     assert f"{want} prompt tokens" in got.describe()
 
 
 def test_a_slow_model_gets_the_least_budget_without_a_long_pass_timed():
     fake = FakePass(0.2, 0.030)  # 16 tokens: 0.68 s, as a 7B on a 2-core CPU
     got = budget.measure(fake.prefill, [1, 2], most=512, clock=fake.clock)
-    assert got.tokens == budget.LEAST and fake.lengths == [budget.SMALL] * budget.ROUNDS
+    assert got.tokens == budget.LEAST and fake.lengths == [budget.SMALL] * 2
     assert "a prefill pass of 16 tokens took 680 ms" in got.describe()
 
 

@@ -22,7 +22,10 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 SMALL, LARGE = 16, 256  # the two slice lengths timed
-ROUNDS = 2  # each timed this many times, the shortest kept (the first also warms the engine up)
+# The passes timed, in this order, the shortest of each length kept: the first warms the engine up (a mapped
+# checkpoint's pages, the GEMMs' first calls), the slow check follows the second, and the lengths alternate so
+# that a noisy moment of a shared machine does not spoil all of one length's runs.
+ORDER = ("small", "small", "large", "small", "large")
 LEAST = 16  # tokens a step at least
 SLOW_S = 0.5  # a SMALL pass this slow: the least budget, without timing a LARGE one
 
@@ -48,16 +51,13 @@ def measure(prefill: Callable[[Sequence[int]], None], text: Sequence[int], most:
     if not text:
         raise ValueError("no tokens to time a prefill with")
     large = max(min(LARGE, most), SMALL + 1)
-    took = {}
-    for n in (SMALL, large):
-        ids = [text[i % len(text)] for i in range(n)]
-        runs = []
-        for _ in range(ROUNDS):
-            t0 = clock()
-            prefill(ids)
-            runs.append(clock() - t0)
-        took[n] = min(runs)
-        if took[SMALL] >= SLOW_S:
+    took = {SMALL: float("inf"), large: float("inf")}
+    for i, which in enumerate(ORDER):
+        n = SMALL if which == "small" else large
+        t0 = clock()
+        prefill([text[j % len(text)] for j in range(n)])
+        took[n] = min(took[n], clock() - t0)
+        if i == 1 and took[SMALL] >= SLOW_S:
             return StepBudget(min(most, LEAST), took[SMALL], 0.0)
     per = max((took[large] - took[SMALL]) / (large - SMALL), 1e-9)
     fixed = max(took[SMALL] - SMALL * per, 0.0)

@@ -192,7 +192,7 @@ class TorchBatchDecoder:
         if not self._ids:
             return []
         plans = self._proposals()
-        if any(plans):
+        if any(plans) and self._engine._fusing() is not None:  # (it could stop applying: a hook on a layer)
             return self._speculate(plans)
         span = max(self._lengths) + 1
         self._cache.reserve(len(self._ids), span, span - 1)
