@@ -123,6 +123,22 @@ def test_a_rows_lookup_reads_every_token_it_returned(model):
     assert decoder._lookups[0].lookup.tokens == ids + got
 
 
+def test_a_stop_inside_a_speculated_run_ends_the_row_there(model, monkeypatch):
+    """Tokens a row returned past its stop string or its max_tokens in the same step are not emitted."""
+    from umakit.backends.torch import batch_decoder
+
+    full = [lone(model, p, 30, temperature=0) for p in REPEATS[:3]]
+    stops = [r.text[8:11] for r in full]  # a string from the middle of each reply
+    want = [lone(model, p, 30, temperature=0, stop=[s]) for p, s in zip(REPEATS[:3], stops)]
+    assert all(s for s in stops) and any(w.finish_reason == "stop_string" for w in want)
+    monkeypatch.setattr(batch_decoder, "RowLookup", Oracle(model, REPEATS[:3], 30).row)
+    for i, (p, s) in enumerate(zip(REPEATS[:3], stops)):
+        run = generate_batch(model, [p], max_tokens=30, sampling=GREEDY, raw=True, stop=[s], prompt_lookup=True)
+        assert (run[0].text, run[0].finish_reason) == (want[i].text, want[i].finish_reason), i
+    run = generate_batch(model, REPEATS[:3], max_tokens=7, sampling=GREEDY, raw=True, prompt_lookup=True)
+    assert [r.tokens for r in run] == [r.tokens[:7] for r in full]
+
+
 def test_rows_leave_and_join_while_others_speculate(model):
     want = [lone(model, p, 30, temperature=0).tokens for p in REPEATS]
     run = generate_batch(model, REPEATS, max_tokens=30, sampling=GREEDY, batch_size=2, raw=True, prompt_lookup=True)
