@@ -1,7 +1,7 @@
 """Prompt lookup in a batch (`umakit batch --prompt-lookup`, `serve --prompt-lookup`) against plain batched
 decoding, on the default model, in one run.
 
-    python benchmarks/batch_lookup.py [--tokens 128] [--repeat 2] [--sizes 1,3,6]
+    python benchmarks/batch_lookup.py [--tokens 128] [--repeat 2] [--sizes 1,3,6] [--model FILE]
 
 The prompts of benchmarks/speculative.py (three copy-heavy, three open-ended),
 greedy, decoded as one batch of each size (the batch cycles through the
@@ -37,8 +37,10 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--sizes", default="1,3,6")
+    ap.add_argument("--model", default=None, help="a GGUF or model directory instead of the built-in model (a "
+                    "random-weights file checks the text is unchanged; only a trained model copies)")
     args = ap.parse_args()
-    model = umakit.load(backend="torch")
+    model = umakit.load(args.model, backend="torch")
     groups = prompts()
     rows = []
     for kind, texts in groups.items():

@@ -78,7 +78,6 @@ class RowLookup:
         self.lookup.start(text)
         self.most, self.k = most, min(FIRST_TOKENS, most)
         self.rate, self.pause, self.wait = 1.0, FIRST_PAUSE, 0
-        self.proposed = self.accepted = 0  # tokens, over the row's life
 
     def propose(self, room: int) -> list[int]:
         """Up to ``room`` tokens to feed after the row's next one (none while paused)."""
@@ -95,8 +94,6 @@ class RowLookup:
         if not proposed:
             return
         kept = len(emitted) - 1
-        self.proposed += len(proposed)
-        self.accepted += kept
         self.rate = (1 - SMOOTHING) * self.rate + SMOOTHING * kept / len(proposed)
         self.k = min(2 * self.k, self.most) if kept == len(proposed) else max(kept, 1)
         if self.rate < POOR_ACCEPTANCE:

@@ -191,9 +191,10 @@ class TorchBatchDecoder:
         self._logprobs = {}
         if not self._ids:
             return []
-        plans = self._proposals()
-        if any(plans) and self._engine._fusing() is not None:  # (it could stop applying: a hook on a layer)
-            return self._speculate(plans)
+        if self._lookup is not None:
+            plans = self._proposals()
+            if any(plans) and self._engine._fusing() is not None:  # (it could stop applying: a hook on a layer)
+                return self._speculate(plans)
         span = max(self._lengths) + 1
         self._cache.reserve(len(self._ids), span, span - 1)
         with torch.inference_mode():
@@ -206,9 +207,10 @@ class TorchBatchDecoder:
             self._logprobs = {rid: common.read_figures(f) for rid, f in zip(self._ids, figures) if f is not None}
         self._lengths = [n + 1 for n in self._lengths]
         self._next = picked
-        for lookup, token in zip(self._lookups, picked):
-            if lookup is not None:  # its text grows without proposals too: what it may copy next
-                lookup.commit([token], [])
+        if self._lookup is not None:
+            for lookup, token in zip(self._lookups, picked):
+                if lookup is not None:  # its text grows without proposals too: what it may copy next
+                    lookup.commit([token], [])
         return list(zip(self._ids, picked))
 
     def _proposals(self) -> list[list[int]]:

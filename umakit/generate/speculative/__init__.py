@@ -33,10 +33,14 @@ def __getattr__(name):
         from umakit.generate.speculative import decoder
 
         return getattr(decoder, name)
-    if name in ("DraftModel", "PromptLookup"):
+    if name == "DraftModel":
         from umakit.generate.speculative import proposers
 
-        return getattr(proposers, name)
+        return proposers.DraftModel
+    if name == "PromptLookup":
+        from umakit.generate.lookup import PromptLookup
+
+        return PromptLookup
     raise AttributeError(name)
 
 
@@ -55,7 +59,8 @@ def speculator(target, *, draft=None, prompt_lookup: bool = False, draft_tokens:
             raise InvalidArgumentError("--draft-tokens and --ngram need --draft MODEL or --prompt-lookup")
         return None
     from umakit.generate.speculative.decoder import SpeculativeDecoder
-    from umakit.generate.speculative.proposers import DraftModel, PromptLookup
+    from umakit.generate.lookup import PromptLookup
+    from umakit.generate.speculative.proposers import DraftModel
 
     default = DEFAULT_DRAFT_TOKENS if draft is not None else DEFAULT_LOOKUP_TOKENS
     k = _in_range("draft_tokens", default if draft_tokens is None else draft_tokens, 1, MAX_DRAFT_TOKENS)

@@ -1,4 +1,5 @@
-"""Where speculated tokens come from: the text so far (prompt lookup) or a smaller draft model.
+"""Where speculated tokens come from: a smaller draft model here; the text so far (prompt lookup) in
+`umakit.generate.lookup`.
 
 A proposer keeps its own view of the sequence in step with the target's:
 `start` sees the prompt, `propose` offers up to ``k`` tokens to follow the
@@ -12,7 +13,6 @@ from typing import Sequence
 
 import numpy as np
 
-from umakit.generate.lookup import PromptLookup  # noqa: F401  (proposers: prompt lookup and a draft model)
 from umakit.generate.sampling import SamplingParams
 from umakit.generate.speculative.distribution import draw, greedy_token, probabilities
 
