@@ -416,7 +416,23 @@ def test_worker_failure_is_a_500_with_the_reason_then_it_restarts(local, name, m
         assert m["umakit_worker_restarts_total"] == 1 and m["umakit_requests_failed_total"] == 1
     finally:
         scheduler.stop()
-    assert asgi_calls(app, [("GET", "/health", None)])[0].status_code == 503
+    stopped, = asgi_calls(app, [("GET", "/health", None)])
+    assert stopped.status_code == 503 and stopped.json()["status"] == "unhealthy"
+
+
+def test_health_says_loading_until_the_worker_takes_requests(local):
+    from umakit.serve import Scheduler, SchedulerSettings, make_app
+
+    scheduler = Scheduler(local, SchedulerSettings(max_concurrency=2))
+    app = make_app(local, scheduler)
+    before, = asgi_calls(app, [("GET", "/health", None)])
+    assert before.status_code == 503 and before.json()["status"] == "loading"
+    scheduler.start()
+    try:
+        after, = asgi_calls(app, [("GET", "/health", None)])
+        assert after.status_code == 200 and after.json()["status"] == "ok"
+    finally:
+        scheduler.stop()
 
 
 def test_a_bug_of_ours_answers_500_without_its_internals(local, name, monkeypatch, caplog):

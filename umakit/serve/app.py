@@ -118,7 +118,8 @@ class _Server:
     # -- plain routes -----------------------------------------------------------------------------------
     async def health(self, request: Request) -> Response:
         ok = self.models.healthy  # "server": what a CLI looks for before it attaches (umakit/cli/attach.py)
-        return self._count(JSONResponse({"status": "ok" if ok else "unhealthy", "server": "umakit"},
+        status = "ok" if ok else "loading" if self.models.loading else "unhealthy"
+        return self._count(JSONResponse({"status": status, "server": "umakit"},
                                         status_code=200 if ok else 503))
 
     async def list_models(self, request: Request) -> Response:

@@ -90,6 +90,10 @@ class OneModel:
     def healthy(self) -> bool:
         return self.scheduler.healthy
 
+    @property
+    def loading(self) -> bool:
+        return self.scheduler.loading
+
     async def acquire(self, name: str, timeout_s: float | None = None) -> Lease:
         if name != self.name:
             raise APIError(404, f"the model '{name}' does not exist; this server serves '{self.name}'",
@@ -151,6 +155,8 @@ class ModelHost:
     @property
     def healthy(self) -> bool:
         return not self._closed
+
+    loading = False  # models load on demand, each request waiting for its own
 
     # -- requests ------------------------------------------------------------------------------------
     async def acquire(self, name: str, timeout_s: float | None = None) -> Lease:

@@ -8,8 +8,8 @@ serve/budget.py), so the running rows stall by one slice at most; then it joins 
 conversation finds it. A request whose client went away is dropped at the next step. Requests are validated
 before they get here; the HTTP layer talks to the worker only through `submit` and each request's event queue.
 
-If the worker fails, every request in flight gets an `ErrorEvent` with the
-reason, `healthy` is False, and the worker starts again with a fresh decoder.
+If the worker fails, every request in flight gets an `ErrorEvent` with the reason, `healthy` is False, and
+the worker starts again with a fresh decoder.
 
 `start` runs the worker on a thread of its own; `run` runs it in the calling thread, which `umakit serve` gives
 it: its main thread, with HTTP on another. On a CPU that matters. torch's OpenMP threads wait for work by
@@ -46,15 +46,13 @@ RATE_WINDOW_S = 5.0  # tokens/s and GB/s in /metrics are over this many recent s
 
 class Scheduler:
     def __init__(self, model, settings: SchedulerSettings | None = None):
-        self.model = model
-        self.settings = settings or SchedulerSettings()
+        self.model, self.settings = model, settings or SchedulerSettings()
         self._lock = threading.Condition()
         self._waiting: deque[Job] = deque()
         self._jobs: dict[int, Job] = {}  # admitted: prefilling or decoding, by row id
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
-        self._stopping = False
-        self._healthy = False
+        self._stopping = self._healthy = False
         self._ever_healthy = False  # the worker has taken requests once
         self.prompt_cache = PromptCache(self.settings.prompt_cache_bytes)
         w = model.info.weights
@@ -65,12 +63,10 @@ class Scheduler:
             ("requests_total", "requests_failed_total", "requests_cancelled_total", "requests_rejected_total",
              "generated_tokens_total", "prompt_tokens_total", "cached_tokens_total", "worker_restarts_total",
              "decode_steps_total"), 0)
-        self._max_rows = 0
-        self._kv_budget = 0
+        self._max_rows = self._kv_budget = 0
         self._service_s = 1.0  # running mean of a request's time from submission to its end
         self._failures = 0  # worker failures in a row, without a request served in between
-        self._bytes_read = 0.0
-        self._rows_summed = 0
+        self._bytes_read, self._rows_summed = 0.0, 0
         self._recent: deque[tuple[float, int, float]] = deque()  # (time, tokens, bytes) per step
         self.step_budget: StepBudget | None = None  # measured when settings.step_tokens is None, then its tokens:
         self._step_tokens = self.settings.step_tokens or self.settings.prefill_chunk
@@ -85,11 +81,9 @@ class Scheduler:
             time.sleep(0.01)
 
     def run(self, ready: Callable[[], None] | None = None, until: Callable[[], bool] | None = None) -> None:
-        """Run the worker in the calling thread until `stop` or until ``until()`` is true.
-
-        ``ready()`` is called once, when the worker first takes requests. A worker that fails before
-        that raises here (`start` would leave it unhealthy and retrying).
-        """
+        """Run the worker in the calling thread until `stop` or until ``until()`` is true. ``ready()`` is called
+        once, when the worker first takes requests; a worker that fails before that raises here (`start` would
+        leave it unhealthy and retrying)."""
         self._stopping = False
         self._thread = threading.current_thread()
         self._supervise(ready or (lambda: None), until or (lambda: False))  # a `ready`: failing to start raises
@@ -104,6 +98,11 @@ class Scheduler:
     @property
     def healthy(self) -> bool:
         return self._healthy and self._thread is not None and self._thread.is_alive()
+
+    @property
+    def loading(self) -> bool:
+        """The worker has not taken requests yet (warming up, measuring its step budget)."""
+        return not self._ever_healthy
 
     def check_room(self) -> None:
         """`QueueFull` now if a request would be refused for want of room: checked before a request's template is
