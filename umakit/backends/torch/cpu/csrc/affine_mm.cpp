@@ -33,6 +33,10 @@
 #endif
 #endif
 
+// For the loops of a tile: GCC left some out of line (a call per block or group, with vzeroupper and the sums
+// through memory around it), which cost a decode step of a Q4_K_M file a quarter of its time.
+#define UMAKIT_INLINE __attribute__((always_inline)) inline
+
 namespace {
 
 using at::Half;
@@ -157,7 +161,7 @@ struct GroupScales {
         h(part.sb ? part.tile_sb(t, 0) : nullptr),
         sup(part.coded ? part.super(t, 0) : nullptr) {}
 
-  void next(__m256 offset, __m256& s, __m256& b) {
+  UMAKIT_INLINE void next(__m256 offset, __m256& s, __m256& b) {
     if (sup) {
       const Half* f = reinterpret_cast<const Half*>(sup);
       const int8_t* c = reinterpret_cast<const int8_t*>(sup + p.planes * ROWS * 2) + in * p.planes * ROWS;
@@ -178,7 +182,7 @@ struct GroupScales {
 // v's bits [from, from + n) of each byte moved to [to, to + n), the other bits cleared (16-bit shifts: what crosses
 // a byte lies outside the kept bits, for the planes' from and to).
 template <int N>
-inline __m256i moved(__m256i v, int from, int to) {
+UMAKIT_INLINE __m256i moved(__m256i v, int from, int to) {
   const __m256i keep = _mm256_set1_epi8(static_cast<char>(((1 << N) - 1) << to));
   if (from > to) return _mm256_and_si256(_mm256_srli_epi16(v, from - to), keep);
   if (from < to) return _mm256_and_si256(_mm256_slli_epi16(v, to - from), keep);
@@ -188,7 +192,7 @@ inline __m256i moved(__m256i v, int from, int to) {
 // A tile-block's codes as 8 registers of bytes, q[c] holding weights 4c..4c+3 of each row: its planes (affine.h),
 // each a few loads and per chunk a shift, a mask and an or.
 template <int BITS>
-inline void decode(const uint8_t* tb, __m256i* q) {
+UMAKIT_INLINE void decode(const uint8_t* tb, __m256i* q) {
   if constexpr (BITS == 8) {
     for (int c = 0; c < 8; ++c) q[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tb + 32 * c));
     return;
@@ -225,7 +229,8 @@ inline void decode(const uint8_t* tb, __m256i* q) {
 // scales meet those sums: `group(s, bias, g, gs[h], acc)`. SUB: the groups in a block, 1 (groups of 32 or more)
 // or 2 (of 16: chunks 0-3, then 4-7).
 template <int BITS, int TM, int SUB, typename Block, typename Group>
-inline void tile_loop(const Part& p, int64_t t, int64_t K, float* y, int64_t ldy, Block&& block, Group&& group) {
+UMAKIT_INLINE void tile_loop(const Part& p, int64_t t, int64_t K, float* y, int64_t ldy, Block&& block,
+                             Group&& group) {
   const int64_t per = SUB == 1 ? p.group / BLOCK : 1, blocks = K / BLOCK;
   const uint8_t* tb = p.tile(t, K);
   const __m256 offset = _mm256_set1_ps(-static_cast<float>(1 << (BITS - 1)));
@@ -256,7 +261,7 @@ template <int BITS, int TM, int SUB>
 void tile_f32(const Part& p, int64_t t, const float* x, const float* xsum, int64_t K, float* y, int64_t ldy) {
   constexpr int CH = 8 / SUB;  // chunks of a group in a block
   const __m256i byte = _mm256_set1_epi32(255);
-  const auto block = [&](const __m256i* q, int64_t b, __m256 (&gs)[SUB][TM]) {
+  const auto block = [&](const __m256i* q, int64_t b, __m256 (&gs)[SUB][TM]) __attribute__((always_inline)) {
     for (int h = 0; h < SUB; ++h)
       for (int m = 0; m < TM; ++m) {
         const float* xb = x + m * K + b * BLOCK;
@@ -273,7 +278,8 @@ void tile_f32(const Part& p, int64_t t, const float* x, const float* xsum, int64
         gs[h][m] = _mm256_add_ps(gs[h][m], _mm256_add_ps(_mm256_add_ps(d[0], d[1]), _mm256_add_ps(d[2], d[3])));
       }
   };
-  const auto group = [&](__m256 s, __m256 bias, int64_t g, const __m256* gs, __m256* acc) {
+  const auto group = [&](__m256 s, __m256 bias, int64_t g, const __m256* gs,
+                         __m256* acc) __attribute__((always_inline)) {
     for (int m = 0; m < TM; ++m) {
       acc[m] = _mm256_fmadd_ps(s, gs[m], acc[m]);
       acc[m] = _mm256_fmadd_ps(bias, _mm256_set1_ps(xsum[m * p.groups + g]), acc[m]);
@@ -289,7 +295,7 @@ void tile_f32(const Part& p, int64_t t, const float* x, const float* xsum, int64
 // 2 (2^BITS - 1) 127, so as many pairs as fit 32767 are added in int16 before vpmaddwd widens them (8 chunks at 4
 // bits or fewer, 4 at 5, 2 at 6); 8-bit parts never come here without VNNI (`int8_loops`).
 template <int BITS, int CH>
-inline __m256i block_dot(const __m256i* q, const uint8_t* xb) {
+UMAKIT_INLINE __m256i block_dot(const __m256i* q, const uint8_t* xb) {
 #ifdef UMAKIT_VNNI
   __m256i i0 = _mm256_setzero_si256(), i1 = _mm256_setzero_si256();
   for (int c = 0; c < CH; c += 2) {
@@ -329,7 +335,7 @@ void tile_i8(const Part& p, int64_t t, const Inputs& in, const float* xsum, cons
   constexpr int CH = 8 / SUB;
   const int64_t blocks = K / BLOCK;
   const float centre = static_cast<float>(1 << (BITS - 1));
-  const auto block = [&](const __m256i* q, int64_t b, __m256 (&gs)[SUB][TM]) {
+  const auto block = [&](const __m256i* q, int64_t b, __m256 (&gs)[SUB][TM]) __attribute__((always_inline)) {
     for (int h = 0; h < SUB; ++h)
       for (int m = 0; m < TM; ++m) {
         const int64_t at = m * K + b * BLOCK + 4 * CH * h;
@@ -342,7 +348,8 @@ void tile_i8(const Part& p, int64_t t, const Inputs& in, const float* xsum, cons
               _mm256_set1_ps(in.dx2[m * blocks + b]), gs[h][m]);
       }
   };
-  const auto group = [&](__m256 s, __m256 bias, int64_t g, const __m256* gs, __m256* acc) {
+  const auto group = [&](__m256 s, __m256 bias, int64_t g, const __m256* gs,
+                         __m256* acc) __attribute__((always_inline)) {
     for (int m = 0; m < TM; ++m) {
       const __m256 sum = _mm256_add_ps(gs[m], _mm256_set1_ps(centre * xdiff[m * p.groups + g]));
       acc[m] = _mm256_fmadd_ps(s, sum, acc[m]);
