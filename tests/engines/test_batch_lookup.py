@@ -1,5 +1,6 @@
-"""Prompt lookup in a batch (`Lookup`, the torch engine's fused CPU step): greedy rows speculate and keep the
-tokens plain decoding gives; the other rows decode as before; what cannot speculate is refused clearly."""
+"""Prompt lookup in a batch (`Lookup`: the torch engine's fused CPU step, and the MLX engine): greedy rows speculate
+and keep the tokens plain decoding gives; the other rows decode as before; what cannot speculate is refused
+clearly."""
 
 import asyncio
 
@@ -162,7 +163,8 @@ def test_batch_from_the_cli_with_prompt_lookup(model, quantized, tmp_path):
     rows = {row["id"]: row["text"] for row in map(json.loads, out.read_text().splitlines())}
     assert rows == {i: lone(model, p, 12, temperature=0).text for i, p in enumerate(REPEATS[:3])}
     r = CliRunner().invoke(main, ["batch", str(quantized("llama", 4)), "-i", str(tmp_path / "in.jsonl"), "-o",
-                                  str(tmp_path / "other.jsonl"), "--prompt-lookup", "--backend", "mlx"])
+                                  str(tmp_path / "other.jsonl"), "--prompt-lookup", "--backend", "torch",
+                                  "--kv-bits", "8"])
     assert r.exit_code != 0 and "--prompt-lookup" in r.output and "Traceback" not in r.output
     assert not (tmp_path / "other.jsonl").exists()
 
@@ -173,19 +175,22 @@ def test_what_cannot_speculate_is_refused(model, tiny_dir):
     with model.engine.eager(), pytest.raises(InvalidArgumentError, match="fused CPU step"):
         model.engine.batch_decoder(lookup=Lookup())
     mlx = umakit.load(tiny_dir("llama"), backend="mlx", device="cpu")
-    with pytest.raises(InvalidArgumentError, match="mlx backend does not support --prompt-lookup"):
-        mlx.engine.batch_decoder(lookup=Lookup())
+    with pytest.raises(InvalidArgumentError, match="mlx backend does not support --kv-bits in a batch"):
+        mlx.engine.batch_decoder(8, Lookup())
     with pytest.raises(InvalidArgumentError, match="need --prompt-lookup"):
         generate_batch(model, ["x"], ngram=2)
     with pytest.raises(InvalidArgumentError, match="ngram must be"):
         generate_batch(model, ["x"], prompt_lookup=True, ngram=0)
 
 
-@pytest.mark.parametrize("rows", [1, 4])
-def test_the_server_speculates_greedy_requests_and_keeps_their_tokens(model, monkeypatch, rows):
+@pytest.mark.parametrize("engine,rows", [("torch", 1), ("torch", 4), ("mlx", 4)])
+def test_the_server_speculates_greedy_requests_and_keeps_their_tokens(request, monkeypatch, engine, rows):
+    from umakit.backends.mlx import batch_decoder as mlx_decoder
     from umakit.backends.torch import batch_decoder
 
-    monkeypatch.setattr(batch_decoder, "RowLookup", Oracle(model, REPEATS, 30).row)
+    model = request.getfixturevalue("model" if engine == "torch" else "mlx_model")
+    monkeypatch.setattr(batch_decoder if engine == "torch" else mlx_decoder, "RowLookup",
+                        Oracle(model, REPEATS, 30).row)
     s = Scheduler(model, SchedulerSettings(max_concurrency=rows, step_tokens=16, lookup=Lookup(ngram=2, tokens=4)))
     loop = asyncio.new_event_loop()
     s.start()
@@ -214,3 +219,67 @@ def test_the_server_speculates_greedy_requests_and_keeps_their_tokens(model, mon
         assert tokens == want.tokens and final.usage.completion_tokens == len(want.tokens)
     assert m["decode_steps_total"] < m["generated_tokens_total"] / 2 / rows
 
+
+
+# -- the MLX engine ----------------------------------------------------------------------------------------------
+# Its rows' positions are computed together (not each as its own one-token step), so its tokens are checked
+# against lone runs on prompts whose greedy replies have no near-tie to break.
+
+@pytest.fixture(scope="module")
+def mlx_model(tiny_dir):
+    return umakit.load(tiny_dir("llama"), backend="mlx", device="cpu")
+
+
+@pytest.mark.parametrize("wrong", [False, True])
+def test_mlx_greedy_rows_keep_their_lone_tokens_in_fewer_steps(mlx_model, monkeypatch, wrong):
+    from umakit.backends.mlx import batch_decoder
+
+    want = [lone(mlx_model, p, 30, temperature=0) for p in REPEATS]
+    oracle = Oracle(mlx_model, REPEATS, 30, wrong)
+    monkeypatch.setattr(batch_decoder, "RowLookup", oracle.row)
+    for size in (1, 3):
+        run = generate_batch(mlx_model, REPEATS, max_tokens=30, sampling=GREEDY, batch_size=size, raw=True,
+                             prompt_lookup=True, ngram=2, draft_tokens=4)
+        for i, (w, got) in enumerate(zip(want, run)):
+            assert got.tokens == w.tokens, f"batch {size} prompt {i}"
+            assert got.text == w.text and got.finish_reason == w.finish_reason
+        assert run.stats.steps < run.stats.generated_tokens / (1.5 if wrong else 2.5) / size
+    assert sum(oracle.made) > 0
+
+
+def test_mlx_sampled_and_logprob_rows_decode_beside_speculating_ones(mlx_model, monkeypatch):
+    from umakit.backends.mlx import batch_decoder
+
+    monkeypatch.setattr(batch_decoder, "RowLookup", Oracle(mlx_model, REPEATS[:1], 30).row)
+    ids = [mlx_model.encode(p, raw=True) for p in REPEATS[:3]]
+    sampled = SamplingParams(temperature=0.8, top_k=20)
+    rows = [BatchRow(0, ids[0], GREEDY), BatchRow(1, ids[1], sampled, seed=7),
+            BatchRow(2, ids[2], GREEDY, logprobs=2)]
+    decoder = mlx_model.engine.batch_decoder(lookup=Lookup(ngram=2, tokens=4))
+    decoder.add(rows)
+    got: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    while min(len(v) for v in got.values()) < 16:
+        out = decoder.step()
+        counts = {r: sum(1 for i, _ in out if i == r) for r in got}
+        assert counts[1] <= 1 and counts[2] <= 1  # one token a step at most, one step late, as without lookup
+        assert set(decoder.logprobs()) == ({2} if counts[2] else set())
+        for r, t in out:
+            got[r].append(t)
+    assert len(got[0]) > 20  # the speculating row ran ahead
+    assert got[0][:16] == lone(mlx_model, REPEATS[0], 16, temperature=0).tokens
+    assert got[1][:16] == lone(mlx_model, REPEATS[1], 16, temperature=0.8, top_k=20, seed=7).tokens
+    assert got[2][:16] == lone(mlx_model, REPEATS[2], 16, temperature=0).tokens
+    # the exported cache holds the prompt and every returned token but the last, as without speculation
+    assert decoder.export(0).offset == len(ids[0]) + len(got[0]) - 1
+    decoder.remove([1])
+    more = decoder.step()
+    assert {r for r, _ in more} <= {0, 2}
+
+
+def test_mlx_refuses_lookup_where_a_row_cannot_give_back_positions(tmp_path):
+    from support.mlx_models import make
+
+    hybrid = umakit.load(make("qwen3_next", tmp_path / "qwen3_next"), backend="mlx", device="cpu")
+    with pytest.raises(InvalidArgumentError, match="--prompt-lookup.*ArraysCache.*qwen3_next"):
+        hybrid.engine.batch_decoder(lookup=Lookup())
+    hybrid.engine.batch_decoder()  # without lookup it batches

@@ -13,6 +13,13 @@ prefilled in chunks) is prefilled alone past it and merged in the same way;
 Each row samples with its own settings and its own random key chain, the
 same chain `MLXEngine.generate_tokens` uses, so a seeded row reproduces a
 seeded single-sequence run.
+
+With prompt lookup (`Lookup`), each step is read on the host before the next: a greedy row feeds its token and
+the proposals its own text gives (`RowLookup`), right-padded to the longest row's, and keeps those its argmax
+confirms; what a row did not keep is rolled to the front of its keys and values as left padding, as mlx-lm
+finishes a right-padded prefill (`BatchKVCache.finalize`). Unlike the torch engine's fused step, a row's
+positions are computed together here, so its logits may differ in the last bits from one-token steps (a greedy
+near-tie may break the other way), as in mlx-lm's own speculative decoding.
 """
 
 from __future__ import annotations
@@ -23,12 +30,13 @@ from typing import Iterable, Sequence
 import mlx.core as mx
 
 from umakit.backends import common
-from umakit.backends.base import PREFILL_CHUNK, BatchRow
+from umakit.backends.base import PREFILL_CHUNK, BatchRow, Lookup
 from umakit.backends.common import TokenSampler
 from umakit.backends.mlx.cache import MLXCache
 from umakit.backends.mlx.mlx_lm_import import import_mlx_lm
 from umakit.backends.mlx.sampler import MLXOps
-from umakit.errors import UnsupportedModelError
+from umakit.errors import InvalidArgumentError, UnsupportedModelError
+from umakit.generate.lookup import RowLookup
 from umakit.generate.sampling import recent_tokens
 from umakit.hardware import cpu_kv_budget, metal_working_set
 
@@ -41,6 +49,7 @@ PAD_WASTE = 1.5  # prefill rows together while padded tokens stay under this fac
 # Of the working set the weights leave free: the rest is for activations, logits and other
 # apps (a KV cache grown to the whole working set under a wired limit panics, mlx-lm #883).
 METAL_KV_FRACTION = 0.7
+LOOKUP_POSITIONS = 32  # with prompt lookup, a step computes at most this many positions (rows x the widest feed)
 
 
 def _batch_kind(layer, model_type: str) -> type:
@@ -81,8 +90,9 @@ def _prefill_groups(rows: Sequence[BatchRow]) -> list[list[BatchRow]]:
 class MLXBatchDecoder:
     """`umakit.backends.base.BatchDecoder` for `MLXEngine`."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, lookup: Lookup | None = None):
         self._engine = engine
+        self._lookup = lookup
         self._model = engine.model
         self._model_type = engine.config.get("model_type", "?")
         self._device = mx.gpu if engine.device == "metal" else mx.cpu
@@ -92,6 +102,11 @@ class MLXBatchDecoder:
         # A recurrent state would take a left-padded prompt's padding in: such rows are prefilled one by one, each
         # in a cache of its own, and merged (as rows that bring their own cache are).
         self._alone = any(type(layer) is ArraysCache for layer in layers)
+        kept = {type(layer).__name__ for layer in layers if type(layer) is not KVCache}
+        if lookup is not None and kept:
+            raise InvalidArgumentError(f"--prompt-lookup in a batch takes back a row's rejected positions, which this "
+                                       f"model's {', '.join(sorted(kept))} layers cannot (model_type "
+                                       f"{self._model_type}); leave out --prompt-lookup")
         self._logprobs: dict[int, tuple[float, list[tuple[int, float]]]] = {}  # those of the last step's tokens
         self._reset()
 
@@ -102,6 +117,7 @@ class MLXBatchDecoder:
         self._next: mx.array | None = None  # (B,) the tokens the next forward pass reads
         self._ready: list[bool] = []  # whether _next[i] is a sampled token (not a prompt's last)
         self._figures: list[tuple | None] = []  # lazy log-probabilities of _next[i], for rows that asked
+        self._lookups: list[RowLookup | None] = []  # a greedy row's proposals, where the decoder speculates
 
     @property
     def size(self) -> int:
@@ -155,11 +171,16 @@ class MLXBatchDecoder:
                                     r.constraint) for r in group]
         self._ready += [False] * len(group)
         self._figures += [None] * len(group)
+        self._lookups += [RowLookup(r.prompt, self._lookup.ngram, self._lookup.tokens)
+                          if self._lookup is not None and s.plain and s.constraint is None and s.logprobs is None
+                          else None for r, s in zip(group, self._rows[-len(group):])]
 
     def step(self) -> list[tuple[int, int]]:
         self._logprobs = {}
         if not self._ids:
             return []
+        if self._lookup is not None:
+            return self._lookup_step()
         with mx.stream(self._device):
             inputs, figures = self._next, self._figures
             report = [i for i, ready in enumerate(self._ready) if ready]
@@ -180,6 +201,50 @@ class MLXBatchDecoder:
             self._logprobs = {self._ids[i]: common.read_figures(figures[i]) for i in report if figures[i] is not None}
         self._ready = [True] * len(self._ids)
         return [(self._ids[i], tokens[i]) for i in report]
+
+    def _lookup_step(self) -> list[tuple[int, int]]:
+        """A step read on the host before the next: every row's token, the speculating rows' proposals after it;
+        a speculating row returns what it kept at once, the others their token one step later, as without."""
+        with mx.stream(self._device):
+            tokens = self._next.tolist()
+            report = [i for i, ready in enumerate(self._ready) if ready]
+            out = [(self._ids[i], tokens[i]) for i in report]
+            for i in report:
+                self._rows[i].accept(tokens[i])
+                if self._lookups[i] is not None:  # its text grows without proposals too: what it may copy next
+                    self._lookups[i].commit([tokens[i]], [])
+            self._logprobs = {self._ids[i]: common.read_figures(self._figures[i])
+                              for i in report if self._figures[i] is not None}
+            room = LOOKUP_POSITIONS // len(self._ids) - 1
+            plans = [lookup.propose(room) if lookup is not None else [] for lookup in self._lookups]
+            width = 1 + max(len(p) for p in plans)
+            feed = mx.array([[t, *p] + [0] * (width - 1 - len(p)) for t, p in zip(tokens, plans)], dtype=mx.uint32)
+            logits = self._model(feed, cache=self._cache)  # (B, width, V)
+            picked, self._figures = common.sample_rows(MLXOps, self._rows, logits[:, 0, :])
+            picked = picked.tolist()
+            best = mx.argmax(logits, axis=-1).tolist() if width > 1 else None
+            drop = []
+            for i, plan in enumerate(plans):
+                emitted = [picked[i]]
+                if self._lookups[i] is not None:
+                    for j, proposed in enumerate(plan):
+                        if emitted[-1] != proposed:
+                            break
+                        emitted.append(best[i][j + 1])
+                    for token in emitted:
+                        self._rows[i].accept(token)
+                        out.append((self._ids[i], token))
+                    self._lookups[i].commit(emitted, plan)
+                self._ready[i] = self._lookups[i] is None  # a speculating row's last token is returned already
+                drop.append(width - len(emitted))  # positions fed but not kept: its proposals' tail, its padding
+                picked[i] = emitted[-1]
+            if max(drop):
+                for layer in self._cache:
+                    layer.prepare(right_padding=drop)
+                    layer.finalize()  # each row's tail rolled to its front, as left padding
+            self._next = mx.array(picked, dtype=mx.uint32)
+            mx.eval([c.state for c in self._cache], self._next)
+        return out
 
     def logprobs(self) -> dict[int, tuple[float, list[tuple[int, float]]]]:
         return dict(self._logprobs)
@@ -204,8 +269,8 @@ class MLXBatchDecoder:
             for c in self._cache:
                 c.filter(keep)
             self._next = self._next[mx.array(keep)]
-        self._ids, self._rows, self._ready, self._figures = common.take(keep, self._ids, self._rows, self._ready,
-                                                                        self._figures)
+        self._ids, self._rows, self._ready, self._figures, self._lookups = common.take(
+            keep, self._ids, self._rows, self._ready, self._figures, self._lookups)
 
     def kv_budget_bytes(self) -> int:
         if self._engine.device == "metal":

@@ -300,8 +300,8 @@ class MLXEngine:
                     release_buffers()
 
     def batch_decoder(self, kv_bits: int | None = None, lookup: Lookup | None = None) -> MLXBatchDecoder:
-        refuse_options(SPEC, batch_kv_bits=kv_bits, lookup=lookup)
-        return MLXBatchDecoder(self)
+        refuse_options(SPEC, batch_kv_bits=kv_bits)
+        return MLXBatchDecoder(self, lookup)
 
     def weight_info(self) -> WeightInfo:
         params = dict(tree_flatten(self.model.parameters()))
