@@ -185,13 +185,19 @@ class Model:
         ``messages`` plus its own settings (any of the options here but
         ``batch_size``), which override these for that prompt.
         """
-        return generate_batch(self, prompts, **options.pick(MANY))
+        return generate_batch(self, prompts, **self._drafted(options.pick(MANY)))
 
     @takes(*MANY, "on_error")
     def stream_batch(self, prompts: Sequence, *, options: GenerationOptions) -> BatchStream:
         """A `umakit.BatchStream`: iterate it for ``(index, result)`` as each prompt finishes (prompts as
         `generate_batch` takes them)."""
-        return stream_batch(self, prompts, **options.pick((*MANY, "on_error")))
+        return stream_batch(self, prompts, **self._drafted(options.pick((*MANY, "on_error"))))
+
+    def _drafted(self, picked: dict) -> dict:
+        """The options with a ``draft`` given as a path loaded on this model's engine and device."""
+        if isinstance(picked.get("draft"), (str, os.PathLike)):
+            picked["draft"] = load(picked["draft"], backend=self.info.backend, device=self.info.device)
+        return picked
 
     def make_cache(self, kv_bits: int | None = None) -> KVCache:
         """An empty KV cache for this model (``kv_bits`` 4 or 8: quantized, where the engine offers it)."""

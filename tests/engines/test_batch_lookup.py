@@ -41,7 +41,7 @@ class Oracle:
         self.next = {tuple(model.encode(p, raw=True)): lone(model, p, n, temperature=0).tokens for p in prompts}
         self.wrong, self.made = wrong, []
 
-    def row(self, text, ngram, most):
+    def row(self, text, ngram, most, proposer=None):
         oracle = self
 
         class Row:
@@ -177,7 +177,7 @@ def test_what_cannot_speculate_is_refused(model, tiny_dir):
     mlx = umakit.load(tiny_dir("llama"), backend="mlx", device="cpu")
     with pytest.raises(InvalidArgumentError, match="mlx backend does not support --kv-bits in a batch"):
         mlx.engine.batch_decoder(8, Lookup())
-    with pytest.raises(InvalidArgumentError, match="need --prompt-lookup"):
+    with pytest.raises(InvalidArgumentError, match="need --draft MODEL or --prompt-lookup"):
         generate_batch(model, ["x"], ngram=2)
     with pytest.raises(InvalidArgumentError, match="ngram must be"):
         generate_batch(model, ["x"], prompt_lookup=True, ngram=0)
@@ -191,7 +191,14 @@ def test_the_server_speculates_greedy_requests_and_keeps_their_tokens(request, m
     model = request.getfixturevalue("model" if engine == "torch" else "mlx_model")
     monkeypatch.setattr(batch_decoder if engine == "torch" else mlx_decoder, "RowLookup",
                         Oracle(model, REPEATS, 30).row)
-    s = Scheduler(model, SchedulerSettings(max_concurrency=rows, step_tokens=16, lookup=Lookup(ngram=2, tokens=4)))
+    m = serve_all(model, Lookup(ngram=2, tokens=4), rows)
+    assert m["decode_steps_total"] < m["generated_tokens_total"] / 2 / rows
+
+
+def serve_all(model, lookup, rows):
+    """Every prompt of REPEATS through a scheduler speculating with ``lookup``; checks each reply against a lone
+    run and returns the scheduler's metrics."""
+    s = Scheduler(model, SchedulerSettings(max_concurrency=rows, step_tokens=16, lookup=lookup))
     loop = asyncio.new_event_loop()
     s.start()
     try:
@@ -217,8 +224,7 @@ def test_the_server_speculates_greedy_requests_and_keeps_their_tokens(request, m
     for p, (tokens, final) in zip(REPEATS, results):
         want = lone(model, p, 30, temperature=0)
         assert tokens == want.tokens and final.usage.completion_tokens == len(want.tokens)
-    assert m["decode_steps_total"] < m["generated_tokens_total"] / 2 / rows
-
+    return m
 
 
 # -- the MLX engine ----------------------------------------------------------------------------------------------
@@ -283,3 +289,53 @@ def test_mlx_refuses_lookup_where_a_row_cannot_give_back_positions(tmp_path):
     with pytest.raises(InvalidArgumentError, match="--prompt-lookup.*ArraysCache.*qwen3_next"):
         hybrid.engine.batch_decoder(lookup=Lookup())
     hybrid.engine.batch_decoder()  # without lookup it batches
+
+
+# -- a draft model's proposals, each row on a draft cache of its own ---------------------------------------------
+
+@pytest.mark.parametrize("engine", ["torch", "mlx"])
+def test_greedy_rows_draft_with_a_smaller_model_and_keep_their_lone_tokens(request, quantized, engine):
+    from umakit.generate.speculative import batch_lookup
+
+    model = request.getfixturevalue("model" if engine == "torch" else "mlx_model")
+    # the same tiny model at 8 bits: it agrees with the target often, not always
+    draft = umakit.load(quantized("llama", 8), backend=engine, device="cpu", dtype="float32")
+    want = [lone(model, p, 24, temperature=0) for p in REPEATS[:4]]
+    for size in (1, 3):
+        run = generate_batch(model, REPEATS[:4], max_tokens=24, sampling=GREEDY, batch_size=size, raw=True,
+                             draft=draft, draft_tokens=3)
+        assert [r.tokens for r in run] == [w.tokens for w in want], f"batch {size}"
+        assert run.stats.steps < 0.8 * run.stats.generated_tokens / size
+    lookup = batch_lookup(draft=draft, target=model)
+    assert lookup.tokens == 4 and lookup.draft is not None
+    m = serve_all(model, lookup, 4)  # the server's rows draft too
+    assert m["decode_steps_total"] < 0.8 * m["generated_tokens_total"] / 4
+    with pytest.raises(InvalidArgumentError, match="not both"):
+        generate_batch(model, ["x"], draft=draft, prompt_lookup=True)
+    with pytest.raises(InvalidArgumentError, match="--ngram applies to --prompt-lookup"):
+        generate_batch(model, ["x"], draft=draft, ngram=2)
+
+
+def test_batch_and_serve_take_a_draft_from_the_cli(model, quantized, tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from umakit.cli.main import main
+
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"id": i, "prompt": p}) + "\n"
+                                               for i, p in enumerate(REPEATS[:3])))
+    out = tmp_path / "out.jsonl"
+    r = CliRunner().invoke(main, ["batch", str(quantized("llama", 4)), "-i", str(tmp_path / "in.jsonl"), "-o",
+                                  str(out), "--raw", "--temp", "0", "--max-tokens", "12", "--draft",
+                                  str(quantized("llama", 8)), "--device", "cpu", "--dtype", "bfloat16"])
+    assert r.exit_code == 0, r.output
+    rows = {row["id"]: row["text"] for row in map(json.loads, out.read_text().splitlines())}
+    assert rows == {i: lone(model, p, 12, temperature=0).text for i, p in enumerate(REPEATS[:3])}
+    for args, says in ((["--draft", "x", "--prompt-lookup"], "not both"), (["--draft", "x", "--ngram", "2"],
+                                                                           "--ngram applies to --prompt-lookup")):
+        r = CliRunner().invoke(main, ["batch", "m", "-i", str(tmp_path / "in.jsonl"), "-o",
+                                      str(tmp_path / "no.jsonl"), *args])
+        assert r.exit_code != 0 and says in r.output and "Traceback" not in r.output
+    r = CliRunner().invoke(main, ["serve", "a", "b", "--draft", "x"])
+    assert r.exit_code != 0 and "--draft serves one model" in r.output

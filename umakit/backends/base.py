@@ -187,14 +187,16 @@ class BatchRow:
 
 @dataclass(frozen=True)
 class Lookup:
-    """Prompt-lookup speculation for a batch's rows (feature ``lookup``): each step, a row whose every token is its
-    logits' argmax (temperature 0, no penalties, no constraint, no log-probabilities asked) may feed up to
-    ``tokens`` proposals copied from its own text (what followed the last earlier occurrence of its last
-    ``ngram`` tokens) beside its token, and keeps those its logits confirm, so its tokens are what plain decoding
-    gives; the others decode one token a step."""
+    """Speculation for a batch's rows (feature ``lookup``): each step, a row whose every token is its logits'
+    argmax (temperature 0, no penalties, no constraint, no log-probabilities asked) may feed up to ``tokens``
+    proposals beside its token, and keeps those its logits confirm, so its tokens are what plain decoding gives;
+    the others decode one token a step. The proposals are copied from the row's own text (what followed the last
+    earlier occurrence of its last ``ngram`` tokens), or, with ``draft``, made by a smaller model: ``draft()``
+    gives a row its own proposer (`umakit.generate.speculative.DraftModel`, with its own cache)."""
 
     ngram: int = 3
     tokens: int = 8
+    draft: Callable[[], Any] | None = None
 
 
 @runtime_checkable

@@ -12,7 +12,7 @@ from umakit.backends.base import BATCH
 from umakit.generate.batch import DEFAULT_BATCH_SIZE
 
 from umakit.cli.flags import (SAMPLING_KEYS, batch_kv_needs, constraint_options, follow_unless_leader, kv_bits_option,
-                              load_model, lookup_needs, lookup_options, model_options, offload_options,
+                              load_draft, load_model, lookup_needs, lookup_options, model_options, offload_options,
                               parallel_option, read_constraint, sampling_options)
 
 
@@ -81,8 +81,8 @@ class Progress:
 @model_options
 @offload_options
 @parallel_option
-def batch_cmd(model, input_path, output_path, batch_size, system, raw, stop, kv_bits, prompt_lookup, draft_tokens, ngram,
-              json_schema, regex, choices, grammar, max_tokens, seed, backend, device, dtype, peak_bandwidth,
+def batch_cmd(model, input_path, output_path, batch_size, system, raw, stop, kv_bits, prompt_lookup, draft, draft_tokens,
+              ngram, json_schema, regex, choices, grammar, max_tokens, seed, backend, device, dtype, peak_bandwidth,
               gpu_layers, vram_budget, parallel, **sampling):
     """Generate a reply to every prompt of a JSON Lines file, in batches."""
     from umakit.generate import batch_io
@@ -90,9 +90,10 @@ def batch_cmd(model, input_path, output_path, batch_size, system, raw, stop, kv_
     from umakit.generate.sampling import SamplingParams
     from umakit.generate.speculative import batch_lookup
 
-    batch_lookup(prompt_lookup, draft_tokens, ngram)  # checked before anything loads
+    batch_lookup(prompt_lookup, draft_tokens, ngram, draft)  # checked before anything loads
     load = dict(backend=backend, device=device, dtype=dtype, peak_bandwidth=peak_bandwidth,
-                needs={BATCH} | batch_kv_needs(kv_bits) | lookup_needs(prompt_lookup), gpu_layers=gpu_layers,
+                needs={BATCH} | batch_kv_needs(kv_bits) | lookup_needs(prompt_lookup or draft is not None),
+                gpu_layers=gpu_layers,
                 vram_budget=vram_budget)
     follow_unless_leader(parallel, model, **load)  # a follower reads no input and writes no output
     batch_io.check_paths(input_path, output_path)
@@ -101,7 +102,7 @@ def batch_cmd(model, input_path, output_path, batch_size, system, raw, stop, kv_
     params = SamplingParams().with_overrides(**{k: sampling[k] for k in SAMPLING_KEYS})
     settings = dict(max_tokens=max_tokens, stop=stop, seed=seed, system=system, sampling=params,
                     **read_constraint(json_schema, regex, choices, grammar))
-    lookup = dict(prompt_lookup=prompt_lookup, draft_tokens=draft_tokens, ngram=ngram)
+    lookup = dict(prompt_lookup=prompt_lookup, draft=draft, draft_tokens=draft_tokens, ngram=ngram)
     load["parallel"] = parallel
     with fsutil.locked(output_path):  # a second batch onto the same output is refused, not interleaved
         _run(model, input_path, output_path, batch_size, raw, kv_bits, settings, load, lookup)
@@ -127,6 +128,7 @@ def _run(model, input_path, output_path, batch_size, raw, kv_bits, settings, loa
     m = stream = None
     if todo:
         m = load_model(model, **load_kwargs)
+        lookup = {**lookup, "draft": load_draft(m, lookup["draft"])}
 
     def skip(i, error):  # i indexes todo
         errors.append(batch_io.LineError(todo[i].line, str(error), todo[i].id))

@@ -195,17 +195,26 @@ def speculative_options(f):
 
 
 def lookup_options(f):
-    """--prompt-lookup, --ngram, --draft-tokens for a batch's rows (`batch`, `serve`)."""
-    from umakit.generate.speculative import DEFAULT_LOOKUP_TOKENS, DEFAULT_NGRAM, MAX_DRAFT_TOKENS, MAX_NGRAM
+    """--prompt-lookup, --draft, --ngram, --draft-tokens for a batch's rows (`batch`, `serve`)."""
+    from umakit.generate.speculative import (
+        DEFAULT_DRAFT_TOKENS,
+        DEFAULT_LOOKUP_TOKENS,
+        DEFAULT_NGRAM,
+        MAX_DRAFT_TOKENS,
+        MAX_NGRAM,
+    )
 
     f = click.option("--ngram", type=click.IntRange(1, MAX_NGRAM), default=None,
                      help=f"With --prompt-lookup: the n-gram to match (default {DEFAULT_NGRAM}).")(f)
     f = click.option("--draft-tokens", type=click.IntRange(1, MAX_DRAFT_TOKENS), default=None, metavar="K",
-                     help=f"With --prompt-lookup: most tokens proposed per row and step (default "
-                          f"{DEFAULT_LOOKUP_TOKENS}).")(f)
+                     help=f"Most tokens proposed per row and step (default {DEFAULT_DRAFT_TOKENS} with --draft, "
+                          f"{DEFAULT_LOOKUP_TOKENS} with --prompt-lookup).")(f)
+    f = click.option("--draft", metavar="MODEL", default=None,
+                     help="Greedy requests speculate with this smaller model (same tokenizer), each on a cache of "
+                          "its own; their text is unchanged.")(f)
     f = click.option("--prompt-lookup", is_flag=True,
                      help="Greedy requests speculate with candidates copied from their own text; their text is "
-                          "unchanged (torch engine, fused CPU step).")(f)
+                          "unchanged (the torch engine's fused CPU step, and MLX).")(f)
     return f
 
 

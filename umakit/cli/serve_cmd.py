@@ -10,6 +10,7 @@ import signal
 import socket
 import sys
 import threading
+from dataclasses import replace
 
 import click
 
@@ -19,8 +20,8 @@ from umakit.serve import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S, DEFA
 from umakit.serve.types import SchedulerSettings
 
 from umakit.cli.format import size
-from umakit.cli.flags import (batch_kv_needs, follow_unless_leader, kv_bits_option, load_model, lookup_needs,
-                              lookup_options, model_options, offload_options, parallel_option)
+from umakit.cli.flags import (batch_kv_needs, follow_unless_leader, kv_bits_option, load_draft, load_model,
+                              lookup_needs, lookup_options, model_options, offload_options, parallel_option)
 
 API_KEY_ENV = "UMAKIT_API_KEY"
 CONNECTIONS_SPARE = 64  # connections beyond the rows and the queue: /health, /metrics, requests refused with 429
@@ -92,8 +93,8 @@ def _size_or_zero(ctx, param, value):
 @parallel_option
 def serve_cmd(models, models_file, keep_alive, memory_budget, host, port, api_key, api_keys_file, max_concurrency,
               max_queue, prompt_cache_bytes, step_tokens, max_body_bytes, request_timeout, body_timeout, header_timeout,
-              send_timeout, allowed_origins, allowed_hosts, kv_bits, prompt_lookup, draft_tokens, ngram, backend, device,
-              dtype, peak_bandwidth, gpu_layers, vram_budget, parallel):
+              send_timeout, allowed_origins, allowed_hosts, kv_bits, prompt_lookup, draft, draft_tokens, ngram, backend,
+              device, dtype, peak_bandwidth, gpu_layers, vram_budget, parallel):
     """Serve models over OpenAI's and Anthropic's HTTP APIs: chat completions, completions, responses and
     messages, streamed or not, with tool calls and structured outputs.
 
@@ -106,10 +107,10 @@ def serve_cmd(models, models_file, keep_alive, memory_budget, host, port, api_ke
     from umakit.serve.app import make_app
     from umakit.serve.scheduler import Scheduler
 
-    lookup = batch_lookup(prompt_lookup, draft_tokens, ngram)
+    lookup = batch_lookup(prompt_lookup, draft_tokens, ngram, draft)  # with --draft: checked, made once loaded
     load = dict(backend=backend, device=device, dtype=dtype, peak_bandwidth=peak_bandwidth,
-                needs={BATCH} | batch_kv_needs(kv_bits) | lookup_needs(prompt_lookup), gpu_layers=gpu_layers,
-                vram_budget=vram_budget)
+                needs={BATCH} | batch_kv_needs(kv_bits) | lookup_needs(prompt_lookup or draft is not None),
+                gpu_layers=gpu_layers, vram_budget=vram_budget)
     origins = tuple(o.strip().rstrip("/") for o in allowed_origins.split(",") if o.strip())
     settings = SchedulerSettings(max_concurrency=max_concurrency, max_queue=max_queue,
                                  prompt_cache_bytes=prompt_cache_bytes, request_timeout_s=request_timeout,
@@ -120,14 +121,17 @@ def serve_cmd(models, models_file, keep_alive, memory_budget, host, port, api_ke
     web = dict(api_key=keys, max_body_bytes=max_body_bytes, request_timeout_s=request_timeout,
                allowed_origins=origins, allowed_hosts=hosts, body_timeout_s=body_timeout)
     if models_file is not None or len(models) != 1:
-        if parallel is not None:
-            raise click.UsageError("--parallel serves one model: give it as MODEL")
+        if parallel is not None or draft is not None:
+            raise click.UsageError(f"{'--parallel' if parallel is not None else '--draft'} serves one model: give it "
+                                   f"as MODEL")
         listed = list(models) + (_read_models(models_file) if models_file else [])
         return _serve_by_name(listed, keep_alive, memory_budget, host, port, settings, web, load, deadlines)
     model = models[0]
     follow_unless_leader(parallel, model, **load)  # only rank 0 binds the port and answers HTTP
     sock = _bind(host, port)  # before the model loads: a port in use fails in a second, not after the load
     m = load_model(model, show_progress=sys.stderr.isatty(), parallel=parallel, **load)
+    if draft is not None:
+        settings = replace(settings, lookup=batch_lookup(False, draft_tokens, None, load_draft(m, draft), m))
     scheduler = Scheduler(m, settings)
     app = make_app(m, scheduler, **web)
     _log_to_stderr()

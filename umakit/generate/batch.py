@@ -289,7 +289,7 @@ def stream_batch(model, prompts: Sequence, *, options: GenerationOptions) -> Bat
                 raise InvalidArgumentError(f"prompt {i}: {e}") from e
             raise
         indices.append(i)
-    lookup = batch_lookup(options.prompt_lookup, options.draft_tokens, options.ngram)
+    lookup = batch_lookup(options.prompt_lookup, options.draft_tokens, options.ngram, options.draft, model)
     return BatchStream(model, requests, options.batch_size, indices, options.kv_bits, lookup)
 
 

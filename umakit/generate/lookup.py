@@ -10,16 +10,16 @@ twice that, up to MAX_PAUSE, while fewer than POOR_ACCEPTANCE of its proposals a
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
-if TYPE_CHECKING:
-    from umakit.generate.sampling import SamplingParams
+from umakit.generate.sampling import SamplingParams
 
 POOR_ACCEPTANCE = 0.3  # below this running acceptance rate, speculation pauses
 FIRST_PAUSE = 4  # target steps of the first pause; each pause after a poor run doubles, up to MAX_PAUSE
 MAX_PAUSE = 64
 SMOOTHING = 0.5  # weight of the newest step in the running acceptance rate
 FIRST_TOKENS = 2  # a row's first proposals at most
+GREEDY = SamplingParams(temperature=0)  # a speculating row's: its every token is its logits' argmax
 
 
 class PromptLookup:
@@ -71,10 +71,11 @@ class PromptLookup:
 
 
 class RowLookup:
-    """One greedy row's prompt lookup in a batch that speculates: its proposals each step, adapted as above."""
+    """One greedy row's speculation in a batch: its proposals each step, adapted as above; from its own text, or
+    from ``proposer`` (a row's draft model, `umakit.generate.speculative.DraftModel`: the same three calls)."""
 
-    def __init__(self, text: Sequence[int], ngram: int, most: int):
-        self.lookup = PromptLookup(ngram)
+    def __init__(self, text: Sequence[int], ngram: int, most: int, proposer=None):
+        self.lookup = proposer if proposer is not None else PromptLookup(ngram)
         self.lookup.start(text)
         self.most, self.k = most, min(FIRST_TOKENS, most)
         self.rate, self.pause, self.wait = 1.0, FIRST_PAUSE, 0
@@ -86,7 +87,7 @@ class RowLookup:
             return []
         if room < 1:
             return []
-        return self.lookup.propose(min(self.k, room), None, None)[0]  # type: ignore[arg-type]
+        return self.lookup.propose(min(self.k, room), GREEDY, None)[0]
 
     def commit(self, emitted: Sequence[int], proposed: Sequence[int]) -> None:
         """The tokens the row returned this step: the proposals its logits confirmed, then its own pick."""

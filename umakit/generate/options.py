@@ -93,8 +93,7 @@ SPECULATION = ("draft", "draft_tokens", "prompt_lookup", "ngram")
 CONSTRAINTS = ("schema", "regex", "choices", "grammar")  # at most one: umakit.generate.constrain.from_options
 ONE = (*PROMPT, *LIMITS, "kv_bits", *SAMPLING, *CONSTRAINTS, *SPECULATION)  # a reply: `Model.stream`, `Model.generate`
 # a batch: `Model.generate_batch`, umakit.generate.batch
-MANY = ("batch_size", "kv_bits", *LIMITS, "system", "raw", *SAMPLING, *CONSTRAINTS, "prompt_lookup", "ngram",
-        "draft_tokens")
+MANY = ("batch_size", "kv_bits", *LIMITS, "system", "raw", *SAMPLING, *CONSTRAINTS, *SPECULATION)
 _FIELDS = {f.name: f for f in fields(GenerationOptions)}
 
 

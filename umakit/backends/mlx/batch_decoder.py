@@ -171,7 +171,8 @@ class MLXBatchDecoder:
                                     r.constraint) for r in group]
         self._ready += [False] * len(group)
         self._figures += [None] * len(group)
-        self._lookups += [RowLookup(r.prompt, self._lookup.ngram, self._lookup.tokens)
+        self._lookups += [RowLookup(r.prompt, self._lookup.ngram, self._lookup.tokens,
+                                    self._lookup.draft and self._lookup.draft())
                           if self._lookup is not None and s.plain and s.constraint is None and s.logprobs is None
                           else None for r, s in zip(group, self._rows[-len(group):])]
 

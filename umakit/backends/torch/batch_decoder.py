@@ -183,7 +183,8 @@ class TorchBatchDecoder:
                                    row.logprobs, row.constraint)
             self._rows.append(sampler)
             speculates = self._lookup is not None and sampler.plain and row.constraint is None and row.logprobs is None
-            self._lookups.append(RowLookup(row.prompt, self._lookup.ngram, self._lookup.tokens) if speculates else None)
+            self._lookups.append(RowLookup(row.prompt, self._lookup.ngram, self._lookup.tokens,
+                                           self._lookup.draft and self._lookup.draft()) if speculates else None)
             self._lengths.append(single.offset)
             self._next.append(row.prompt[-1])
 

@@ -76,18 +76,35 @@ def speculator(target, *, draft=None, prompt_lookup: bool = False, draft_tokens:
                               draft.info.weights.bytes_per_token if draft is not None else 0.0)
 
 
-def batch_lookup(prompt_lookup: bool = False, draft_tokens: int | None = None, ngram: int | None = None):
+def batch_lookup(prompt_lookup: bool = False, draft_tokens: int | None = None, ngram: int | None = None,
+                 draft=None, target=None):
     """The `umakit.backends.base.Lookup` a batch's (or a server's) greedy rows speculate with, or None; every value
-    checked here. A batch takes no draft model: each row would need its own draft cache, stepped alongside."""
-    if not prompt_lookup:
+    checked here. ``draft``: a loaded `umakit.Model` sharing ``target``'s tokenizer, each row drafting on a cache of
+    its own; given before the models load (a path, no ``target``), the values are checked and None returned."""
+    if draft is not None and prompt_lookup:
+        raise InvalidArgumentError("choose one way to speculate: a draft model or prompt lookup, not both")
+    if not prompt_lookup and draft is None:
         if draft_tokens is not None or ngram is not None:
-            raise InvalidArgumentError("--draft-tokens and --ngram need --prompt-lookup")
+            raise InvalidArgumentError("--draft-tokens and --ngram need --draft MODEL or --prompt-lookup")
         return None
     from umakit.backends.base import Lookup
 
-    return Lookup(_in_range("ngram", DEFAULT_NGRAM if ngram is None else ngram, 1, MAX_NGRAM),
-                  _in_range("draft_tokens", DEFAULT_LOOKUP_TOKENS if draft_tokens is None else draft_tokens, 1,
-                            MAX_DRAFT_TOKENS))
+    if draft is None:
+        return Lookup(_in_range("ngram", DEFAULT_NGRAM if ngram is None else ngram, 1, MAX_NGRAM),
+                      _in_range("draft_tokens", DEFAULT_LOOKUP_TOKENS if draft_tokens is None else draft_tokens, 1,
+                                MAX_DRAFT_TOKENS))
+    if ngram is not None:
+        raise InvalidArgumentError("--ngram applies to --prompt-lookup, not to a draft model")
+    k = _in_range("draft_tokens", DEFAULT_DRAFT_TOKENS if draft_tokens is None else draft_tokens, 1, MAX_DRAFT_TOKENS)
+    if target is None:
+        return None
+    if not hasattr(draft, "engine"):
+        raise InvalidArgumentError("a batch's draft must be a loaded umakit.Model (Model.generate_batch loads a path)")
+    check_draft(target, draft)
+    from umakit.generate.speculative.proposers import DraftModel
+
+    engine, vocab = draft.engine, int(target.engine.config.get("vocab_size") or target.tokenizer.vocab_size)
+    return Lookup(tokens=k, draft=lambda: DraftModel(engine, vocab))
 
 
 def check_draft(target, draft) -> None:
