@@ -252,7 +252,8 @@ class MLXBatchDecoder:
 
     def export(self, row_id: int) -> MLXCache:
         # This decoder has fed every token it returned: the copy holds prompt + returned
-        # tokens (all but the prompt's last before the row's first step).
+        # tokens (all but the prompt's last before the row's first step); but a row that
+        # speculates (lookup) returns its last token before feeding it: all but that one.
         i = common.position(self._ids, row_id)
         with mx.stream(self._device):
             layers = [c.extract(i) for c in self._cache]
