@@ -325,3 +325,26 @@ def test_batch_and_serve_take_a_draft_from_the_cli(model, quantized, tmp_path):
         assert r.exit_code != 0 and says in r.output and "Traceback" not in r.output
     r = CliRunner().invoke(main, ["serve", "a", "b", "--draft", "x"])
     assert r.exit_code != 0 and "--draft serves one model" in r.output
+
+
+@pytest.mark.slow
+def test_a_real_server_with_a_draft_keeps_its_replies(model, quantized, tmp_path_factory):
+    import httpx
+
+    from support.serve_helpers import read_metrics, start_server
+
+    srv = start_server(quantized("llama", 4), ["--backend", "torch", "--device", "cpu", "--dtype", "bfloat16",
+                                               "--draft", str(quantized("llama", 8))], tmp_path_factory, "draft")
+    try:
+        name = httpx.get(f"{srv.url}/v1/models").json()["data"][0]["id"]
+        for text in REPEATS[:2]:
+            messages = [{"role": "user", "content": text}]
+            r = httpx.post(f"{srv.url}/v1/chat/completions", timeout=120, json={
+                "model": name, "messages": messages, "max_tokens": 16, "temperature": 0})
+            assert r.status_code == 200, r.text
+            want = model.generate(messages=messages, max_tokens=16, temperature=0).text
+            assert r.json()["choices"][0]["message"]["content"] == want
+        m = read_metrics(httpx.get(f"{srv.url}/metrics").text)
+        assert m["umakit_decode_steps_total"] < 0.8 * m["umakit_generated_tokens_total"]
+    finally:
+        srv.stop()
