@@ -174,28 +174,21 @@ def follow_unless_leader(parallel, model, **load_kwargs) -> None:
 
 def speculative_options(f):
     """--draft, --draft-tokens, --prompt-lookup, --ngram: speculative decoding (lossless)."""
-    from umakit.generate.speculative import (
-        DEFAULT_DRAFT_TOKENS,
-        DEFAULT_LOOKUP_TOKENS,
-        DEFAULT_NGRAM,
-        MAX_DRAFT_TOKENS,
-        MAX_NGRAM,
-    )
-
-    f = click.option("--ngram", type=click.IntRange(1, MAX_NGRAM), default=None,
-                     help=f"With --prompt-lookup: the n-gram to match (default {DEFAULT_NGRAM}).")(f)
-    f = click.option("--prompt-lookup", is_flag=True,
-                     help="Speculate with candidates copied from the prompt and the text so far (no second model).")(f)
-    f = click.option("--draft-tokens", type=click.IntRange(1, MAX_DRAFT_TOKENS), default=None, metavar="K",
-                     help=f"Most tokens proposed per step (default {DEFAULT_DRAFT_TOKENS} with --draft, "
-                          f"{DEFAULT_LOOKUP_TOKENS} with --prompt-lookup).")(f)
-    f = click.option("--draft", metavar="MODEL", default=None,
-                     help="Speculate with this smaller model (same tokenizer); greedy text is unchanged.")(f)
-    return f
+    return _speculation(f, "per step",
+                        draft="Speculate with this smaller model (same tokenizer); greedy text is unchanged.",
+                        lookup="Speculate with candidates copied from the prompt and the text so far (no second model).")
 
 
 def lookup_options(f):
     """--prompt-lookup, --draft, --ngram, --draft-tokens for a batch's rows (`batch`, `serve`)."""
+    return _speculation(f, "per row and step",
+                        draft="Greedy requests speculate with this smaller model (same tokenizer), each on a cache of "
+                              "its own; their text is unchanged.",
+                        lookup="Greedy requests speculate with candidates copied from their own text; their text is "
+                               "unchanged (the torch engine's fused CPU step, and MLX).")
+
+
+def _speculation(f, per: str, draft: str, lookup: str):
     from umakit.generate.speculative import (
         DEFAULT_DRAFT_TOKENS,
         DEFAULT_LOOKUP_TOKENS,
@@ -206,16 +199,11 @@ def lookup_options(f):
 
     f = click.option("--ngram", type=click.IntRange(1, MAX_NGRAM), default=None,
                      help=f"With --prompt-lookup: the n-gram to match (default {DEFAULT_NGRAM}).")(f)
+    f = click.option("--prompt-lookup", is_flag=True, help=lookup)(f)
     f = click.option("--draft-tokens", type=click.IntRange(1, MAX_DRAFT_TOKENS), default=None, metavar="K",
-                     help=f"Most tokens proposed per row and step (default {DEFAULT_DRAFT_TOKENS} with --draft, "
+                     help=f"Most tokens proposed {per} (default {DEFAULT_DRAFT_TOKENS} with --draft, "
                           f"{DEFAULT_LOOKUP_TOKENS} with --prompt-lookup).")(f)
-    f = click.option("--draft", metavar="MODEL", default=None,
-                     help="Greedy requests speculate with this smaller model (same tokenizer), each on a cache of "
-                          "its own; their text is unchanged.")(f)
-    f = click.option("--prompt-lookup", is_flag=True,
-                     help="Greedy requests speculate with candidates copied from their own text; their text is "
-                          "unchanged (the torch engine's fused CPU step, and MLX).")(f)
-    return f
+    return click.option("--draft", metavar="MODEL", default=None, help=draft)(f)
 
 
 def load_draft(m, draft):

@@ -52,26 +52,20 @@ def speculator(target, *, draft=None, prompt_lookup: bool = False, draft_tokens:
     ``draft_tokens`` caps the tokens proposed per step, ``ngram`` the n-gram
     prompt lookup matches. Every value is checked here, before any model work.
     """
-    if draft is not None and prompt_lookup:
-        raise InvalidArgumentError("choose one way to speculate: a draft model or prompt lookup, not both")
-    if draft is None and not prompt_lookup:
-        if draft_tokens is not None or ngram is not None:
-            raise InvalidArgumentError("--draft-tokens and --ngram need --draft MODEL or --prompt-lookup")
+    chosen = _chosen(draft is not None, prompt_lookup, draft_tokens, ngram)
+    if chosen is None:
         return None
     from umakit.generate.speculative.decoder import SpeculativeDecoder
     from umakit.generate.lookup import PromptLookup
     from umakit.generate.speculative.proposers import DraftModel
 
-    default = DEFAULT_DRAFT_TOKENS if draft is not None else DEFAULT_LOOKUP_TOKENS
-    k = _in_range("draft_tokens", default if draft_tokens is None else draft_tokens, 1, MAX_DRAFT_TOKENS)
+    k, n = chosen
     vocab = int(target.engine.config.get("vocab_size") or target.tokenizer.vocab_size)
     if draft is not None:
-        if ngram is not None:
-            raise InvalidArgumentError("--ngram applies to --prompt-lookup, not to a draft model")
         check_draft(target, draft)
         proposer = DraftModel(draft.engine, vocab)
     else:
-        proposer = PromptLookup(_in_range("ngram", DEFAULT_NGRAM if ngram is None else ngram, 1, MAX_NGRAM))
+        proposer = PromptLookup(n)
     return SpeculativeDecoder(target.engine, proposer, k, target.info.context_length,
                               draft.info.weights.bytes_per_token if draft is not None else 0.0)
 
@@ -81,23 +75,14 @@ def batch_lookup(prompt_lookup: bool = False, draft_tokens: int | None = None, n
     """The `umakit.backends.base.Lookup` a batch's (or a server's) greedy rows speculate with, or None; every value
     checked here. ``draft``: a loaded `umakit.Model` sharing ``target``'s tokenizer, each row drafting on a cache of
     its own; given before the models load (a path, no ``target``), the values are checked and None returned."""
-    if draft is not None and prompt_lookup:
-        raise InvalidArgumentError("choose one way to speculate: a draft model or prompt lookup, not both")
-    if not prompt_lookup and draft is None:
-        if draft_tokens is not None or ngram is not None:
-            raise InvalidArgumentError("--draft-tokens and --ngram need --draft MODEL or --prompt-lookup")
+    chosen = _chosen(draft is not None, prompt_lookup, draft_tokens, ngram)
+    if chosen is None or (draft is not None and target is None):
         return None
     from umakit.backends.base import Lookup
 
+    k, n = chosen
     if draft is None:
-        return Lookup(_in_range("ngram", DEFAULT_NGRAM if ngram is None else ngram, 1, MAX_NGRAM),
-                      _in_range("draft_tokens", DEFAULT_LOOKUP_TOKENS if draft_tokens is None else draft_tokens, 1,
-                                MAX_DRAFT_TOKENS))
-    if ngram is not None:
-        raise InvalidArgumentError("--ngram applies to --prompt-lookup, not to a draft model")
-    k = _in_range("draft_tokens", DEFAULT_DRAFT_TOKENS if draft_tokens is None else draft_tokens, 1, MAX_DRAFT_TOKENS)
-    if target is None:
-        return None
+        return Lookup(n, k)
     if not hasattr(draft, "engine"):
         raise InvalidArgumentError("a batch's draft must be a loaded umakit.Model (Model.generate_batch loads a path)")
     check_draft(target, draft)
@@ -105,6 +90,22 @@ def batch_lookup(prompt_lookup: bool = False, draft_tokens: int | None = None, n
 
     engine, vocab = draft.engine, int(target.engine.config.get("vocab_size") or target.tokenizer.vocab_size)
     return Lookup(tokens=k, draft=lambda: DraftModel(engine, vocab))
+
+
+def _chosen(drafts: bool, prompt_lookup: bool, draft_tokens: int | None, ngram: int | None):
+    """(tokens proposed a step, n-gram or None) for a draft model or prompt lookup, every value checked; None
+    when neither is asked for."""
+    if drafts and prompt_lookup:
+        raise InvalidArgumentError("choose one way to speculate: a draft model or prompt lookup, not both")
+    if not drafts and not prompt_lookup:
+        if draft_tokens is not None or ngram is not None:
+            raise InvalidArgumentError("--draft-tokens and --ngram need --draft MODEL or --prompt-lookup")
+        return None
+    if drafts and ngram is not None:
+        raise InvalidArgumentError("--ngram applies to --prompt-lookup, not to a draft model")
+    default = DEFAULT_DRAFT_TOKENS if drafts else DEFAULT_LOOKUP_TOKENS
+    k = _in_range("draft_tokens", default if draft_tokens is None else draft_tokens, 1, MAX_DRAFT_TOKENS)
+    return k, None if drafts else _in_range("ngram", DEFAULT_NGRAM if ngram is None else ngram, 1, MAX_NGRAM)
 
 
 def check_draft(target, draft) -> None:
