@@ -274,6 +274,8 @@ def test_mlx_refuses_lookup_where_a_row_cannot_give_back_positions(tmp_path):
     hybrid = umakit.load(make("qwen3_next", tmp_path / "qwen3_next"), backend="mlx", device="cpu")
     with pytest.raises(InvalidArgumentError, match="--prompt-lookup.*ArraysCache.*qwen3_next"):
         hybrid.engine.batch_decoder(lookup=Lookup())
+    with pytest.raises(InvalidArgumentError, match="--draft in a batch.*leave out --draft"):
+        hybrid.engine.batch_decoder(lookup=Lookup(draft=lambda: None))
     hybrid.engine.batch_decoder()  # without lookup it batches
 
 

@@ -40,7 +40,7 @@ FEATURES = (QUANTIZED_KV, BATCH, BATCH_KV_BITS, CONSTRAIN, QUANTIZE, OFFLOAD, EX
 FEATURE_NAMES = {QUANTIZED_KV: "--kv-bits", BATCH: "batched decoding", BATCH_KV_BITS: "--kv-bits in a batch",
                  CONSTRAIN: "constrained decoding (a schema, regex, grammar or forced tool call)",
                  QUANTIZE: "--quantize", OFFLOAD: "--gpu-layers and --vram-budget", EXPORT: "exporting its weights",
-                 LOOKUP: "--prompt-lookup in batch and serve"}
+                 LOOKUP: "--prompt-lookup or --draft in batch and serve"}
 
 MAX_LOGPROBS = 20  # most alternatives a batch row may ask for (OpenAI's top_logprobs limit)
 
@@ -197,6 +197,11 @@ class Lookup:
     ngram: int = 3
     tokens: int = 8
     draft: Callable[[], Any] | None = None
+
+    @property
+    def flag(self) -> str:
+        """The command-line flag that asked for it, for an engine's refusal."""
+        return "--draft" if self.draft is not None else "--prompt-lookup"
 
 
 @runtime_checkable

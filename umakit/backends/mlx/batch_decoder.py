@@ -104,9 +104,9 @@ class MLXBatchDecoder:
         self._alone = any(type(layer) is ArraysCache for layer in layers)
         kept = {type(layer).__name__ for layer in layers if type(layer) is not KVCache}
         if lookup is not None and kept:
-            raise InvalidArgumentError(f"--prompt-lookup in a batch takes back a row's rejected positions, which this "
+            raise InvalidArgumentError(f"{lookup.flag} in a batch takes back a row's rejected positions, which this "
                                        f"model's {', '.join(sorted(kept))} layers cannot (model_type "
-                                       f"{self._model_type}); leave out --prompt-lookup")
+                                       f"{self._model_type}); leave out {lookup.flag}")
         self._logprobs: dict[int, tuple[float, list[tuple[int, float]]]] = {}  # those of the last step's tokens
         self._reset()
 

@@ -146,7 +146,7 @@ class TorchBatchDecoder:
 
     def __init__(self, engine, kv_bits: int | None = None, lookup: Lookup | None = None):
         if lookup is not None and (kv_bits is not None or engine._fusing() is None):
-            raise InvalidArgumentError("--prompt-lookup in a batch runs on the torch engine's fused CPU step, with a "
+            raise InvalidArgumentError(f"{lookup.flag} in a batch runs on the torch engine's fused CPU step, with a "
                                        "float KV cache; here " + ("the cache is quantized (--kv-bits)" if kv_bits
                                                                   else "decode steps do not run on it"))
         self._lookup = lookup
