@@ -1,15 +1,19 @@
 """gpt-oss's MXFP4 experts on a CPU: umakit's packed forms against transformers' own CPU path, in one run.
 
-    python benchmarks/gpt_oss_mxfp4.py [--layers 2] [--tokens 32] [--threads 2] [--mlx]
+    python benchmarks/gpt_oss_mxfp4.py [--layers 2] [--tokens 32] [--threads 2] [--mlx] [--no-transformers]
 
 A random checkpoint in OpenAI's layout with gpt-oss-20b's widths (hidden 2880, 32 experts of 2880, 4 routed a
 token, 64 query and 8 key-value heads of 64; a 32,000-token vocabulary instead of 201,088, the embedding not
 being what is measured) and ``--layers`` of its 24 layers, the experts in MXFP4 (random codes, exponents around
 gpt-oss's), the rest bfloat16. Each way in a process of its own: the load's seconds, peak resident memory
-(VmHWM), and decode tok/s of ``--tokens`` greedy tokens after a 16-token prompt:
+(VmHWM), and decode tok/s of ``--tokens`` greedy tokens after a 16-token prompt (and, for umakit's engines, of
+8 rows decoded together, tok/s summed over the rows):
 
-- umakit, the torch side (``--backend transformers``): each expert's projections packed as exact 5-bit codes on
-  umakit's affine kernel; loaded twice, the second load reading the packing the first kept;
+- umakit's torch engine (the default on a CPU, ``--backend torch``): umakit's compact gpt-oss code, each expert
+  its own packed layer of exact 5-bit codes on umakit's affine kernel; loaded twice, the second load reading the
+  packing the first kept;
+- umakit's transformers engine (``--backend transformers``): transformers' model classes, each expert's
+  projections the same packed layers; loaded twice likewise;
 - transformers 5 itself, ``Mxfp4Config(dequantize=True)`` in bfloat16: what it does on a CPU, where its packed
   MXFP4 kernels (Triton, fetched from the Hub) do not run;
 - with ``--mlx``, umakit on MLX (its ``mxfp4`` mode; MLX on x86 Linux is single-threaded).
@@ -33,6 +37,7 @@ from pathlib import Path
 OUT = Path(__file__).parent / "out" / "gpt_oss_mxfp4.md"
 HIDDEN, EXPERTS, HEADS, KV, HEAD_DIM, VOCAB = 2880, 32, 64, 8, 64, 32000
 PROMPT = list(range(100, 116))
+BACKENDS = {"umakit-compact": "torch", "umakit-torch": "transformers", "umakit-mlx": "mlx"}
 
 
 def write_checkpoint(path: Path, layers: int) -> None:
@@ -116,16 +121,28 @@ def worker(args) -> dict:
         import umakit
         from umakit.generate.sampling import SamplingParams
 
-        backend = "transformers" if args.worker == "umakit-torch" else "mlx"
-        model = umakit.load(args.path, backend=backend, device="cpu")
+        from umakit.backends.base import BatchRow
+
+        model = umakit.load(args.path, backend=BACKENDS[args.worker], device="cpu")
         load = time.perf_counter() - t0
-        stream = model.engine.generate_tokens(PROMPT, model.make_cache(), SamplingParams(temperature=0))
+        greedy = SamplingParams(temperature=0)
+        stream = model.engine.generate_tokens(PROMPT, model.make_cache(), greedy)
         next(stream)
         t = time.perf_counter()
         for _ in range(args.tokens):
             next(stream)
         decode = args.tokens / (time.perf_counter() - t)
-    return dict(load=load, decode=decode, peak=peak_rss())
+        stream.close()
+        decoder = model.engine.batch_decoder()
+        decoder.add([BatchRow(i, [i + 3] + PROMPT, greedy) for i in range(8)])
+        decoder.step()
+        steps = max(4, args.tokens // 4)
+        t = time.perf_counter()
+        for _ in range(steps):
+            decoder.step()
+        rows = 8 * steps / (time.perf_counter() - t)
+        return dict(load=load, decode=decode, rows=rows, peak=peak_rss())
+    return dict(load=load, decode=decode, rows=None, peak=peak_rss())
 
 
 def main() -> None:
@@ -134,15 +151,17 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--mlx", action="store_true", help="umakit on MLX too (single-threaded on x86)")
+    ap.add_argument("--no-transformers", action="store_true", help="leave transformers' own CPU path out")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--path", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         print(json.dumps(worker(args)))
         return
-    # umakit's torch side twice: its first load packs the experts and keeps the packing under $UMAKIT_HOME (a
+    # umakit's torch-side engines twice: a first load packs the experts and keeps the packing under $UMAKIT_HOME (a
     # folder of this run's), the second reads it
-    ways = ["umakit-torch", "umakit-torch", "transformers"] + (["umakit-mlx"] if args.mlx else [])
+    ways = (["umakit-compact", "umakit-compact", "umakit-torch", "umakit-torch"]
+            + ([] if args.no_transformers else ["transformers"]) + (["umakit-mlx"] if args.mlx else []))
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "gpt-oss-shaped"
@@ -160,18 +179,21 @@ def main() -> None:
                 print(f"{way} failed:\n{run.stderr[-2000:]}", file=sys.stderr)
                 continue
             r = json.loads(run.stdout.strip().splitlines()[-1])
-            print(f"  {way}: load {r['load']:.1f} s, decode {r['decode']:.2f} tok/s, peak {r['peak'] >> 20} MB",
-                  file=sys.stderr)
+            print(f"  {way}: load {r['load']:.1f} s, decode {r['decode']:.2f} tok/s, 8 rows {r['rows'] or 0:.2f} "
+                  f"tok/s, peak {r['peak'] >> 20} MB", file=sys.stderr)
             rows.append((way + (", packing kept" if any(w == way for w, _ in rows) else ""), r))
     lines = [f"gpt-oss-20b's widths, {args.layers} of its 24 layers, MXFP4 experts ({size >> 20} MB checkpoint), "
              f"{date.today()}, {platform.processor() or platform.machine()}, {args.threads} threads, "
              f"{args.tokens} greedy tokens after 16.", "",
-             "| way | load s | decode tok/s | peak RSS MB |", "|---|---:|---:|---:|"]
-    names = {"umakit-torch": "umakit, torch side (packed 5-bit codes, affine kernel), first load",
-             "umakit-torch, packing kept": "umakit, torch side, a later load (the packing kept)",
+             "| way | load s | decode tok/s | 8 rows, tok/s summed | peak RSS MB |", "|---|---:|---:|---:|---:|"]
+    names = {"umakit-compact": "umakit, torch engine (compact code, packed 5-bit experts), first load",
+             "umakit-compact, packing kept": "umakit, torch engine, a later load (the packing kept)",
+             "umakit-torch": "umakit, transformers engine (packed 5-bit experts), first load",
+             "umakit-torch, packing kept": "umakit, transformers engine, a later load (the packing kept)",
              "transformers": "transformers, Mxfp4Config(dequantize=True), bfloat16",
              "umakit-mlx": "umakit, MLX (mxfp4 mode, CPU)"}
-    lines += [f"| {names[w]} | {r['load']:.1f} | {r['decode']:.2f} | {r['peak'] >> 20} |" for w, r in rows]
+    lines += [f"| {names[w]} | {r['load']:.1f} | {r['decode']:.2f} | "
+              f"{'-' if r['rows'] is None else format(r['rows'], '.2f')} | {r['peak'] >> 20} |" for w, r in rows]
     table = "\n".join(lines) + "\n"
     print(table)
     OUT.parent.mkdir(parents=True, exist_ok=True)

@@ -121,3 +121,30 @@ def test_speculation_is_lossless(torch_models, family):
     prompt = "The quick brown fox jumps over the lazy dog. The quick brown"
     plain = model.generate(prompt, raw=True, max_tokens=32, temperature=0)
     assert model.generate(prompt, raw=True, max_tokens=32, temperature=0, prompt_lookup=True).tokens == plain.tokens
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_quantized_experts_run_one_packed_layer_each_on_the_cpu_default(tiny_dir, tmp_path, family):
+    """`umakit quantize`'s 4-bit experts on the CPU default: each expert its own layer on umakit's packed kernel
+    (quant/forms.py `pack_experts`), the stacked codes dropped; greedy tokens those of the same quantized weights
+    dequantized in float32."""
+    from click.testing import CliRunner
+
+    from umakit.backends.torch.cpu import affine_kernel
+    from umakit.cli.main import main
+
+    if not affine_kernel.available():
+        pytest.skip("umakit's CPU kernel is not built here")
+    out = tmp_path / "q4"
+    result = CliRunner().invoke(main, ["quantize", str(tiny_dir(family)), "-o", str(out), "--bits", "4",
+                                       "--group-size", "32"])
+    assert result.exit_code == 0, result.output
+    packed = umakit.load(out, backend="torch", device="cpu")
+    exact = umakit.load(out, backend="torch", device="cpu", dtype="float32")
+    moe = packed.engine.model.model.layers[0]._modules[packed.engine.args.ffn_name].switch_mlp
+    assert len(moe.gate_proj.forms) == 4 and "weight" not in moe.gate_proj._buffers
+    assert exact.engine.model.model.layers[0]._modules[exact.engine.args.ffn_name].switch_mlp.gate_proj.forms is None
+    greedy = SamplingParams(temperature=0)
+    ours = packed.engine.generate_tokens(PROMPT, packed.make_cache(), greedy)
+    want = exact.engine.generate_tokens(PROMPT, exact.make_cache(), greedy)
+    assert [next(ours) for _ in range(12)] == [next(want) for _ in range(12)]

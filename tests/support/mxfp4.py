@@ -41,14 +41,14 @@ def pack(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return blocks, (exponent.squeeze(-1) + 127).to(torch.uint8)
 
 
-def write(path: Path, seed: int = 0, packed: bool = True) -> Path:
+def write(path: Path, seed: int = 0, packed: bool = True, **overrides) -> Path:
     """A random tiny gpt-oss at ``path`` with MXFP4 experts (``packed``; else all float, as transformers saves a
-    float gpt-oss); its routers made decisive, so a wrong expert shows."""
+    float gpt-oss); its routers made decisive, so a wrong expert shows. ``overrides`` change `CONFIG`'s fields."""
     import transformers
     from safetensors.torch import save_file
 
     torch.manual_seed(seed)
-    model = transformers.GptOssForCausalLM(transformers.GptOssConfig(**CONFIG))
+    model = transformers.GptOssForCausalLM(transformers.GptOssConfig(**{**CONFIG, **overrides}))
     path.mkdir(parents=True, exist_ok=True)
     tensors = {}
     for name, p in model.state_dict().items():

@@ -88,7 +88,7 @@ def test_auto_passes_over_an_engine_that_cannot_run_the_architecture_and_says_wh
     assert backends.choose("auto", model_type="mamba") == (
         "transformers", "cpu", "running on transformers (cpu): torch does not run mamba; mlx does not run mamba")
     with pytest.raises(UnsupportedModelError, match=r"model_type 'no_such_model' is not supported by any engine: "
-                       r"torch runs llama, .*qwen3_moe; mlx runs any architecture mlx-lm has a model file for; "
+                       r"torch runs llama, .*gpt_oss; mlx runs any architecture mlx-lm has a model file for; "
                        r"transformers runs any architecture the installed transformers has model code for"):
         backends.choose("auto", model_type="no_such_model")
     assert backends.choose("torch", model_type="no_such_model") == ("torch", "cpu", None)  # its error lists its own

@@ -69,7 +69,7 @@ from umakit.backends.torch.model.llama import ModelArgs
 from umakit.backends.torch.offload.experts import ExpertStreamer, plan_expert_offload
 from umakit.backends.torch.cpu.fused import FusedDecoder, covers
 from umakit.backends.torch.offload.layers import LayerStreamer
-from umakit.backends.torch.load import exact
+from umakit.backends.torch.load import exact, openai_experts
 from umakit.backends.torch.load.packed import PackedCache
 from umakit.backends.torch.cpu import affine_kernel
 from umakit.backends.torch.sampler import TorchOps
@@ -94,11 +94,13 @@ class TorchEngine:
         shapes = {k: t.shape for k, t in ckpt.tensors.items()}
         floats = [SAFETENSORS_FLOATS[t.dtype] for t in ckpt.tensors.values() if t.dtype in SAFETENSORS_FLOATS]
         staging = "cpu" if gpu_layers is not None or vram_budget is not None else device
-        target = compute_dtype(dtype, floats, device, ckpt.config.get("quantization"))
+        source = lambda skip=frozenset(): stream_checkpoint(ckpt, staging, progress, skip)  # noqa: E731
+        # gpt-oss's experts as the model holds them (OpenAI's MXFP4 as 5-bit affine: quantized from here on)
+        config, shapes, source = openai_experts.substitute(ckpt.config, shapes, source)
+        target = compute_dtype(dtype, floats, device, config.get("quantization"))
         # CPU packed kernels: the packing of a quantized checkpoint, kept from its first load (load/packed.py)
-        packs = device == "cpu" and target == torch.bfloat16 and ckpt.config.get("quantization")
+        packs = device == "cpu" and target == torch.bfloat16 and config.get("quantization")
         packed = PackedCache.for_checkpoint(ckpt.path, ckpt.files) if packs else None
-        config, source = ckpt.config, lambda skip=frozenset(): stream_checkpoint(ckpt, staging, progress, skip)
         if packs and affine_kernel.available():  # a GGUF's Q6_K tensors exactly, in groups of 16
             config, shapes, source = exact.substitute(ckpt, config, shapes, source)
         return cls(config, shapes, source, device, target, gpu_layers, vram_budget, packed)

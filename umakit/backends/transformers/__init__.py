@@ -1,8 +1,8 @@
 """The transformers engine: any architecture the installed transformers runs, on PyTorch (CUDA or CPU).
 
-umakit's torch engine has compact model code for seven families, which its fused CPU step, offload and tensor
-parallel need. A checkpoint of any other family transformers knows (gemma4, gpt_oss, the hybrid qwen3_next and
-qwen3_5, smollm3, lfm2, ...) runs here on transformers' own model classes, with umakit's cache protocol, sampler,
+umakit's torch engine has compact model code for nine families (its `ARCHITECTURES`), which its fused CPU step,
+offload and tensor parallel need. A checkpoint of any other family transformers knows (gemma4, the hybrid
+qwen3_next and qwen3_5, lfm2, ...) runs here on transformers' own model classes, with umakit's cache protocol, sampler,
 batch rows and measurements around them (engine.py). "auto" takes it when neither compact engine runs the model.
 
 Importing this package imports neither torch nor transformers: the registry reads `SPEC`, and finding an

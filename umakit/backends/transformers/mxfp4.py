@@ -25,34 +25,24 @@ from torch import nn
 from umakit.backends import trim_heap
 from umakit.backends.torch.load.packed import PackedCache
 from umakit.backends.torch.quant import forms
-from umakit.backends.torch.quant.layout import QuantizedLinear, pack
+from umakit.backends.torch.quant.layout import QuantizedLinear
+from umakit.backends.torch.quant.mxfp4 import BITS, GROUP, OFFSET, dequantized, exponents, packed_codes, steps
 from umakit.backends.transformers import quantizer
 from umakit.errors import UnsupportedModelError
 
 METHOD = "umakit-mxfp4"
-BITS, GROUP, OFFSET = 5, 32, 16
-# twice each E2M1 code's value (codes 8-15 the negatives of 0-7), and each byte's two (low nibble, high nibble)
-DOUBLED = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=torch.int16)
-PAIRS = torch.stack((DOUBLED.repeat(16), DOUBLED.repeat_interleave(16)), dim=-1)
 LOWEST, HIGHEST = -24, 11  # the powers of two a scale may be: float16's smallest subnormal; 16 x 2^11 = 2^15
 PROJECTIONS = ("gate_up_proj", "down_proj")
-PACK_ROWS = 256
 
 
 def affine(blocks: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(codes (rows, cols) uint8 of 4..28, scales (rows, cols / 32) float16) of one expert's MXFP4 projection
-    (blocks (rows, cols / 32, 16), scales (rows, cols / 32)), exactly; None where a scale is out of range."""
-    exponent = scales.to(torch.int32) - 128
+    """(codes packed as MLX's uint32 (rows, cols * 5 / 32), scales (rows, cols / 32) float16) of one expert's MXFP4
+    projection (blocks (rows, cols / 32, 16), scales (rows, cols / 32)), exactly; None where a scale is out of
+    float16's range."""
+    exponent = exponents(scales)
     if int(exponent.min()) < LOWEST or int(exponent.max()) > HIGHEST:
         return None
-    codes = (_doubled(blocks).reshape(blocks.shape[0], -1) + OFFSET).to(torch.uint8)
-    return codes, torch.ldexp(torch.ones(exponent.shape, device=scales.device), exponent).to(torch.float16)
-
-
-def _doubled(blocks: torch.Tensor) -> torch.Tensor:
-    """Twice each weight's E2M1 value (`DOUBLED`), int16 (rows, cols / 32, 32), on the blocks' device, the low
-    nibble first: each byte's two values looked up at once."""
-    return PAIRS.to(blocks.device)[blocks.to(torch.int64)].reshape(*blocks.shape[:-1], GROUP)
+    return packed_codes(blocks), steps(scales, torch.float16)
 
 
 def linear(blocks, scales, bias, dtype: torch.dtype) -> QuantizedLinear | torch.Tensor:
@@ -61,12 +51,10 @@ def linear(blocks, scales, bias, dtype: torch.dtype) -> QuantizedLinear | torch.
     rows, cols = blocks.shape[0], blocks.shape[1] * GROUP
     exact = affine(blocks, scales)
     if exact is None:
-        scale = torch.exp2(scales.float() - 128)[..., None]
-        return (_doubled(blocks).float() * scale).reshape(rows, cols).to(dtype)
+        return dequantized(blocks, scales, dtype)
     codes, s = exact
     q = QuantizedLinear(cols, rows, True, BITS, GROUP, device="meta")
-    # packed a slice of rows at a time: `pack` widens codes to int64, 8 bytes a weight
-    q.weight = torch.cat([pack(codes[i:i + PACK_ROWS], BITS) for i in range(0, rows, PACK_ROWS)])
+    q.weight = codes
     q.scales, q.biases = s, s * -OFFSET
     q.bias = bias.to(dtype)
     return q

@@ -175,7 +175,10 @@ def build_model(args: ModelArgs, config: dict, shapes: dict, source, device: tor
         block = model.model.layers[i].to(device)
         convert_model(block, device, weights, tensors_only=lambda path: True)
         block.to(host)
-    convert_model(model, device, weights, tensors_only=lambda path: layer_of(path) in streamed,
+    hosted = frozenset(host_experts)  # their experts stay stacked tensors, for the ExpertStreamer
+    convert_model(model, device, weights,
+                  tensors_only=lambda path: layer_of(path) in streamed or (layer_of(path) in hosted and
+                                                                           ".switch_mlp." in path),
                   prepacked=packed.get if packed is not None else lambda path: {})
     if packed is not None:
         packed.store({f"{path}.{name}": t for path, m in model.named_modules() if hasattr(m, "packing")

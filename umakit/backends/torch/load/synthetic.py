@@ -33,6 +33,10 @@ def synthetic_shapes(config: dict, bits: int | None, group_size: int) -> tuple[d
                 shapes[f"{path}.scales"] = shapes[f"{path}.biases"] = (n, rows, cols // group_size)
             else:
                 shapes[f"{path}.weight"] = (n, rows, cols)
+            if m.bias is not None:
+                shapes[f"{path}.bias"] = (n, rows)
+        if isinstance(getattr(m, "sinks", None), nn.Parameter):  # gpt-oss's attention
+            shapes[f"{path}.sinks"] = tuple(m.sinks.shape)
         if not isinstance(m, (nn.Linear, nn.Embedding)) or (path == "lm_head" and args.tie_word_embeddings):
             continue
         rows, cols = m.weight.shape

@@ -3,7 +3,9 @@
 - `llama`: the model (config dataclass, attention, MLP, block, forward; prefill and decode steps), which is
   llama, mistral, qwen2 and qwen3, switched by config fields;
 - `gemma`: what gemma3 does differently (its norms, embedding scale, soft-capping), as those fields;
-- `moe`: mixture-of-experts layers (router, stacked experts) for mixtral and qwen3_moe.
+- `moe`: mixture-of-experts layers (router, stacked experts) for mixtral and qwen3_moe;
+- `openai_moe`: what gpt-oss does differently (attention sinks, its router and experts), as those fields;
+- `rope`: RoPE's frequencies for every scaling kind a checkpoint may name, and the rotation.
 
 Imports torch, `umakit.checkpoint.config` and the torch engine's `quant`; nothing about loading or devices.
 """

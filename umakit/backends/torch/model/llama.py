@@ -1,10 +1,11 @@
-"""A compact Llama-family transformer (llama, mistral, qwen2, qwen3, gemma3, mixtral, qwen3_moe) in PyTorch.
+"""A compact Llama-family transformer in PyTorch (llama, mistral, qwen2, qwen3, smollm3, gemma3, mixtral,
+qwen3_moe, gpt_oss).
 
 Parameter names equal the Hugging Face checkpoint's, so loading is a plain
 assignment; `fuse_projections` then joins q/k/v and gate/up into one matmul
 each, which is what runs. The KV cache is passed explicitly to every layer.
 gemma3's differences are switched by fields from model/gemma.py, mixture-of-experts
-layers come from model/moe.py.
+layers come from model/moe.py, gpt-oss's attention sinks and experts from model/openai_moe.py.
 """
 
 from __future__ import annotations
@@ -18,11 +19,12 @@ from torch import nn
 
 from umakit.checkpoint.config import SLIDING, context_length, normalized, rope_kind, text_config
 from umakit.backends.torch.model.rope import (apply_rope, dynamic_inv_freq, is_dynamic, rope_attention_factor,
-                                              rope_cos_sin, rope_inv_freq)
+                                              rope_cos_sin, rope_inv_freq, rope_original)
 from umakit.errors import UnsupportedModelError
 from umakit.backends.torch import ARCHITECTURES as SUPPORTED
 from umakit.backends.torch.model.gemma import GemmaRMSNorm, gemma_fields, softcap
 from umakit.backends.torch.model.moe import SparseMoE, moe_fields
+from umakit.backends.torch.model.openai_moe import GptOssMoE, gpt_oss_fields, sink_attention
 
 ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
@@ -64,6 +66,9 @@ class ModelArgs:
     norm_topk_prob: bool = True
     moe_layers: tuple[int, ...] = ()  # the layers whose MLP is sparse
     ffn_name: str = "mlp"  # the checkpoint's name of a layer's feed-forward module (mixtral: block_sparse_moe)
+    # gpt-oss (model/openai_moe.py):
+    attn_sinks: bool = False  # a learned logit per head beside the keys'
+    swiglu: tuple[float, float] | None = None  # its experts' clamped SwiGLU (alpha, limit)
 
     @property
     def rope_dynamic(self) -> bool:
@@ -116,7 +121,7 @@ class ModelArgs:
                 sliding_window=window,
                 hidden_act=act,
             )
-            made = cls(**{**fields, **gemma_fields(c), **moe_fields(c)})
+            made = cls(**{**fields, **gemma_fields(c), **moe_fields(c), **gpt_oss_fields(c)})
         except KeyError as e:
             raise UnsupportedModelError(f"config.json lacks {e.args[0]!r}, which a {kind} model needs") from e
         made.rope_original = rope_original(c, made.max_position_embeddings)
@@ -136,25 +141,6 @@ class ModelArgs:
 
 
 # -- masks: pure functions ----------------------------------------------------------
-
-
-def rope_original(c: dict, max_positions: int) -> int:
-    """The original context of a RoPE whose frequencies follow the sequence's length (0 for the other kinds):
-    dynamic's ``max_position_embeddings``; longrope's ``original_max_position_embeddings``, beside its factors or,
-    in older configs (Phi-3's), at the top level. What they need and lack is refused here, at load."""
-    kind, s = rope_kind(c), c.get("rope_scaling") or {}
-    if kind == "dynamic":
-        if not isinstance(s.get("factor"), (int, float)):
-            raise UnsupportedModelError("dynamic RoPE scaling without a numeric 'factor' is not supported")
-        return max_positions
-    if kind == "longrope":
-        original = s.get("original_max_position_embeddings") or c.get("original_max_position_embeddings")
-        missing = [k for k in ("short_factor", "long_factor") if not s.get(k)] + ([] if original else
-                                                                                 ["original_max_position_embeddings"])
-        if missing:
-            raise UnsupportedModelError(f"longrope RoPE scaling without {', '.join(missing)} is not supported")
-        return int(original)
-    return 0
 
 
 def nope_layers(c: dict) -> tuple[int, ...]:
@@ -215,6 +201,8 @@ class Attention(nn.Module):
         if a.qk_norm:
             self.q_norm = make_norm(a, self.head_dim)
             self.k_norm = make_norm(a, self.head_dim)
+        if a.attn_sinks:
+            self.sinks = nn.Parameter(torch.empty(self.n_heads))
         self.qkv_proj = None  # set by fuse_projections
 
     def forward(self, x, step: Step, cache, layer: int):
@@ -232,7 +220,9 @@ class Attention(nn.Module):
             qk = apply_rope(qk, cos, sin)
         q, k = qk.split([nh, nkv], dim=1)
         k, v = cache.update(layer, k, v.transpose(1, 2), step.positions, step.static)  # (B, nkv, S, hd)
-        if T == 1:
+        if hasattr(self, "sinks"):
+            out = sink_attention(q, k, v, mask, self.scale or self.head_dim ** -0.5, self.sinks)
+        elif T == 1:
             # One query per head, all at the same position: fold each kv group's
             # queries into the time axis, so the cache is read once per kv head.
             q = q.reshape(B, nkv, nh // nkv, self.head_dim)
@@ -265,7 +255,9 @@ class Block(nn.Module):
     def __init__(self, a: ModelArgs, layer: int):
         super().__init__()
         self.self_attn = Attention(a, layer)
-        if layer in a.moe_layers:
+        if layer in a.moe_layers and a.swiglu:
+            ffn = GptOssMoE(a)
+        elif layer in a.moe_layers:
             ffn = SparseMoE(a.hidden_size, a.moe_intermediate_size, a.num_experts, a.num_experts_per_tok,
                             a.norm_topk_prob, ACTIVATIONS[a.hidden_act])
         else:

@@ -1,4 +1,4 @@
-"""Mixture-of-experts feed-forward layers (mixtral, qwen3_moe) for the torch model.
+"""Mixture-of-experts feed-forward layers (mixtral, qwen3_moe; gpt-oss's in model/openai_moe.py) for the torch model.
 
 A router picks ``top_k`` experts per token; each expert is a gated MLP. The
 experts of one projection are held stacked, as mlx-lm names and stores them
@@ -84,11 +84,14 @@ class Experts(nn.Module):
     """The (E, out, in) matrices of one projection of every expert, float or in MLX's affine layout."""
 
     def __init__(self, n: int, in_features: int, out_features: int, bits: int | None = None,
-                 group_size: int | None = None, dtype=torch.float16, device=None):
+                 group_size: int | None = None, dtype=torch.float16, device=None, bias: bool = False):
         super().__init__()
         self.n, self.in_features, self.out_features = n, in_features, out_features
         self.bits, self.group_size = bits, group_size
         self.streamer = None  # an ExpertStreamer (offload/experts.py) when the tensors live in host memory
+        self.forms = None  # one layer an expert on a packed CPU kernel, in place of the stacked tensors (forms.py)
+        # one bias row per expert (gpt-oss's), float whatever the weights' layout
+        self.bias = nn.Parameter(torch.empty(n, out_features, device=device), requires_grad=False) if bias else None
         if bits is None:
             self.weight = nn.Parameter(torch.empty(n, out_features, in_features, device=device), requires_grad=False)
             return
@@ -102,22 +105,46 @@ class Experts(nn.Module):
 
     def quantized(self, bits: int, group_size: int, dtype) -> Experts:
         """The same projection in MLX's affine layout (on the meta device, to be filled by the loader)."""
-        return Experts(self.n, self.in_features, self.out_features, bits, group_size, dtype, device="meta")
+        return Experts(self.n, self.in_features, self.out_features, bits, group_size, dtype, device="meta",
+                       bias=self.bias is not None)
+
+    def apply(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """Row i of ``x`` (M, in) through expert ``idx[i]``: (M, out). Without `forms` no host sync (CUDA graphs)."""
+        if self.forms is not None:
+            out = x.new_empty(x.shape[0], self.out_features)
+            for e in torch.unique(idx).tolist():
+                rows = (idx == e).nonzero()[:, 0]
+                out[rows] = self.forms[e](x[rows]).to(out.dtype)
+            return out
+        w, b = self.picked(idx, x.dtype)
+        y = torch.bmm(w, x[:, :, None])[:, :, 0]
+        return y if b is None else y + b
+
+    def apply_one(self, x: torch.Tensor, e: int) -> torch.Tensor:
+        """Every row of ``x`` (M, in) through expert ``e``."""
+        if self.forms is not None:
+            return self.forms[e](x).to(x.dtype)
+        w, b = self.picked(torch.tensor([e], device=x.device), x.dtype)
+        return F.linear(x, w[0], None if b is None else b[0])
 
     def matrices(self, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The matrices (len(idx), out, in) of the experts ``idx`` (1-D), in ``dtype``: only those are read."""
+        return self.picked(idx, dtype)[0]
+
+    def picked(self, idx: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the matrices (len(idx), out, in), their biases (len(idx), out) or None) of the experts ``idx``."""
         if self.streamer is not None:
             rows = self.streamer.rows(self, idx)
-        elif self.bits is None:
-            rows = {"weight": self.weight[idx]}
         else:
-            rows = {"weight": self.weight[idx], "scales": self.scales[idx], "biases": self.biases[idx]}
+            names = ("weight",) if self.bits is None else ("weight", "scales", "biases")
+            rows = {k: getattr(self, k)[idx] for k in names + (("bias",) if self.bias is not None else ())}
+        bias = rows["bias"].to(dtype) if "bias" in rows else None
         if self.bits is None:
-            return rows["weight"].to(dtype)
+            return rows["weight"].to(dtype), bias
         k, out = idx.shape[0], self.out_features
         w = dequantize(rows["weight"].reshape(k * out, -1), rows["scales"].reshape(k * out, -1),
                        rows["biases"].reshape(k * out, -1), self.bits, self.group_size, dtype)
-        return w.view(k, out, self.in_features)
+        return w.view(k, out, self.in_features), bias
 
 
 class SwitchMLP(nn.Module):
@@ -131,16 +158,12 @@ class SwitchMLP(nn.Module):
         self.act = act
 
     def gathered(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        """Row i of ``x`` (M, H) through expert ``idx[i]``: (M, H). Reads only the experts picked, no host sync."""
-        g = torch.bmm(self.gate_proj.matrices(idx, x.dtype), x[:, :, None])  # (M, I, 1)
-        u = torch.bmm(self.up_proj.matrices(idx, x.dtype), x[:, :, None])
-        return torch.bmm(self.down_proj.matrices(idx, x.dtype), self.act(g) * u)[:, :, 0]  # (M, H)
+        """Row i of ``x`` (M, H) through expert ``idx[i]``: (M, H). Reads only the experts picked."""
+        return self.down_proj.apply(self.act(self.gate_proj.apply(x, idx)) * self.up_proj.apply(x, idx), idx)
 
     def one(self, x: torch.Tensor, e: int) -> torch.Tensor:
         """Every row of ``x`` (M, H) through expert ``e``."""
-        idx = torch.tensor([e], device=x.device)
-        gate, up, down = (p.matrices(idx, x.dtype)[0] for p in (self.gate_proj, self.up_proj, self.down_proj))
-        return F.linear(self.act(F.linear(x, gate)) * F.linear(x, up), down)
+        return self.down_proj.apply_one(self.act(self.gate_proj.apply_one(x, e)) * self.up_proj.apply_one(x, e), e)
 
 
 class SparseMoE(nn.Module):

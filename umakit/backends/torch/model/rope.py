@@ -9,6 +9,7 @@ import math
 import torch
 
 from umakit.backends.torch import ROPE_KINDS
+from umakit.checkpoint.config import rope_kind
 from umakit.errors import UnsupportedModelError
 
 
@@ -145,3 +146,22 @@ def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.d
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """Rotate x (B, H, T, hd) in the Hugging Face (non-interleaved) layout."""
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
+
+
+def rope_original(c: dict, max_positions: int) -> int:
+    """The original context of a RoPE whose frequencies follow the sequence's length (0 for the other kinds):
+    dynamic's ``max_position_embeddings``; longrope's ``original_max_position_embeddings``, beside its factors or,
+    in older configs (Phi-3's), at the top level. What they need and lack is refused here, at load."""
+    kind, s = rope_kind(c), c.get("rope_scaling") or {}
+    if kind == "dynamic":
+        if not isinstance(s.get("factor"), (int, float)):
+            raise UnsupportedModelError("dynamic RoPE scaling without a numeric 'factor' is not supported")
+        return max_positions
+    if kind == "longrope":
+        original = s.get("original_max_position_embeddings") or c.get("original_max_position_embeddings")
+        missing = [k for k in ("short_factor", "long_factor") if not s.get(k)] + ([] if original else
+                                                                                 ["original_max_position_embeddings"])
+        if missing:
+            raise UnsupportedModelError(f"longrope RoPE scaling without {', '.join(missing)} is not supported")
+        return int(original)
+    return 0

@@ -33,7 +33,7 @@ from umakit.plan.placement import (
 )
 from umakit.backends.torch.model.moe import Experts, expert_slot
 
-TENSORS = ("weight", "scales", "biases")
+TENSORS = ("weight", "scales", "biases", "bias")
 
 
 def plan_expert_offload(args, shapes: dict, weights: torch.dtype, gpu_layers: int | None, vram_budget,

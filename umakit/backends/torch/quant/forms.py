@@ -113,6 +113,8 @@ def convert_model(model: nn.Module, device: torch.device, dtype: torch.dtype, te
         for path, module in list(model.named_modules()):  # parts of different widths: still one call
             if isinstance(module, Concat) and _affine_parts(list(module.parts)):
                 _replace(model, path, affine.AffineLinear(list(module.parts), prepacked(path)))
+            elif isinstance(module, Experts) and not tensors_only(path):
+                pack_experts(module, path, prepacked)
     for path, module in list(model.named_modules()):
         if isinstance(module, Concat) and fp16 and all(isinstance(m, (QuantizedLinear, nn.Linear)) for m in module.parts):
             # mixed bits: dequantize each part, then one matmul again
@@ -133,6 +135,40 @@ def convert_model(model: nn.Module, device: torch.device, dtype: torch.dtype, te
             elif isinstance(module, Experts) and module.bits is None:
                 # as Fp16Linear holds them: float16 weights, float32 math (each picked matrix cast on use)
                 module.weight = nn.Parameter(module.weight.to(torch.float16), requires_grad=False)
+
+
+def pack_experts(m: Experts, path: str, prepacked=lambda path: {}) -> None:
+    """Each expert of a quantized `Experts` as its own layer on umakit's CPU kernel (``m.forms``), the stacked
+    tensors dropped: a decode step then reads each picked expert's codes once, where dequantizing them writes and
+    reads a float32 copy. Left stacked where the kernel does not take the layer or its scales and biases leave
+    float16's range (the planes hold float16, as for every layer on the kernel)."""
+    if m.bits is None:
+        return
+    experts = []
+    for e in range(m.n):
+        q = QuantizedLinear(m.in_features, m.out_features, m.bias is not None, m.bits, m.group_size, device="meta")
+        q.weight, q.scales, q.biases = m.weight[e], m.scales[e], m.biases[e]
+        if m.bias is not None:
+            q.bias = m.bias[e]
+        experts.append(q)
+    if not affine.supports(experts[0]) or not all(_in_half_range(t) for t in (m.scales, m.biases)):
+        return
+    m.forms = nn.ModuleList(affine.AffineLinear([q], prepacked(f"{path}.forms.{e}")) for e, q in enumerate(experts))
+    for name in ("weight", "scales", "biases"):
+        m._buffers.pop(name)
+    if m.bias is not None:
+        m._parameters.pop("bias")
+        m.bias = None
+
+
+def _in_half_range(t: torch.Tensor) -> bool:
+    """Whether every value of ``t`` is 0 or of a magnitude float16 holds (its subnormals included)."""
+    if t.dtype == torch.float16:
+        return True
+    a = t.abs().float()
+    nonzero = a[a > 0]
+    smallest = float(nonzero.min()) if nonzero.numel() else 1.0
+    return bool(torch.isfinite(a).all()) and float(a.max()) <= 65504.0 and smallest >= 2.0 ** -24
 
 
 def joiner(device: torch.device, dtype: torch.dtype):
