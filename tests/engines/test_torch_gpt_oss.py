@@ -138,7 +138,8 @@ def test_a_missing_scales_tensor_is_named(tmp_path):
 
 def test_the_cpu_default_runs_each_expert_on_the_packed_kernel(tmp_path, monkeypatch):
     """"auto" on a CPU: one packed layer an expert (quant/forms.py `pack_experts`), within the kernel's tolerance
-    of transformers; the packing kept under $UMAKIT_HOME, so the next load packs nothing and gives the same bits."""
+    of transformers; the packing kept under $UMAKIT_HOME, so the next load reads no MXFP4 block, packs nothing and
+    gives the same bits."""
     from umakit.backends.torch.cpu import affine_kernel
 
     if not affine_kernel.available():
@@ -159,7 +160,10 @@ def test_the_cpu_default_runs_each_expert_on_the_packed_kernel(tmp_path, monkeyp
     def repacked(*args):
         raise AssertionError("packed again")
 
+    from umakit.backends.torch.load import openai_experts
+
     monkeypatch.setattr(affine_kernel, "planes", repacked)
+    monkeypatch.setattr(openai_experts, "packed_codes", repacked)  # the blocks are not even read
     again = umakit.load(path, backend="torch", device="cpu")
     np.testing.assert_array_equal(again.logits(PROMPT), first)
 
@@ -182,3 +186,18 @@ def test_a_scale_outside_float16s_range_keeps_that_projection_stacked(tmp_path):
     assert experts.down_proj.forms is None and experts.gate_up_proj.forms is not None
     want = ref_logits(mxfp4.reference(path), PROMPT)
     np.testing.assert_allclose(model.logits(PROMPT), want, atol=5e-3 * np.abs(want).max(), rtol=0)
+
+
+def test_a_kept_packing_that_does_not_fit_is_refused_not_run(tmp_path, monkeypatch):
+    """A later load reads no MXFP4 blocks where the kept packing has every expert's layer; should that packing not
+    fit (a format changed), the load says so instead of running codes it never read."""
+    from umakit.backends.torch.cpu import affine_kernel
+
+    if not affine_kernel.available():
+        pytest.skip("umakit's CPU kernel is not built here")
+    monkeypatch.setenv("UMAKIT_HOME", str(tmp_path / "home"))
+    path = mxfp4.write(tmp_path / "m", seed=2)
+    umakit.load(path, backend="torch", device="cpu")
+    monkeypatch.setattr(affine_kernel.AffineLinear, "_fits", staticmethod(lambda *a: False))
+    with pytest.raises(umakit.errors.CheckpointError, match="does not fit this load"):
+        umakit.load(path, backend="torch", device="cpu")

@@ -94,13 +94,15 @@ class TorchEngine:
         shapes = {k: t.shape for k, t in ckpt.tensors.items()}
         floats = [SAFETENSORS_FLOATS[t.dtype] for t in ckpt.tensors.values() if t.dtype in SAFETENSORS_FLOATS]
         staging = "cpu" if gpu_layers is not None or vram_budget is not None else device
-        source = lambda skip=frozenset(): stream_checkpoint(ckpt, staging, progress, skip)  # noqa: E731
         # gpt-oss's experts as the model holds them (OpenAI's MXFP4 as 5-bit affine: quantized from here on)
-        config, shapes, source = openai_experts.substitute(ckpt.config, shapes, source)
+        config, shapes = openai_experts.layout(ckpt.config, shapes)
         target = compute_dtype(dtype, floats, device, config.get("quantization"))
         # CPU packed kernels: the packing of a quantized checkpoint, kept from its first load (load/packed.py)
         packs = device == "cpu" and target == torch.bfloat16 and config.get("quantization")
         packed = PackedCache.for_checkpoint(ckpt.path, ckpt.files) if packs else None
+        source = openai_experts.tensors(ckpt.config, {k: t.shape for k, t in ckpt.tensors.items()},
+                                        lambda skip=frozenset(): stream_checkpoint(ckpt, staging, progress, skip),
+                                        packed.names if packed is not None and affine_kernel.available() else ())
         if packs and affine_kernel.available():  # a GGUF's Q6_K tensors exactly, in groups of 16
             config, shapes, source = exact.substitute(ckpt, config, shapes, source)
         return cls(config, shapes, source, device, target, gpu_layers, vram_budget, packed)

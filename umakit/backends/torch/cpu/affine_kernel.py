@@ -182,6 +182,12 @@ class AffineLinear(nn.Module):
         has_bias = any(m.bias is not None for m in parts)
         self.register_buffer("bias", torch.cat(biases) if has_bias else None)
 
+    @classmethod
+    def reuses(cls, parts: list[QuantizedLinear], prepacked: dict | None) -> bool:
+        """Whether ``prepacked`` holds every part's planes, so that making the layer reads none of their codes."""
+        stored = prepacked or {}
+        return all(cls._fits(m, stored.get(f"codes{i}"), stored.get(f"sb{i}")) for i, m in enumerate(parts))
+
     @staticmethod
     def _fits(m: QuantizedLinear, codes: torch.Tensor | None, sb: torch.Tensor | None) -> bool:
         groups, rows = m.in_features // m.group_size, _padded_rows(m)

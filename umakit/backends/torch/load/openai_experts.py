@@ -29,11 +29,11 @@ def _target(name: str) -> tuple[str, str | None] | None:
     return None if m is None else (f"{m[1]}.switch_mlp.{m[2]}", m[3])
 
 
-def substitute(config: dict, shapes: dict, source):
-    """``config``, ``shapes`` and ``source`` with a gpt-oss checkpoint's experts as the model holds them;
-    unchanged for any other model. ``source(skip)`` yields the checkpoint's (name, tensor) pairs."""
+def layout(config: dict, shapes: dict) -> tuple[dict, dict]:
+    """``config`` and ``shapes`` with a gpt-oss checkpoint's experts as the model holds them (their names, shapes
+    and quantization block); unchanged for any other model."""
     if text_config(config).get("model_type") != "gpt_oss":
-        return config, shapes, source
+        return config, shapes
     quantization = dict(config.get("quantization") or {})
     out: dict[str, tuple] = {}
     for name, shape in shapes.items():
@@ -57,10 +57,27 @@ def substitute(config: dict, shapes: dict, source):
                 quantization[target] = {"bits": BITS, "group_size": GROUP}
             else:  # mlx-lm's rule: only the modules whose scales the checkpoint holds are quantized
                 quantization.update(bits=BITS, group_size=GROUP)
+    return ({**config, "quantization": quantization} if quantization else config), out
+
+
+def tensors(config: dict, shapes: dict, source, kept=frozenset()):
+    """``source`` (``source(skip)`` yields the checkpoint's (name, tensor) pairs; ``shapes``: the checkpoint's)
+    as the model's tensors (`layout`). MXFP4 codes are unpacked and packed again as MLX's 5-bit layout, unless
+    ``kept`` (the names of a packing an earlier CPU load kept, load/packed.py) holds every expert's packed layer
+    of that projection: then its blocks are not read, and the model is handed a placeholder of the codes' shape
+    (one word, repeated) that `quant.forms.pack_experts` never reads."""
+    if text_config(config).get("model_type") != "gpt_oss":
+        return source
+    done = set()
+    for name, shape in shapes.items():
+        found = _target(name)
+        if found and found[1] == "_blocks" and all(f"{found[0]}.forms.{e}.codes0" in kept for e in range(shape[0])):
+            done.add(found[0])
 
     def stream(skip=frozenset()):
         pending: dict[str, dict] = {}
-        for name, t in source(skip):
+        blocks = {n for n in shapes if (found := _target(n)) and found[1] == "_blocks" and found[0] in done}
+        for name, t in source(skip | blocks):
             found = _target(name)
             if found is None:
                 yield name, t
@@ -73,11 +90,16 @@ def substitute(config: dict, shapes: dict, source):
             else:  # MXFP4: blocks and scales, in either order
                 held = pending.setdefault(target, {})
                 held[part] = t
-                if len(held) == 2:
+                if len(held) == 2 or target in done:
                     del pending[target]
                     step = steps(held["_scales"], torch.bfloat16)
-                    yield f"{target}.weight", packed_codes(held["_blocks"])
+                    if target in done:
+                        e, rows, groups = step.shape
+                        codes = torch.zeros(1, dtype=torch.uint32).expand(e, rows, groups * GROUP * BITS // 32)
+                    else:
+                        codes = packed_codes(held["_blocks"])
+                    yield f"{target}.weight", codes
                     yield f"{target}.scales", step
                     yield f"{target}.biases", step * -OFFSET
 
-    return ({**config, "quantization": quantization} if quantization else config), out, stream
+    return stream

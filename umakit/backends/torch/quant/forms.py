@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from umakit.backends.torch.cpu import affine_kernel as affine
+from umakit.errors import CheckpointError
 from umakit.backends.torch.cuda.matvec import TritonAffineLinear, triton_kernel
 from umakit.backends.torch.model.moe import Experts
 from umakit.backends.torch.quant.kernels import Fp16Linear, Int4PackLinear, dense
@@ -128,6 +129,11 @@ def convert_model(model: nn.Module, device: torch.device, dtype: torch.dtype, te
     for path, module in list(model.named_modules()):
         if isinstance(module, Concat) and all(isinstance(m, nn.Linear) for m in module.parts):
             _replace(model, path, concat(list(module.parts)))  # mixed bits, all dequantized: one matmul again
+    # The float layers beside packed ones (gpt-oss's attention, routers and head; float32 activations, as
+    # `activation_dtype` gives a quantized model) as a float checkpoint's run on a CPU: FBGEMM's float16 weights,
+    # half the bytes of float32's
+    if device.type == "cpu" and dtype == torch.bfloat16 and Fp16Linear.available():
+        fp16 = any(isinstance(m, (affine.AffineLinear, Int4PackLinear)) for m in model.modules())
     if fp16:
         for path, module in list(model.named_modules()):
             if type(module) is nn.Linear and not tensors_only(path):
@@ -151,9 +157,14 @@ def pack_experts(m: Experts, path: str, prepacked=lambda path: {}) -> None:
         if m.bias is not None:
             q.bias = m.bias[e]
         experts.append(q)
+    kept = [prepacked(f"{path}.forms.{e}") for e in range(m.n)]
+    unread = m.weight.stride(-1) == 0  # load/openai_experts.py left the codes unread: the kept packing has them
+    if unread and not all(affine.AffineLinear.reuses([q], k) for q, k in zip(experts, kept)):
+        raise CheckpointError(f"{path}: the packing kept under $UMAKIT_HOME/packed does not fit this load; "
+                              f"delete it to pack again")
     if not affine.supports(experts[0]) or not all(_in_half_range(t) for t in (m.scales, m.biases)):
         return
-    m.forms = nn.ModuleList(affine.AffineLinear([q], prepacked(f"{path}.forms.{e}")) for e, q in enumerate(experts))
+    m.forms = nn.ModuleList(affine.AffineLinear([q], k) for q, k in zip(experts, kept))
     for name in ("weight", "scales", "biases"):
         m._buffers.pop(name)
     if m.bias is not None:
@@ -192,11 +203,12 @@ def _replace(model: nn.Module, path: str, new: nn.Module) -> None:
 
 def describe_execution(model: nn.Module) -> str:
     kinds = {type(m).__name__ for m in model.modules()}
-    if "Fp16Linear" in kinds:
-        return "runs as float16 weights, float32 math"
     if "AffineLinear" in kinds:
         gemms = ", bfloat16 GEMMs in long prefills" if affine.prefill_gemm() == "bfloat16" else ""
-        return f"runs on umakit's packed kernels, float32 activations{gemms}"
+        floats = ", its float layers as float16 weights" if "Fp16Linear" in kinds else ""
+        return f"runs on umakit's packed kernels{floats}, float32 activations{gemms}"
+    if "Fp16Linear" in kinds:
+        return "runs as float16 weights, float32 math"
     if "Int4PackLinear" in kinds:
         return "runs on int4 kernels, bfloat16"
     if "TritonAffineLinear" in kinds:
