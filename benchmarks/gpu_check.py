@@ -8,8 +8,9 @@
    and the Triton matvec compiled at every config its autotuner may pick.
 2. Engine: CUDA against CPU float32 on a small random model (float and 4-bit),
    the CUDA-graph decode step against the eager step, a tiny gpt-oss with
-   MXFP4 experts (packed as 5-bit codes) against its CPU run, and the default
-   model when its package is installed.
+   MXFP4 experts (packed as 5-bit codes) against its CPU run on both torch-side
+   engines (the compact code's CUDA-graph step against its eager one too), and
+   the default model when its package is installed.
 3. Speed: decode tok/s, achieved GB/s and MBU for a synthetic Llama-3-8B in
    bfloat16, 8-bit and 4-bit, and for the default model.
 4. Offload (layers streamed from pinned host memory over PCIe):
@@ -264,8 +265,11 @@ def check_engine(report: Report) -> None:
 
 
 def check_mxfp4(report: Report) -> None:
-    """gpt-oss's MXFP4 experts on CUDA (the transformers engine, each expert's projections packed as exact 5-bit
-    codes: Triton's matvec for decode, dequantize + cuBLAS for a prompt) against the same checkpoint on CPU."""
+    """gpt-oss's MXFP4 experts on CUDA against the same checkpoint on CPU: on the transformers engine (each
+    expert's projections packed as exact 5-bit codes: Triton's matvec for decode, dequantize + cuBLAS for a
+    prompt), and on the torch engine's compact gpt-oss code (experts stacked as 5-bit codes, the picked ones
+    dequantized in the step; attention sinks; its decode step a CUDA graph, whose greedy tokens must be the eager
+    step's)."""
     import tempfile
 
     import umakit
@@ -282,6 +286,16 @@ def check_mxfp4(report: Report) -> None:
             err = abs(got - want).max() / abs(want).max()
             report.check(f"gpt-oss MXFP4 experts packed, cuda {dtype} vs cpu", err <= limit,
                          f"max error {err:.1e} of max |logit| (limit {limit:.0e})")
+        want = umakit.load(path, backend="torch", device="cpu", dtype="float32").logits(prompt)
+        for dtype, limit in (("float32", 1e-3), ("bfloat16", 6e-2)):
+            model = umakit.load(path, backend="torch", device="cuda", dtype=dtype)
+            err = abs(model.logits(prompt) - want).max() / abs(want).max()
+            report.check(f"gpt-oss compact code, cuda {dtype} vs cpu", err <= limit,
+                         f"max error {err:.1e} of max |logit| (limit {limit:.0e})")
+            graphed, eager = greedy(model.engine, prompt, 16), greedy(model.engine, prompt, 16, eager=True)
+            report.check(f"gpt-oss compact code, cuda {dtype}: CUDA-graph decode = eager", graphed == eager,
+                         f"{sum(a == b for a, b in zip(graphed, eager))}/16 tokens equal")
+            del model
     torch.cuda.empty_cache()
 
 
