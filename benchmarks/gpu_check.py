@@ -295,6 +295,16 @@ def check_mxfp4(report: Report) -> None:
             graphed, eager = greedy(model.engine, prompt, 16), greedy(model.engine, prompt, 16, eager=True)
             report.check(f"gpt-oss compact code, cuda {dtype}: CUDA-graph decode = eager", graphed == eager,
                          f"{sum(a == b for a, b in zip(graphed, eager))}/16 tokens equal")
+            if dtype == "float32":  # a batch's prompt lookup on CUDA: the eager rows of one forward pass
+                from umakit.generate.batch import generate_batch
+
+                texts = ["one two three one two three one two", "a b c d a b c d a b", "The quick brown fox"]
+                lone = [model.generate(t, raw=True, max_tokens=24, temperature=0).tokens for t in texts]
+                run = generate_batch(model, texts, max_tokens=24, temperature=0, raw=True, prompt_lookup=True, ngram=2)
+                same = sum(r.tokens == w for r, w in zip(run, lone))
+                report.check("gpt-oss compact code, cuda: batch prompt lookup = lone greedy runs", same == len(texts),
+                             f"{same}/{len(texts)} rows equal, {run.stats.steps} steps for "
+                             f"{run.stats.generated_tokens} tokens")
             del model
     torch.cuda.empty_cache()
 

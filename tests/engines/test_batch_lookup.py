@@ -1,6 +1,6 @@
-"""Prompt lookup in a batch (`Lookup`: the torch engine's fused CPU step, and the MLX engine): greedy rows speculate
-and keep the tokens plain decoding gives; the other rows decode as before; what cannot speculate is refused
-clearly."""
+"""Prompt lookup in a batch (`Lookup`: the torch engine, on its fused CPU step and off it, and the MLX engine):
+greedy rows speculate and keep the tokens plain decoding gives; the other rows decode as before; what cannot
+speculate is refused clearly."""
 
 import asyncio
 
@@ -66,24 +66,47 @@ class Oracle:
         return Row()
 
 
-@pytest.mark.parametrize("engine", ["torch", "mlx"])
+@pytest.mark.parametrize("engine", ["torch", "torch-eager", "mlx"])
 @pytest.mark.parametrize("wrong", [False, True])
 def test_greedy_rows_keep_their_lone_tokens_in_fewer_steps(request, monkeypatch, engine, wrong):
+    """On the fused CPU step, off it (as on CUDA: the rows of one eager forward pass), and on MLX."""
+    import contextlib
+
     from umakit.backends.mlx import batch_decoder as mlx_decoder
     from umakit.backends.torch import batch_decoder
 
-    model = request.getfixturevalue("model" if engine == "torch" else "mlx_model")
-    want = [lone(model, p, 30, temperature=0) for p in REPEATS]
-    oracle = Oracle(model, REPEATS, 30, wrong)
-    monkeypatch.setattr(batch_decoder if engine == "torch" else mlx_decoder, "RowLookup", oracle.row)
-    for size in (1, 3):
-        run = generate_batch(model, REPEATS, max_tokens=30, sampling=GREEDY, batch_size=size, raw=True,
-                             prompt_lookup=True, ngram=2, draft_tokens=4)
-        for i, (w, got) in enumerate(zip(want, run)):
-            assert got.tokens == w.tokens, f"batch {size} prompt {i}"
-            assert got.text == w.text and got.finish_reason == w.finish_reason
-        assert run.stats.steps < run.stats.generated_tokens / (1.5 if wrong else 2.5) / size
+    model = request.getfixturevalue("mlx_model" if engine == "mlx" else "model")
+    with model.engine.eager() if engine == "torch-eager" else contextlib.nullcontext():
+        want = [lone(model, p, 30, temperature=0) for p in REPEATS]
+        oracle = Oracle(model, REPEATS, 30, wrong)
+        monkeypatch.setattr(mlx_decoder if engine == "mlx" else batch_decoder, "RowLookup", oracle.row)
+        for size in (1, 3):
+            run = generate_batch(model, REPEATS, max_tokens=30, sampling=GREEDY, batch_size=size, raw=True,
+                                 prompt_lookup=True, ngram=2, draft_tokens=4)
+            for i, (w, got) in enumerate(zip(want, run)):
+                assert got.tokens == w.tokens, f"batch {size} prompt {i}"
+                assert got.text == w.text and got.finish_reason == w.finish_reason
+            assert run.stats.steps < run.stats.generated_tokens / (1.5 if wrong else 2.5) / size
     assert sum(oracle.made) > 0
+
+
+@pytest.mark.parametrize("kv_bits", [None, 8])
+def test_a_model_off_the_fused_step_speculates_with_a_float_or_quantized_cache(monkeypatch, tmp_path, kv_bits):
+    """gpt-oss (sliding layers, attention sinks, experts: no fused step) with gpt-oss's own head size, so that an
+    8-bit cache takes it: greedy rows keep their lone tokens, with that cache, in fewer steps."""
+    from support import mxfp4
+    from umakit.backends.torch import batch_decoder
+
+    model = umakit.load(mxfp4.write(tmp_path / "m", head_dim=64), backend="torch", device="cpu", dtype="float32")
+    assert model.engine._fused is None
+    want = [lone(model, p, 30, temperature=0, kv_bits=kv_bits) for p in REPEATS]
+    oracle = Oracle(model, REPEATS, 30, wrong=True)
+    oracle.next = {tuple(model.encode(p, raw=True)): w.tokens for p, w in zip(REPEATS, want)}
+    monkeypatch.setattr(batch_decoder, "RowLookup", oracle.row)
+    run = generate_batch(model, REPEATS, max_tokens=30, sampling=GREEDY, batch_size=3, raw=True, kv_bits=kv_bits,
+                         prompt_lookup=True, ngram=2, draft_tokens=4)
+    assert [r.tokens for r in run] == [w.tokens for w in want]
+    assert run.stats.steps < run.stats.generated_tokens / 1.5 / 3
 
 
 @requires_default_model
@@ -171,17 +194,13 @@ def test_batch_from_the_cli_with_prompt_lookup(model, quantized, tmp_path):
     rows = {row["id"]: row["text"] for row in map(json.loads, out.read_text().splitlines())}
     assert rows == {i: lone(model, p, 12, temperature=0).text for i, p in enumerate(REPEATS[:3])}
     r = CliRunner().invoke(main, ["batch", str(quantized("llama", 4)), "-i", str(tmp_path / "in.jsonl"), "-o",
-                                  str(tmp_path / "other.jsonl"), "--prompt-lookup", "--backend", "torch",
+                                  str(tmp_path / "other.jsonl"), "--prompt-lookup", "--backend", "mlx",
                                   "--kv-bits", "8"])
-    assert r.exit_code != 0 and "--prompt-lookup" in r.output and "Traceback" not in r.output
+    assert r.exit_code != 0 and "--kv-bits" in r.output and "Traceback" not in r.output
     assert not (tmp_path / "other.jsonl").exists()
 
 
 def test_what_cannot_speculate_is_refused(model, tiny_dir):
-    with pytest.raises(InvalidArgumentError, match="float KV cache.*--kv-bits"):
-        model.engine.batch_decoder(8, Lookup())
-    with model.engine.eager(), pytest.raises(InvalidArgumentError, match="fused CPU step"):
-        model.engine.batch_decoder(lookup=Lookup())
     mlx = umakit.load(tiny_dir("llama"), backend="mlx", device="cpu")
     with pytest.raises(InvalidArgumentError, match="mlx backend does not support --kv-bits in a batch"):
         mlx.engine.batch_decoder(8, Lookup())

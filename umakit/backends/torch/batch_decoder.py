@@ -123,32 +123,45 @@ class BatchKVCache:
                 for buf in self.buffers:
                     buf[:, i, :, :span] = buf[:, old, :, :span]
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, span: int):
-        """Store k, v (B, nkv, 1, hd), row b at ``positions[b]``; return the rows' first ``span`` slots."""
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, span: int,
+               slots: torch.Tensor | None = None):
+        """Store k, v (B, nkv, 1, hd), row b at ``positions[b]`` of slot b (of ``slots[b]`` where given: several
+        rows may be consecutive tokens of one slot); return each row's slot's first ``span`` positions."""
         B = k.shape[0]
-        rows = torch.arange(B, device=k.device)
+        rows = torch.arange(B, device=k.device) if slots is None else slots
+        held = slice(0, B) if slots is None else slots
         if self.kv_bits is None:
             kc, vc = self.layers[layer]
             kc[rows, :, positions] = k[:, :, 0]  # (B, nkv, hd) at (row b, position b)
             vc[rows, :, positions] = v[:, :, 0]
-            return kc[:B, :, :span], vc[:B, :, :span]  # (B, nkv, S, hd)
+            return kc[held, :, :span], vc[held, :, :span]  # (B, nkv, S, hd)
         planes = self.layers[layer]
         out = []
-        for held, x in ((planes[:3], k), (planes[3:], v)):
-            for plane, part in zip(held, quantize(x, self.kv_bits), strict=True):
+        for kept, x in ((planes[:3], k), (planes[3:], v)):
+            for plane, part in zip(kept, quantize(x, self.kv_bits), strict=True):
                 plane[rows, :, positions] = part[:, :, 0]
-            out.append(dequantize(*(plane[:B, :, :span] for plane in held), self.kv_bits, self.dtype))
+            out.append(dequantize(*(plane[held, :, :span] for plane in kept), self.kv_bits, self.dtype))
         return tuple(out)
+
+    def slotted(self, slots: list[int]) -> "_Slotted":
+        """This cache as a model's eager step sees it when row b is a token of slot ``slots[b]``."""
+        return _Slotted(self, torch.tensor(slots, dtype=torch.long, device=self.buffers[0].device))
+
+
+class _Slotted:
+    """`BatchKVCache.update` with each row's slot given (`BatchKVCache.slotted`)."""
+
+    def __init__(self, cache: BatchKVCache, slots: torch.Tensor):
+        self.cache, self.slots = cache, slots
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, span: int):
+        return self.cache.update(layer, k, v, positions, span, self.slots)
 
 
 class TorchBatchDecoder:
     """`umakit.backends.base.BatchDecoder` for `TorchEngine`."""
 
     def __init__(self, engine, kv_bits: int | None = None, lookup: Lookup | None = None):
-        if lookup is not None and (kv_bits is not None or engine._fusing() is None):
-            raise InvalidArgumentError(f"{lookup.flag} in a batch runs on the torch engine's fused CPU step, with a "
-                                       "float KV cache; here " + ("the cache is quantized (--kv-bits)" if kv_bits
-                                                                  else "decode steps do not run on it"))
         self._lookup = lookup
         self._lookups: list[RowLookup | None] = []  # a greedy row's proposals, where the decoder speculates
         self._engine = engine
@@ -194,7 +207,7 @@ class TorchBatchDecoder:
             return []
         if self._lookup is not None:
             plans = self._proposals()
-            if any(plans) and self._engine._fusing() is not None:  # (it could stop applying: a hook on a layer)
+            if any(plans):
                 return self._speculate(plans)
         span = max(self._lengths) + 1
         self._cache.reserve(len(self._ids), span, span - 1)
@@ -226,8 +239,10 @@ class TorchBatchDecoder:
         return plans
 
     def _speculate(self, plans: list[list[int]]) -> list[tuple[int, int]]:
-        """One fused step over every row's token and its proposals; a row keeps the proposals its own argmax
-        confirms, then its pick after them (each position's logits are those of its own decode step)."""
+        """One step over every row's token and its proposals; a row keeps the proposals its own argmax confirms,
+        then its pick after them. On the fused CPU step each position's logits are those of its own decode step;
+        off it (CUDA, a quantized cache, a model it does not cover) a row's positions are rows of one eager
+        forward pass, as a batch's rows are, so their last bits may differ from a lone step's."""
         feed, positions, slots, first = [], [], [], []
         for i, plan in enumerate(plans):
             first.append(len(feed))
@@ -237,7 +252,7 @@ class TorchBatchDecoder:
         self._cache.reserve(len(self._ids), max(positions) + 1, max(self._lengths))
         with torch.inference_mode():
             tokens = torch.tensor(feed, dtype=torch.long, device=self._device)[:, None]
-            logits = self._engine._fusing().rows(tokens, positions, self._cache, slots)  # (fed, V)
+            logits = self._engine._decode_rows(tokens, positions, self._cache, max(positions) + 1, slots)  # (fed, V)
             picked, figures = common.sample_rows(self._engine._ops, self._rows, logits[first])
             picked, best = picked.tolist(), self._engine._ops.argmax(logits).tolist()
             self._logprobs = {rid: common.read_figures(f) for rid, f in zip(self._ids, figures) if f is not None}

@@ -268,13 +268,15 @@ class TorchEngine:
         fused = self._fusing(cache)
         return fused(token, cache) if fused is not None else self._forward(token, cache)[:, -1]
 
-    def _decode_rows(self, tokens: torch.Tensor, positions: list[int], cache, span: int) -> torch.Tensor:
-        """Logits (B, V) of one token a row of a batch cache (`TorchBatchDecoder`), row b at ``positions[b]``."""
+    def _decode_rows(self, tokens: torch.Tensor, positions: list[int], cache, span: int,
+                     slots: list[int] | None = None) -> torch.Tensor:
+        """Logits (B, V) of one token a row of a batch cache (`TorchBatchDecoder`), row b at ``positions[b]`` of
+        slot b, or of slot ``slots[b]`` (a speculating row's token and proposals: consecutive rows of one slot)."""
         fused = self._fusing(cache)
         if fused is not None:
-            return fused.rows(tokens, positions, cache)
+            return fused.rows(tokens, positions, cache, slots)
         where = torch.tensor(positions, dtype=torch.long, device=self.torch_device)
-        return self.model.decode_rows(tokens, where, cache, span)
+        return self.model.decode_rows(tokens, where, cache if slots is None else cache.slotted(slots), span)
 
     def _fusing(self, cache=None) -> FusedDecoder | None:
         """The fused CPU step where it is on and applies now (no hook on a layer it would bypass), and ``cache``,
