@@ -34,9 +34,11 @@ import time
 from datetime import date
 from pathlib import Path
 
+import runs
+
 OUT = Path(__file__).parent / "out" / "gpt_oss_mxfp4.md"
 HIDDEN, EXPERTS, HEADS, KV, HEAD_DIM, VOCAB = 2880, 32, 64, 8, 64, 32000
-PROMPT = list(range(100, 116))
+PROMPT = runs.PROMPT
 BACKENDS = {"umakit-compact": "torch", "umakit-torch": "transformers", "umakit-mlx": "mlx"}
 
 
@@ -119,28 +121,10 @@ def worker(args) -> dict:
         decode = args.tokens / (time.perf_counter() - t)
     else:
         import umakit
-        from umakit.generate.sampling import SamplingParams
-
-        from umakit.backends.base import BatchRow
 
         model = umakit.load(args.path, backend=BACKENDS[args.worker], device="cpu")
         load = time.perf_counter() - t0
-        greedy = SamplingParams(temperature=0)
-        stream = model.engine.generate_tokens(PROMPT, model.make_cache(), greedy)
-        next(stream)
-        t = time.perf_counter()
-        for _ in range(args.tokens):
-            next(stream)
-        decode = args.tokens / (time.perf_counter() - t)
-        stream.close()
-        decoder = model.engine.batch_decoder()
-        decoder.add([BatchRow(i, [i + 3] + PROMPT, greedy) for i in range(8)])
-        decoder.step()
-        steps = max(4, args.tokens // 4)
-        t = time.perf_counter()
-        for _ in range(steps):
-            decoder.step()
-        rows = 8 * steps / (time.perf_counter() - t)
+        decode, rows = runs.decode_rates(model.engine, args.tokens)
         return dict(load=load, decode=decode, rows=rows, peak=peak_rss())
     return dict(load=load, decode=decode, rows=None, peak=peak_rss())
 
@@ -194,10 +178,7 @@ def main() -> None:
              "umakit-mlx": "umakit, MLX (mxfp4 mode, CPU)"}
     lines += [f"| {names[w]} | {r['load']:.1f} | {r['decode']:.2f} | "
               f"{'-' if r['rows'] is None else format(r['rows'], '.2f')} | {r['peak'] >> 20} |" for w, r in rows]
-    table = "\n".join(lines) + "\n"
-    print(table)
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(table)
+    runs.publish(lines, OUT)
 
 
 if __name__ == "__main__":

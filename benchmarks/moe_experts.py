@@ -14,14 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import statistics
-import subprocess
-import sys
-import time
 from datetime import date
 from pathlib import Path
+
+import runs
 
 OUT = Path(__file__).parent / "out" / "moe_experts.md"
 CONFIG = dict(model_type="mixtral", vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
@@ -36,17 +34,11 @@ def worker(way: str, tokens: int, threads: int) -> float:
     torch.set_num_threads(threads)
     import umakit
     from umakit.backends.torch.quant import forms
-    from umakit.generate.sampling import SamplingParams
 
     if way == "stacked":
         forms.pack_experts = lambda *args, **kw: None  # the form before packed experts
     model = umakit.load_synthetic(CONFIG, backend="torch", device="cpu", dtype="auto", bits=4, group_size=32)
-    stream = model.engine.generate_tokens(list(range(100, 116)), model.make_cache(), SamplingParams(temperature=0))
-    next(stream)
-    t = time.perf_counter()
-    for _ in range(tokens):
-        next(stream)
-    return tokens / (time.perf_counter() - t)
+    return runs.decode_rates(model.engine, tokens)[0]
 
 
 def main() -> None:
@@ -59,26 +51,15 @@ def main() -> None:
     if args.worker:
         print(json.dumps(worker(args.worker, args.tokens, args.threads)))
         return
-    runs: dict[str, list[float]] = {w: [] for w in WAYS}
-    for _ in range(args.repeat):
-        for way in WAYS:
-            done = subprocess.run([sys.executable, __file__, "--worker", way, "--tokens", str(args.tokens),
-                                   "--threads", str(args.threads)], capture_output=True, text=True,
-                                  env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
-            if done.returncode:
-                print(f"{way} failed:\n{done.stderr[-1500:]}", file=sys.stderr)
-                continue
-            runs[way].append(json.loads(done.stdout.strip().splitlines()[-1]))
+    done = runs.in_rotation(__file__, WAYS, args.repeat, ["--tokens", str(args.tokens), "--threads",
+                                                         str(args.threads)], args.threads)
     lines = [f"Mixtral-style, 8 layers of hidden 1024, 8 experts of 2816 (2 a token), 4-bit g32, random weights, "
              f"{date.today()}, {platform.machine()}, {args.threads} threads, {args.tokens} greedy tokens, median of "
              f"{args.repeat} in rotation.", "", "| experts | decode tok/s | runs |", "|---|---:|---|"]
-    for way, rs in runs.items():
+    for way, rs in done.items():
         median = f"{statistics.median(rs):.1f}" if rs else "failed"
         lines.append(f"| {WAYS[way]} | {median} | {', '.join(f'{r:.1f}' for r in rs)} |")
-    table = "\n".join(lines) + "\n"
-    print(table)
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(table)
+    runs.publish(lines, OUT)
 
 
 if __name__ == "__main__":
