@@ -1,7 +1,9 @@
 """The torch engine's compact model code against the transformers engine (transformers' model classes), on the
-same architecture and shapes, in one run: is the compact code worth keeping for a family both run?
+same architecture and shapes, in one run: is the compact code worth keeping for a family both run? With
+``--mlx``, MLX's CPU backend too: which of the engines without compact code "auto" should take on a CPU.
 
-    python benchmarks/engine_paths.py [--preset smollm2-135m] [--tokens 64] [--repeat 3] [--threads 2]
+    python benchmarks/engine_paths.py [--preset smollm2-135m] [--tokens 64] [--repeat 3] [--threads 2] [--mlx]
+        [--skip-torch]
 
 Random weights in a preset's exact shapes (`umakit plan` presets), loaded by each engine's ``synthetic``:
 float32 (every weight read as it is), and 4-bit groups of 32 (the torch engine's default CPU form, umakit's
@@ -27,6 +29,7 @@ import runs
 OUT = Path(__file__).parent / "out" / "engine_paths.md"
 WAYS = {"torch, float32": ("torch", "float32", None), "transformers, float32": ("transformers", "float32", None),
         "torch, 4-bit": ("torch", "auto", 4), "transformers, 4-bit": ("transformers", "auto", 4)}
+MLX_WAYS = {"mlx (CPU), float32": ("mlx", "float32", None), "mlx (CPU), 4-bit": ("mlx", "auto", 4)}
 
 
 def worker(args) -> dict:
@@ -35,7 +38,7 @@ def worker(args) -> dict:
     torch.set_num_threads(args.threads)
     import umakit
 
-    backend, dtype, bits = WAYS[args.worker]
+    backend, dtype, bits = {**WAYS, **MLX_WAYS}[args.worker]
     preset = json.loads(Path(args.preset).read_text()) if args.preset.endswith(".json") else args.preset
     model = umakit.load_synthetic(preset, backend=backend, device="cpu", dtype=dtype, bits=bits, group_size=32)
     single, batched = runs.decode_rates(model.engine, args.tokens, steps=max(8, args.tokens // 4))
@@ -48,12 +51,16 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--mlx", action="store_true",
+                    help="MLX's CPU backend too (what \"auto\" passes over for transformers off Apple Silicon)")
+    ap.add_argument("--skip-torch", action="store_true", help="leave the torch engine's compact code out")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         print(json.dumps(worker(args)))
         return
-    done = runs.in_rotation(__file__, WAYS, args.repeat, ["--preset", args.preset, "--tokens", str(args.tokens),
+    ways = [w for w in WAYS if not (args.skip_torch and w.startswith("torch"))] + (list(MLX_WAYS) if args.mlx else [])
+    done = runs.in_rotation(__file__, ways, args.repeat, ["--preset", args.preset, "--tokens", str(args.tokens),
                                                          "--threads", str(args.threads)], args.threads)
     lines = [f"{args.preset} shapes, random weights, {date.today()}, {platform.machine()}, {args.threads} threads: "
              f"{args.tokens} greedy tokens after a 16-token prompt, median of {args.repeat} runs in rotation, each "

@@ -16,7 +16,7 @@ from umakit.generate import speculative
 from umakit.core import validate
 from umakit.core.affine import DEFAULT_GROUP_SIZE
 from umakit.backends.base import OFFLOAD, QUANTIZE, Engine, KVCache, TokenConstraint, WeightInfo, refuse_options
-from umakit.errors import InvalidArgumentError
+from umakit.errors import InvalidArgumentError, UnsupportedModelError
 from umakit.generate.batch import BatchRun, BatchStream, generate_batch, stream_batch
 from umakit.generate.constrain import from_options
 from umakit.generate.options import CONSTRAINTS, MANY, ONE, SPECULATION, GenerationOptions, takes
@@ -283,12 +283,23 @@ def load(
     backends.resolve(backend, device, needs)  # refuse the user's words before fetching or importing a model
     path = checkpoint.resolve(model)
     ckpt = checkpoint.open_checkpoint(path)
-    engine_name, device, choice_note = backends.choose(backend, device, needs, config_compat.architecture(ckpt.config),
-                                                       config_compat.rope_kind(ckpt.config))
+    kind, asked = (config_compat.architecture(ckpt.config), config_compat.rope_kind(ckpt.config)), device
+    engine_name, device, choice_note = backends.choose(backend, device, needs, *kind)
     tokenizer = Tokenizer(path, ckpt.config, extra_eos_ids=checkpoint.generation_eos_ids(path, ckpt.config))
-    engine = backends.load_engine(
-        engine_name, ckpt, parallel=parallel, device=device, dtype=dtype,
-        progress=progress, quantize=quantize, gpu_layers=gpu_layers, vram_budget=vram_budget)
+    options = dict(parallel=parallel, dtype=dtype, progress=progress, quantize=quantize, gpu_layers=gpu_layers,
+                   vram_budget=vram_budget)
+    try:
+        engine = backends.load_engine(engine_name, ckpt, device=device, **options)
+    except UnsupportedModelError as e:  # "auto"'s pick cannot hold this checkpoint: the next engine that runs it
+        fallback = backends.after((engine_name, device), asked, needs, *kind) if backend == "auto" else None
+        if fallback is None:
+            raise
+        try:
+            engine = backends.load_engine(fallback[0], ckpt, device=fallback[1], **options)
+        except UnsupportedModelError:
+            raise e from None  # the first engine's reason: the checkpoint is what neither holds
+        choice_note = f"running on {fallback[0]} ({fallback[1]}): {engine_name} cannot load it ({e})"
+        engine_name, device = fallback
     info = load_info(engine, checkpoint.display_name(ckpt.path), path, time.perf_counter() - t0,
                       sum(f.stat().st_size for f in ckpt.files))
     if choice_note:  # why "auto" passed over its first engine, shown with the load's warnings

@@ -83,13 +83,20 @@ def test_auto_passes_over_an_engine_that_cannot_run_the_architecture_and_says_wh
     mlx = dataclasses.replace(backends.ENGINES["mlx"], finds_architecture=lambda t: t in ("phi3", "llama"))
     monkeypatch.setitem(backends.ENGINES, "mlx", mlx)
     assert backends.choose("auto", model_type="llama") == ("torch", "cpu", None)
-    assert backends.choose("auto", model_type="phi3") == ("mlx", "cpu", "running on mlx (cpu): torch does not run phi3")
-    # neither compact engine runs it: transformers' model classes do
+    # off Apple Silicon transformers' model classes come before MLX's single-threaded CPU backend
+    assert backends.choose("auto", model_type="phi3") == (
+        "transformers", "cpu", "running on transformers (cpu): torch does not run phi3")
     assert backends.choose("auto", model_type="mamba") == (
+        "transformers", "cpu", "running on transformers (cpu): torch does not run mamba")
+    monkeypatch.setattr(backends, "is_apple_silicon", lambda: True)  # there, MLX's CPU backend first
+    assert backends.choose("auto", "cpu", model_type="phi3") == (
+        "mlx", "cpu", "running on mlx (cpu): torch does not run phi3")
+    assert backends.choose("auto", "cpu", model_type="mamba") == (
         "transformers", "cpu", "running on transformers (cpu): torch does not run mamba; mlx does not run mamba")
+    monkeypatch.setattr(backends, "is_apple_silicon", lambda: False)
     with pytest.raises(UnsupportedModelError, match=r"model_type 'no_such_model' is not supported by any engine: "
-                       r"torch runs llama, .*gpt_oss; mlx runs any architecture mlx-lm has a model file for; "
-                       r"transformers runs any architecture the installed transformers has model code for"):
+                       r"torch runs llama, .*gpt_oss; transformers runs any architecture the installed transformers "
+                       r"has model code for; mlx runs any architecture mlx-lm has a model file for"):
         backends.choose("auto", model_type="no_such_model")
     assert backends.choose("torch", model_type="no_such_model") == ("torch", "cpu", None)  # its error lists its own
     with pytest.raises(UnsupportedModelError, match="the torch backend does not run model_type 'mamba'; "
@@ -102,13 +109,13 @@ def test_auto_passes_over_an_engine_that_cannot_run_the_architecture_and_says_wh
 
 def test_auto_passes_over_an_engine_that_does_not_apply_the_rope_scaling_and_says_why(monkeypatch):
     """A Llama checkpoint with `mrope` RoPE scaling (Qwen-VL's): the torch engine computes default, linear, llama3,
-    yarn, dynamic and longrope only, so "auto" runs it on MLX (whose model files apply it), and `--backend torch`
-    names MLX."""
+    yarn, dynamic and longrope only, so "auto" runs it on transformers' model classes (MLX's on Apple Silicon),
+    whose code applies it, and `--backend torch` names the first engine that does."""
     _cpu_only(monkeypatch)
     for kind in ("yarn", "default", "dynamic", "longrope"):
         assert backends.choose("auto", model_type="llama", rope_kind=kind) == ("torch", "cpu", None)
     assert backends.choose("auto", model_type="llama", rope_kind="mrope") == (
-        "mlx", "cpu", "running on mlx (cpu): torch does not apply mrope RoPE scaling")
+        "transformers", "cpu", "running on transformers (cpu): torch does not apply mrope RoPE scaling")
     with pytest.raises(UnsupportedModelError, match="the torch backend does not apply 'mrope' RoPE scaling, "
                                                     "which this checkpoint sets; use --backend mlx"):
         backends.choose("torch", model_type="llama", rope_kind="mrope")
@@ -145,10 +152,11 @@ def test_load_notes_the_choice_in_the_warnings(tiny_dir, tmp_path, monkeypatch):
     path = tmp_path / "renamed"
     shutil.copytree(tiny_dir("llama"), path)
     config = json.loads((path / "config.json").read_text())
-    # A type torch does not run, served by mlx-lm with llama's code.
-    (path / "config.json").write_text(json.dumps({**config, "model_type": "iquestcoder"}))
+    # A type neither torch nor transformers runs, served by mlx-lm with llama's code.
+    (path / "config.json").write_text(json.dumps({**config, "model_type": "xverse"}))
     m = umakit.load(path, dtype="float32")
-    assert m.info.backend == "mlx" and m.info.warnings[0] == "running on mlx (cpu): torch does not run iquestcoder"
+    assert m.info.backend == "mlx" and m.info.warnings[0] == ("running on mlx (cpu): torch does not run xverse; "
+                                                              "transformers does not run xverse")
     assert umakit.load(tiny_dir("gemma3"), dtype="float32").info.backend == "torch"
 
 
@@ -159,3 +167,35 @@ def test_finding_mlx_lm_architectures_imports_neither_mlx_nor_mlx_lm():
     code = ("import sys; from umakit.backends import ENGINES; ENGINES['mlx'].runs('gemma3_text'); "
             "assert not {'mlx', 'mlx_lm', 'torch'} & set(sys.modules), sorted(sys.modules)")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_auto_takes_the_next_engine_when_its_pick_cannot_load_the_checkpoint(tiny_dir, tmp_path, monkeypatch):
+    """transformers refusing a checkpoint it has model code for (an MLX-quantized one whose experts it fuses,
+    say): "auto" loads it on the next engine that runs it, and says why; an explicit backend does not move."""
+    import json
+    import shutil
+
+    from umakit.backends.transformers.engine import TransformersEngine
+    from umakit.backends.mlx.engine import MLXEngine
+
+    _cpu_only(monkeypatch)
+    path = tmp_path / "renamed"
+    shutil.copytree(tiny_dir("llama"), path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "model_type": "iquestcoder"}))  # both run it
+
+    def refuse(cls, ckpt, **options):
+        raise UnsupportedModelError("its experts are stacked where transformers fuses them")
+
+    monkeypatch.setattr(TransformersEngine, "from_checkpoint", classmethod(refuse))
+    m = umakit.load(path, dtype="float32")
+    assert m.info.backend == "mlx" and m.info.warnings[0] == (
+        "running on mlx (cpu): transformers cannot load it (its experts are stacked where transformers fuses them)")
+    with pytest.raises(UnsupportedModelError, match="stacked where transformers fuses them"):
+        umakit.load(path, backend="transformers", dtype="float32")
+    def refuse_too(cls, ckpt, **options):
+        raise UnsupportedModelError("MLX's reason")
+
+    monkeypatch.setattr(MLXEngine, "from_checkpoint", classmethod(refuse_too))
+    with pytest.raises(UnsupportedModelError, match="stacked where transformers fuses them"):  # the first reason
+        umakit.load(path, dtype="float32")

@@ -23,11 +23,13 @@ from umakit.backends.transformers import SPEC as _TRANSFORMERS
 
 ENGINES: dict[str, EngineSpec] = {s.name: s for s in (_MLX, _TORCH, _TRANSFORMERS)}
 SHORTHANDS = {"cuda": ("torch", "cuda"), "metal": ("mlx", "metal")}
-# On a CPU-only machine "auto" takes the first engine here that is installed
-# (and has the features asked for); the order follows benchmarks/cpu_engines.py
-# on a 2-core x86 Linux machine. transformers' model classes come last: the
-# architectures neither compact engine runs.
-CPU_PREFERENCE = ("torch", "mlx", "transformers")
+# On a CPU "auto" takes the first engine here that is installed and runs the model with the features asked for.
+# The torch engine's compact code first (benchmarks/cpu_engines.py); then, for the architectures it lacks, MLX on
+# Apple Silicon, but transformers' model classes elsewhere: MLX's CPU backend off Apple Silicon is single-threaded
+# on a reference BLAS, and decoded 3-5x slower than the transformers engine on 2 threads of an x86 Linux VM
+# (benchmarks/engine_paths.py --mlx, docs/performance.md).
+APPLE_CPU_PREFERENCE = ("torch", "mlx", "transformers")
+CPU_PREFERENCE = ("torch", "transformers", "mlx")
 GPU_PREFERENCE = ("torch", "transformers")  # on CUDA
 
 
@@ -116,7 +118,7 @@ def _candidates(device: str | None) -> list[tuple[str, str]]:
     elif device in (None, "auto", "cuda") and _cuda_available():
         out += [(e, "cuda") for e in GPU_PREFERENCE]
     if device in (None, "auto", "cpu"):
-        out += [(e, "cpu") for e in CPU_PREFERENCE]
+        out += [(e, "cpu") for e in (APPLE_CPU_PREFERENCE if is_apple_silicon() else CPU_PREFERENCE)]
     elif not out:  # a device no engine prefers: whichever engines run there
         out = [(e, device) for e in ENGINES if device in ENGINES[e].devices]
     return out
@@ -155,11 +157,29 @@ def _auto(device: str | None, needs: frozenset[str], model_type: str | None, rop
             raise UnsupportedModelError(f"no engine here applies {rope_kind!r} RoPE scaling, which this checkpoint "
                                         f"sets: {why}")
         raise InvalidArgumentError(f"no backend supports {_named(needs)} on {candidates[0][1]}")
-    engine, where = next(((e, d) for e, d in able if _installed(ENGINES[e].dependency)), able[0])
+    engine, where = next(((e, d) for e, d in able if _usable(e)), able[0])
     skipped = dict.fromkeys(r for e, _ in candidates[:candidates.index((engine, where))]
                             if (r := _why_not(e, needs, model_type, rope_kind)))
     note = f"running on {engine} ({where}): {'; '.join(skipped)}" if skipped else None
     return Choice(engine, where, note)
+
+
+def after(choice: tuple[str, str], device: str | None, needs: frozenset[str], model_type: str | None,
+          rope_kind: str | None = None) -> tuple[str, str] | None:
+    """The engine and device "auto" would take if ``choice`` (its pick) could not load the checkpoint: the next
+    installed candidate that runs it with the features asked for, or None."""
+    candidates = _candidates(device)
+    if choice not in candidates:
+        return None
+    later = candidates[candidates.index(choice) + 1:]
+    return next(((e, d) for e, d in later if e != choice[0] and _usable(e)
+                 and _why_not(e, needs, model_type, rope_kind) is None), None)
+
+
+def _usable(engine: str) -> bool:
+    """Whether the packages ``engine`` needs are installed."""
+    spec = ENGINES[engine]
+    return all(_installed(m) for m in (spec.dependency, *spec.requires))
 
 
 def parallel_backend(backend: str, parallel: str | None) -> str:

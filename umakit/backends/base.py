@@ -63,6 +63,7 @@ class EngineSpec:
     architectures_source: str = ""  # for messages: what finds them ("mlx-lm has a model file for")
     # The RoPE scaling kinds (config.json's rope_type) it applies; empty: whatever the model's own code applies.
     rope_kinds: tuple[str, ...] = ()
+    requires: tuple[str, ...] = ()  # packages it needs beside ``dependency`` (the transformers engine: torch)
 
     def runs(self, model_type: str | None) -> bool:
         """Whether the engine has code for ``model_type`` (None, not known yet: assume so)."""

@@ -185,7 +185,8 @@ def lookup_options(f):
                         draft="Greedy requests speculate with this smaller model (same tokenizer), each on a cache of "
                               "its own; their text is unchanged.",
                         lookup="Greedy requests speculate with candidates copied from their own text; their text is "
-                               "unchanged (the torch engine; on MLX and off the torch engine's fused CPU step up to near-ties).")
+                               "unchanged (the torch engine; on MLX and off the torch engine's fused CPU step, up "
+                               "to near-ties).")
 
 
 def _speculation(f, per: str, draft: str, lookup: str):

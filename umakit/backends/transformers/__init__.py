@@ -37,7 +37,7 @@ def transformers_runs(model_type: str) -> bool:
 
 
 SPEC = EngineSpec(name="transformers", module="umakit.backends.transformers.engine", cls="TransformersEngine",
-                  dependency="transformers", extra="umakit[cuda]", devices=("cuda", "cpu"),
+                  dependency="transformers", requires=("torch",), extra="umakit[cuda]", devices=("cuda", "cpu"),
                   features=frozenset({BATCH, CONSTRAIN}), finds_architecture=transformers_runs,
                   architectures_source="architecture the installed transformers has model code for")
 

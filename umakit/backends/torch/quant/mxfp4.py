@@ -3,8 +3,8 @@
 An MXFP4 weight is an E2M1 value (0, 0.5, 1, 1.5, 2, 3, 4 or 6, or its negative) times 2^(e - 127), e one byte per
 32 weights, the codes two a byte, the low nibble first. Twice the value is an integer of -12..12, so a weight is
 exactly (code - 16) * 2^(e - 128) with a 5-bit code of 4..28: the affine form at 5 bits, groups of 32, a scale of
-2^(e - 128) and a bias of -16 scales. Pure functions, shared by the torch engine's loader (load/openai_experts.py) and the
-transformers engine's (backends/transformers/mxfp4.py).
+2^(e - 128) and a bias of -16 scales. Pure functions, shared by the torch engine's loader (load/openai_experts.py)
+and the transformers engine's (backends/transformers/mxfp4.py).
 """
 
 from __future__ import annotations
