@@ -76,6 +76,24 @@ def test_logits_and_greedy_tokens_are_transformers(family):
     assert [next(tokens) for _ in range(10)] == greedy_reference(ref, PROMPT, 10)
 
 
+def test_the_cpu_default_holds_float_linears_as_float16_weights(family):
+    """"auto" on a CPU: every float linear layer as FBGEMM's float16 weights with float32 math (half the bytes a
+    step reads), the logits within float16's rounding of the weights, the weights' bytes counted."""
+    from umakit.backends.torch.quant.kernels import Fp16Linear
+
+    if not Fp16Linear.available():
+        pytest.skip("this torch has no FBGEMM")
+    _, path = family
+    model = umakit.load(path, backend="transformers", device="cpu")
+    exact = umakit.load(path, backend="transformers", device="cpu", dtype="float32")
+    assert not any(type(m) is torch.nn.Linear for m in model.engine.model.modules())
+    assert model.info.dtype == "float16" and exact.info.dtype == "float32"
+    want = exact.logits(PROMPT)
+    np.testing.assert_allclose(model.logits(PROMPT), want, atol=1e-2 * np.abs(want).max(), rtol=0)
+    halves = sum(m.packed_nbytes for m in model.engine.model.modules() if isinstance(m, Fp16Linear))
+    assert halves > 0 and model.info.weights.total_bytes < exact.info.weights.total_bytes
+
+
 def test_batch_rows_are_their_lone_runs_whatever_the_cache(family):
     """Rows of different lengths, one joining mid-way: each row's tokens are its lone run's (the hybrid model's
     recurrent state, the sliding windows and the convolution states kept per row)."""

@@ -2,8 +2,10 @@
 
 The checkpoint loads as transformers loads it (``from_pretrained``: the safetensors mapped, renamed and tied by the
 model's own code), in float32 on a CPU (x86 has no fast half-precision arithmetic) and the checkpoint's half type
-on CUDA. A synthetic model's linear layers can be quantized to umakit's affine layout and run in the torch
-engine's execution forms (its affine kernel on a CPU, Triton on CUDA): the quantized linears swapped in for
+on CUDA; on a CPU "auto" then holds every float linear layer as FBGEMM's float16 weights with float32 math (the
+torch engine's `Fp16Linear`), half the bytes a decode step reads, as the torch engine's CPU default does. A
+synthetic model's linear layers can be quantized to umakit's affine layout and run in the torch engine's execution
+forms (its affine kernel on a CPU, Triton on CUDA): the quantized linears swapped in for
 ``nn.Linear``; so are a quantized checkpoint's (MLX's layout: an imported GGUF, GPTQ, AWQ or compressed-tensors
 checkpoint, `umakit quantize`'s output), mapped in by the model's own names (mapped.py). Around the model: umakit's
 cache protocol (cache.py), its sampler, its batch rows (batch_decoder.py) and its measurements. Not here: a
@@ -25,6 +27,7 @@ from umakit.backends import common
 from umakit.backends.base import PREFILL_CHUNK, Lookup, WeightInfo, refuse_options
 from umakit.backends.torch import peak
 from umakit.backends.torch.quant import forms
+from umakit.backends.torch.quant.kernels import Fp16Linear
 from umakit.backends.torch.quant.layout import QuantizedLinear, quantize as quantize_weights
 from umakit.backends.torch.sampler import TorchOps
 from umakit.backends.transformers import SPEC
@@ -54,14 +57,15 @@ class TransformersEngine:
                         quantize: int | dict | None = None, gpu_layers: int | None = None,
                         vram_budget: int | str | None = None) -> TransformersEngine:
         refuse_options(SPEC, quantize=quantize, gpu_layers=gpu_layers, vram_budget=vram_budget)
-        target = _dtype(dtype, device)
+        target, half = _dtype(dtype, device), _half_weights(dtype, device)
         if isinstance(ckpt.config.get("quantization"), dict):  # MLX's layout: mapped.py
             from umakit.backends.transformers import mapped
 
             _check_device(device)
             with _quiet() as transformers:
                 model, params = mapped.load(transformers, ckpt, torch.device(device), target)
-            return cls(model, ckpt.config, device, target, params=params, quantization=ckpt.config["quantization"])
+            return cls(model, ckpt.config, device, target, params=params, quantization=ckpt.config["quantization"],
+                       half_weights=half)
         native = native_block(ckpt.config)
         if native:  # gpt-oss's MXFP4 experts: packed (mxfp4.py)
             from umakit.backends.transformers import mxfp4
@@ -69,14 +73,14 @@ class TransformersEngine:
             _check_device(device)
             with _quiet() as transformers:
                 model, params, dense = mxfp4.load(transformers, ckpt, torch.device(device), target)
-            engine = cls(model, ckpt.config, device, target, params=params, quantization=native)
+            engine = cls(model, ckpt.config, device, target, params=params, quantization=native, half_weights=half)
             if dense:
                 engine.load_notes = (f"{dense} expert projections run dequantized to {engine.dtype}: their MXFP4 "
                                      f"scales lie outside what the packed form holds exactly",)
             return engine
         with _quiet() as transformers:
             model = transformers.AutoModelForCausalLM.from_pretrained(str(ckpt.path), dtype=target)
-        return cls(model, ckpt.config, device, target)
+        return cls(model, ckpt.config, device, target, half_weights=half)
 
     @classmethod
     def synthetic(cls, config: dict, *, device: str, dtype: str = "auto", bits: int | None = None,
@@ -88,12 +92,13 @@ class TransformersEngine:
         with _quiet() as transformers:
             hf_config = transformers.AutoConfig.for_model(**config)
             model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=target)
-        return cls(model, config, device, target, bits, group_size)
+        return cls(model, config, device, target, bits, group_size, half_weights=_half_weights(dtype, device))
 
     def __init__(self, model: nn.Module, config: dict, device: str, dtype: torch.dtype, bits: int | None = None,
-                 group_size: int = 64, params: int | None = None, quantization: dict | None = None):
+                 group_size: int = 64, params: int | None = None, quantization: dict | None = None,
+                 half_weights: bool = False):
         """``params``, ``quantization``: of a model loaded quantized (mapped.py), whose packed layers hold no
-        parameters."""
+        parameters; ``half_weights``: float linear layers as FBGEMM's float16 weights (a CPU's "auto")."""
         _check_device(device)
         self.device, self.torch_device = device, torch.device(device)
         self.dtype = str(dtype).removeprefix("torch.")
@@ -106,6 +111,12 @@ class TransformersEngine:
             self.quantization = {"bits": bits, "group_size": group_size}
             self.config["quantization"] = dict(self.quantization)
             _quantize_linears(self.model, bits, group_size, self.torch_device, dtype)
+        if half_weights:  # named as the torch engine names its CPU default: float16 weights, float32 math
+            self.dtype = "float16"
+            for path, module in list(self.model.named_modules()):
+                if type(module) is nn.Linear:
+                    parent, _, attr = path.rpartition(".")
+                    setattr(self.model.get_submodule(parent), attr, Fp16Linear(module))
         self._ops = TorchOps(self.torch_device)
         accepts = inspect.signature(self.model.forward).parameters
         self._cache_arg = "cache" if "cache" in accepts else "past_key_values"
@@ -172,11 +183,15 @@ class TransformersEngine:
     def weight_info(self) -> WeightInfo:
         by_cat: dict[str, int] = {}
         routed, seen = 0, set()
-        for name, t in [*self.model.named_parameters(), *self.model.named_buffers()]:
-            if t.data_ptr() in seen or name.endswith("inv_freq"):  # a tied head; RoPE's tables are no weights
+        held = [(name, t.numel() * t.element_size(), t.data_ptr())
+                for name, t in [*self.model.named_parameters(), *self.model.named_buffers()]
+                if not name.endswith("inv_freq")]  # RoPE's tables are no weights
+        held += [(f"{name}.weight", m.packed_nbytes, None) for name, m in self.model.named_modules()
+                 if isinstance(m, Fp16Linear)]  # FBGEMM's packed weights are not tensors
+        for name, n, where in held:
+            if where is not None and where in seen:  # a tied head
                 continue
-            seen.add(t.data_ptr())
-            n = t.numel() * t.element_size()
+            seen.add(where)
             by_cat[common.category(name)] = by_cat.get(common.category(name), 0) + n
             routed += n if ROUTED in name else 0
         text = config_compat.text_config(self.config)
@@ -213,6 +228,11 @@ def _check_device(device: str) -> None:
         raise InvalidArgumentError(f"the transformers backend runs on {' or '.join(SPEC.devices)}, not {device!r}")
     if device == "cuda" and not torch.cuda.is_available():
         raise BackendUnavailableError("PyTorch sees no CUDA device here; use --device cpu or a CUDA build of torch")
+
+
+def _half_weights(dtype: str, device: str) -> bool:
+    """Whether float linear layers run as FBGEMM's float16 weights: "auto" on a CPU that has FBGEMM."""
+    return dtype == "auto" and device == "cpu" and Fp16Linear.available()
 
 
 def _dtype(dtype: str, device: str) -> torch.dtype:
