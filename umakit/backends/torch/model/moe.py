@@ -109,12 +109,14 @@ class Experts(nn.Module):
                        bias=self.bias is not None)
 
     def apply(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        """Row i of ``x`` (M, in) through expert ``idx[i]``: (M, out). Without `forms` no host sync (CUDA graphs)."""
-        if self.forms is not None:
+        """Row i of ``x`` (M, in) through expert ``idx[i]``: (M, out). Off a CPU, without a host sync (CUDA graphs):
+        the picked experts' matrices gathered, one per row; on a CPU, each picked expert once, over its rows, read
+        where it lies (gathering copied every picked matrix each step)."""
+        if self.forms is not None or (x.device.type == "cpu" and self.streamer is None):
             out = x.new_empty(x.shape[0], self.out_features)
             for e in torch.unique(idx).tolist():
                 rows = (idx == e).nonzero()[:, 0]
-                out[rows] = self.forms[e](x[rows]).to(out.dtype)
+                out[rows] = self.apply_one(x[rows], e)
             return out
         w, b = self.picked(idx, x.dtype)
         y = torch.bmm(w, x[:, :, None])[:, :, 0]
@@ -124,6 +126,9 @@ class Experts(nn.Module):
         """Every row of ``x`` (M, in) through expert ``e``."""
         if self.forms is not None:
             return self.forms[e](x).to(x.dtype)
+        if self.bits is None and self.streamer is None:  # a view of its matrix, not a copy
+            b = None if self.bias is None else self.bias[e].to(x.dtype)
+            return F.linear(x, self.weight[e].to(x.dtype), b)
         w, b = self.picked(torch.tensor([e], device=x.device), x.dtype)
         return F.linear(x, w[0], None if b is None else b[0])
 
