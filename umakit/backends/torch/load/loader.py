@@ -157,7 +157,9 @@ def build_model(args: ModelArgs, config: dict, shapes: dict, source, device: tor
         if t.is_floating_point() and not name.endswith((".scales", ".biases")):
             t = t.to(device=target, dtype=dtype)
         if t.device.type == "cpu" and t.numel() * t.element_size() < SMALL and 0 not in t.stride():
-            t = t.clone()  # a norm or a bias held in place would keep the whole checkpoint's map resident
+            # a norm or a bias held in place would keep the whole checkpoint's map resident (a placeholder of one
+            # repeated word, load/openai_experts.py's, is no map and must stay recognisable as one)
+            t = t.clone()
         if slot is not None:
             _assign_expert(model, *slot, t.to(target))
         else:

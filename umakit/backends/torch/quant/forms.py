@@ -162,7 +162,7 @@ def pack_experts(m: Experts, path: str, prepacked=lambda path: {}) -> None:
     if unread and not all(affine.AffineLinear.reuses([q], k) for q, k in zip(experts, kept)):
         raise CheckpointError(f"{path}: the packing kept under $UMAKIT_HOME/packed does not fit this load; "
                               f"delete it to pack again")
-    if not affine.supports(experts[0]) or not all(_in_half_range(t) for t in (m.scales, m.biases)):
+    if not unread and (not affine.supports(experts[0]) or not all(_in_half_range(t) for t in (m.scales, m.biases))):
         return
     m.forms = nn.ModuleList(affine.AffineLinear([q], k) for q, k in zip(experts, kept))
     for name in ("weight", "scales", "biases"):

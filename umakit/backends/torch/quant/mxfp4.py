@@ -32,7 +32,8 @@ def exponents(scales: torch.Tensor) -> torch.Tensor:
 
 
 def steps(scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Each group's step 2^(e - 128) in ``dtype`` (exact in float32 and bfloat16 for every byte but 0)."""
+    """Each group's step 2^(e - 128) in ``dtype`` (exact in float32 and bfloat16 for every byte; 255, NaN in the
+    MX format, reads as 2^127)."""
     e = exponents(scales)
     return torch.ldexp(torch.ones(e.shape, device=scales.device), e).to(dtype)
 
