@@ -9,8 +9,9 @@
 2. Engine: CUDA against CPU float32 on a small random model (float and 4-bit),
    the CUDA-graph decode step against the eager step, a tiny gpt-oss with
    MXFP4 experts (packed as 5-bit codes) against its CPU run on both torch-side
-   engines (the compact code's CUDA-graph step against its eager one too), and
-   the default model when its package is installed.
+   engines (the compact code's CUDA-graph step against its eager one too), a
+   tiny gemma4 with every per-layer feature likewise, and the default model
+   when its package is installed.
 3. Speed: decode tok/s, achieved GB/s and MBU for a synthetic Llama-3-8B in
    bfloat16, 8-bit and 4-bit, and for the default model.
 4. Offload (layers streamed from pinned host memory over PCIe):
@@ -309,6 +310,32 @@ def check_mxfp4(report: Report) -> None:
     torch.cuda.empty_cache()
 
 
+def check_gemma4(report: Report) -> None:
+    """gemma4 on the torch engine's compact code, on CUDA against its CPU run: a tiny checkpoint with every
+    per-layer feature (global heads of another size, shared keys and values, per-layer inputs), its cache one
+    per head shape; the CUDA-graph decode step's greedy tokens against the eager step's."""
+    import tempfile
+
+    import umakit
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from engines.test_torch_gemma4 import PROMPT, VARIANTS, make
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = make(Path(tmp) / "gemma4", **VARIANTS["every-feature"])
+        want = umakit.load(path, backend="torch", device="cpu", dtype="float32").logits(PROMPT)
+        for dtype, limit in (("float32", 1e-3), ("bfloat16", 6e-2)):
+            model = umakit.load(path, backend="torch", device="cuda", dtype=dtype)
+            err = abs(model.logits(PROMPT) - want).max() / abs(want).max()
+            report.check(f"gemma4 compact code, cuda {dtype} vs cpu", err <= limit,
+                         f"max error {err:.1e} of max |logit| (limit {limit:.0e})")
+            graphed, eager = greedy(model.engine, PROMPT, 16), greedy(model.engine, PROMPT, 16, eager=True)
+            report.check(f"gemma4 compact code, cuda {dtype}: CUDA-graph decode = eager", graphed == eager,
+                         f"{sum(a == b for a, b in zip(graphed, eager))}/16 tokens equal")
+            del model
+    torch.cuda.empty_cache()
+
+
 def check_default_model(report: Report) -> object | None:
     import importlib.util
 
@@ -571,6 +598,7 @@ def main() -> None:
         check_kernels(report, args.quick)
     check_engine(report)
     check_mxfp4(report)
+    check_gemma4(report)
     default = check_default_model(report)
     check_offload(report, default)
 

@@ -56,7 +56,8 @@ class Oracle:
             def propose(self, room):
                 # proposals for the tokens after the one the row feeds next (its last returned)
                 want = oracle.next[tuple(self.text)][len(self.done):len(self.done) + min(self.k, room)]
-                plan = [t + 1 if oracle.wrong and (len(self.done) + i) % 3 == 2 else t for i, t in enumerate(want)]
+                # a wrong one stays in the vocabulary (t ^ 1 < an even size)
+                plan = [t ^ 1 if oracle.wrong and (len(self.done) + i) % 3 == 2 else t for i, t in enumerate(want)]
                 oracle.made.append(len(plan))
                 return plan
 

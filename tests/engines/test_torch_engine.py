@@ -38,8 +38,8 @@ def test_unsupported_model_type_names_the_supported_ones(tiny_dir, tmp_path):
     from umakit.checkpoint.files import open_checkpoint
 
     path = _edited(tiny_dir("llama"), tmp_path / "phi3", model_type="phi3")
-    with pytest.raises(UnsupportedModelError, match="supported: llama, mistral, qwen2, qwen3, smollm3, gemma3_text, mixtral, "
-                                                    "qwen3_moe"):
+    with pytest.raises(UnsupportedModelError, match="supported: llama, mistral, qwen2, qwen3, smollm3, gemma3_text, "
+                                                    "gemma4_text, mixtral, qwen3_moe"):
         TorchEngine.from_checkpoint(open_checkpoint(path), device="cpu")
     with pytest.raises(UnsupportedModelError, match="the torch backend does not run model_type 'phi3'; "
                                                     "use --backend mlx"):

@@ -27,6 +27,7 @@ def normalize(config: dict) -> dict:
             _rope(c)
             _layer_types(c)
             _experts(c)
+            _gemma4(c)
     return config
 
 
@@ -114,6 +115,19 @@ def _layer_types(config: dict) -> None:
 def _experts(config: dict) -> None:
     if config.get("model_type") in NUM_EXPERTS_FAMILIES and "num_local_experts" in config:
         config.setdefault("num_experts", config["num_local_experts"])
+
+
+def _gemma4(config: dict) -> None:
+    """gemma4: transformers v5 writes its global layers' head size and count into ``per_layer_config`` only; mlx-lm
+    reads ``global_head_dim`` (512 when absent) and ``num_global_key_value_heads``."""
+    per, types = config.get("per_layer_config"), config.get("layer_types") or []
+    if config.get("model_type") != "gemma4_text" or not isinstance(per, dict) or FULL not in types:
+        return
+    glob = per.get(str(types.index(FULL))) or per.get(types.index(FULL)) or {}
+    if "head_dim" in glob:
+        config.setdefault("global_head_dim", glob["head_dim"])
+    if "num_key_value_heads" in glob:
+        config.setdefault("num_global_key_value_heads", glob["num_key_value_heads"])
 
 
 def check_mlx(config: dict) -> None:

@@ -44,6 +44,9 @@ def shard_config(config: dict, n: int) -> dict:
     c = config.get("text_config", config)
     if c.get("num_experts") or c.get("num_local_experts"):
         raise UnsupportedModelError("tensor parallel on the torch backend splits dense MLPs only, not experts")
+    if c.get("model_type") == "gemma4_text":  # heads of two sizes and counts, per-layer inputs: not split here
+        raise UnsupportedModelError("tensor parallel on the torch backend does not split gemma4's layers (heads "
+                                    "of two sizes, shared keys and values); run it in one process")
     heads = c["num_attention_heads"]
     kv = c.get("num_key_value_heads") or heads
     for key, value in (("num_attention_heads", heads), ("num_key_value_heads", kv),

@@ -7,10 +7,10 @@ imports `engine` only when the engine is chosen.
 from umakit.backends.base import BATCH, BATCH_KV_BITS, CONSTRAIN, LOOKUP, OFFLOAD, QUANTIZED_KV, EngineSpec
 
 # The model types backends/torch/model/llama.py runs (config.json's, of the language model).
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma3_text", "mixtral", "qwen3_moe",
-                 "gpt_oss")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma3_text", "gemma4_text", "mixtral",
+                 "qwen3_moe", "gpt_oss")
 # The RoPE scaling kinds model/rope.py computes.
-ROPE_KINDS = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
+ROPE_KINDS = ("default", "linear", "llama3", "yarn", "dynamic", "longrope", "proportional")
 
 SPEC = EngineSpec(name="torch", module="umakit.backends.torch.engine", cls="TorchEngine", dependency="torch",
                   extra="umakit[cuda]", devices=("cuda", "cpu"),

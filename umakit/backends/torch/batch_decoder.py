@@ -24,6 +24,7 @@ from umakit.backends.base import BatchRow, Lookup
 from umakit.backends.common import TokenSampler
 from umakit.backends.torch.cache import GROW_STEP, StaticKVCache
 from umakit.backends.torch.quant_cache import QuantizedKVCache, check_kv_bits, dequantize, quantize
+from umakit.backends.torch.ragged_cache import RaggedKVCache, kv_cache
 from umakit.core.affine import KV_GROUP_SIZE
 from umakit.errors import InvalidArgumentError
 from umakit.generate.sampling import recent_tokens
@@ -168,8 +169,8 @@ class TorchBatchDecoder:
         self._device = engine.torch_device
         self._kv_bits = kv_bits
         a = engine.args
-        self._cache = BatchKVCache(a.num_hidden_layers, a.num_key_value_heads, a.head_dim,
-                                   a.max_position_embeddings, engine.cache_dtype, self._device, kv_bits)
+        self._cache = kv_cache(a.kv_shapes, lambda layers, heads, size: BatchKVCache(
+            layers, heads, size, a.max_position_embeddings, engine.cache_dtype, self._device, kv_bits))
         self._ids: list[int] = []  # row i lives in cache slot i
         self._rows: list[TokenSampler] = []
         self._lengths: list[int] = []  # positions each row has in the cache
@@ -181,7 +182,8 @@ class TorchBatchDecoder:
         return len(self._ids)
 
     def add(self, rows: Sequence[BatchRow]) -> None:
-        common.check_rows(rows, StaticKVCache if self._kv_bits is None else QuantizedKVCache, self._kv_bits)
+        common.check_rows(rows, (StaticKVCache if self._kv_bits is None else QuantizedKVCache, RaggedKVCache),
+                          self._kv_bits)
         used = max(self._lengths, default=0)
         longest = max([used] + [len(r.prompt) for r in rows])
         self._cache.reserve(len(self._ids) + len(rows), longest, used)  # one reallocation at most

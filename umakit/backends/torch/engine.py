@@ -51,6 +51,7 @@ from umakit.backends.torch import crossover
 from umakit.backends.torch import peak, quant
 from umakit.backends.torch.batch_decoder import TorchBatchDecoder
 from umakit.backends.torch.cache import GROW_STEP, StaticKVCache
+from umakit.backends.torch.ragged_cache import kv_cache
 from umakit.backends.torch.quant_cache import QuantizedKVCache
 from umakit.backends.torch.quant.forms import activation_dtype, describe_execution
 from umakit.backends.torch.cuda.graphs import GraphDecoder
@@ -192,12 +193,15 @@ class TorchEngine:
         """A float cache in the activation dtype, or with ``kv_bits`` (4 or 8) one that quantizes K and V."""
         a = self.args
         start = CUDA_CACHE_TOKENS if self.device == "cuda" else GROW_STEP
-        if kv_bits is not None:
-            return QuantizedKVCache(a.num_hidden_layers, a.num_key_value_heads, a.head_dim,
-                                    a.max_position_embeddings, kv_bits, self.cache_dtype, self.torch_device,
-                                    capacity=start)
-        return StaticKVCache(a.num_hidden_layers, a.num_key_value_heads, a.head_dim, a.max_position_embeddings,
-                             self.cache_dtype, self.torch_device, capacity=start)
+
+        def make(layers: int, kv_heads: int, head_dim: int):
+            if kv_bits is not None:
+                return QuantizedKVCache(layers, kv_heads, head_dim, a.max_position_embeddings, kv_bits,
+                                        self.cache_dtype, self.torch_device, capacity=start)
+            return StaticKVCache(layers, kv_heads, head_dim, a.max_position_embeddings, self.cache_dtype,
+                                 self.torch_device, capacity=start)
+
+        return kv_cache(a.kv_shapes, make)  # gemma4's layers of two shapes: a RaggedKVCache
 
     def _forward(self, tokens: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
         """Logits (1, T, V) of ``tokens`` (T,) appended to ``cache``."""
@@ -337,9 +341,8 @@ class TorchEngine:
 
     def kv_bytes_per_token(self, kv_bits: int | None = None) -> int:
         """Cache bytes per token over all layers, K and V (quantized: codes plus a scale and bias per group)."""
-        a = self.args
-        return kv_bytes_per_token(a.num_hidden_layers, a.num_key_value_heads, a.head_dim,
-                                  kv_bits=kv_bits, dtype_bytes=self.cache_dtype.itemsize)
+        return sum(kv_bytes_per_token(1, heads, size, kv_bits=kv_bits, dtype_bytes=self.cache_dtype.itemsize)
+                   for heads, size in self.args.kv_shapes)
 
     def wired(self):
         """Nothing to wire: CUDA memory is the device's own, and CPU pages are the OS's to keep."""

@@ -26,6 +26,7 @@ from umakit.backends.common import check_weights
 from umakit.backends.torch import quant
 from umakit.backends.torch.quant.forms import convert_model, cpu_auto_dtype, joiner
 from umakit.backends.torch.model.llama import ModelArgs, Transformer, fuse_projections
+from umakit.backends.torch.model.gemma4 import transformer_for
 from umakit.backends.torch.model.rope import rope_inv_freq
 from umakit.backends.torch.model.moe import Experts, expert_slot, stacked_shapes
 from umakit.backends.torch.cpu.affine_kernel import AffineEmbedding, AffineLinear
@@ -87,10 +88,17 @@ def _swap_quantized(model: Transformer, q: dict, tensors, dtype: torch.dtype) ->
         setattr(model.get_submodule(parent), attr, new)
 
 
+TOWERS = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.",
+          "model.multi_modal_projector.")  # a multimodal checkpoint's other inputs, beside its language model
+
+
 def _sanitize(name: str) -> str | None:
-    """The model's name for a checkpoint tensor (None: not a weight of this model)."""
-    if "rotary_emb.inv_freq" in name:
+    """The model's name for a checkpoint tensor (None: not a weight of this model): a multimodal checkpoint's
+    language model (``model.language_model.``) is the model; its vision and audio towers are left unread."""
+    if "rotary_emb.inv_freq" in name or name.startswith(TOWERS):
         return None
+    if name.startswith("model.language_model."):
+        return "model." + name.removeprefix("model.language_model.")
     return name
 
 
@@ -133,7 +141,7 @@ def build_model(args: ModelArgs, config: dict, shapes: dict, source, device: tor
     """
     weights = weights or dtype
     with torch.device("meta"):
-        model = Transformer(args)
+        model = transformer_for(args)
     # transformers' one tensor per expert, checked and held as mlx-lm's stacked (E, ...) ones
     shapes, sources = stacked_shapes(shapes)
     _swap_quantized(model, config.get("quantization") or {}, shapes, dtype)

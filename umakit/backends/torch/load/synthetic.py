@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from umakit.backends.torch.model.gemma import GemmaRMSNorm
-from umakit.backends.torch.model.llama import ModelArgs, RMSNorm, Transformer
+from umakit.backends.torch.model.llama import ModelArgs, RMSNorm
+from umakit.backends.torch.model.gemma4 import transformer_for
 from umakit.backends.torch.model.moe import Experts
 
 
@@ -21,7 +22,7 @@ def synthetic_shapes(config: dict, bits: int | None, group_size: int) -> tuple[d
     config = dict(config)
     args = ModelArgs.from_config(config)
     with torch.device("meta"):
-        model = Transformer(args)
+        model = transformer_for(args)
     shapes: dict[str, tuple] = {}
     for path, m in model.named_modules():
         if isinstance(m, (RMSNorm, GemmaRMSNorm)):
@@ -35,6 +36,8 @@ def synthetic_shapes(config: dict, bits: int | None, group_size: int) -> tuple[d
                 shapes[f"{path}.weight"] = (n, rows, cols)
             if m.bias is not None:
                 shapes[f"{path}.bias"] = (n, rows)
+        if isinstance(getattr(m, "layer_scalar", None), torch.Tensor):  # gemma4's scale on a layer's output
+            shapes[f"{path}.layer_scalar"] = tuple(m.layer_scalar.shape)
         if isinstance(getattr(m, "sinks", None), nn.Parameter):  # gpt-oss's attention
             shapes[f"{path}.sinks"] = tuple(m.sinks.shape)
         if not isinstance(m, (nn.Linear, nn.Embedding)) or (path == "lm_head" and args.tie_word_embeddings):
@@ -63,7 +66,7 @@ def random_tensor(name: str, shape: tuple, packed: bool, dtype: torch.dtype, dev
     """A synthetic weight: random codes and small scales when ``packed``, unit norms, small floats."""
     if packed:
         return torch.randint(-2**31, 2**31 - 1, shape, dtype=torch.int32, device=device).view(torch.uint32)
-    if name.endswith("norm.weight"):
+    if name.endswith(("norm.weight", ".layer_scalar")):
         return torch.ones(shape, dtype=dtype, device=device)
     if name.endswith(".scales"):
         return torch.full(shape, 0.002, dtype=dtype, device=device)

@@ -1,6 +1,5 @@
 """A compact Llama-family transformer in PyTorch (llama, mistral, qwen2, qwen3, smollm3, gemma3, mixtral,
-qwen3_moe, gpt_oss).
-
+qwen3_moe, gpt_oss; gemma4 extends it in model/gemma4.py).
 Parameter names equal the Hugging Face checkpoint's, so loading is a plain
 assignment; `fuse_projections` then joins q/k/v and gate/up into one matmul
 each, which is what runs. The KV cache is passed explicitly to every layer.
@@ -22,7 +21,7 @@ from umakit.backends.torch.model.rope import (apply_rope, dynamic_inv_freq, is_d
                                               rope_cos_sin, rope_inv_freq, rope_original)
 from umakit.errors import UnsupportedModelError
 from umakit.backends.torch import ARCHITECTURES as SUPPORTED
-from umakit.backends.torch.model.gemma import GemmaRMSNorm, gemma_fields, softcap
+from umakit.backends.torch.model.gemma import Gemma4Layers, GemmaRMSNorm, gemma4_fields, gemma_fields, softcap
 from umakit.backends.torch.model.moe import SparseMoE, moe_fields
 from umakit.backends.torch.model.openai_moe import GptOssMoE, gpt_oss_fields, sink_attention
 
@@ -69,6 +68,13 @@ class ModelArgs:
     # gpt-oss (model/openai_moe.py):
     attn_sinks: bool = False  # a learned logit per head beside the keys'
     swiglu: tuple[float, float] | None = None  # its experts' clamped SwiGLU (alpha, limit)
+    gemma4: Gemma4Layers | None = None  # gemma4's per-layer shapes and sharing (model/gemma.py, model/gemma4.py)
+
+    @property
+    def kv_shapes(self) -> list[tuple[int, int]]:
+        """(kv heads, head size) of each layer's cache slot; gemma4's differ, and its shared layers have none."""
+        g = self.gemma4
+        return g.cache_shapes if g is not None else [(self.num_key_value_heads, self.head_dim)] * self.num_hidden_layers
 
     @property
     def rope_dynamic(self) -> bool:
@@ -121,7 +127,7 @@ class ModelArgs:
                 sliding_window=window,
                 hidden_act=act,
             )
-            made = cls(**{**fields, **gemma_fields(c), **moe_fields(c), **gpt_oss_fields(c)})
+            made = cls(**{**fields, **gemma_fields(c), **gemma4_fields(c), **moe_fields(c), **gpt_oss_fields(c)})
         except KeyError as e:
             raise UnsupportedModelError(f"config.json lacks {e.args[0]!r}, which a {kind} model needs") from e
         made.rope_original = rope_original(c, made.max_position_embeddings)
@@ -315,7 +321,7 @@ class Transformer(nn.Module):
         x = self._embed(tokens)
         # A mask always under a static span or for a prompt; for one new token only past a window.
         step = self._step(positions, static or cache.offset + T, x.dtype, static > 0 or T > 1, static)
-        x = self._blocks(x, step, cache)
+        x = self._blocks(x, step, cache, self._layer_inputs(tokens, x))
         if not static:
             cache.advance(T)
         return self._head(x) if head else x
@@ -328,7 +334,7 @@ class Transformer(nn.Module):
         """
         x = self._embed(tokens)
         step = self._step(positions, span, x.dtype, True, span, rows=True)
-        x = self._blocks(x, step, cache)
+        x = self._blocks(x, step, cache, self._layer_inputs(tokens, x))
         return self._head(x)[:, -1]
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -352,16 +358,23 @@ class Transformer(nn.Module):
                 return cos[:, None, None], sin[:, None, None], mask[:, None, None]
             return cos, sin, mask
 
-        inv_freq = self.inv_freq[0]
+        inv_freq, local = self._rope_tables()
         if a.rope_dynamic:
             inv_freq = dynamic_inv_freq(a, inv_freq, positions, rows)
         if not a.layer_types:  # every layer alike (mistral: all within its window)
             cos, sin, mask = view(inv_freq, a.sliding_window)
             return Step(cos, sin, positions, mask, static)
         cos, sin, mask = view(inv_freq, None)
-        return Step(cos, sin, positions, mask, static, local=view(self.inv_freq[-1], a.sliding_window))
+        return Step(cos, sin, positions, mask, static, local=view(local, a.sliding_window))
 
-    def _blocks(self, x: torch.Tensor, step: Step, cache) -> torch.Tensor:
+    def _rope_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inverse frequencies of the global layers and of the sliding ones (rope.rope_inv_freq's rows)."""
+        return self.inv_freq[0], self.inv_freq[-1]
+
+    def _layer_inputs(self, tokens: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
+        return None  # what each layer takes besides the hidden state: gemma4's per-layer inputs (model/gemma4.py)
+
+    def _blocks(self, x: torch.Tensor, step: Step, cache, extra: torch.Tensor | None = None) -> torch.Tensor:
         streamer = self.streamer  # offloaded layers' weights arrive through it (offload/layers.py)
         for i, layer in enumerate(self.model.layers):
             if streamer is not None:
@@ -375,6 +388,9 @@ class Transformer(nn.Module):
 def fuse_projections(model: Transformer, concat) -> None:
     """Join q/k/v and gate/up into one linear each; ``concat(modules)`` builds the joined module."""
     for block in model.model.layers:
+        if hasattr(block, "fuse"):  # a family that joins its own (model/gemma4.py)
+            block.fuse(concat)
+            continue
         a, m = block.self_attn, block._modules[block.ffn_name]
         a.qkv_proj = concat([a.q_proj, a.k_proj, a.v_proj])
         del a.q_proj, a.k_proj, a.v_proj

@@ -15,11 +15,35 @@ from umakit.errors import UnsupportedModelError
 
 def rope_inv_freq(args) -> torch.Tensor:
     """Inverse frequencies (kinds, head_dim/2), float32: row 0 with the config's rope scaling (global
-    layers), row 1, where the model has sliding layers of their own base, for those."""
+    layers), row 1, where the model has sliding layers of their own base, for those. gemma4's two kinds have
+    heads of two sizes: each row is zero-padded to the longer (`gemma4_inv_freq`)."""
+    if args.gemma4 is not None:
+        return gemma4_inv_freq(args.gemma4, args.layer_types)
     rows = [_inv_freq(args.head_dim, args.rope_theta, args.rope_scaling, args.max_position_embeddings)]
     if args.rope_local_theta is not None:
         rows.append(_inv_freq(args.head_dim, args.rope_local_theta, None))
     return torch.stack(rows)
+
+
+def gemma4_inv_freq(layers, types: tuple[str, ...]) -> torch.Tensor:
+    """(2, longest head/2): the global layers' frequencies, then the sliding layers', each for its own head size,
+    zero-padded to the longer."""
+    rows = []
+    for kind in ("full_attention", "sliding_attention"):
+        d = layers.head_dims[types.index(kind)] if kind in types else 2
+        rows.append(_proportional(d, *layers.rope.get(kind, (1.0, 0.0, 1.0))))
+    width = max(len(r) for r in rows)
+    return torch.stack([torch.cat([r, torch.zeros(width - len(r), device="cpu")]) for r in rows])
+
+
+def _proportional(d: int, theta: float, partial: float, factor: float) -> torch.Tensor:
+    """transformers' "proportional" RoPE (gemma4's global layers), in float32 as it computes it: the first
+    ``partial`` of a head's pairs turn at base ** (-2i / d), the exponent over the whole head, the others not
+    at all (frequency 0); then divided by ``factor``. Partial 1 is the default RoPE."""
+    turned = int(partial * d // 2)
+    freq = torch.zeros(d // 2, device="cpu")  # on the CPU even under a meta device
+    freq[:turned] = 1.0 / theta ** (torch.arange(0, 2 * turned, 2, dtype=torch.float32, device="cpu") / d)
+    return freq / factor
 
 
 def rope_attention_factor(scaling: dict | None, max_positions: int) -> float:
@@ -88,6 +112,8 @@ def _inv_freq(d: int, theta: float, scaling: dict | None, max_positions: int = 0
         inv = torch.where(wavelen > old / low, inv / s["factor"], torch.where(wavelen < old / high, inv, mid))
     elif kind == "yarn":
         return _yarn(d, theta, s, max_positions)
+    elif kind == "proportional":
+        return _proportional(d, theta, s.get("partial_rotary_factor", 1.0), s.get("factor", 1.0))
     elif kind == "longrope":  # its short factors within the original context (`dynamic_inv_freq`)
         return _longrope(d, theta, s["short_factor"])
     elif kind not in ("default", "dynamic"):  # dynamic: the default within the original context (`dynamic_inv_freq`)
