@@ -3,8 +3,9 @@ installed transformers, one of its defaults and one with every per-layer feature
 and count, values from the keys' projection, partial RoPE, layers sharing earlier layers' keys and values,
 double-wide MLPs there, per-layer inputs, soft-capped logits). Logits and greedy tokens against transformers,
 the 4-bit packed forms against the same weights in float32, batch rows and prompt lookup against lone runs, a
-quantized KV cache, a reused cache, a multimodal checkpoint's language model, and "auto" for what the compact
-code lacks (the mixture-of-experts block) going on to the transformers engine."""
+quantized KV cache, a reused cache, a multimodal checkpoint's language model, the mixture-of-experts block
+(26B-A4B's) in both checkpoint layouts, and "auto" for what the compact code lacks going on to the transformers
+engine."""
 
 from __future__ import annotations
 
@@ -189,15 +190,71 @@ def test_a_multimodal_checkpoints_language_model_is_the_model(gemma4, tmp_path):
     np.testing.assert_array_equal(model.logits(PROMPT), want)
 
 
-def test_the_mixture_of_experts_block_goes_on_to_the_transformers_engine(tmp_path):
-    path = make(tmp_path / "moe", **VARIANTS["defaults"], enable_moe_block=True, num_experts=4, top_k_experts=2,
-                moe_intermediate_size=32)
-    with pytest.raises(umakit.errors.UnsupportedModelError, match="mixture-of-experts"):
+MOE = dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    """gemma4's 26B-A4B layout in small: experts beside each layer's dense MLP (transformers' fused gate_up_proj)."""
+    path = make(tmp_path_factory.mktemp("moe"), **VARIANTS["every-feature"], **MOE)
+    from safetensors.torch import load_file, save_file
+
+    # decisive routers, so that a wrong expert would show; scales that are not 1, so that one left out would
+    scaled = {"router.proj.weight": 20.0, "router.scale": 1.3, "router.per_expert_scale": torch.linspace(0.5, 2, 4)}
+    state = load_file(path / "model.safetensors")
+    for k in state:
+        for end, by in scaled.items():
+            state[k] = state[k] * by if k.endswith(end) else state[k]
+    save_file(state, path / "model.safetensors")
+    return path
+
+
+def test_the_mixture_of_experts_block_runs_as_transformers_runs_it(moe):
+    model = umakit.load(moe, dtype="float32")
+    assert model.info.backend == "torch" and model.engine.model.args.num_experts == 4
+    ref = reference(moe)
+    want = ref_logits(ref, PROMPT)
+    np.testing.assert_allclose(model.logits(PROMPT), want, atol=1e-5 * np.abs(want).max(), rtol=0)
+    assert greedy(model, PROMPT, 12) == greedy_reference(ref, PROMPT, 12)
+    prompts = [PROMPT, PROMPT[:25]]
+    decoder = model.engine.batch_decoder()
+    decoder.add([BatchRow(id=i, prompt=p, sampling=GREEDY) for i, p in enumerate(prompts)])
+    rows = [decoder.step() for _ in range(8)]
+    assert [[dict(r)[i] for r in rows] for i in range(2)] == [greedy(model, p, 8) for p in prompts]
+
+
+def test_a_4_bit_mixture_runs_its_experts_packed_as_its_float_twin(moe, tmp_path):
+    """`umakit quantize`'s output names the experts as mlx-lm does (``switch_glu``); on the CPU default each
+    expert is a packed layer of its own."""
+    from click.testing import CliRunner
+
+    from umakit.cli.main import main
+
+    out = tmp_path / "q4"
+    result = CliRunner().invoke(main, ["quantize", str(moe), "-o", str(out), "--bits", "4", "--group-size", "32"])
+    assert result.exit_code == 0, result.output
+    from safetensors import safe_open
+
+    names = [k for f in out.glob("*.safetensors") for k in safe_open(str(f), "pt").keys()]
+    assert any(".experts.switch_glu.gate_proj.scales" in k for k in names)
+    packed = umakit.load(out, backend="torch", device="cpu")
+    exact = umakit.load(out, backend="torch", device="cpu", dtype="float32")
+    assert any(getattr(m, "forms", None) for m in packed.engine.model.modules())  # the experts packed one by one
+    prompt = PROMPT[:12]
+    ours, want = packed.logits(prompt), exact.logits(prompt)
+    assert np.abs(ours - want).max() <= 1e-2 * np.abs(want).max(), np.abs(ours - want).max()
+    assert greedy(packed, prompt, 8) == greedy(exact, prompt, 8)
+
+
+def test_what_the_compact_code_lacks_goes_on_to_the_transformers_engine(tmp_path):
+    """Bidirectional attention over all tokens: refused by the torch engine by name, run by transformers."""
+    path = make(tmp_path / "bidi", **VARIANTS["defaults"], use_bidirectional_attention="all")
+    with pytest.raises(umakit.errors.UnsupportedModelError, match="bidirectional"):
         umakit.load(path, backend="torch", dtype="float32")
     model = umakit.load(path, dtype="float32")
     assert model.info.backend == "transformers"
-    ref = reference(path)
-    np.testing.assert_allclose(model.logits(PROMPT[:12]), ref_logits(ref, PROMPT[:12]), atol=1e-4, rtol=0)
+    np.testing.assert_allclose(model.logits(PROMPT[:12]), ref_logits(reference(path), PROMPT[:12]), atol=1e-4,
+                               rtol=0)
 
 
 def test_tensor_parallel_refuses_gemma4_by_name(gemma4):

@@ -70,7 +70,7 @@ from umakit.backends.torch.model.llama import ModelArgs
 from umakit.backends.torch.offload.experts import ExpertStreamer, plan_expert_offload
 from umakit.backends.torch.cpu.fused import FusedDecoder, covers
 from umakit.backends.torch.offload.layers import LayerStreamer
-from umakit.backends.torch.load import exact, openai_experts
+from umakit.backends.torch.load import exact, gemma4_experts, openai_experts
 from umakit.backends.torch.load.packed import PackedCache
 from umakit.backends.torch.cpu import affine_kernel
 from umakit.backends.torch.sampler import TorchOps
@@ -97,6 +97,7 @@ class TorchEngine:
         staging = "cpu" if gpu_layers is not None or vram_budget is not None else device
         # gpt-oss's experts as the model holds them (OpenAI's MXFP4 as 5-bit affine: quantized from here on)
         config, shapes = openai_experts.layout(ckpt.config, shapes)
+        shapes = gemma4_experts.layout(config, shapes)  # transformers' fused gate_up_proj: two stacked projections
         target = compute_dtype(dtype, floats, device, config.get("quantization"))
         # CPU packed kernels: the packing of a quantized checkpoint, kept from its first load (load/packed.py)
         packs = device == "cpu" and target == torch.bfloat16 and config.get("quantization")
@@ -104,6 +105,7 @@ class TorchEngine:
         source = openai_experts.tensors(ckpt.config, {k: t.shape for k, t in ckpt.tensors.items()},
                                         lambda skip=frozenset(): stream_checkpoint(ckpt, staging, progress, skip),
                                         packed.names if packed is not None and affine_kernel.available() else ())
+        source = gemma4_experts.tensors(config, source)
         if packs and affine_kernel.available():  # a GGUF's Q6_K tensors exactly, in groups of 16
             config, shapes, source = exact.substitute(ckpt, config, shapes, source)
         return cls(config, shapes, source, device, target, gpu_layers, vram_budget, packed)

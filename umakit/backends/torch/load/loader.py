@@ -97,9 +97,15 @@ def _sanitize(name: str) -> str | None:
     language model (``model.language_model.``) is the model; its vision and audio towers are left unread."""
     if "rotary_emb.inv_freq" in name or name.startswith(TOWERS):
         return None
+    return _renamed(name)
+
+
+def _renamed(name: str) -> str:
+    """A checkpoint's tensor or module name as the model's: its language model's, and mlx-lm's gemma4 experts
+    (``switch_glu``) as the stacked experts every family's are named (``switch_mlp``; load/gemma4_experts.py)."""
     if name.startswith("model.language_model."):
-        return "model." + name.removeprefix("model.language_model.")
-    return name
+        name = "model." + name.removeprefix("model.language_model.")
+    return name.replace(".experts.switch_glu.", ".experts.switch_mlp.")
 
 
 def _expected(model: Transformer) -> dict[str, torch.Tensor]:
@@ -144,7 +150,8 @@ def build_model(args: ModelArgs, config: dict, shapes: dict, source, device: tor
         model = transformer_for(args)
     # transformers' one tensor per expert, checked and held as mlx-lm's stacked (E, ...) ones
     shapes, sources = stacked_shapes(shapes)
-    _swap_quantized(model, config.get("quantization") or {}, shapes, dtype)
+    q = {(_renamed(k) if isinstance(v, dict) else k): v for k, v in (config.get("quantization") or {}).items()}
+    _swap_quantized(model, q, {n: s for k, s in shapes.items() if (n := _sanitize(k)) is not None}, dtype)
     keys = {n: k for k in shapes if (n := _sanitize(k)) is not None}
     names = {n: sources.get(k, k) for n, k in keys.items()}
     expected = _expected(model)

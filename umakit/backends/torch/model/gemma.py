@@ -98,11 +98,9 @@ class Gemma4Layers:
 
 def gemma4_fields(c: dict) -> dict:
     """`ModelArgs` fields of a gemma4 text config (empty for another family); what the torch engine does not run
-    (the mixture-of-experts block, bidirectional attention) is refused, and "auto" moves to the next engine."""
+    (bidirectional attention) is refused, and "auto" moves to the next engine."""
     if c["model_type"] != GEMMA4:
         return {}
-    if c.get("enable_moe_block"):
-        raise UnsupportedModelError("gemma4's mixture-of-experts block is not on the torch engine's compact code")
     if c.get("use_bidirectional_attention") == "all":
         raise UnsupportedModelError("gemma4 with use_bidirectional_attention 'all' is not supported by the torch "
                                     "backend")
@@ -154,7 +152,15 @@ def gemma4_fields(c: dict) -> dict:
         mlp_sizes=tuple(c["intermediate_size"] * (wide if s else 1) for s in shared),
         per_layer_input=int(c.get("hidden_size_per_layer_input") or 0),
         vocab_per_layer=int(c.get("vocab_size_per_layer_input") or c["vocab_size"]), rope=rope)
+    moe = {}
+    if c.get("enable_moe_block"):  # experts beside every layer's dense MLP (gemma4's 26B-A4B)
+        if not (c.get("num_experts") and c.get("top_k_experts") and c.get("moe_intermediate_size")):
+            raise UnsupportedModelError("gemma4's config enables its experts without num_experts, top_k_experts "
+                                        "and moe_intermediate_size")
+        moe = dict(num_experts=c["num_experts"], num_experts_per_tok=c["top_k_experts"],
+                   moe_intermediate_size=c["moe_intermediate_size"], moe_layers=tuple(range(n)))
     return dict(
+        **moe,
         layer_types=tuple(types),
         sliding_window=c.get("sliding_window"),
         attn_scale=1.0,  # q and k are normed per head

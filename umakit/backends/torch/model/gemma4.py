@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from umakit.backends.torch.model.llama import ACTIVATIONS, MLP, ModelArgs, RMSNorm, Step, Transformer
+from umakit.backends.torch.model.moe import SwitchMLP, mix
 from umakit.backends.torch.model.rope import apply_rope
 
 
@@ -82,6 +83,37 @@ class Gemma4Attention(nn.Module):
         return self.o_proj(out.reshape(B, T, nh * hd))
 
 
+class Gemma4Router(nn.Module):
+    """The experts' router: the hidden state normed (scaled by ``scale`` / sqrt(hidden)), projected, softmaxed;
+    the top k renormalized, then scaled per expert."""
+
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.proj = nn.Linear(a.hidden_size, a.num_experts, bias=False)
+        self.scale = nn.Parameter(torch.ones(a.hidden_size))
+        self.per_expert_scale = nn.Parameter(torch.ones(a.num_experts))
+        self.norm, self.top_k, self.root = ScalelessNorm(a.rms_norm_eps), a.num_experts_per_tok, a.hidden_size ** -0.5
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights (N, k) float32, expert ids (N, k)) for tokens ``x`` (N, H)."""
+        probs = F.softmax(self.proj(self.norm(x) * self.scale * self.root).float(), dim=-1)
+        weights, idx = probs.topk(self.top_k, dim=-1)
+        return weights / weights.sum(dim=-1, keepdim=True) * self.per_expert_scale[idx].float(), idx
+
+
+class Gemma4Experts(nn.Module):
+    """Every expert's GELU-gated MLP, stacked as mlx-lm holds them (``switch_mlp``; its checkpoints say
+    ``switch_glu``, transformers' a fused ``gate_up_proj``: load/gemma4_experts.py)."""
+
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.switch_mlp = SwitchMLP(a.num_experts, a.hidden_size, a.moe_intermediate_size, ACTIVATIONS[a.hidden_act])
+        self.n = a.num_experts
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        return mix(self.switch_mlp, x, weights, idx, self.n).to(x.dtype)
+
+
 class Gemma4Block(nn.Module):
     ffn_name = "mlp"
 
@@ -94,6 +126,11 @@ class Gemma4Block(nn.Module):
                      "post_feedforward_layernorm"):
             setattr(self, name, RMSNorm(a.hidden_size, a.rms_norm_eps))
         self.register_buffer("layer_scalar", torch.ones(1))
+        self.moe = a.num_experts > 0  # experts beside the dense MLP, each output normed, their sum normed again
+        if self.moe:
+            self.router, self.experts = Gemma4Router(a), Gemma4Experts(a)
+            for name in ("post_feedforward_layernorm_1", "pre_feedforward_layernorm_2", "post_feedforward_layernorm_2"):
+                setattr(self, name, RMSNorm(a.hidden_size, a.rms_norm_eps))
         if g.per_layer_input:
             self.act = ACTIVATIONS[a.hidden_act]
             self.per_layer_input_gate = nn.Linear(a.hidden_size, g.per_layer_input, bias=False)
@@ -107,7 +144,13 @@ class Gemma4Block(nn.Module):
 
     def forward(self, x, step: Step, cache, shared: dict, extra: torch.Tensor | None):
         h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), step, cache, shared))
-        h = h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+        ffn = self.mlp(self.pre_feedforward_layernorm(h))
+        if self.moe:
+            flat = h.reshape(-1, h.shape[-1])
+            weights, idx = self.router(flat)
+            routed = self.experts(self.pre_feedforward_layernorm_2(flat), weights, idx).view(h.shape)
+            ffn = self.post_feedforward_layernorm_1(ffn) + self.post_feedforward_layernorm_2(routed)
+        h = h + self.post_feedforward_layernorm(ffn)
         if extra is not None:
             gate = self.act(self.per_layer_input_gate(h)) * extra
             h = h + self.post_per_layer_input_norm(self.per_layer_projection(gate))

@@ -190,19 +190,21 @@ class SparseMoE(nn.Module):
         return weights, idx
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        flat = x.reshape(-1, shape[-1])  # (N, H)
+        flat = x.reshape(-1, x.shape[-1])  # (N, H)
         weights, idx = self.route(flat)
-        N, k = idx.shape
-        if N * k <= self.n:
-            # Decode: gather the picked experts' matrices (graph-capturable: no host sync).
-            y = self.switch_mlp.gathered(flat.repeat_interleave(k, dim=0), idx.reshape(-1))  # (N*k, H)
-            out = (y.view(N, k, -1).float() * weights[..., None]).sum(dim=1)
-            return out.to(x.dtype).view(shape)
-        # Prefill: each expert once, over the tokens routed to it.
-        out = torch.zeros(flat.shape, dtype=torch.float32, device=x.device)
-        for e in torch.unique(idx).tolist():
-            token, slot = torch.where(idx == e)
-            y = self.switch_mlp.one(flat[token], e)
-            out.index_add_(0, token, y.float() * weights[token, slot, None])
-        return out.to(x.dtype).view(shape)
+        return mix(self.switch_mlp, flat, weights, idx, self.n).to(x.dtype).view(x.shape)
+
+
+def mix(switch_mlp: SwitchMLP, flat: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, n: int) -> torch.Tensor:
+    """Tokens ``flat`` (N, H) through their picked experts ``idx`` (N, k), summed by ``weights`` (N, k): (N, H)
+    float32. A decode step gathers the picked experts' matrices (graph-capturable: no host sync); a prompt runs
+    each expert once, over the tokens routed to it."""
+    N, k = idx.shape
+    if N * k <= n:
+        y = switch_mlp.gathered(flat.repeat_interleave(k, dim=0), idx.reshape(-1))  # (N*k, H)
+        return (y.view(N, k, -1).float() * weights[..., None]).sum(dim=1)
+    out = torch.zeros(flat.shape, dtype=torch.float32, device=flat.device)
+    for e in torch.unique(idx).tolist():
+        token, slot = torch.where(idx == e)
+        out.index_add_(0, token, switch_mlp.one(flat[token], e).float() * weights[token, slot, None])
+    return out
