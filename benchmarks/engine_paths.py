@@ -28,6 +28,7 @@ import runs
 
 OUT = Path(__file__).parent / "out" / "engine_paths.md"
 WAYS = {"torch, float32": ("torch", "float32", None), "transformers, float32": ("transformers", "float32", None),
+        "torch, auto (float16 weights)": ("torch", "auto", None),
         "transformers, auto (float16 weights)": ("transformers", "auto", None),
         "torch, 4-bit": ("torch", "auto", 4), "transformers, 4-bit": ("transformers", "auto", 4)}
 MLX_WAYS = {"mlx (CPU), float32": ("mlx", "float32", None), "mlx (CPU), 4-bit": ("mlx", "auto", 4)}
