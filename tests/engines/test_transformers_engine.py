@@ -252,3 +252,42 @@ def test_a_chat_goes_back_to_its_last_prompt_instead_of_prefilling_all_again(fam
     turns, fresh = chat_turns(model, ["The quick brown fox", "Paris is the capital", "again"])
     assert turns[0][0] == 0 and all(reused > 0 for reused, _ in turns[1:]), turns
     assert [reply for _, reply in turns] == fresh
+
+
+def test_speculating_rows_keep_their_lone_tokens_in_fewer_steps(tmp_path, monkeypatch):
+    """`batch --prompt-lookup`/`--draft` on this engine: proposals from the rows' lone continuations, every third
+    one wrong (`Oracle`), each speculating row verified in one forward pass of its own and its cache cropped back
+    past what its argmax rejected; in fewer steps than tokens. A smollm3 (full attention) of larger weights than
+    the other tiny models, whose greedy replies do not settle on one repeated token (stale keys would show)."""
+    from engines.test_batch_lookup import REPEATS, Oracle, lone
+    from umakit.backends.transformers import batch_decoder
+    from umakit.generate.batch import generate_batch
+
+    config = transformers.SmolLM3Config(**{**SMALL, "num_hidden_layers": 4, "initializer_range": 0.3})
+    torch.manual_seed(0)
+    transformers.SmolLM3ForCausalLM(config).save_pretrained(tmp_path, safe_serialization=True)
+    write_tokenizer(tmp_path)
+    model = umakit.load(tmp_path, backend="transformers", dtype="float32")
+    want = [lone(model, p, 30, temperature=0) for p in REPEATS]
+    assert min(len(set(w.tokens)) for w in want) > 5
+    oracle = Oracle(model, REPEATS, 30, wrong=True)
+    oracle.next = {tuple(model.encode(p, raw=True)): w.tokens for p, w in zip(REPEATS, want)}
+    monkeypatch.setattr(batch_decoder, "RowLookup", oracle.row)
+    run = generate_batch(model, REPEATS, max_tokens=30, sampling=GREEDY, batch_size=3, raw=True,
+                         prompt_lookup=True, ngram=2, draft_tokens=4)
+    assert [r.tokens for r in run] == [w.tokens for w in want]
+    assert run.stats.steps < run.stats.generated_tokens / 1.5 / 3 and sum(oracle.made) > 0
+
+
+def test_speculation_is_refused_where_the_cache_cannot_give_positions_back(family):
+    """Sliding windows, recurrent and convolution states: refused by name, before any row is added."""
+    from umakit.backends.base import Lookup
+    from umakit.errors import InvalidArgumentError
+
+    name, path = family
+    model = umakit.load(path, backend="transformers", dtype="float32")
+    if model.make_cache().trimmable:
+        assert model.engine.batch_decoder(lookup=Lookup(ngram=2, tokens=4)).size == 0
+        return
+    with pytest.raises(InvalidArgumentError, match=f"--prompt-lookup.*{name}"):
+        model.engine.batch_decoder(lookup=Lookup(ngram=2, tokens=4))

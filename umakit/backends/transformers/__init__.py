@@ -15,7 +15,7 @@ import functools
 import importlib.util
 from pathlib import Path
 
-from umakit.backends.base import BATCH, CONSTRAIN, EngineSpec
+from umakit.backends.base import BATCH, CONSTRAIN, LOOKUP, EngineSpec
 
 
 @functools.cache
@@ -38,7 +38,7 @@ def transformers_runs(model_type: str) -> bool:
 
 SPEC = EngineSpec(name="transformers", module="umakit.backends.transformers.engine", cls="TransformersEngine",
                   dependency="transformers", requires=("torch",), extra="umakit[cuda]", devices=("cuda", "cpu"),
-                  features=frozenset({BATCH, CONSTRAIN}), finds_architecture=transformers_runs,
+                  features=frozenset({BATCH, CONSTRAIN, LOOKUP}), finds_architecture=transformers_runs,
                   architectures_source="architecture the installed transformers has model code for")
 
 

@@ -3,7 +3,11 @@ caches stacked into one left-padded batch cache (stacking.py: attention layers, 
 state of a hybrid model's linear-attention layers), and samples all rows at once (umakit's sampler: penalties,
 log-probabilities, constraints). A row is prefilled in a cache of its own and joins the batch at its next step;
 a cache of a kind stacking.py does not know steps its rows one by one, each its own forward pass. Batched, a
-row's logits are its lone run's up to the rounding of a batch's matrix products."""
+row's logits are its lone run's up to the rounding of a batch's matrix products.
+
+With a `Lookup` (prompt lookup or a draft model), a step where some greedy row has proposals runs every row on its
+own cache, a speculating row's token and proposals in one forward pass; the row keeps what its argmax confirms and
+its cache gives back the rest (full-attention caches only: the engine refuses the others)."""
 
 from __future__ import annotations
 
@@ -12,16 +16,19 @@ from typing import Iterable, Sequence
 import torch
 
 from umakit.backends import common
-from umakit.backends.base import BatchRow
+from umakit.backends.base import BatchRow, Lookup
 from umakit.backends.transformers import stacking
 from umakit.backends.transformers.cache import TransformersCache
+from umakit.generate.lookup import RowLookup
 from umakit.generate.sampling import recent_tokens
 from umakit.hardware.local import cpu_kv_budget
 
 
 class TransformersBatchDecoder:
-    def __init__(self, engine):
+    def __init__(self, engine, lookup: Lookup | None = None):
         self._engine = engine
+        self._lookup = lookup
+        self._lookups: list[RowLookup | None] = []  # a greedy row's proposals, where the decoder speculates
         self._ids: list[int] = []
         self._caches: list[TransformersCache | None] = []  # each row's own cache; None while stacked
         self._batch = None  # the rows' stacked transformers cache, while stacked
@@ -43,9 +50,13 @@ class TransformersBatchDecoder:
             self._ids.append(row.id)
             self._caches.append(cache)
             self._lengths.append(cache.offset)
-            self._rows.append(common.TokenSampler(self._engine._ops, row.sampling, row.seed,
-                                                  recent_tokens(row.sampling, row.prompt), row.logprobs,
-                                                  row.constraint))
+            sampler = common.TokenSampler(self._engine._ops, row.sampling, row.seed,
+                                          recent_tokens(row.sampling, row.prompt), row.logprobs, row.constraint)
+            self._rows.append(sampler)
+            lookup = self._lookup
+            speculates = lookup is not None and sampler.plain and row.constraint is None and row.logprobs is None
+            self._lookups.append(RowLookup(row.prompt, lookup.ngram, lookup.tokens, lookup.draft and lookup.draft())
+                                 if speculates else None)
             self._next.append(row.prompt[-1])
 
     def _stack(self) -> bool:
@@ -65,6 +76,9 @@ class TransformersBatchDecoder:
         if not self._ids:
             return []
         engine = self._engine
+        plans = [r.propose(self._lookup.tokens) if r is not None else [] for r in self._lookups]
+        if any(plans):
+            return self._speculate(plans)
         with torch.inference_mode():
             if self._stack():
                 logits = self._batched()
@@ -77,7 +91,38 @@ class TransformersBatchDecoder:
                 row.accept(token)
             self._logprobs = {rid: common.read_figures(f) for rid, f in zip(self._ids, figures) if f is not None}
         self._next = picked
+        for lookup, token in zip(self._lookups, picked):
+            if lookup is not None:  # its text grows without proposals too: what it may copy next
+                lookup.commit([token], [])
         return list(zip(self._ids, picked))
+
+    def _speculate(self, plans: list[list[int]]) -> list[tuple[int, int]]:
+        """One forward pass a row over its token and its proposals; a row keeps the proposals its own argmax
+        confirms, then its pick after them, and its cache gives back the positions of the others."""
+        self._unstack()
+        engine, out = self._engine, []
+        with torch.inference_mode():
+            logits = [engine._forward(torch.tensor([t, *plan], device=engine.torch_device), cache)
+                      for t, plan, cache in zip(self._next, plans, self._caches)]
+            picked, figures = common.sample_rows(engine._ops, self._rows, torch.stack([x[0] for x in logits]))
+            picked = picked.tolist()
+            self._logprobs = {rid: common.read_figures(f) for rid, f in zip(self._ids, figures) if f is not None}
+            best = [engine._ops.argmax(x[1:]).tolist() if len(x) > 1 else [] for x in logits]
+        for i, plan in enumerate(plans):
+            emitted = [picked[i]]
+            for j, proposed in enumerate(plan):
+                if emitted[-1] != proposed:
+                    break
+                emitted.append(best[i][j])
+            self._caches[i].trim(len(plan) + 1 - len(emitted))  # the proposals' positions past the last confirmed
+            for token in emitted:
+                self._rows[i].accept(token)
+                out.append((self._ids[i], token))
+            if self._lookups[i] is not None:
+                self._lookups[i].commit(emitted, plan)
+            self._lengths[i] = self._caches[i].offset
+            self._next[i] = emitted[-1]
+        return out
 
     def _batched(self) -> torch.Tensor:
         """Logits (B, V) of every row's next token, in one forward pass over the stacked cache."""
@@ -108,8 +153,8 @@ class TransformersBatchDecoder:
             stacking.select(self._batch, keep)
         elif not keep:
             self._batch = None
-        self._ids, self._caches, self._lengths, self._rows, self._next = common.take(
-            keep, self._ids, self._caches, self._lengths, self._rows, self._next)
+        self._ids, self._caches, self._lengths, self._rows, self._next, self._lookups = common.take(
+            keep, self._ids, self._caches, self._lengths, self._rows, self._next, self._lookups)
         if self._batch is not None and (len(self._ids) < 2 or min(self._lengths) > 0 and
                                         max(self._lengths) < self._longest_stored()):
             self._unstack()  # a lone row, or padding no row needs any more: restacked at the next step

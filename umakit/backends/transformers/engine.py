@@ -174,10 +174,14 @@ class TransformersEngine:
                 logits = self.step_logits(token, cache)
 
     def batch_decoder(self, kv_bits: int | None = None, lookup: Lookup | None = None) -> TransformersBatchDecoder:
-        refuse_options(SPEC, lookup=lookup)
         if kv_bits is not None:
             raise InvalidArgumentError("the transformers backend has no quantized KV cache (--kv-bits)")
-        return TransformersBatchDecoder(self)
+        if lookup is not None and not self.make_cache().trimmable:
+            kind = config_compat.architecture(self.config)
+            raise InvalidArgumentError(f"speculative decoding (--prompt-lookup, --draft) gives back the positions of "
+                                       f"proposals it rejects, which {kind}'s cache (sliding windows or a recurrent "
+                                       "state) cannot")
+        return TransformersBatchDecoder(self, lookup)
 
     # -- measurements -----------------------------------------------------------------------------------
     def weight_info(self) -> WeightInfo:

@@ -36,10 +36,9 @@ def synthetic_shapes(config: dict, bits: int | None, group_size: int) -> tuple[d
                 shapes[f"{path}.weight"] = (n, rows, cols)
             if m.bias is not None:
                 shapes[f"{path}.bias"] = (n, rows)
-        if isinstance(getattr(m, "layer_scalar", None), torch.Tensor):  # gemma4's scale on a layer's output
-            shapes[f"{path}.layer_scalar"] = tuple(m.layer_scalar.shape)
-        if isinstance(getattr(m, "sinks", None), nn.Parameter):  # gpt-oss's attention
-            shapes[f"{path}.sinks"] = tuple(m.sinks.shape)
+        for name in ("layer_scalar", "sinks", "scale", "per_expert_scale"):  # gemma4's scalars, gpt-oss's sinks
+            if isinstance(getattr(m, name, None), torch.Tensor):
+                shapes[f"{path}.{name}"] = tuple(getattr(m, name).shape)
         if not isinstance(m, (nn.Linear, nn.Embedding)) or (path == "lm_head" and args.tie_word_embeddings):
             continue
         rows, cols = m.weight.shape
@@ -66,7 +65,7 @@ def random_tensor(name: str, shape: tuple, packed: bool, dtype: torch.dtype, dev
     """A synthetic weight: random codes and small scales when ``packed``, unit norms, small floats."""
     if packed:
         return torch.randint(-2**31, 2**31 - 1, shape, dtype=torch.int32, device=device).view(torch.uint32)
-    if name.endswith(("norm.weight", ".layer_scalar")):
+    if name.endswith(("norm.weight", ".layer_scalar", ".scale", ".per_expert_scale")):
         return torch.ones(shape, dtype=dtype, device=device)
     if name.endswith(".scales"):
         return torch.full(shape, 0.002, dtype=dtype, device=device)
