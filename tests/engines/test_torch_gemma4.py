@@ -278,3 +278,21 @@ def test_the_cuda_graph_step_run_eagerly_gives_the_prompts_logits(gemma4):
     with torch.inference_mode():
         got = [step(torch.tensor([t]), cache)[0].numpy() for t in PROMPT[3:20]]
     np.testing.assert_allclose(np.stack(got), model.logits(PROMPT[:20])[3:], atol=1e-5, rtol=1e-5)
+
+
+def test_plan_counts_the_weights_and_cache_the_engine_holds(gemma4):
+    """`umakit plan` reads the same per-layer shapes: every tensor of the checkpoint, and the cache bytes a token
+    costs (plan counts 16-bit elements; this engine's cache here holds float32)."""
+    import math
+
+    from safetensors import safe_open
+
+    from umakit.plan import planner
+
+    _, path = gemma4
+    config = json.loads((path / "config.json").read_text())
+    plan = planner.plan_model(config)
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        assert plan.params == sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+    model = umakit.load(path, backend="torch", dtype="float32")
+    assert plan.kv_bytes_per_token * 2 == model.engine.kv_bytes_per_token()

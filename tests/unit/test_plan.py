@@ -124,6 +124,14 @@ TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_lay
                               moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=32,
                               q_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, n_group=2,
                               topk_group=1, num_key_value_heads=4)),
+    # gemma4: global heads of their own size and count, values from keys, shared layers, per-layer inputs, experts
+    ("Gemma4TextConfig", dict(head_dim=16, sliding_window=8, hidden_size_per_layer_input=0)),
+    ("Gemma4TextConfig", dict(head_dim=16, sliding_window=8, num_hidden_layers=6, global_head_dim=32,
+                              num_global_key_value_heads=1, attention_k_eq_v=True, num_kv_shared_layers=2,
+                              use_double_wide_mlp=True, hidden_size_per_layer_input=16,
+                              layer_types=["sliding_attention", "full_attention"] * 3)),
+    ("Gemma4TextConfig", dict(head_dim=16, sliding_window=8, hidden_size_per_layer_input=0, enable_moe_block=True,
+                              num_experts=4, top_k_experts=2, moe_intermediate_size=32)),
 ])
 def test_parameter_count_matches_transformers(cls, extra):
     transformers = pytest.importorskip("transformers")
@@ -132,6 +140,7 @@ def test_parameter_count_matches_transformers(cls, extra):
     expected = sum(p.numel() for p in model.parameters())  # tied weights are counted once
     # DeepSeek's router score correction bias is a buffer to torch but a tensor of the checkpoint
     expected += sum(b.numel() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias"))
+    expected += sum(b.numel() for n, b in model.named_buffers() if n.endswith("layer_scalar"))  # gemma4's, saved
     assert P.plan_model(config.to_dict()).params == expected
 
 

@@ -39,9 +39,9 @@ from umakit.plan.placement import (
 )
 from umakit.plan.sources import (  # noqa: F401 (plan's API)
     DEFAULT_PRESET, PRESET_DIR, list_presets, load_config, load_preset, resolve_config)
-from umakit.plan.weights import CATEGORIES, checkpoint_bits, count_weights, recipe_bits, stored_bits
+from umakit.plan.weights import CATEGORIES, checkpoint_bits, count_weights, model_matrices, recipe_bits, stored_bits
 from umakit.plan.roofline import offload_ceiling_tps
-from umakit.plan.shapes import FLOAT_BYTES, ModelShape, kv_cache_bytes, kv_layer_bytes_per_token, working_bytes
+from umakit.plan.shapes import FLOAT_BYTES, ModelShape, kv_bytes_all_layers, kv_cache_bytes, working_bytes
 from umakit.plan.shapes import PREFILL_CHUNK  # noqa: F401 (re-exported: plan reports the chunk it sizes)
 
 DEFAULT_CONTEXT = 8192
@@ -211,12 +211,14 @@ def plan_model(
     expert_read = sum(layer_read) - sum(lb.dense for lb in w.layers)
     size = {c: round(w.bytes[c]) for c in CATEGORIES}
     embed_bytes = size["embedding"]
+    table = model_matrices(s)[0][0]  # the token table a tied head reads (gemma4's per-layer one is looked up only)
+    table_bytes = round(table.params * stored_bits(bits_of(table)) / 8)
     read = {
         "embedding": round(embed_bytes / s.vocab_size * batch),
         "attention": size["attention"],
         "mlp": size["mlp"] - round(w.expert_matrix_bytes) + expert_read,
         # A tied head has no parameters of its own but still reads the whole embedding matrix.
-        "head": size["head"] if size["head"] else embed_bytes,
+        "head": size["head"] if size["head"] else table_bytes,
         "norms": size["norms"],
     }
     categories = tuple(
@@ -224,7 +226,7 @@ def plan_model(
     weight_bytes = sum(c.bytes for c in categories)
     weight_read = sum(c.read_bytes_per_step for c in categories)
 
-    kv_layer = kv_layer_bytes_per_token(s, kv_bits)
+    kv_layers = kv_bytes_all_layers(s, kv_bits)
     kv_total = kv_cache_bytes(s, context, batch, kv_bits)
     working = working_bytes(s, context, batch)
     outer = size["embedding"] + size["head"] + H * FLOAT_BYTES  # embedding, head, final norm
@@ -238,7 +240,7 @@ def plan_model(
         kv_bits=kv_bits, context=context, batch=batch,
         params=sum(c.params for c in categories), num_layers=L, categories=categories,
         weight_bytes=weight_bytes, weight_read_bytes_per_step=weight_read,
-        kv_bytes_per_token=kv_layer * L, kv_bytes=kv_total, working_bytes=working,
+        kv_bytes_per_token=kv_layers, kv_bytes=kv_total, working_bytes=working,
         total_bytes=weight_bytes + kv_total + working, step_read_bytes=weight_read + kv_total,
         layer_bytes=max(lb.total for lb in w.layers), layer_read_bytes=max(layer_read),
         fixed_bytes=outer + kv_total + working,

@@ -5,7 +5,9 @@ planner (what an engine keeps in VRAM next to the weights) count them with these
 Formulas (sizes in bytes, B = batch, everything 16-bit unless said):
 
 * KV cache: 2 x L x H_kv x D x bytes per element x context x B; layers with a
-  sliding window keep at most ``window`` tokens. Multi-head latent attention
+  sliding window keep at most ``window`` tokens. gemma4's layers differ: each
+  kind its own H_kv and D, and layers that share an earlier layer's keys and
+  values cache none (`cached_layers`). Multi-head latent attention
   (DeepSeek-V2/V3) caches one compressed vector per token and layer instead:
   (kv_lora_rank + qk_rope_head_dim) elements.
 * working memory (an upper bound; fused attention kernels need less):
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from umakit.core.gemma4_layers import GEMMA4, Gemma4Layers, gemma4_layers
 from umakit.core.affine import KV_GROUP_SIZE
 from umakit.errors import ConfigError, UnsupportedModelError
 from umakit.plan.roofline import kv_bytes_per_token
@@ -75,6 +78,7 @@ class ModelShape:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    gemma4: Gemma4Layers | None = None  # per-layer heads, shared keys and values, per-layer inputs
 
     @classmethod
     def from_config(cls, config: dict) -> ModelShape:
@@ -93,6 +97,9 @@ class ModelShape:
         hidden, layers, heads = need("hidden_size"), need("num_hidden_layers"), need("num_attention_heads")
         experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts") or 0)
         experts = experts if experts > 1 else 0
+        gemma4 = gemma4_layers(cfg) if model_type == GEMMA4 else None
+        if gemma4 is not None and not cfg.get("enable_moe_block"):
+            experts = 0
         mla = bool(cfg.get("kv_lora_rank"))
         dense = 0
         if experts:
@@ -128,7 +135,7 @@ class ModelShape:
             vocab_size=need("vocab_size"),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             num_experts=experts,
-            experts_per_token=int(cfg.get("num_experts_per_tok") or 0) if experts else 0,
+            experts_per_token=int(cfg.get("num_experts_per_tok") or cfg.get("top_k_experts") or 0) if experts else 0,
             shared_expert_intermediate_size=shared if experts else 0,
             qkv_bias=bool(cfg.get("attention_bias")) or model_type in _QKV_BIAS_TYPES,
             o_bias=bool(cfg.get("attention_bias")),
@@ -141,6 +148,7 @@ class ModelShape:
             shared_expert_gate=bool(experts and shared and model_type == "qwen2_moe"),
             router_bias=bool(experts and model_type in _ROUTER_BIAS_TYPES),
             **(mla_fields if mla else {}),
+            gemma4=gemma4,
         )
 
     @property
@@ -173,10 +181,31 @@ def kv_layer_bytes_per_token(shape: ModelShape, kv_bits: int | None = None, grou
     return kv_bytes_per_token(1, shape.num_kv_heads, shape.head_dim, kv_bits, FLOAT_BYTES, group_size)
 
 
+def cached_layers(shape: ModelShape) -> list[tuple[int, int, bool]]:
+    """(kv heads, head size, sliding) of each layer that caches keys and values; gemma4's differ by kind, and
+    its layers that share an earlier layer's cache none."""
+    g = shape.gemma4
+    if g is None:
+        sliding = [i >= shape.num_layers - shape.sliding_layers for i in range(shape.num_layers)]
+        return [(shape.num_kv_heads, shape.head_dim, s) for s in sliding]
+    return [(g.kv_heads[i], g.head_dims[i], g.types[i] == "sliding_attention" and bool(shape.sliding_window))
+            for i in range(shape.num_layers) if not g.shared[i]]
+
+
+def kv_bytes_all_layers(shape: ModelShape, kv_bits: int | None = None, group_size: int = KV_GROUP_SIZE) -> int:
+    """K and V bytes every caching layer holds per token, together."""
+    if shape.gemma4 is None:
+        return kv_layer_bytes_per_token(shape, kv_bits, group_size) * shape.num_layers
+    return sum(kv_bytes_per_token(1, h, d, kv_bits, FLOAT_BYTES, group_size) for h, d, _ in cached_layers(shape))
+
+
 def kv_cache_bytes(shape: ModelShape, context: int, batch: int = 1, kv_bits: int | None = None,
                    group_size: int = KV_GROUP_SIZE) -> int:
     """The whole KV cache at ``context`` tokens x ``batch`` sequences; sliding-window layers stop at the window."""
     window = min(context, shape.sliding_window or context)
+    if shape.gemma4 is not None:
+        return batch * sum(kv_bytes_per_token(1, h, d, kv_bits, FLOAT_BYTES, group_size) * (window if s else context)
+                           for h, d, s in cached_layers(shape))
     full_layers = shape.num_layers - shape.sliding_layers
     tokens = full_layers * context + shape.sliding_layers * window  # summed over layers
     return kv_layer_bytes_per_token(shape, kv_bits, group_size) * batch * tokens

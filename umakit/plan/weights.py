@@ -72,6 +72,11 @@ def _attention(s: ModelShape, p: str, i: int) -> tuple[list[Matrix], int]:
                            heads),
                     lin("o_proj", heads * s.v_head_dim, H)]
         return mats, 0
+    if s.gemma4 is not None:  # heads of the layer's kind; k only where v is k; neither where shared
+        g = s.gemma4
+        q, kv = s.num_heads * g.head_dims[i], g.kv_heads[i] * g.head_dims[i]
+        own = [] if g.shared[i] else [lin("k_proj", H, kv)] + ([] if g.k_eq_v[i] else [lin("v_proj", H, kv)])
+        return [lin("q_proj", H, q), *own, lin("o_proj", q, H)], 0
     mats = [lin("q_proj", H, s.q_out), lin("k_proj", H, s.kv_out), lin("v_proj", H, s.kv_out),
             lin("o_proj", s.q_out, H)]
     return mats, (s.q_out + 2 * s.kv_out if s.qkv_bias else 0) + (H if s.o_bias else 0)
@@ -88,6 +93,16 @@ def _mlp(s: ModelShape, p: str, i: int) -> tuple[list[Matrix], int]:
         return [lin(f"{prefix}.gate_proj", H, inter, count, role), lin(f"{prefix}.up_proj", H, inter, count, role),
                 lin(f"{prefix}.down_proj", inter, H, count, role)]
 
+    if s.gemma4 is not None:  # a dense MLP (twice as wide where the config says), experts beside it, the
+        g = s.gemma4  # per-layer input's gate and projection
+        mats = ffn("mlp", g.mlp_sizes[i])
+        if g.per_layer_input:
+            mats += [lin("per_layer_input_gate", H, g.per_layer_input),
+                     lin("per_layer_projection", g.per_layer_input, H)]
+        if not s.num_experts:
+            return mats, 0
+        E = s.num_experts
+        return mats + ffn("experts.switch_glu", s.intermediate_size, E, "expert") + [lin("router.proj", H, E)], H + E
     if not s.num_experts or i < s.dense_layers:
         return ffn("mlp", s.dense_intermediate_size or s.intermediate_size), 0
     E, inter = s.num_experts, s.intermediate_size
@@ -120,6 +135,11 @@ def model_matrices(s: ModelShape) -> tuple[list[Matrix], list[LayerWeights]]:
     outer = [Matrix("model.embed_tokens", "embedding", "embedding", None, H, V)]
     if not s.tie_word_embeddings:
         outer.append(Matrix("lm_head", "head", "head", None, H, V))
+    g = s.gemma4
+    if g is not None and g.per_layer_input:  # gemma4's per-layer inputs: a second table, a projection of the input
+        width = s.num_layers * g.per_layer_input
+        outer += [Matrix("model.embed_tokens_per_layer", "embedding", "embedding", None, width, g.vocab_per_layer),
+                  Matrix("model.per_layer_model_projection", "linear", "mlp", None, H, width)]
     layers = []
     for i in range(s.num_layers):
         p = f"model.layers.{i}"
@@ -128,6 +148,9 @@ def model_matrices(s: ModelShape) -> tuple[list[Matrix], list[LayerWeights]]:
         latent_norms = s.q_lora_rank + s.kv_lora_rank  # MLA normalises its compressed q and kv
         qk_norms = 2 * s.head_dim if s.qk_norm else 0
         norms = s.norms_per_layer * H + latent_norms + qk_norms
+        if g is not None:  # four norms, q's and k's per head, the per-layer input's, the experts' three, a scalar
+            norms = (4 + bool(g.per_layer_input) + 3 * bool(s.num_experts)) * H + g.head_dims[i] * (
+                1 + (not g.shared[i])) + 1
         layers.append(LayerWeights(tuple(attn + mlp), attn_extra, mlp_extra, norms))
     return outer, layers
 
@@ -233,7 +256,8 @@ def count_weights(s: ModelShape, bits_of: BitsOf) -> Weights:
             size[cat] += n * FLOAT_BYTES
             dense += n * FLOAT_BYTES
         per_layer.append(LayerBytes(round(dense), round(expert), count))
-    params["norms"] += s.hidden_size  # the final norm
-    size["norms"] += s.hidden_size * FLOAT_BYTES
+    final = s.hidden_size + (s.gemma4.per_layer_input if s.gemma4 is not None else 0)  # and gemma4's input norm
+    params["norms"] += final
+    size["norms"] += final * FLOAT_BYTES
     return Weights(params, matrix_params, size, matrix_size, tuple(per_layer), experts_total,
                    bits_of(outer[0]))

@@ -11,7 +11,7 @@ from typing import Iterator
 import torch
 
 from umakit.checkpoint.config import text_config
-from umakit.backends.torch.model.gemma import GEMMA4
+from umakit.core.gemma4_layers import GEMMA4
 
 FUSED, DOWN = ".experts.gate_up_proj", ".experts.down_proj"
 

@@ -21,7 +21,8 @@ from umakit.backends.torch.model.rope import (apply_rope, dynamic_inv_freq, is_d
                                               rope_cos_sin, rope_inv_freq, rope_original)
 from umakit.errors import UnsupportedModelError
 from umakit.backends.torch import ARCHITECTURES as SUPPORTED
-from umakit.backends.torch.model.gemma import Gemma4Layers, GemmaRMSNorm, gemma4_fields, gemma_fields, softcap
+from umakit.core.gemma4_layers import Gemma4Layers
+from umakit.backends.torch.model.gemma import GemmaRMSNorm, gemma4_fields, gemma_fields, softcap
 from umakit.backends.torch.model.moe import SparseMoE, moe_fields
 from umakit.backends.torch.model.openai_moe import GptOssMoE, gpt_oss_fields, sink_attention
 
