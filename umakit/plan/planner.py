@@ -264,7 +264,8 @@ def _notes(s: ModelShape, config: dict, context: int, active: float, batch: int)
     notes = []
     if s.sliding_layers and s.sliding_window < context:
         notes.append(f"{s.sliding_layers} of {s.num_layers} layers attend to a {s.sliding_window}-token window; "
-                     "their KV cache is capped there (a rotating cache)")
+                     "their KV cache is capped there on MLX (a rotating cache); the torch engine keeps every "
+                     "position, masked, so that its cache can be trimmed")
     if s.num_experts:
         notes.append(f"MoE: {s.num_experts} experts, {s.experts_per_token} routed per token; a decode step reads"
                      f" only the experts its tokens use (about {active:.1f} at batch {batch}, routing uniform)")
