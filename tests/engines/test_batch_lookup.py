@@ -100,14 +100,20 @@ def test_a_model_off_the_fused_step_speculates_with_a_float_or_quantized_cache(m
 
     model = umakit.load(mxfp4.write(tmp_path / "m", head_dim=64), backend="torch", device="cpu", dtype="float32")
     assert model.engine._fused is None
+    speculates_as_lone(model, batch_decoder, monkeypatch, kv_bits)
+
+
+def speculates_as_lone(model, decoder_module, monkeypatch, kv_bits=None) -> None:
+    """Greedy batch rows of ``model`` speculating on `Oracle` proposals (every third wrong; ``decoder_module``'s
+    `RowLookup` replaced) keep their lone runs' tokens, in fewer steps."""
     want = [lone(model, p, 30, temperature=0, kv_bits=kv_bits) for p in REPEATS]
     oracle = Oracle(model, REPEATS, 30, wrong=True)
     oracle.next = {tuple(model.encode(p, raw=True)): w.tokens for p, w in zip(REPEATS, want)}
-    monkeypatch.setattr(batch_decoder, "RowLookup", oracle.row)
+    monkeypatch.setattr(decoder_module, "RowLookup", oracle.row)
     run = generate_batch(model, REPEATS, max_tokens=30, sampling=GREEDY, batch_size=3, raw=True, kv_bits=kv_bits,
                          prompt_lookup=True, ngram=2, draft_tokens=4)
     assert [r.tokens for r in run] == [w.tokens for w in want]
-    assert run.stats.steps < run.stats.generated_tokens / 1.5 / 3
+    assert run.stats.steps < run.stats.generated_tokens / 1.5 / 3 and sum(oracle.made) > 0
 
 
 @requires_default_model

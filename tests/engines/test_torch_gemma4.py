@@ -142,20 +142,12 @@ def test_batch_rows_give_the_lone_tokens(gemma4):
 def test_speculating_rows_keep_their_lone_tokens_in_fewer_steps(monkeypatch, tmp_path, kv_bits):
     """Proposals from the rows' lone continuations, every third one wrong (`Oracle`), verified in the batch's
     step and rolled back where wrong, with a float and an 8-bit cache (heads of 64 and 128: whole groups)."""
-    from engines.test_batch_lookup import REPEATS, Oracle, lone
+    from engines.test_batch_lookup import speculates_as_lone
     from umakit.backends.torch import batch_decoder
-    from umakit.generate.batch import generate_batch
 
     path = make(tmp_path / "m", **{**VARIANTS["every-feature"], "head_dim": 64, "global_head_dim": 128})
-    model = umakit.load(path, backend="torch", device="cpu", dtype="float32")
-    want = [lone(model, p, 30, temperature=0, kv_bits=kv_bits) for p in REPEATS]
-    oracle = Oracle(model, REPEATS, 30, wrong=True)
-    oracle.next = {tuple(model.encode(p, raw=True)): w.tokens for p, w in zip(REPEATS, want)}
-    monkeypatch.setattr(batch_decoder, "RowLookup", oracle.row)
-    run = generate_batch(model, REPEATS, max_tokens=30, sampling=GREEDY, batch_size=3, raw=True, kv_bits=kv_bits,
-                         prompt_lookup=True, ngram=2, draft_tokens=4)
-    assert [r.tokens for r in run] == [w.tokens for w in want]
-    assert run.stats.steps < run.stats.generated_tokens / 1.5 / 3
+    speculates_as_lone(umakit.load(path, backend="torch", device="cpu", dtype="float32"), batch_decoder, monkeypatch,
+                       kv_bits)
 
 
 def test_an_8_bit_kv_cache_gives_the_float_caches_tokens(tmp_path):
@@ -268,16 +260,12 @@ def test_tensor_parallel_refuses_gemma4_by_name(gemma4):
 def test_the_cuda_graph_step_run_eagerly_gives_the_prompts_logits(gemma4):
     """The CUDA-graph decode step (a fixed span of each shape's cache under a mask), run eagerly on a CPU, past
     the sliding window."""
-    from umakit.backends.torch.cuda.graphs import GraphDecoder
+    from support.oracle import static_steps
 
     _, path = gemma4
     model = umakit.load(path, backend="torch", device="cpu", dtype="float32")
-    step = GraphDecoder(model.engine.model, capture=False)
-    cache = model.make_cache()
-    model.engine.prefill(PROMPT[:3], cache)
-    with torch.inference_mode():
-        got = [step(torch.tensor([t]), cache)[0].numpy() for t in PROMPT[3:20]]
-    np.testing.assert_allclose(np.stack(got), model.logits(PROMPT[:20])[3:], atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(static_steps(model, PROMPT[:20], 3), model.logits(PROMPT[:20])[3:], atol=1e-5,
+                               rtol=1e-5)
 
 
 def test_plan_counts_the_weights_and_cache_the_engine_holds(gemma4):

@@ -87,16 +87,12 @@ def test_greedy_batch_rows_equal_lone_runs(packed_checkpoint):
 
 def test_static_decode_step_equals_eager(packed_checkpoint):
     """The CUDA-graph decode step (a fixed span under a mask, experts gathered), run eagerly on a CPU."""
-    from umakit.backends.torch.cuda.graphs import GraphDecoder
+    from support.oracle import static_steps
 
     path, _ = packed_checkpoint
     model = umakit.load(path, backend="torch", device="cpu", dtype="float32")
-    step = GraphDecoder(model.engine.model, capture=False)
-    cache = model.make_cache()
-    model.engine.prefill(PROMPT[:3], cache)
-    with torch.inference_mode():
-        got = [step(torch.tensor([t]), cache)[0].numpy() for t in PROMPT[3:20]]
-    np.testing.assert_allclose(np.stack(got), model.logits(PROMPT[:20])[3:], atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(static_steps(model, PROMPT[:20], 3), model.logits(PROMPT[:20])[3:], atol=1e-4,
+                               rtol=1e-4)
 
 
 def test_offloaded_experts_give_the_resident_logits(packed_checkpoint):

@@ -259,24 +259,16 @@ def test_speculating_rows_keep_their_lone_tokens_in_fewer_steps(tmp_path, monkey
     one wrong (`Oracle`), each speculating row verified in one forward pass of its own and its cache cropped back
     past what its argmax rejected; in fewer steps than tokens. A smollm3 (full attention) of larger weights than
     the other tiny models, whose greedy replies do not settle on one repeated token (stale keys would show)."""
-    from engines.test_batch_lookup import REPEATS, Oracle, lone
+    from engines.test_batch_lookup import REPEATS, lone, speculates_as_lone
     from umakit.backends.transformers import batch_decoder
-    from umakit.generate.batch import generate_batch
 
     config = transformers.SmolLM3Config(**{**SMALL, "num_hidden_layers": 4, "initializer_range": 0.3})
     torch.manual_seed(0)
     transformers.SmolLM3ForCausalLM(config).save_pretrained(tmp_path, safe_serialization=True)
     write_tokenizer(tmp_path)
     model = umakit.load(tmp_path, backend="transformers", dtype="float32")
-    want = [lone(model, p, 30, temperature=0) for p in REPEATS]
-    assert min(len(set(w.tokens)) for w in want) > 5
-    oracle = Oracle(model, REPEATS, 30, wrong=True)
-    oracle.next = {tuple(model.encode(p, raw=True)): w.tokens for p, w in zip(REPEATS, want)}
-    monkeypatch.setattr(batch_decoder, "RowLookup", oracle.row)
-    run = generate_batch(model, REPEATS, max_tokens=30, sampling=GREEDY, batch_size=3, raw=True,
-                         prompt_lookup=True, ngram=2, draft_tokens=4)
-    assert [r.tokens for r in run] == [w.tokens for w in want]
-    assert run.stats.steps < run.stats.generated_tokens / 1.5 / 3 and sum(oracle.made) > 0
+    assert min(len(set(lone(model, p, 30, temperature=0).tokens)) for p in REPEATS) > 5
+    speculates_as_lone(model, batch_decoder, monkeypatch)
 
 
 def test_speculation_is_refused_where_the_cache_cannot_give_positions_back(family):

@@ -1,6 +1,7 @@
 """What the engine tests share: transformers as the oracle, the prompts, and the sequential decode loop a batch
 is checked against."""
 
+import numpy as np
 import torch
 
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 301, 12, 64, 128, 77, 31, 200, 11]  # token ids, for the tiny vocabularies
@@ -56,3 +57,15 @@ def sequential(model, prompts, **kw):
 def batched_prompts(prompts):
     """The same prompts as batch items, as `sequential` sends them."""
     return [p if isinstance(p, list) else {"prompt": p} for p in prompts]
+
+
+def static_steps(model, prompt, start: int):
+    """Logits of ``prompt[start:]``, one token a step through the CUDA-graph decode step run eagerly (a fixed span
+    of the cache under a mask), after ``prompt[:start]`` was prefilled; for `model.logits(prompt)[start:]`."""
+    from umakit.backends.torch.cuda.graphs import GraphDecoder
+
+    step = GraphDecoder(model.engine.model, capture=False)
+    cache = model.make_cache()
+    model.engine.prefill(prompt[:start], cache)
+    with torch.inference_mode():
+        return np.stack([step(torch.tensor([t]), cache)[0].numpy() for t in prompt[start:]])
