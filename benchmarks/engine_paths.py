@@ -3,7 +3,7 @@ same architecture and shapes, in one run: is the compact code worth keeping for 
 ``--mlx``, MLX's CPU backend too: which of the engines without compact code "auto" should take on a CPU.
 
     python benchmarks/engine_paths.py [--preset smollm2-135m] [--tokens 64] [--repeat 3] [--threads 2] [--mlx]
-        [--skip-torch]
+        [--skip-torch] [--ways "torch, 4-bit;transformers, 4-bit"]
 
 Random weights in a preset's exact shapes (`umakit plan` presets), loaded by each engine's ``synthetic``:
 float32 (every weight read as it is), and 4-bit groups of 32 (the torch engine's default CPU form, umakit's
@@ -56,12 +56,19 @@ def main() -> None:
     ap.add_argument("--mlx", action="store_true",
                     help="MLX's CPU backend too (what \"auto\" passes over for transformers off Apple Silicon)")
     ap.add_argument("--skip-torch", action="store_true", help="leave the torch engine's compact code out")
+    ap.add_argument("--ways", help="only these rows, as the table names them, separated by ';' (for large shapes)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         print(json.dumps(worker(args)))
         return
     ways = [w for w in WAYS if not (args.skip_torch and w.startswith("torch"))] + (list(MLX_WAYS) if args.mlx else [])
+    if args.ways:
+        wanted = [w.strip() for w in args.ways.split(";")]
+        unknown = [w for w in wanted if w not in {**WAYS, **MLX_WAYS}]
+        if unknown:
+            raise SystemExit(f"Error: unknown way {unknown[0]!r}; choose from {'; '.join({**WAYS, **MLX_WAYS})}")
+        ways = [w for w in ways if w in wanted]
     done = runs.in_rotation(__file__, ways, args.repeat, ["--preset", args.preset, "--tokens", str(args.tokens),
                                                          "--threads", str(args.threads)], args.threads)
     lines = [f"{args.preset} shapes, random weights, {date.today()}, {platform.machine()}, {args.threads} threads: "
