@@ -284,3 +284,32 @@ def test_plan_counts_the_weights_and_cache_the_engine_holds(gemma4):
         assert plan.params == sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
     model = umakit.load(path, backend="torch", dtype="float32")
     assert plan.kv_bytes_per_token * 2 == model.engine.kv_bytes_per_token()
+
+
+def test_the_servers_prompt_cache_reuses_a_gemma4_conversation_part_way(gemma4):
+    """The cache trims, so the scheduler's prompt cache serves a conversation's next turn and a prompt that shares
+    only its start (which the transformers engine's sliding windows cannot), each with a fresh run's tokens;
+    concurrent requests batch as lone runs."""
+    import asyncio
+
+    from serve.test_scheduler import run_all, text_and_tokens
+    from umakit.serve.scheduler import Scheduler
+    from umakit.serve.types import GenerationRequest, SchedulerSettings
+
+    _, path = gemma4
+    model = umakit.load(path, backend="torch", dtype="float32")
+    loop, s = asyncio.new_event_loop(), Scheduler(model, SchedulerSettings())
+    s.start()
+    try:
+        first = GenerationRequest(PROMPT[:24], 10, GREEDY)
+        (events,) = run_all(loop, [s.submit(first, loop)])
+        _, tokens, _ = text_and_tokens(events)
+        for prompt in (first.prompt + tokens + [33, 44, 55], first.prompt[:20] + [66, 77, 88]):
+            (events,) = run_all(loop, [s.submit(GenerationRequest(prompt, 8, GREEDY), loop)])
+            _, again, final = text_and_tokens(events)
+            assert final.usage.cached_tokens >= 19 and again == greedy(model, prompt, len(again))
+        both = run_all(loop, [s.submit(GenerationRequest(p, 8, GREEDY), loop) for p in (PROMPT[:30], PROMPT[5:])])
+        assert [text_and_tokens(e)[1] for e in both] == [greedy(model, p, 8) for p in (PROMPT[:30], PROMPT[5:])]
+    finally:
+        s.stop()
+        loop.close()
