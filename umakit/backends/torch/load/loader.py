@@ -150,9 +150,9 @@ def build_model(args: ModelArgs, config: dict, shapes: dict, source, device: tor
         model = transformer_for(args)
     # transformers' one tensor per expert, checked and held as mlx-lm's stacked (E, ...) ones
     shapes, sources = stacked_shapes(shapes)
+    keys = {n: k for k in shapes if (n := _sanitize(k)) is not None}  # the model's name -> the checkpoint's
     q = {(_renamed(k) if isinstance(v, dict) else k): v for k, v in (config.get("quantization") or {}).items()}
-    _swap_quantized(model, q, {n: s for k, s in shapes.items() if (n := _sanitize(k)) is not None}, dtype)
-    keys = {n: k for k in shapes if (n := _sanitize(k)) is not None}
+    _swap_quantized(model, q, {n: shapes[k] for n, k in keys.items()}, dtype)
     names = {n: sources.get(k, k) for n, k in keys.items()}
     expected = _expected(model)
     tied = args.tie_word_embeddings or not any(n.startswith("lm_head.") for n in names)

@@ -158,10 +158,11 @@ class Gemma4Block(nn.Module):
 
 
 class Gemma4Transformer(Transformer):
+    block = Gemma4Block
+
     def __init__(self, args: ModelArgs):
         super().__init__(args)
         g = args.gemma4
-        self.model.layers = nn.ModuleList(Gemma4Block(args, i) for i in range(args.num_hidden_layers))
         if g.per_layer_input:
             width = args.num_hidden_layers * g.per_layer_input
             self.model.embed_tokens_per_layer = nn.Embedding(g.vocab_per_layer, width,

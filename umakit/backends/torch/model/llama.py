@@ -1,10 +1,9 @@
 """A compact Llama-family transformer in PyTorch (llama, mistral, qwen2, qwen3, smollm3, gemma3, mixtral,
 qwen3_moe, gpt_oss; gemma4 extends it in model/gemma4.py).
-Parameter names equal the Hugging Face checkpoint's, so loading is a plain
-assignment; `fuse_projections` then joins q/k/v and gate/up into one matmul
-each, which is what runs. The KV cache is passed explicitly to every layer.
-gemma3's differences are switched by fields from model/gemma.py, mixture-of-experts
-layers come from model/moe.py, gpt-oss's attention sinks and experts from model/openai_moe.py.
+
+Parameter names equal the Hugging Face checkpoint's, so loading is a plain assignment; `fuse_projections` then
+joins q/k/v and gate/up into one matmul each, which is what runs. The KV cache is passed to every layer. gemma3's
+differences are fields from model/gemma.py, mixture-of-experts layers model/moe.py's, gpt-oss's model/openai_moe.py's.
 """
 
 from __future__ import annotations
@@ -120,8 +119,7 @@ class ModelArgs:
                 rope_scaling=c.get("rope_scaling"),
                 max_position_embeddings=c.get("max_position_embeddings") or 4096,
                 tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-                qkv_bias=bias or kind == "qwen2",
-                o_bias=bias,
+                qkv_bias=bias or kind == "qwen2", o_bias=bias,
                 mlp_bias=bool(c.get("mlp_bias", False)),
                 nope_layers=nope_layers(c) if kind == "smollm3" else (),
                 qk_norm=kind in ("qwen3", "qwen3_moe"),
@@ -289,19 +287,21 @@ class Block(nn.Module):
 
 
 class Inner(nn.Module):
-    def __init__(self, a: ModelArgs):
+    def __init__(self, a: ModelArgs, block: type[nn.Module]):
         super().__init__()
         # _weight skips the random init: on the meta device its normal_ imports torch._dynamo (1.5 s)
         self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size, _weight=torch.empty(a.vocab_size, a.hidden_size))
-        self.layers = nn.ModuleList(Block(a, i) for i in range(a.num_hidden_layers))
+        self.layers = nn.ModuleList(block(a, i) for i in range(a.num_hidden_layers))
         self.norm = make_norm(a, a.hidden_size)
 
 
 class Transformer(nn.Module):
+    block: type[nn.Module] = Block  # a layer of the model (model/gemma4.py's own)
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
-        self.model = Inner(args)
+        self.model = Inner(args, self.block)
         # A tied head is made at load time from the embedding table (see the engine's loader).
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
