@@ -39,7 +39,7 @@ VARIANTS = {
 PROMPT = [(7 * i) % 400 + 3 for i in range(40)]  # longer than the sliding window
 
 
-def make(path, **extra):
+def make(path, tokenizer=write_tokenizer, **extra):
     config = transformers.Gemma4TextConfig(**{**SMALL, **extra})
     torch.manual_seed(0)
     model = transformers.Gemma4ForCausalLM(config)
@@ -51,7 +51,7 @@ def make(path, **extra):
                 t.fill_(0.7)  # not 1, so a scalar left out would show
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
-    write_tokenizer(path)
+    tokenizer(path)
     return path
 
 

@@ -41,8 +41,8 @@ from umakit.cli.parallel_plan import parallel_dict, parallel_lines, parallel_pla
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 def plan(model, preset, config_path, bits, recipe, embed_bits, group_size, kv_bits, context, batch, devices,
          peak_bandwidth, vram_budget, nodes, link, as_json):
-    """Weights, KV cache and working memory of MODEL (a directory with config.json, or a preset
-    name), whether it fits each device, and the decode tok/s ceiling there."""
+    """Weights, KV cache and working memory of MODEL (a directory with config.json, a GGUF file, or a
+    preset name), whether it fits each device, and the decode tok/s ceiling there."""
     name, config = P.resolve_config(model, preset, config_path)
     p = P.plan_model(config, name=name, bits=bits, recipe=recipe, embed_bits=embed_bits, group_size=group_size,
                      kv_bits=kv_bits, context=context, batch=batch,

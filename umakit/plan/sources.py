@@ -1,4 +1,4 @@
-"""Where `umakit plan` gets a config.json: a model directory, a preset, a file, or the built-in model."""
+"""Where `umakit plan` gets a config.json: a model directory, a GGUF file, a preset, a file, or the built-in model."""
 
 from __future__ import annotations
 
@@ -47,8 +47,14 @@ def load_preset(name: str) -> dict:
 
 
 def load_config(path: str | Path) -> dict:
-    """A config.json file, or the config.json inside a model directory."""
+    """A config.json file, the config.json inside a model directory, or the config.json `umakit import` writes for
+    a GGUF file (its quantization from the file's tensor types)."""
     path = Path(path)
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        from umakit.checkpoint.gguf.convert import import_config, plan_import
+        from umakit.checkpoint.gguf.reader import open_gguf
+
+        return import_config(plan_import(open_gguf(path)))
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():

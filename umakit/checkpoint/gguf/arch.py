@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from umakit.errors import CheckpointError, UnsupportedModelError
-from umakit.checkpoint.gguf import gpt_oss
+from umakit.checkpoint.gguf import gemma4_arch, gpt_oss
 from umakit.checkpoint.gguf.reader import GGUFFile
 
 _GLOBAL = {
@@ -242,6 +242,9 @@ class ArchSpec:
     # OpenAI's layout with float tensors beside it and no MLX-quantized ones
     experts: Callable[[GGUFFile], set[str]] | None = None
     expert_arrays: Callable[[GGUFFile], dict[str, np.ndarray]] | None = None
+    # gemma4: 3-D expert stacks, converted as the 2-D tensors are (expert by expert) and written as the modules
+    # this names, each with its share of the rows; None for a tensor that is not one
+    stacked: Callable[[str], list[tuple[str, int, int]] | None] | None = None
 
 
 SPECS = {
@@ -250,6 +253,8 @@ SPECS = {
     "qwen2": ArchSpec("qwen2", "Qwen2ForCausalLM", qwen_name, qwen2_config),
     "qwen3": ArchSpec("qwen3", "Qwen3ForCausalLM", qwen_name, qwen3_config),
     "gemma3": ArchSpec("gemma3_text", "Gemma3ForCausalLM", gemma3_name, gemma3_config, norm_offset=1.0),
+    "gemma4": ArchSpec("gemma4_text", "Gemma4ForCausalLM", gemma4_arch.gemma4_name, gemma4_arch.gemma4_config,
+                       stacked=gemma4_arch.expert_parts),
     "gpt-oss": ArchSpec("gpt_oss", "GptOssForCausalLM", gpt_oss.gpt_oss_name, gpt_oss_config,
                         experts=gpt_oss.check_experts, expert_arrays=gpt_oss.experts),
 }

@@ -13,6 +13,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import NamedTuple
 
 import numpy as np
@@ -74,7 +75,7 @@ def plan_import(gf: GGUFFile) -> ImportPlan:
             continue
         if spec.expert_arrays and quants.can_dequantize(qtype):  # dequantized beside the experts (`_dequantized`)
             continue
-        if len(t.shape) != 2:
+        if len(t.shape) != (3 if spec.stacked and spec.stacked(names[name]) else 2):
             raise UnsupportedModelError(f"{gf.path.name}: quantized tensor {name} is not 2-D")
         if qtype not in quants.EXACT and not quants.can_dequantize(qtype):
             unsupported.add(qtype.name)
@@ -159,6 +160,34 @@ def _dequantized(t):
     return mx.array(np.ascontiguousarray(gguf_quants.dequantize(np.asarray(t.data), t.tensor_type), dtype=np.float32))
 
 
+def _stacked(t, hf: str, spec: ArchSpec, parts: list[tuple[str, int, int]], arrays: dict, quantized: dict,
+             lossy: list) -> int:
+    """A 3-D stack of experts (ne = cols, rows, experts), converted as one 2-D tensor of all their rows (a
+    quantized row is a row whichever expert it belongs to) and written as ``parts``' modules, each its share of
+    every expert's rows. Returns 1 if it stayed exact, else 0 (``lossy`` then has it)."""
+    import mlx.core as mx
+
+    cols, rows, n = (int(d) for d in t.shape)
+    flat = SimpleNamespace(data=np.asarray(t.data).reshape(n * rows, -1), tensor_type=t.tensor_type,
+                           shape=(cols, n * rows))
+    if t.tensor_type in quants.FLOAT_TYPES:
+        held, bits, err = (_float_tensor(flat, hf, spec, None),), None, None
+    else:
+        convert = _exact if t.tensor_type in quants.EXACT else _requantize  # groups of 16: re-quantized here
+        held, bits, err = convert(flat, None)
+    for module, index, count in parts:
+        lo, hi = index * rows // count, (index + 1) * rows // count
+        for suffix, arr in zip(("weight", "scales", "biases"), held):
+            part = arr.reshape(n, rows, -1)[:, lo:hi]
+            arrays[f"{module}.{suffix}"] = (mx.array(np.ascontiguousarray(part)) if isinstance(part, np.ndarray)
+                                            else mx.contiguous(part))
+        if bits is not None:
+            quantized[module] = (quants.GROUP_SIZE, bits)
+    if err is not None:
+        lossy.append(LossyTensor(hf, t.tensor_type.name, bits, err))
+    return int(err is None)
+
+
 @dataclass
 class _Converted:
     """A GGUF's tensors in MLX's layout and the files beside them, ready to write."""
@@ -187,6 +216,9 @@ def _convert(plan: ImportPlan) -> _Converted:
         exact += len(grouped)
     for name, hf in plan.names.items():
         t = gf.tensors[name]
+        if spec.stacked and (parts := spec.stacked(hf)):
+            exact += _stacked(t, hf, spec, parts, arrays, quantized, lossy)
+            continue
         rows = int(t.shape[1]) if len(t.shape) == 2 else int(t.shape[0])  # ne = (cols, rows)
         order = qk_row_order(hf, rows, config) if spec.permute_qk else None
         if t.tensor_type in quants.FLOAT_TYPES:
@@ -258,8 +290,20 @@ def _fill(dest: Path, c: _Converted) -> int:
     return written
 
 
-def _full_config(plan: ImportPlan, quantized: dict, lossy: list[LossyTensor]) -> dict:
+def import_config(plan: ImportPlan, quantized: dict | None = None) -> dict:
+    """The config.json an import of ``plan.gf`` writes, less its provenance (``umakit``); ``quantized`` (module
+    path -> (group size, bits)) as the conversion made it, or, when None, as it would (for `umakit plan`)."""
     gf, spec = plan.gf, plan.spec
+    if quantized is None:
+        quantized = {}
+        for name, hf in plan.names.items():
+            qtype = gf.tensors[name].tensor_type
+            if qtype in quants.FLOAT_TYPES or spec.expert_arrays:
+                continue
+            bits = quants.EXACT[qtype][1] if qtype in quants.EXACT else quants.lossy_bits(qtype)
+            parts = spec.stacked(hf) if spec.stacked else None
+            for module in [m for m, _, _ in parts] if parts else [hf.removesuffix(".weight")]:
+                quantized[module] = (quants.GROUP_SIZE, bits)
     has_bf16 = any(t.tensor_type == quants.T.BF16 for t in gf.tensors.values())
     config = {
         "architectures": [spec.hf_class],
@@ -272,6 +316,12 @@ def _full_config(plan: ImportPlan, quantized: dict, lossy: list[LossyTensor]) ->
         q = quantization_block(quantized, layer_mode=False)  # imports have always written entries without "mode"
         config["quantization"] = q
         config["quantization_config"] = dict(q)
+    return config
+
+
+def _full_config(plan: ImportPlan, quantized: dict, lossy: list[LossyTensor]) -> dict:
+    gf = plan.gf
+    config = import_config(plan, quantized)
     config["umakit"] = {
         "source": "gguf",
         "import_format": IMPORT_FORMAT,

@@ -9,6 +9,8 @@ under llama.cpp's names. Two kinds are rebuilt here:
 - ``llama``: SentencePiece-style BPE with byte fallback. Merges are read from
   the file, or derived from the token scores (best score merges first), as
   transformers does. Gemma files get Gemma's normalizer and space handling.
+- ``gemma4``: the same, its merges always stored, BPE run over whole lines
+  (llama.cpp's gemma4 pre-tokenizer: text and runs of newlines apart).
 
 Tokens typed CONTROL or UNKNOWN become special added tokens, USER_DEFINED ones
 plain added tokens, so both are matched whole in text as llama.cpp does.
@@ -115,7 +117,7 @@ def derive_merges(tokens: list[str], scores: list[float]) -> list[tuple[str, str
 
 
 def _sentencepiece(gf: GGUFFile, tokens: list[str], unk: str | None, add_space_prefix: bool):
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
     gemma = gf.arch.startswith("gemma")
     if gemma:
@@ -133,6 +135,8 @@ def _sentencepiece(gf: GGUFFile, tokens: list[str], unk: str | None, add_space_p
     if gemma:
         tok.normalizer = normalizers.Replace(" ", "▁")
         tok.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+        if gf.get("tokenizer.ggml.model") == "gemma4":  # BPE over whole lines; runs of newlines apart
+            tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[^\n]+|\n+"), behavior="isolated")
     else:
         scheme = "first" if add_space_prefix else "never"
         tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme=scheme, split=False)
@@ -156,12 +160,13 @@ def build_tokenizer(gf: GGUFFile) -> TokenizerFiles:
         merges, pre = gf.get("tokenizer.ggml.merges") or [], gf.get("tokenizer.ggml.pre")
         tok, alphabet = _byte_level(tokens, merges, pre, warnings)
         add_bos_default = False
-    elif kind == "llama":
+    elif kind in ("llama", "gemma4"):  # gemma4: SentencePiece-style BPE with its merges stored
         add_space_prefix = bool(gf.get("tokenizer.ggml.add_space_prefix", True))
         tok, alphabet = _sentencepiece(gf, tokens, text.get("unk_token_id"), add_space_prefix), None
         add_bos_default = True  # llama.cpp's default for SentencePiece vocabularies, as in transformers
     else:
-        raise UnsupportedModelError(f"{gf.path.name}: tokenizer {kind!r} is not supported (supported: gpt2, llama)")
+        raise UnsupportedModelError(
+            f"{gf.path.name}: tokenizer {kind!r} is not supported (supported: gpt2, llama, gemma4)")
     _add_special_tokens(tok, tokens, types, alphabet)
 
     add_bos = bool(gf.get("tokenizer.ggml.add_bos_token", add_bos_default))
