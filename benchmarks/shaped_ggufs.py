@@ -1,7 +1,7 @@
 """GGUFs of real models' exact shapes with random weights, quantized by llama.cpp itself: what users download,
 for benchmarks to run on without a network.
 
-    python benchmarks/shaped_ggufs.py DIR [--models qwen2.5-0.5b qwen2.5-1.5b] [--types Q4_K_M Q5_K_M Q6_K Q8_0]
+    python benchmarks/shaped_ggufs.py DIR [--models qwen2.5-0.5b qwen2.5-1.5b gemma4-e4b-width-6l] [--types Q4_K_M ...]
 
 Each model is written once as float16 with the `gguf` package (the built-in
 model's tokenizer, padded with unused tokens to Qwen's vocabulary), then
@@ -18,6 +18,7 @@ Files already in DIR are kept. Prints the paths written.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -31,6 +32,8 @@ SHAPES = {
     "qwen2.5-0.5b": dict(QWEN, layers=24, hidden=896, heads=14, inter=4864),
     "qwen2.5-1.5b": dict(QWEN, layers=28, hidden=1536, heads=12, inter=8960),
 }
+# gemma4 shapes: a transformers config of the presets beside this script, written in llama.cpp's gemma4 layout
+GEMMA4 = {"gemma4-e4b-width-6l": Path(__file__).parent / "presets" / "gemma4-e4b-width-6l.json"}
 # llama.cpp's LLAMA_FTYPE_MOSTLY_* numbers
 FTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18}
 Q8_0_TYPE = 8  # GGML_TYPE_Q8_0
@@ -45,16 +48,31 @@ assert llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode()
 """
 
 
+def _tokenizer(w, tokenizer_from: Path, vocab: int) -> None:
+    """The given GGUF's tokenizer, padded with unused tokens to ``vocab``."""
+    import gguf
+
+    src = gguf.GGUFReader(str(tokenizer_from))
+    field = lambda key: src.fields[key].contents()  # noqa: E731
+    tokens, types = field("tokenizer.ggml.tokens"), field("tokenizer.ggml.token_type")
+    pad = vocab - len(tokens)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(field("tokenizer.ggml.pre"))
+    w.add_token_list(tokens + [f"<|unused_{i}|>" for i in range(pad)])
+    w.add_token_types(types + [gguf.TokenType.UNUSED] * pad)
+    w.add_token_merges(field("tokenizer.ggml.merges"))
+    w.add_bos_token_id(field("tokenizer.ggml.bos_token_id"))
+    w.add_eos_token_id(field("tokenizer.ggml.eos_token_id"))
+    w.add_add_bos_token(False)
+    w.add_chat_template(field("tokenizer.chat_template"))
+
+
 def write_f16(path: Path, shape: dict, name: str, tokenizer_from: Path) -> None:
     """A float16 GGUF of ``shape`` (Qwen2's architecture: q/k/v biases, tied embeddings), random weights, the given
     GGUF's tokenizer padded to the vocabulary."""
     import gguf
 
     s = shape
-    src = gguf.GGUFReader(str(tokenizer_from))
-    field = lambda key: src.fields[key].contents()  # noqa: E731
-    tokens, types = field("tokenizer.ggml.tokens"), field("tokenizer.ggml.token_type")
-    pad = s["vocab"] - len(tokens)
     w = gguf.GGUFWriter(str(path), "qwen2")
     w.add_name(f"{name}-shaped, random weights")
     w.add_context_length(s["context"])
@@ -66,15 +84,7 @@ def write_f16(path: Path, shape: dict, name: str, tokenizer_from: Path) -> None:
     w.add_rope_freq_base(s["theta"])
     w.add_layer_norm_rms_eps(s["eps"])
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(field("tokenizer.ggml.pre"))
-    w.add_token_list(tokens + [f"<|unused_{i}|>" for i in range(pad)])
-    w.add_token_types(types + [gguf.TokenType.UNUSED] * pad)
-    w.add_token_merges(field("tokenizer.ggml.merges"))
-    w.add_bos_token_id(field("tokenizer.ggml.bos_token_id"))
-    w.add_eos_token_id(field("tokenizer.ggml.eos_token_id"))
-    w.add_add_bos_token(False)
-    w.add_chat_template(field("tokenizer.chat_template"))
+    _tokenizer(w, tokenizer_from, s["vocab"])
     rng = np.random.default_rng(0)
     h, hd = s["hidden"], s["hidden"] // s["heads"]
     kv = s["kv_heads"] * hd
@@ -95,6 +105,75 @@ def write_f16(path: Path, shape: dict, name: str, tokenizer_from: Path) -> None:
         w.add_tensor(b + "ffn_gate.weight", rand(s["inter"], h))
         w.add_tensor(b + "ffn_up.weight", rand(s["inter"], h))
         w.add_tensor(b + "ffn_down.weight", rand(h, s["inter"]))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def write_gemma4_f16(path: Path, config_path: Path, name: str, tokenizer_from: Path) -> None:
+    """A float16 GGUF of a gemma4 config's shapes as llama.cpp's converter lays one out (per-layer head counts and
+    widths, the global layers' RoPE factors, per-layer inputs; dense layers only), random weights."""
+    import gguf
+
+    c = json.loads(config_path.read_text())
+    n, types, h, p = c["num_hidden_layers"], c["layer_types"], c["hidden_size"], c["hidden_size_per_layer_input"]
+    per = {int(k): v for k, v in (c.get("per_layer_config") or {}).items()}
+    dims = [per.get(i, {}).get("head_dim", c["head_dim"]) for i in range(n)]
+    kv = [per.get(i, {}).get("num_key_value_heads", c["num_key_value_heads"]) for i in range(n)]
+    full = types.index("full_attention")
+    rope = c["rope_parameters"]
+    w = gguf.GGUFWriter(str(path), "gemma4")
+    w.add_name(f"{name}-shaped, random weights")
+    w.add_block_count(n)
+    w.add_context_length(c["max_position_embeddings"])
+    w.add_embedding_length(h)
+    w.add_feed_forward_length(c["intermediate_size"])
+    w.add_head_count(c["num_attention_heads"])
+    w.add_head_count_kv(kv)
+    w.add_rope_freq_base(rope["full_attention"]["rope_theta"])
+    w.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+    w.add_layer_norm_rms_eps(c["rms_norm_eps"])
+    w.add_key_length(dims[full])
+    w.add_value_length(dims[full])
+    w.add_key_length_swa(c["head_dim"])
+    w.add_value_length_swa(c["head_dim"])
+    w.add_sliding_window(c["sliding_window"])
+    w.add_shared_kv_layers(c.get("num_kv_shared_layers") or 0)
+    w.add_embedding_length_per_layer_input(p)
+    w.add_sliding_window_pattern([t == "sliding_attention" for t in types])
+    w.add_rope_dimension_count(dims[full])
+    w.add_rope_dimension_count_swa(c["head_dim"])
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    _tokenizer(w, tokenizer_from, c["vocab_size"])
+    rng = np.random.default_rng(0)
+
+    def rand(*dims):  # numpy arrays are (out, in)
+        return (rng.standard_normal(dims, dtype=np.float32) * 0.02).astype(np.float16)
+
+    ones = lambda k: np.ones(k, dtype=np.float32)  # noqa: E731
+    turned = int(dims[full] * rope["full_attention"]["partial_rotary_factor"] / 2)
+    w.add_tensor("rope_freqs.weight", np.array([1.0] * turned + [1e30] * (dims[full] // 2 - turned), np.float32))
+    w.add_tensor("token_embd.weight", rand(c["vocab_size"], h))
+    w.add_tensor("output_norm.weight", ones(h))
+    if p:
+        w.add_tensor("per_layer_token_embd.weight", rand(c["vocab_size_per_layer_input"], n * p))
+        w.add_tensor("per_layer_model_proj.weight", rand(n * p, h))
+        w.add_tensor("per_layer_proj_norm.weight", ones(p))
+    heads, inter = c["num_attention_heads"], c["intermediate_size"]
+    for i in range(n):
+        b, d = f"blk.{i}.", dims[i]
+        for t, value in (("attn_q", rand(heads * d, h)), ("attn_k", rand(kv[i] * d, h)),
+                         ("attn_v", rand(kv[i] * d, h)), ("attn_output", rand(h, heads * d)),
+                         ("ffn_gate", rand(inter, h)), ("ffn_up", rand(inter, h)), ("ffn_down", rand(h, inter))):
+            w.add_tensor(b + t + ".weight", value)
+        for t, k in (("attn_norm", h), ("attn_q_norm", d), ("attn_k_norm", d), ("post_attention_norm", h),
+                     ("ffn_norm", h), ("post_ffw_norm", h), ("layer_output_scale", 1)):
+            w.add_tensor(b + t + ".weight", ones(k))
+        if p:
+            w.add_tensor(b + "inp_gate.weight", rand(p, h))
+            w.add_tensor(b + "proj.weight", rand(h, p))
+            w.add_tensor(b + "post_norm.weight", ones(h))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -124,6 +203,9 @@ def make(where: Path, model: str, types: list[str], llama_python: str = LLAMA_PY
         return files
     if missing:
         f16 = where / f"{model}-shaped.F16.gguf"
+        if not f16.exists() and model in GEMMA4:
+            write_gemma4_f16(f16.with_suffix(".part"), GEMMA4[model], model, packaged_gguf())
+            f16.with_suffix(".part").rename(f16)
         if not f16.exists():
             write_f16(f16.with_suffix(".part"), SHAPES[model], model, packaged_gguf())
             f16.with_suffix(".part").rename(f16)
@@ -135,8 +217,9 @@ def make(where: Path, model: str, types: list[str], llama_python: str = LLAMA_PY
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("dir", type=Path)
-    ap.add_argument("--models", nargs="*", default=list(SHAPES), choices=[*SHAPES, "smollm2-135m"],
-                    help="shapes to write, or smollm2-135m: the built-in model's weights (Q4_1) re-quantized")
+    ap.add_argument("--models", nargs="*", default=list(SHAPES), choices=[*SHAPES, *GEMMA4, "smollm2-135m"],
+                    help="shapes to write (gemma4-*: a gemma4 preset's), or smollm2-135m: the built-in model's "
+                         "weights (Q4_1) re-quantized")
     ap.add_argument("--types", nargs="*", default=["Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0"], choices=FTYPES)
     ap.add_argument("--llama-python", default=LLAMA_PYTHON)
     args = ap.parse_args()
