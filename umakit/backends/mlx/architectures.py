@@ -44,9 +44,20 @@ def _remapping() -> dict[str, str]:
     return {}
 
 
+# Text-only checkpoints (transformers' *ForCausalLM of a multimodal family) whose mlx-lm file is the multimodal
+# one: it takes the text model's flat config as its text_config.
+TEXT_ONLY = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}
+
+
+def mlx_lm_type(model_type: str) -> str:
+    """The mlx-lm model file that runs ``model_type``: mlx-lm's remapping, then umakit's `TEXT_ONLY`."""
+    model_type = _remapping().get(model_type, model_type)
+    return TEXT_ONLY.get(model_type, model_type)
+
+
 def mlx_lm_runs(model_type: str) -> bool:
     """Whether the installed mlx-lm has a model file for ``model_type`` (directly or through its remapping)."""
-    names = (model_type, _remapping().get(model_type, model_type))
+    names = (model_type, mlx_lm_type(model_type))
     return any((root / "models" / f"{name}.py").is_file() for root in _package_dirs() for name in names)
 
 

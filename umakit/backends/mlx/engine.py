@@ -25,7 +25,7 @@ from umakit.backends.base import PREFILL_CHUNK, Lookup, WeightInfo, refuse_optio
 from umakit.backends.mlx import SPEC, fused_experts, rope, wiring
 from umakit.backends.mlx.batch_decoder import MLXBatchDecoder
 from umakit.backends.mlx.cache import MLXCache
-from umakit.backends.mlx.architectures import reads_rope_scaling
+from umakit.backends.mlx.architectures import mlx_lm_type, reads_rope_scaling
 from umakit.backends.mlx.mlx_lm_import import import_mlx_lm
 from umakit.backends.mlx.sampler import MLXOps
 
@@ -104,8 +104,8 @@ def _architecture(config: dict):
     models = import_mlx_lm("models")
     known = sorted(p.stem for p in Path(models.__path__[0]).glob("*.py") if not p.stem.startswith("_"))
     if model_type not in known:
-        # mlx-lm serves some types with another's code (e.g. mistral -> llama)
-        model_type = import_mlx_lm("utils").MODEL_REMAPPING.get(model_type, model_type)
+        # mlx-lm serves some types with another's code (e.g. mistral -> llama; a text-only qwen3_5 -> qwen3_5)
+        model_type = mlx_lm_type(model_type)
     if model_type not in known:
         raise UnsupportedModelError(
             f"model_type {config['model_type']!r} is not supported by mlx-lm; supported: {', '.join(known)}"
@@ -348,9 +348,11 @@ def _hook_up_quantization(model: nn.Module, weights: dict, q: dict) -> None:
     """Swap in quantized layers wherever the checkpoint stores scales (mlx-lm's rule)."""
 
     def predicate(path: str, module: nn.Module):
-        if isinstance(q.get(path), dict):
-            return q[path]
-        if q.get(path) is False:
+        # a text-only checkpoint's entries name its layers without the multimodal wrapper's prefix (TEXT_ONLY)
+        entry = q.get(path, q.get(path.removeprefix("language_model.")))
+        if isinstance(entry, dict):
+            return entry
+        if entry is False:
             return False
         return hasattr(module, "to_quantized") and f"{path}.scales" in weights
 

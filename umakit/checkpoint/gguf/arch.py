@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from umakit.errors import CheckpointError, UnsupportedModelError
-from umakit.checkpoint.gguf import gemma4_arch, gpt_oss
+from umakit.checkpoint.gguf import gemma4_arch, gpt_oss, qwen35_arch
 from umakit.checkpoint.gguf.reader import GGUFFile
 
 _GLOBAL = {
@@ -245,6 +245,11 @@ class ArchSpec:
     # gemma4: 3-D expert stacks, converted as the 2-D tensors are (expert by expert) and written as the modules
     # this names, each with its share of the rows; None for a tensor that is not one
     stacked: Callable[[str], list[tuple[str, int, int]] | None] | None = None
+    # qwen35: rows and columns llama.cpp reordered, given back as (HF rows = GGUF rows[order], columns likewise;
+    # either None), from the HF name, the rows, the columns and the config; and a float tensor's values changed
+    # back (an HF name and its array; after the reordering)
+    reorder: Callable[[str, int, int, dict], tuple[np.ndarray | None, np.ndarray | None]] | None = None
+    fix: Callable[[str, np.ndarray], np.ndarray] | None = None
 
 
 SPECS = {
@@ -253,6 +258,8 @@ SPECS = {
     "qwen2": ArchSpec("qwen2", "Qwen2ForCausalLM", qwen_name, qwen2_config),
     "qwen3": ArchSpec("qwen3", "Qwen3ForCausalLM", qwen_name, qwen3_config),
     "gemma3": ArchSpec("gemma3_text", "Gemma3ForCausalLM", gemma3_name, gemma3_config, norm_offset=1.0),
+    "qwen35": ArchSpec("qwen3_5_text", "Qwen3_5ForCausalLM", qwen35_arch.qwen35_name, qwen35_arch.qwen35_config,
+                       reorder=qwen35_arch.reorder, fix=qwen35_arch.fix),
     "gemma4": ArchSpec("gemma4_text", "Gemma4ForCausalLM", gemma4_arch.gemma4_name, gemma4_arch.gemma4_config,
                        stacked=gemma4_arch.expert_parts),
     "gpt-oss": ArchSpec("gpt_oss", "GptOssForCausalLM", gpt_oss.gpt_oss_name, gpt_oss_config,

@@ -88,39 +88,44 @@ def plan_import(gf: GGUFFile) -> ImportPlan:
     return ImportPlan(gf, spec, names, spec.config(gf), build_tokenizer(gf))
 
 
-def _float_tensor(t, hf: str, spec: ArchSpec, order: np.ndarray | None):
+def _reordered(values: np.ndarray, order: np.ndarray | None, cols: np.ndarray | None = None) -> np.ndarray:
+    values = values if order is None else values[order]
+    return values if cols is None else values[:, cols]
+
+
+def _float_tensor(t, hf: str, spec: ArchSpec, order: np.ndarray | None, cols: np.ndarray | None = None):
     import mlx.core as mx
 
     data = np.asarray(t.data)
-    if t.tensor_type == quants.T.BF16:
+    bf16 = t.tensor_type == quants.T.BF16
+    if bf16:
         data = data.view(np.uint16)
-    if order is not None:
-        data = data[order]
+    data = _reordered(data, order, cols)
+    if spec.fix is not None:
+        if bf16:  # widened exactly to float32 to be changed, and kept so
+            data, bf16 = (data.astype(np.uint32) << 16).view(np.float32), False
+        data = spec.fix(hf, data)
     arr = mx.array(np.ascontiguousarray(data))
-    if t.tensor_type == quants.T.BF16:
+    if bf16:
         arr = arr.view(mx.bfloat16)
     if spec.norm_offset and hf.endswith("norm.weight"):
         arr = (arr.astype(mx.float32) - spec.norm_offset).astype(arr.dtype)
     return arr
 
 
-def _exact(t, order: np.ndarray | None) -> tuple[tuple, int, None]:
+def _exact(t, order: np.ndarray | None, cols: np.ndarray | None = None) -> tuple[tuple, int, None]:
     """Repack a block type that is an affine format already; values do not change."""
-    aff = quants.to_affine(np.asarray(t.data), t.tensor_type, cols=int(t.shape[0]))
-    if order is not None:
-        aff = aff.take_rows(order)
+    aff = quants.to_affine(np.asarray(t.data), t.tensor_type, cols=int(t.shape[0])).reorder(order, cols)
     dtype = quants.pick_dtype(aff.scales, aff.biases)
     return (quants.pack(aff.q, aff.bits), aff.scales.astype(dtype), aff.biases.astype(dtype)), aff.bits, None
 
 
-def _requantize(t, order: np.ndarray | None) -> tuple[tuple, int, float]:
+def _requantize(t, order: np.ndarray | None, cols: np.ndarray | None = None) -> tuple[tuple, int, float]:
     """Dequantize with the gguf package, re-quantize to MLX; return arrays, bits, max abs error."""
     import mlx.core as mx
     from gguf import quants as gguf_quants
 
-    values = gguf_quants.dequantize(np.asarray(t.data), t.tensor_type)  # (rows, cols) float32
-    if order is not None:
-        values = values[order]
+    values = _reordered(gguf_quants.dequantize(np.asarray(t.data), t.tensor_type), order, cols)  # float32
     bits = quants.lossy_bits(t.tensor_type)
     if t.tensor_type in quants.SYMMETRIC and bits == 8:
         return quants.symmetric8(values)
@@ -137,13 +142,12 @@ def _requantize(t, order: np.ndarray | None) -> tuple[tuple, int, float]:
     return (w, scales, biases), bits, float(err)
 
 
-def _exact16(t, order: np.ndarray | None) -> tuple[dict[str, np.ndarray], tuple, int, float]:
+def _exact16(t, order: np.ndarray | None, cols: np.ndarray | None = None) -> tuple[dict[str, np.ndarray], tuple, int,
+                                                                                   float]:
     """A `quants.EXACT16` tensor's codes and scales in groups of 16, exactly (MLX's packing, float32 scales; the
     biases are -2^(bits-1) times them), which the torch engine's CPU kernel reads (backends/torch/load/exact.py);
     and, from the same decoding, its symmetric 8-bit re-quantization for MLX's groups, as `_requantize` makes it."""
-    aff = quants.to_affine16(np.asarray(t.data), t.tensor_type, cols=int(t.shape[0]))
-    if order is not None:
-        aff = aff.take_rows(order)
+    aff = quants.to_affine16(np.asarray(t.data), t.tensor_type, cols=int(t.shape[0])).reorder(order, cols)
     exact = {"weight": quants.pack(aff.q, aff.bits), "scales": np.ascontiguousarray(aff.scales, dtype=np.float32)}
     rows, cols = aff.q.shape
     centred = aff.q.reshape(rows, -1, aff.group_size).astype(np.float32) - 2 ** (aff.bits - 1)
@@ -220,9 +224,11 @@ def _convert(plan: ImportPlan) -> _Converted:
             exact += _stacked(t, hf, spec, parts, arrays, quantized, lossy)
             continue
         rows = int(t.shape[1]) if len(t.shape) == 2 else int(t.shape[0])  # ne = (cols, rows)
-        order = qk_row_order(hf, rows, config) if spec.permute_qk else None
+        order, cols = qk_row_order(hf, rows, config) if spec.permute_qk else None, None
+        if spec.reorder:
+            order, cols = spec.reorder(hf, rows, int(t.shape[0]) if len(t.shape) == 2 else 1, config)
         if t.tensor_type in quants.FLOAT_TYPES:
-            arrays[hf] = _float_tensor(t, hf, spec, order)
+            arrays[hf] = _float_tensor(t, hf, spec, order, cols)
             exact += 1
             continue
         if spec.expert_arrays:
@@ -230,11 +236,11 @@ def _convert(plan: ImportPlan) -> _Converted:
             exact += 1
             continue
         if t.tensor_type in quants.EXACT16:
-            held, packed, bits, err = _exact16(t, order)
+            held, packed, bits, err = _exact16(t, order, cols)
             exact16.update({f"{hf.removesuffix('.weight')}.{k}": v for k, v in held.items()})
         else:
             convert = _exact if t.tensor_type in quants.EXACT else _requantize
-            packed, bits, err = convert(t, order)
+            packed, bits, err = convert(t, order, cols)
         if err is None:
             exact += 1
         else:

@@ -46,6 +46,20 @@ class Affine:
     def take_rows(self, order: np.ndarray) -> Affine:
         return Affine(self.q[order], self.scales[order], self.biases[order], self.bits, self.group_size)
 
+    def take_cols(self, order: np.ndarray) -> Affine:
+        """Columns reordered in whole groups (each group's scale and bias move with it); ValueError otherwise."""
+        g = self.group_size
+        starts = order.reshape(-1, g)[:, 0]
+        if starts.size * g != order.size or (starts % g).any() or (order.reshape(-1, g) - starts[:, None]
+                                                                  != np.arange(g)).any():
+            raise ValueError(f"a column order that splits groups of {g}")
+        groups = starts // g
+        return Affine(self.q[:, order], self.scales[:, groups], self.biases[:, groups], self.bits, g)
+
+    def reorder(self, rows: np.ndarray | None, cols: np.ndarray | None) -> Affine:
+        aff = self if rows is None else self.take_rows(rows)
+        return aff if cols is None else aff.take_cols(cols)
+
 
 def _f16(b: np.ndarray) -> np.ndarray:
     """(n, 2) little-endian bytes -> (n, 1) float32."""

@@ -1,0 +1,145 @@
+"""Qwen3.5 GGUFs (llama.cpp's ``qwen35``: the dense hybrid models) imported back into transformers' layout: the
+value heads llama.cpp tiles for ggml's broadcast put back in their groups (rows, and ``out_proj``'s columns in
+whole heads, quantized or not), the norms stored as 1 + w, A_log stored as -exp(A_log) and the squeezed conv
+kernel undone; then run on the MLX engine (mlx-lm's qwen3_5 file, which takes a text-only config) and on the
+torch side's transformers engine (``auto``). Files written by gguf.GGUFWriter as llama.cpp's converter writes
+them (support/gguf_qwen35.py) and, where llama.cpp's sources are here, by that converter; oracles: the original
+checkpoint's tensors and transformers' float32 model of it."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+
+import umakit
+from engines.test_torch_gemma4 import PROMPT, greedy
+from support import gguf_gpt_oss, gguf_qwen35
+from support.oracle import greedy_reference, ref_logits, reference
+from umakit.checkpoint.gguf import import_gguf
+from umakit.errors import UmakitError
+
+pytest.importorskip("transformers")
+mx = pytest.importorskip("mlx.core")
+
+
+@pytest.fixture(scope="module")
+def original(tmp_path_factory):
+    return gguf_qwen35.make(tmp_path_factory.mktemp("qwen35") / "hf")
+
+
+def _tensors(path):
+    from safetensors.numpy import load_file
+
+    return load_file(path / "model.safetensors")
+
+
+def _dequantized(path) -> dict[str, np.ndarray]:
+    config = json.loads((path / "config.json").read_text())
+    q, stored = config.get("quantization", {}), mx.load(str(path / "model.safetensors"))
+    out = {}
+    for name, arr in stored.items():
+        if name.endswith((".scales", ".biases")):
+            continue
+        module = name.removesuffix(".weight")
+        if f"{module}.scales" in stored:
+            spec = q.get(module) if isinstance(q.get(module), dict) else q
+            arr = mx.dequantize(arr, stored[f"{module}.scales"], stored[f"{module}.biases"],
+                                group_size=spec["group_size"], bits=spec["bits"])
+        out[name] = np.array(arr.astype(mx.float32))
+    return out
+
+
+def test_a_float_file_comes_back_as_its_checkpoint_and_runs_as_transformers_runs_it(original, tmp_path):
+    src = gguf_qwen35.write_gguf(original, tmp_path / "model.gguf")
+    report = import_gguf(src, tmp_path / "imported")
+    assert not report.lossy_tensors
+    ours, theirs = _tensors(tmp_path / "imported"), _tensors(original)
+    assert ours.keys() == theirs.keys()
+    for name, want in theirs.items():  # A_log (through -exp) and the norms (through 1 + w) come back rounded
+        rounded = name.endswith("A_log") or (name.endswith("norm.weight") and ".linear_attn." not in name)
+        np.testing.assert_allclose(ours[name], want, rtol=1e-6 if rounded else 0, atol=1e-7 if rounded else 0,
+                                   err_msg=name)
+    config = json.loads((tmp_path / "imported" / "config.json").read_text())
+    assert config["model_type"] == "qwen3_5_text" and config["layer_types"][-1] == "full_attention"
+    ref = reference(original)
+    want = ref_logits(ref, PROMPT)
+    for backend, engine in (("mlx", "mlx"), ("auto", "transformers")):
+        model = umakit.load(tmp_path / "imported", backend=backend, dtype="float32")
+        assert model.info.backend == engine
+        np.testing.assert_allclose(model.logits(PROMPT), want, atol=1e-5 * np.abs(want).max(), rtol=0)
+        assert greedy(model, PROMPT, 8) == greedy_reference(ref, PROMPT, 8), backend
+
+
+@pytest.mark.parametrize("qtype, step", [(T.Q8_0, 1 / 127), (T.Q4_0, 1 / 7)])
+def test_quantized_weights_are_reordered_in_whole_groups(original, qtype, step, tmp_path):
+    """Quantized rows and out_proj's columns put back exactly (no re-quantization): each weight within its format's
+    step of the original's (a head misplaced would be off by the weights' own size)."""
+    src = gguf_qwen35.write_gguf(original, tmp_path / "model.gguf", dense=qtype)
+    report = import_gguf(src, tmp_path / "imported")
+    assert not report.lossy_tensors
+    ours, theirs = _dequantized(tmp_path / "imported"), _tensors(original)
+    for name in ("linear_attn.in_proj_qkv.weight", "linear_attn.in_proj_z.weight", "linear_attn.out_proj.weight"):
+        got, want = ours[f"model.layers.0.{name}"], theirs[f"model.layers.0.{name}"]
+        tolerance = step * np.abs(want).reshape(want.shape[0], -1, 32).max(axis=-1, keepdims=True)
+        assert np.all(np.abs(got - want).reshape(tolerance.shape[0], -1, 32) <= tolerance * 1.01), name
+    model = umakit.load(tmp_path / "imported", backend="mlx", dtype="float32")
+    want = ref_logits(reference(original), PROMPT)
+    np.testing.assert_allclose(model.logits(PROMPT), want, atol=0.25 * np.abs(want).max(), rtol=0)
+
+
+def test_a_file_of_mixed_widths_runs_alike_on_both_engines(original, tmp_path):
+    """Layers at other widths than the rest (as a Q4_K_M's) are per-layer entries of the import's quantization
+    block, named as transformers names the layers; mlx-lm's qwen3_5 file runs the text model inside its
+    multimodal wrapper (``language_model.`` before every name), and finds them there too."""
+    src = gguf_qwen35.write_gguf(original, tmp_path / "model.gguf", dense=T.Q4_0,
+                                 overrides={"v_proj.weight": T.Q8_0, "out_proj.weight": T.Q8_0})
+    import_gguf(src, tmp_path / "imported")
+    q = json.loads((tmp_path / "imported" / "config.json").read_text())["quantization"]
+    assert q["bits"] == 4 and q["model.layers.3.self_attn.v_proj"]["bits"] == 8
+    got = {b: umakit.load(tmp_path / "imported", backend=b, dtype="float32") for b in ("mlx", "auto")}
+    assert got["auto"].info.backend == "transformers"
+    want = got["auto"].logits(PROMPT)
+    # the transformers engine's packed CPU kernels round activations as the MLX kernels do not: alike, not equal
+    np.testing.assert_allclose(got["mlx"].logits(PROMPT), want, atol=2e-2 * np.abs(want).max(), rtol=0)
+    assert greedy(got["mlx"], PROMPT, 6) == greedy(got["auto"], PROMPT, 6)
+
+
+def test_multi_token_prediction_layers_are_refused_by_name(original, tmp_path):
+    import gguf
+
+    src = gguf_qwen35.write_gguf(original, tmp_path / "model.gguf")
+    reader = gguf.GGUFReader(src)
+    w = gguf.GGUFWriter(str(tmp_path / "mtp.gguf"), "qwen35")
+    for k, field in reader.fields.items():
+        if not k.startswith(("GGUF.", "general.architecture")):
+            w.add_key_value(k, field.contents(), field.types[0], field.types[-1] if len(field.types) > 1 else None)
+    w.add_uint32("qwen35.nextn_predict_layers", 1)
+    for t in reader.tensors:
+        w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(UmakitError, match="multi-token-prediction"):
+        import_gguf(tmp_path / "mtp.gguf", tmp_path / "never")
+    assert not (tmp_path / "never").exists()
+
+
+@pytest.mark.skipif(not gguf_gpt_oss.CONVERTERS, reason="llama.cpp's convert_hf_to_gguf.py is not here "
+                    "(~/.cache/umakit-peers/src/*/vendor/llama.cpp): run ../shared/tools/build_llama_peers.sh")
+def test_llama_cpp_s_own_converter_writes_what_the_writer_here_writes(original, tmp_path):
+    import gguf
+
+    ours = gguf.GGUFReader(gguf_qwen35.write_gguf(original, tmp_path / "ours.gguf"))
+    theirs = gguf.GGUFReader(gguf_qwen35.llama_cpp_convert(original, tmp_path / "theirs.gguf"))
+    assert {t.name for t in ours.tensors} == {t.name for t in theirs.tensors}
+    by_name = {t.name: np.asarray(t.data) for t in theirs.tensors}
+    for t in ours.tensors:
+        np.testing.assert_allclose(np.asarray(t.data), by_name[t.name], rtol=1e-6, atol=0, err_msg=t.name)
+    import_gguf(tmp_path / "theirs.gguf", tmp_path / "imported")
+    want = ref_logits(reference(original), PROMPT)
+    got = umakit.load(tmp_path / "imported", backend="mlx", dtype="float32").logits(PROMPT)
+    np.testing.assert_allclose(got, want, atol=1e-5 * np.abs(want).max(), rtol=0)

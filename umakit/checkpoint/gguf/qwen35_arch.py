@@ -1,0 +1,131 @@
+"""Qwen3.5 GGUFs (llama.cpp's ``qwen35`` architecture: the dense hybrid models, gated delta-net layers beside
+gated full attention) back in transformers' layout, which mlx-lm and the transformers engine read.
+
+llama.cpp's converter (conversion/qwen.py, `Qwen3_5TextModel`) changes what it stores, and each change is undone
+here exactly: the value heads of the linear-attention layers, grouped by key head in the checkpoint, are tiled
+for ggml's broadcast (rows of ``in_proj_qkv``'s V part, ``in_proj_z``, ``in_proj_a``/``b``, the conv channels,
+``A_log``, ``dt_bias``; columns of ``out_proj``), a pure reordering that keeps quantization groups whole (rows
+always; columns in whole heads); the RMSNorm weights that act as 1 + w are stored as 1 + w (the gated norm of the
+linear layers is not); ``A_log`` is stored as -exp(A_log); the conv kernel loses its middle axis.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from umakit.errors import UnsupportedModelError
+from umakit.checkpoint.gguf.reader import GGUFFile
+
+_BLOCK = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",  # the queries and their output gate, per head
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_qkv.weight": "linear_attn.in_proj_qkv.weight",
+    "attn_gate.weight": "linear_attn.in_proj_z.weight",
+    "ssm_beta.weight": "linear_attn.in_proj_b.weight",
+    "ssm_alpha.weight": "linear_attn.in_proj_a.weight",
+    "ssm_a": "linear_attn.A_log",
+    "ssm_dt.bias": "linear_attn.dt_bias",
+    "ssm_conv1d.weight": "linear_attn.conv1d.weight",
+    "ssm_norm.weight": "linear_attn.norm.weight",
+    "ssm_out.weight": "linear_attn.out_proj.weight",
+}
+_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+           "output.weight": "lm_head.weight"}
+_NAME_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
+
+
+def qwen35_name(name: str) -> str | None:
+    """HF name of a qwen35 GGUF tensor, or None when it has none."""
+    if m := _NAME_RE.match(name):
+        layer, part = m.groups()
+        return f"model.layers.{layer}.{_BLOCK[part]}" if part in _BLOCK else None
+    return _GLOBAL.get(name)
+
+
+def qwen35_config(gf: GGUFFile) -> dict:
+    """transformers' Qwen3_5TextConfig fields from llama.cpp's qwen35 metadata."""
+    if gf.get("{arch}.rope.scaling.type") not in (None, "none") or gf.get("{arch}.rope.scaling.factor"):
+        raise UnsupportedModelError(f"{gf.path.name}: qwen35 with RoPE scaling is not supported")
+    if gf.get("{arch}.nextn_predict_layers"):
+        raise UnsupportedModelError(f"{gf.path.name}: a qwen35 file with multi-token-prediction layers is not "
+                                    "supported (convert it with --no-mtp)")
+    n = int(gf.require("{arch}.block_count"))
+    recurrent = gf.require("{arch}.attention.recurrent_layers")
+    head_dim = int(gf.require("{arch}.attention.key_length"))
+    if gf.get("{arch}.attention.value_length", head_dim) != head_dim:
+        raise UnsupportedModelError(f"{gf.path.name}: key and value head sizes differ")
+    for key in ("{arch}.attention.head_count", "{arch}.attention.head_count_kv", "{arch}.feed_forward_length"):
+        if isinstance(gf.get(key), list):
+            raise UnsupportedModelError(f"{gf.path.name}: per-layer {key.format(arch=gf.arch)} is not supported")
+    value_heads = int(gf.require("{arch}.ssm.time_step_rank"))
+    embed = gf.tensors["token_embd.weight"]
+    return {
+        "hidden_size": int(gf.require("{arch}.embedding_length")),
+        "num_hidden_layers": n,
+        "intermediate_size": int(gf.require("{arch}.feed_forward_length")),
+        "num_attention_heads": int(gf.require("{arch}.attention.head_count")),
+        "num_key_value_heads": int(gf.require("{arch}.attention.head_count_kv")),
+        "head_dim": head_dim,
+        "layer_types": ["linear_attention" if r else "full_attention" for r in recurrent],
+        "full_attention_interval": int(gf.get("{arch}.full_attention_interval", 4)),
+        "linear_conv_kernel_dim": int(gf.require("{arch}.ssm.conv_kernel")),
+        "linear_key_head_dim": int(gf.require("{arch}.ssm.state_size")),
+        "linear_num_key_heads": int(gf.require("{arch}.ssm.group_count")),
+        "linear_num_value_heads": value_heads,
+        "linear_value_head_dim": int(gf.require("{arch}.ssm.inner_size")) // value_heads,
+        "rope_parameters": {
+            "rope_type": "default", "rope_theta": float(gf.get("{arch}.rope.freq_base", 10_000_000.0)),
+            "partial_rotary_factor": int(gf.require("{arch}.rope.dimension_count")) / head_dim,
+        },
+        "rms_norm_eps": float(gf.require("{arch}.attention.layer_norm_rms_epsilon")),
+        "max_position_embeddings": int(gf.get("{arch}.context_length", 262144)),
+        "vocab_size": int(embed.shape[1]),  # ne = (hidden, vocab)
+        "tie_word_embeddings": "output.weight" not in gf.tensors,
+        "hidden_act": "silu",
+        "attention_bias": False,
+    }
+
+
+def _untiled(count: int, key_heads: int, per_key: int, width: int) -> np.ndarray:
+    """The order that gives tiled value heads (v, k) back in the checkpoint's grouped order (k, v)."""
+    return np.arange(count).reshape(per_key, key_heads, width).transpose(1, 0, 2).reshape(-1)
+
+
+def reorder(hf: str, rows: int, cols: int, config: dict) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """(rows, columns) orders that undo llama.cpp's tiling of the value heads (see the module's text)."""
+    k_heads, v_heads = config["linear_num_key_heads"], config["linear_num_value_heads"]
+    if ".linear_attn." not in hf or k_heads == v_heads:
+        return None, None
+    per, hk, hv = v_heads // k_heads, config["linear_key_head_dim"], config["linear_value_head_dim"]
+    qk = 2 * k_heads * hk
+    if hf.endswith((".in_proj_qkv.weight", ".conv1d.weight")):
+        return np.concatenate([np.arange(qk), qk + _untiled(rows - qk, k_heads, per, hv)]), None
+    if hf.endswith(".in_proj_z.weight"):
+        return _untiled(rows, k_heads, per, hv), None
+    if hf.endswith((".in_proj_a.weight", ".in_proj_b.weight", ".A_log", ".dt_bias")):
+        return _untiled(rows, k_heads, per, 1), None
+    if hf.endswith(".out_proj.weight"):
+        return None, _untiled(cols, k_heads, per, hv)
+    return None, None
+
+
+def fix(hf: str, values: np.ndarray) -> np.ndarray:
+    """A float tensor's values as the checkpoint holds them (after `reorder`)."""
+    if hf.endswith(".A_log"):
+        return np.log(-values.astype(np.float32))
+    if hf.endswith(".conv1d.weight"):
+        return values.reshape(values.shape[0], 1, -1)  # (channels, kernel) -> (channels, 1, kernel)
+    if hf.endswith("norm.weight") and not hf.endswith(".linear_attn.norm.weight"):
+        return (values.astype(np.float32) - 1).astype(values.dtype)
+    return values
