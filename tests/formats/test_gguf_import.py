@@ -226,7 +226,8 @@ def test_unknown_version(tmp_path):
 def test_unsupported_architecture(tmp_path):
     src = write_gguf(tmp_path / "m.gguf", arch="mamba", tensor_arch="llama")
     with pytest.raises(UnsupportedModelError,
-                       match=r"architecture 'mamba' is not supported \(supported: gemma3, gemma4, gpt-oss, llama, qwen2, qwen3, qwen35, smollm3\)"):
+                       match=r"architecture 'mamba' is not supported \(supported: gemma3, gemma4, gpt-oss, llama, "
+                             r"qwen2, qwen3, qwen35, qwen35moe, smollm3\)"):
         import_gguf(src, tmp_path / "out")
     assert_nothing_left(tmp_path, tmp_path / "out")
 
@@ -246,7 +247,8 @@ def test_unsupported_tensor_type(tmp_path):
 
 def test_unsupported_tokenizer(tmp_path):
     src = write_gguf(tmp_path / "m.gguf", tokenizer="bert")
-    with pytest.raises(UnsupportedModelError, match=r"tokenizer 'bert' is not supported \(supported: gpt2, llama, gemma4\)"):
+    with pytest.raises(UnsupportedModelError,
+                       match=r"tokenizer 'bert' is not supported \(supported: gpt2, llama, gemma4\)"):
         import_gguf(src, tmp_path / "out")
     assert_nothing_left(tmp_path, tmp_path / "out")
 

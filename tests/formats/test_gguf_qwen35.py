@@ -143,3 +143,38 @@ def test_llama_cpp_s_own_converter_writes_what_the_writer_here_writes(original, 
     want = ref_logits(reference(original), PROMPT)
     got = umakit.load(tmp_path / "imported", backend="mlx", dtype="float32").logits(PROMPT)
     np.testing.assert_allclose(got, want, atol=1e-5 * np.abs(want).max(), rtol=0)
+
+
+@pytest.fixture(scope="module")
+def mixture(tmp_path_factory):
+    return gguf_qwen35.make(tmp_path_factory.mktemp("qwen35moe") / "hf", moe=True)
+
+
+def test_the_mixture_s_file_runs_on_mlx_as_transformers_runs_its_checkpoint(mixture, tmp_path):
+    """qwen35moe: the routed experts (3-D stacks) become mlx-lm's ``switch_mlp`` stacks, which MLX reads and the
+    transformers engine does not: ``auto`` says so and goes on to MLX, rather than run a model missing them."""
+    src = gguf_qwen35.write_gguf(mixture, tmp_path / "model.gguf")
+    import_gguf(src, tmp_path / "imported")
+    config = json.loads((tmp_path / "imported" / "config.json").read_text())
+    assert config["model_type"] == "qwen3_5_moe_text" and config["num_experts"] == 4
+    ref = reference(mixture)
+    want = ref_logits(ref, PROMPT)
+    model = umakit.load(tmp_path / "imported", dtype="float32")
+    assert model.info.backend == "mlx"
+    assert any("transformers cannot load it" in w and "switch_mlp" in w for w in model.info.warnings)
+    np.testing.assert_allclose(model.logits(PROMPT), want, atol=1e-5 * np.abs(want).max(), rtol=0)
+    assert greedy(model, PROMPT, 8) == greedy_reference(ref, PROMPT, 8)
+
+
+def test_the_mixture_s_quantized_experts_import_exactly(mixture, tmp_path):
+    src = gguf_qwen35.write_gguf(mixture, tmp_path / "model.gguf", dense=T.Q8_0)
+    report = import_gguf(src, tmp_path / "imported")
+    assert not report.lossy_tensors
+    ours, theirs = _dequantized(tmp_path / "imported"), _tensors(mixture)
+    got = ours["model.layers.0.mlp.switch_mlp.up_proj.weight"]
+    want = np.stack([theirs[f"model.layers.0.mlp.experts.{e}.up_proj.weight"] for e in range(4)])
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, atol=np.abs(want).max() / 127 * 1.01, rtol=0)
+    model = umakit.load(tmp_path / "imported", backend="mlx", dtype="float32")
+    want = ref_logits(reference(mixture), PROMPT)
+    np.testing.assert_allclose(model.logits(PROMPT), want, atol=0.1 * np.abs(want).max(), rtol=0)

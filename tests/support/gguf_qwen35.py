@@ -34,20 +34,30 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
-def make(path: Path, seed: int = 0, **overrides) -> Path:
-    """A random text-only Qwen3.5 (three gated delta-net layers, then gated full attention), its norms, decays and
-    time steps moved off their defaults so that a slip in any shows."""
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+
+
+def make(path: Path, seed: int = 0, moe: bool = False, **overrides) -> Path:
+    """A random text-only Qwen3.5 (three gated delta-net layers, then gated full attention; ``moe``: the mixture
+    with a shared expert in every layer), its norms, decays and time steps moved off their defaults so that a slip
+    in any shows, its routers made decisive so that a wrong expert would."""
     import torch
     import transformers
 
     torch.manual_seed(seed)
-    model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**{**CONFIG, **overrides}))
+    if moe:
+        config = transformers.Qwen3_5MoeTextConfig(**{**CONFIG, **MOE, **overrides})
+        model = transformers.Qwen3_5MoeForCausalLM(config)
+    else:
+        model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**{**CONFIG, **overrides}))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
             if name.endswith(("A_log", "dt_bias")):
                 p.add_(torch.randn_like(p) * 0.3)
+            if name.endswith("mlp.gate.weight"):
+                p.mul_(20)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
     write_tokenizer(path)
@@ -60,6 +70,17 @@ def llama_cpp_convert(checkpoint: Path, out: Path) -> Path:
                           "--outfile", str(out), "--outtype", "f32", "--no-mtp"],
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
+    return out
+
+
+def _stacked(st: dict, c: dict) -> dict:
+    """Each layer's routed experts as 3-D stacks (``mlp.experts.gate_proj``: experts, rows, columns), as the
+    converter stacks them."""
+    out = {k: v for k, v in st.items() if ".mlp.experts." not in k}
+    for i in range(c["num_hidden_layers"] if c.get("num_experts") else 0):
+        for part in ("gate_proj", "up_proj", "down_proj"):
+            out[f"model.layers.{i}.mlp.experts.{part}.weight"] = np.stack(
+                [st[f"model.layers.{i}.mlp.experts.{e}.{part}.weight"] for e in range(c["num_experts"])])
     return out
 
 
@@ -97,13 +118,20 @@ def write_gguf(checkpoint: Path, out: Path, dense=T.F32, overrides: dict | None 
     from safetensors.numpy import load_file
 
     c = json.loads((checkpoint / "config.json").read_text())
-    st = load_file(checkpoint / "model.safetensors")
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN35, c["num_hidden_layers"])
-    w = gguf.GGUFWriter(str(out), ARCH)
+    st = _stacked(load_file(checkpoint / "model.safetensors"), c)
+    arch = "qwen35moe" if c.get("num_experts") else ARCH
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN35MOE if c.get("num_experts") else gguf.MODEL_ARCH.QWEN35,
+                                     c["num_hidden_layers"])
+    w = gguf.GGUFWriter(str(out), arch)
     w.add_block_count(c["num_hidden_layers"])
     w.add_context_length(c["max_position_embeddings"])
     w.add_embedding_length(c["hidden_size"])
     w.add_feed_forward_length(c["intermediate_size"])
+    if c.get("num_experts"):
+        w.add_expert_count(c["num_experts"])
+        w.add_expert_used_count(c["num_experts_per_tok"])
+        w.add_expert_feed_forward_length(c["moe_intermediate_size"])
+        w.add_expert_shared_feed_forward_length(c["shared_expert_intermediate_size"])
     w.add_head_count(c["num_attention_heads"])
     w.add_head_count_kv(c["num_key_value_heads"])
     w.add_rope_freq_base(c["rope_parameters"]["rope_theta"])
@@ -115,7 +143,7 @@ def write_gguf(checkpoint: Path, out: Path, dense=T.F32, overrides: dict | None 
     w.add_ssm_group_count(c["linear_num_key_heads"])
     w.add_ssm_time_step_rank(c["linear_num_value_heads"])
     w.add_ssm_inner_size(c["linear_value_head_dim"] * c["linear_num_value_heads"])
-    w.add_array(f"{ARCH}.attention.recurrent_layers", [t == "linear_attention" for t in c["layer_types"]])
+    w.add_array(f"{arch}.attention.recurrent_layers", [t == "linear_attention" for t in c["layer_types"]])
     w.add_full_attention_interval(c.get("full_attention_interval", 4))
     w.add_rope_dimension_count(int(c["head_dim"] * c["rope_parameters"]["partial_rotary_factor"]))
     w.add_rope_dimension_sections([11, 11, 10, 0])
@@ -129,8 +157,9 @@ def write_gguf(checkpoint: Path, out: Path, dense=T.F32, overrides: dict | None 
         name = names.get_name(hf.replace(".dt_bias", ".dt_proj.bias"), try_suffixes=(".weight", ".bias"))
         x = _stored(hf, x, c).astype(np.float32)
         qtype = next((t for end, t in (overrides or {}).items() if hf.endswith(end)), dense)
-        if qtype != T.F32 and x.ndim == 2 and x.shape[1] % 32 == 0 and "conv1d" not in hf:
-            w.add_tensor(name, gguf.quants.quantize(x, qtype), raw_dtype=qtype)
+        if qtype != T.F32 and x.ndim >= 2 and x.shape[-1] % 32 == 0 and "conv1d" not in hf:
+            rows = gguf.quants.quantize(x.reshape(-1, x.shape[-1]), qtype)
+            w.add_tensor(name, rows.reshape(*x.shape[:-1], -1), raw_dtype=qtype)
         else:
             w.add_tensor(name, np.ascontiguousarray(x))
     w.write_header_to_file()

@@ -79,7 +79,11 @@ class TransformersEngine:
                                      f"scales lie outside what the packed form holds exactly",)
             return engine
         with _quiet() as transformers:
-            model = transformers.AutoModelForCausalLM.from_pretrained(str(ckpt.path), dtype=target)
+            model, info = transformers.AutoModelForCausalLM.from_pretrained(str(ckpt.path), dtype=target,
+                                                                            output_loading_info=True)
+        from umakit.backends.transformers.mapped import check_loaded
+
+        check_loaded(ckpt, model, info)
         return cls(model, ckpt.config, device, target, half_weights=half)
 
     @classmethod

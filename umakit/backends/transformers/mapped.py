@@ -110,13 +110,7 @@ def load(transformers, ckpt, device: torch.device, dtype: torch.dtype) -> tuple[
             f"{ckpt.path}: transformers' model does not take this checkpoint's quantized tensors "
             f"({str(e).splitlines()[0][:200]}); quantized routed experts stored one by one run on --backend torch "
             "or mlx") from None
-    unexpected = [k for k in info.get("unexpected_keys", ()) if not k.endswith("inv_freq")]
-    if unexpected:
-        raise UnsupportedModelError(_unmapped(ckpt, sorted(unexpected)[0], "a parameter"))
-    missing = sorted(info.get("missing_keys", ()))
-    if missing:
-        raise UnsupportedModelError(f"{ckpt.path}: the checkpoint has no tensor for {missing[0]} (of {len(missing)} "
-                                    f"parameters transformers' {type(model).__name__} has and it lacks)")
+    check_loaded(ckpt, model, info)
     params = sum(p.rows * p.cols + (p.rows if p.bias is not None else 0) for p in c.packed.values())
     return model.eval(), params + sum(p.numel() for p in model.parameters())
 
@@ -154,6 +148,18 @@ class _Table(nn.Module):
         return rows if self.scale is None else rows * torch.tensor(self.scale, dtype=rows.dtype)
 
 
+def check_loaded(ckpt, model: nn.Module, info: dict) -> None:
+    """Refuse a checkpoint transformers loaded with tensors left over or parameters left unset (which it would
+    otherwise initialize at random, and the model would run wrong)."""
+    unexpected = [k for k in info.get("unexpected_keys", ()) if not k.endswith("inv_freq")]
+    if unexpected:
+        raise UnsupportedModelError(_unmapped(ckpt, sorted(unexpected)[0], "a parameter"))
+    missing = sorted(info.get("missing_keys", ()))
+    if missing:
+        raise UnsupportedModelError(f"{ckpt.path}: the checkpoint has no tensor for {missing[0]} (of {len(missing)} "
+                                    f"parameters transformers' {type(model).__name__} has and it lacks)")
+
+
 def _unmapped(ckpt, name: str, what: str) -> str:
-    return (f"{ckpt.path}: {name} is not {what} of transformers' model (the transformers engine reads a quantized "
+    return (f"{ckpt.path}: {name} is not {what} of transformers' model (the transformers engine reads a "
             "checkpoint by the model's own names); run it with --backend mlx, or load its float original")

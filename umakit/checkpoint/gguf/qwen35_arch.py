@@ -40,17 +40,45 @@ _BLOCK = {
     "ssm_norm.weight": "linear_attn.norm.weight",
     "ssm_out.weight": "linear_attn.out_proj.weight",
 }
+_MOE = {  # qwen35moe: every layer's MLP a mixture with a shared expert
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_exps.weight": "mlp.experts.gate_proj",
+    "ffn_up_exps.weight": "mlp.experts.up_proj",
+    "ffn_down_exps.weight": "mlp.experts.down_proj",
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+}
 _GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
            "output.weight": "lm_head.weight"}
 _NAME_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
 def qwen35_name(name: str) -> str | None:
-    """HF name of a qwen35 GGUF tensor, or None when it has none."""
+    """HF name of a qwen35 or qwen35moe GGUF tensor, or None when it has none."""
     if m := _NAME_RE.match(name):
         layer, part = m.groups()
-        return f"model.layers.{layer}.{_BLOCK[part]}" if part in _BLOCK else None
+        known = _BLOCK.get(part) or _MOE.get(part)
+        return f"model.layers.{layer}.{known}" if known else None
     return _GLOBAL.get(name)
+
+
+def expert_parts(hf: str) -> list[tuple[str, int, int]] | None:
+    """A stacked experts tensor's module in mlx-lm's layout (``mlp.switch_mlp``), which MLX reads."""
+    base, _, kind = hf.rpartition(".mlp.experts.")
+    return [(f"{base}.mlp.switch_mlp.{kind}", 0, 1)] if kind in ("gate_proj", "up_proj", "down_proj") else None
+
+
+def qwen35moe_config(gf: GGUFFile) -> dict:
+    """transformers' Qwen3_5MoeTextConfig fields: qwen35's, and the experts'."""
+    config = qwen35_config(gf)
+    del config["intermediate_size"]  # no dense MLP
+    config.update(num_experts=int(gf.require("{arch}.expert_count")),
+                  num_experts_per_tok=int(gf.require("{arch}.expert_used_count")),
+                  moe_intermediate_size=int(gf.require("{arch}.expert_feed_forward_length")),
+                  shared_expert_intermediate_size=int(gf.require("{arch}.expert_shared_feed_forward_length")))
+    return config
 
 
 def qwen35_config(gf: GGUFFile) -> dict:
@@ -65,7 +93,7 @@ def qwen35_config(gf: GGUFFile) -> dict:
     head_dim = int(gf.require("{arch}.attention.key_length"))
     if gf.get("{arch}.attention.value_length", head_dim) != head_dim:
         raise UnsupportedModelError(f"{gf.path.name}: key and value head sizes differ")
-    for key in ("{arch}.attention.head_count", "{arch}.attention.head_count_kv", "{arch}.feed_forward_length"):
+    for key in ("{arch}.attention.head_count", "{arch}.attention.head_count_kv"):
         if isinstance(gf.get(key), list):
             raise UnsupportedModelError(f"{gf.path.name}: per-layer {key.format(arch=gf.arch)} is not supported")
     value_heads = int(gf.require("{arch}.ssm.time_step_rank"))
@@ -73,7 +101,7 @@ def qwen35_config(gf: GGUFFile) -> dict:
     return {
         "hidden_size": int(gf.require("{arch}.embedding_length")),
         "num_hidden_layers": n,
-        "intermediate_size": int(gf.require("{arch}.feed_forward_length")),
+        "intermediate_size": int(gf.get("{arch}.feed_forward_length", 0)),
         "num_attention_heads": int(gf.require("{arch}.attention.head_count")),
         "num_key_value_heads": int(gf.require("{arch}.attention.head_count_kv")),
         "head_dim": head_dim,
