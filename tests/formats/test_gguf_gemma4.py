@@ -20,6 +20,7 @@ from gguf import GGMLQuantizationType as T
 import umakit
 from engines.test_torch_gemma4 import MOE, PROMPT, VARIANTS, greedy, make
 from support import gguf_gemma4, gguf_gpt_oss
+from support.gguf_files import with_metadata
 from support.oracle import greedy_reference, ref_logits, reference
 from umakit.checkpoint.gguf import import_gguf
 from umakit.errors import UmakitError
@@ -123,28 +124,12 @@ def test_the_vocabulary_is_the_checkpoint_s(checkpoint, tmp_path):
 
 
 def test_rope_scaling_and_uneven_layers_are_refused_by_name(tmp_path):
-    import gguf
-
     path = make(tmp_path / "hf", tokenizer=gguf_gemma4.write_tokenizer, **CHECKPOINTS["every-feature"])
     src = gguf_gemma4.write_gguf(path, tmp_path / "model.gguf")
-    reader = gguf.GGUFReader(src)
-    for key, value, needle in [("gemma4.rope.scaling.type", "yarn", "RoPE scaling"),
-                               ("gemma4.attention.head_count_kv", [2, 1, 2, 1, 1, 1], "head count")]:
-        w = gguf.GGUFWriter(str(tmp_path / "edited.gguf"), "gemma4")
-        for k, field in reader.fields.items():
-            if k.startswith(("GGUF.", "general.architecture")) or k == key:
-                continue
-            w.add_key_value(k, field.contents(), field.types[0], field.types[-1] if len(field.types) > 1 else None)
-        w.add_key_value(key, value, *((gguf.GGUFValueType.STRING,) if isinstance(value, str)
-                                      else (gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.UINT32)))
-        for t in reader.tensors:
-            w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
+    for key, value, needle in [("{arch}.rope.scaling.type", "yarn", "RoPE scaling"),
+                               ("{arch}.attention.head_count_kv", [2, 1, 2, 1, 1, 1], "head count")]:
         with pytest.raises(UmakitError, match=needle):
-            import_gguf(tmp_path / "edited.gguf", tmp_path / "never")
+            import_gguf(with_metadata(src, tmp_path / "edited.gguf", **{key: value}), tmp_path / "never")
         assert not (tmp_path / "never").exists()
 
 

@@ -17,6 +17,7 @@ from gguf import GGMLQuantizationType as T
 import umakit
 from engines.test_torch_gemma4 import PROMPT, greedy
 from support import gguf_gpt_oss, gguf_qwen35
+from support.gguf_files import with_metadata
 from support.oracle import greedy_reference, ref_logits, reference
 from umakit.checkpoint.gguf import import_gguf
 from umakit.errors import UmakitError
@@ -108,23 +109,10 @@ def test_a_file_of_mixed_widths_runs_alike_on_both_engines(original, tmp_path):
 
 
 def test_multi_token_prediction_layers_are_refused_by_name(original, tmp_path):
-    import gguf
-
     src = gguf_qwen35.write_gguf(original, tmp_path / "model.gguf")
-    reader = gguf.GGUFReader(src)
-    w = gguf.GGUFWriter(str(tmp_path / "mtp.gguf"), "qwen35")
-    for k, field in reader.fields.items():
-        if not k.startswith(("GGUF.", "general.architecture")):
-            w.add_key_value(k, field.contents(), field.types[0], field.types[-1] if len(field.types) > 1 else None)
-    w.add_uint32("qwen35.nextn_predict_layers", 1)
-    for t in reader.tensors:
-        w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
     with pytest.raises(UmakitError, match="multi-token-prediction"):
-        import_gguf(tmp_path / "mtp.gguf", tmp_path / "never")
+        import_gguf(with_metadata(src, tmp_path / "mtp.gguf", **{"{arch}.nextn_predict_layers": 1}),
+                    tmp_path / "never")
     assert not (tmp_path / "never").exists()
 
 

@@ -128,8 +128,31 @@ def write_gguf(path, arch="llama", layers=EXACT_LAYERS, tied=True, embed=T.Q8_0,
     return Path(path)
 
 
+def with_metadata(src, dst, **changes):
+    """A copy of the GGUF ``src`` at ``dst`` with metadata keys changed or added (``{arch}`` in a key: the file's
+    architecture; the value's GGUF types as `value_types` picks them) and every tensor as stored; returns ``dst``."""
+    reader = gguf.GGUFReader(src)
+    arch = reader.fields["general.architecture"].contents()
+    changes = {k.format(arch=arch): v for k, v in changes.items()}
+    w = gguf.GGUFWriter(str(dst), arch)
+    for k, field in reader.fields.items():
+        if not k.startswith(("GGUF.", "general.architecture")) and k not in changes:
+            w.add_key_value(k, field.contents(), field.types[0], field.types[-1] if len(field.types) > 1 else None)
+    for k, v in changes.items():
+        w.add_key_value(k, v, *value_types(v))
+    for t in reader.tensors:
+        w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
 def value_types(value):
     kinds = {str: gguf.GGUFValueType.STRING, float: gguf.GGUFValueType.FLOAT32, int: gguf.GGUFValueType.UINT32}
+    if isinstance(value, list):
+        return gguf.GGUFValueType.ARRAY, kinds[type(value[0])]
     return (kinds[type(value)],)
 
 

@@ -19,27 +19,30 @@ from gguf import quants as gguf_quants
 CONVERTERS = sorted(glob.glob(str(Path.home() / ".cache/umakit-peers/src/*/vendor/llama.cpp/convert_hf_to_gguf.py")))
 ARCH = "gpt-oss"
 # llama.cpp's converter names a BPE pre-tokenizer by hashing the token ids of a fixed text, so it knows only
-# tokenizers it has seen; the tiny one is given gpt-oss's own name (gpt-4o), the rest of the converter untouched.
+# tokenizers it has seen; the tiny one is given the family's own name (gpt-4o for gpt-oss, qwen2 for Qwen), the rest
+# of the converter untouched.
 _CONVERT = """
 import runpy, sys
-root = sys.argv[1]
+root, pre = sys.argv[1], sys.argv[2]
 sys.path[:0] = [root, root + "/gguf-py"]
 from conversion import base
-base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-4o"
-sys.argv = [root + "/convert_hf_to_gguf.py", *sys.argv[2:]]
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: pre
+sys.argv = [root + "/convert_hf_to_gguf.py", *sys.argv[3:]]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
-def llama_cpp_convert(checkpoint: Path, out: Path, outtype: str = "f32") -> Path:
-    """``checkpoint`` converted by llama.cpp's own convert_hf_to_gguf.py (the first found in `CONVERTERS`)."""
+def llama_cpp_convert(checkpoint: Path, out: Path, outtype: str = "f32", pre: str = "gpt-4o",
+                      extra: tuple[str, ...] = ()) -> Path:
+    """``checkpoint`` converted by llama.cpp's own convert_hf_to_gguf.py (the first found in `CONVERTERS`); ``pre``:
+    the pre-tokenizer's name for a byte-level vocabulary, ``extra``: more of the converter's arguments."""
     config = json.loads((checkpoint / "config.json").read_text())
     if not config.get("architectures"):  # the converter picks its model class by this name
         config["architectures"] = ["GptOssForCausalLM"]
         (checkpoint / "config.json").write_text(json.dumps(config, indent=1))
     root = str(Path(CONVERTERS[0]).parent)
-    run = subprocess.run([sys.executable, "-c", _CONVERT, root, str(checkpoint), "--outfile", str(out),
-                          "--outtype", outtype], capture_output=True, text=True, timeout=600)
+    run = subprocess.run([sys.executable, "-c", _CONVERT, root, pre, str(checkpoint), "--outfile", str(out),
+                          "--outtype", outtype, *extra], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     return out
 

@@ -6,15 +6,13 @@ as -exp(A_log), the conv kernel squeezed), or by that converter itself where lla
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as T
 
-from support.gguf_gpt_oss import CONVERTERS
+from support import gguf_gpt_oss
 from support.tiny import VOCAB, write_tokenizer
 
 ARCH = "qwen35"
@@ -23,15 +21,6 @@ CONFIG = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidde
               linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4,
               layer_types=["linear_attention"] * 3 + ["full_attention"], max_position_embeddings=512,
               bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
-_CONVERT = """
-import runpy, sys
-root = sys.argv[1]
-sys.path[:0] = [root, root + "/gguf-py"]
-from conversion import base
-base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen2"
-sys.argv = [root + "/convert_hf_to_gguf.py", *sys.argv[2:]]
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
 
 
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
@@ -66,11 +55,7 @@ def make(path: Path, seed: int = 0, moe: bool = False, **overrides) -> Path:
 
 def llama_cpp_convert(checkpoint: Path, out: Path) -> Path:
     """``checkpoint`` converted by llama.cpp's own convert_hf_to_gguf.py (multi-token prediction off)."""
-    run = subprocess.run([sys.executable, "-c", _CONVERT, str(Path(CONVERTERS[0]).parent), str(checkpoint),
-                          "--outfile", str(out), "--outtype", "f32", "--no-mtp"],
-                         capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return out
+    return gguf_gpt_oss.llama_cpp_convert(checkpoint, out, pre="qwen2", extra=("--no-mtp",))
 
 
 def _stacked(st: dict, c: dict) -> dict:
