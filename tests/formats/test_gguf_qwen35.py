@@ -108,12 +108,28 @@ def test_a_file_of_mixed_widths_runs_alike_on_both_engines(original, tmp_path):
     assert greedy(got["mlx"], PROMPT, 6) == greedy(got["auto"], PROMPT, 6)
 
 
-def test_multi_token_prediction_layers_are_refused_by_name(original, tmp_path):
+@pytest.mark.parametrize("key, value, needle", [
+    ("{arch}.nextn_predict_layers", 1, "multi-token-prediction"),
+    ("{arch}.attention.recurrent_layers", [True, False, True, True], "uneven intervals"),
+])
+def test_what_the_engines_would_run_wrong_is_refused_by_name(original, key, value, needle, tmp_path):
     src = gguf_qwen35.write_gguf(original, tmp_path / "model.gguf")
-    with pytest.raises(UmakitError, match="multi-token-prediction"):
-        import_gguf(with_metadata(src, tmp_path / "mtp.gguf", **{"{arch}.nextn_predict_layers": 1}),
-                    tmp_path / "never")
+    with pytest.raises(UmakitError, match=needle):
+        import_gguf(with_metadata(src, tmp_path / "edited.gguf", **{key: value}), tmp_path / "never")
     assert not (tmp_path / "never").exists()
+
+
+def test_the_layers_kinds_come_from_the_file_s_layer_list(tmp_path):
+    """Full attention every second layer: the interval mlx-lm reads is the layer list's, not the file's own
+    interval key (llama.cpp's converter writes 4 when the checkpoint states its layers as a list)."""
+    path = gguf_qwen35.make(tmp_path / "hf", layer_types=["linear_attention", "full_attention"] * 2)
+    src = with_metadata(gguf_qwen35.write_gguf(path, tmp_path / "model.gguf"), tmp_path / "stale.gguf",
+                        **{"{arch}.full_attention_interval": 4})
+    import_gguf(src, tmp_path / "imported")
+    assert json.loads((tmp_path / "imported" / "config.json").read_text())["full_attention_interval"] == 2
+    want = ref_logits(reference(path), PROMPT)
+    got = umakit.load(tmp_path / "imported", backend="mlx", dtype="float32").logits(PROMPT)
+    np.testing.assert_allclose(got, want, atol=1e-5 * np.abs(want).max(), rtol=0)
 
 
 @pytest.mark.skipif(not gguf_gpt_oss.CONVERTERS, reason="llama.cpp's convert_hf_to_gguf.py is not here "

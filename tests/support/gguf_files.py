@@ -150,7 +150,8 @@ def with_metadata(src, dst, **changes):
 
 
 def value_types(value):
-    kinds = {str: gguf.GGUFValueType.STRING, float: gguf.GGUFValueType.FLOAT32, int: gguf.GGUFValueType.UINT32}
+    kinds = {str: gguf.GGUFValueType.STRING, float: gguf.GGUFValueType.FLOAT32, int: gguf.GGUFValueType.UINT32,
+             bool: gguf.GGUFValueType.BOOL}
     if isinstance(value, list):
         return gguf.GGUFValueType.ARRAY, kinds[type(value[0])]
     return (kinds[type(value)],)

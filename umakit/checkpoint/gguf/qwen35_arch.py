@@ -96,6 +96,12 @@ def qwen35_config(gf: GGUFFile) -> dict:
     for key in ("{arch}.attention.head_count", "{arch}.attention.head_count_kv"):
         if isinstance(gf.get(key), list):
             raise UnsupportedModelError(f"{gf.path.name}: per-layer {key.format(arch=gf.arch)} is not supported")
+    if all(recurrent) or not any(recurrent):
+        raise UnsupportedModelError(f"{gf.path.name}: a qwen35 model without both kinds of layer is not supported")
+    # the layers' kinds, which mlx-lm reads from the interval alone (the file's own interval key can be stale)
+    interval = list(recurrent).index(False) + 1
+    if list(recurrent) != [(i + 1) % interval != 0 for i in range(n)]:
+        raise UnsupportedModelError(f"{gf.path.name}: full-attention layers at uneven intervals are not supported")
     value_heads = int(gf.require("{arch}.ssm.time_step_rank"))
     embed = gf.tensors["token_embd.weight"]
     return {
@@ -106,7 +112,7 @@ def qwen35_config(gf: GGUFFile) -> dict:
         "num_key_value_heads": int(gf.require("{arch}.attention.head_count_kv")),
         "head_dim": head_dim,
         "layer_types": ["linear_attention" if r else "full_attention" for r in recurrent],
-        "full_attention_interval": int(gf.get("{arch}.full_attention_interval", 4)),
+        "full_attention_interval": interval,
         "linear_conv_kernel_dim": int(gf.require("{arch}.ssm.conv_kernel")),
         "linear_key_head_dim": int(gf.require("{arch}.ssm.state_size")),
         "linear_num_key_heads": int(gf.require("{arch}.ssm.group_count")),
