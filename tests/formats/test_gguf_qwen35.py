@@ -182,3 +182,13 @@ def test_the_mixture_s_quantized_experts_import_exactly(mixture, tmp_path):
     model = umakit.load(tmp_path / "imported", backend="mlx", dtype="float32")
     want = ref_logits(reference(mixture), PROMPT)
     np.testing.assert_allclose(model.logits(PROMPT), want, atol=0.1 * np.abs(want).max(), rtol=0)
+
+
+def test_a_column_order_that_would_split_quantized_groups_is_refused_by_name(tmp_path):
+    """Value heads of 16 columns in groups of 32: out_proj's columns cannot be put back without re-quantizing,
+    so the import stops, naming the tensor, and writes nothing."""
+    path = gguf_qwen35.make(tmp_path / "hf", linear_key_head_dim=16, linear_value_head_dim=16)
+    src = gguf_qwen35.write_gguf(path, tmp_path / "model.gguf", dense=T.Q8_0)
+    with pytest.raises(UmakitError, match=r"blk\.0\.ssm_out\.weight \(Q8_0\) cannot be reordered"):
+        import_gguf(src, tmp_path / "never")
+    assert not (tmp_path / "never").exists()

@@ -235,12 +235,16 @@ def _convert(plan: ImportPlan) -> _Converted:
             arrays[hf] = _dequantized(t)
             exact += 1
             continue
-        if t.tensor_type in quants.EXACT16:
-            held, packed, bits, err = _exact16(t, order, cols)
-            exact16.update({f"{hf.removesuffix('.weight')}.{k}": v for k, v in held.items()})
-        else:
-            convert = _exact if t.tensor_type in quants.EXACT else _requantize
-            packed, bits, err = convert(t, order, cols)
+        try:
+            if t.tensor_type in quants.EXACT16:
+                held, packed, bits, err = _exact16(t, order, cols)
+                exact16.update({f"{hf.removesuffix('.weight')}.{k}": v for k, v in held.items()})
+            else:
+                convert = _exact if t.tensor_type in quants.EXACT else _requantize
+                packed, bits, err = convert(t, order, cols)
+        except ValueError as e:  # a column order the quantized groups cannot follow (Affine.take_cols)
+            raise UnsupportedModelError(
+                f"{gf.path.name}: {name} ({t.tensor_type.name}) cannot be reordered: {e}") from None
         if err is None:
             exact += 1
         else:
