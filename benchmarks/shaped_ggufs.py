@@ -1,7 +1,7 @@
 """GGUFs of real models' exact shapes with random weights, quantized by llama.cpp itself: what users download,
 for benchmarks to run on without a network.
 
-    python benchmarks/shaped_ggufs.py DIR [--models qwen2.5-0.5b qwen2.5-1.5b gemma4-e4b-width-6l] [--types Q4_K_M ...]
+    python benchmarks/shaped_ggufs.py DIR [--models qwen2.5-0.5b qwen2.5-1.5b gemma4-moe-small ...] [--types Q4_K_M ...]
 
 Each model is written once as float16 with the `gguf` package (the built-in
 model's tokenizer, padded with unused tokens to Qwen's vocabulary), then
@@ -33,7 +33,8 @@ SHAPES = {
     "qwen2.5-1.5b": dict(QWEN, layers=28, hidden=1536, heads=12, inter=8960),
 }
 # gemma4 shapes: a transformers config of the presets beside this script, written in llama.cpp's gemma4 layout
-GEMMA4 = {"gemma4-e4b-width-6l": Path(__file__).parent / "presets" / "gemma4-e4b-width-6l.json"}
+GEMMA4 = {name: Path(__file__).parent / "presets" / f"{name}.json"
+          for name in ("gemma4-e4b-width-6l", "gemma4-moe-small")}
 # llama.cpp's LLAMA_FTYPE_MOSTLY_* numbers
 FTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18}
 Q8_0_TYPE = 8  # GGML_TYPE_Q8_0
@@ -113,7 +114,7 @@ def write_f16(path: Path, shape: dict, name: str, tokenizer_from: Path) -> None:
 
 def write_gemma4_f16(path: Path, config_path: Path, name: str, tokenizer_from: Path) -> None:
     """A float16 GGUF of a gemma4 config's shapes as llama.cpp's converter lays one out (per-layer head counts and
-    widths, the global layers' RoPE factors, per-layer inputs; dense layers only), random weights."""
+    widths, the global layers' RoPE factors, per-layer inputs, the experts beside each dense MLP), random weights."""
     import gguf
 
     c = json.loads(config_path.read_text())
@@ -144,6 +145,11 @@ def write_gemma4_f16(path: Path, config_path: Path, name: str, tokenizer_from: P
     w.add_sliding_window_pattern([t == "sliding_attention" for t in types])
     w.add_rope_dimension_count(dims[full])
     w.add_rope_dimension_count_swa(c["head_dim"])
+    experts = c.get("num_experts") if c.get("enable_moe_block") else None
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(c["top_k_experts"])
+        w.add_expert_feed_forward_length(c["moe_intermediate_size"])
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
     _tokenizer(w, tokenizer_from, c["vocab_size"])
     rng = np.random.default_rng(0)
@@ -170,6 +176,15 @@ def write_gemma4_f16(path: Path, config_path: Path, name: str, tokenizer_from: P
         for t, k in (("attn_norm", h), ("attn_q_norm", d), ("attn_k_norm", d), ("post_attention_norm", h),
                      ("ffn_norm", h), ("post_ffw_norm", h), ("layer_output_scale", 1)):
             w.add_tensor(b + t + ".weight", ones(k))
+        if experts:  # the mixture beside the dense MLP (26B-A4B's layout), as llama.cpp stores it
+            moe = c["moe_intermediate_size"]
+            w.add_tensor(b + "ffn_gate_inp.weight", rand(experts, h))
+            w.add_tensor(b + "ffn_gate_inp.scale", ones(h))
+            w.add_tensor(b + "ffn_down_exps.scale", ones(experts))
+            w.add_tensor(b + "ffn_gate_up_exps.weight", rand(experts, 2 * moe, h))
+            w.add_tensor(b + "ffn_down_exps.weight", rand(experts, h, moe))
+            for t in ("pre_ffw_norm_2", "post_ffw_norm_1", "post_ffw_norm_2"):
+                w.add_tensor(b + t + ".weight", ones(h))
         if p:
             w.add_tensor(b + "inp_gate.weight", rand(p, h))
             w.add_tensor(b + "proj.weight", rand(h, p))
