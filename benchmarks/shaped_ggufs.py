@@ -151,7 +151,9 @@ def write_gemma4_f16(path: Path, config_path: Path, name: str, tokenizer_from: P
         w.add_expert_used_count(c["top_k_experts"])
         w.add_expert_feed_forward_length(c["moe_intermediate_size"])
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
-    _tokenizer(w, tokenizer_from, c["vocab_size"])
+    # the vocabulary at least the tokenizer's (49,152 tokens: a preset's smaller one grows to it)
+    vocab = max(c["vocab_size"], len(gguf.GGUFReader(str(tokenizer_from)).fields["tokenizer.ggml.tokens"].data))
+    _tokenizer(w, tokenizer_from, vocab)
     rng = np.random.default_rng(0)
 
     def rand(*dims):  # numpy arrays are (out, in)
@@ -160,10 +162,10 @@ def write_gemma4_f16(path: Path, config_path: Path, name: str, tokenizer_from: P
     ones = lambda k: np.ones(k, dtype=np.float32)  # noqa: E731
     turned = int(dims[full] * rope["full_attention"]["partial_rotary_factor"] / 2)
     w.add_tensor("rope_freqs.weight", np.array([1.0] * turned + [1e30] * (dims[full] // 2 - turned), np.float32))
-    w.add_tensor("token_embd.weight", rand(c["vocab_size"], h))
+    w.add_tensor("token_embd.weight", rand(vocab, h))
     w.add_tensor("output_norm.weight", ones(h))
     if p:
-        w.add_tensor("per_layer_token_embd.weight", rand(c["vocab_size_per_layer_input"], n * p))
+        w.add_tensor("per_layer_token_embd.weight", rand(max(vocab, c["vocab_size_per_layer_input"]), n * p))
         w.add_tensor("per_layer_model_proj.weight", rand(n * p, h))
         w.add_tensor("per_layer_proj_norm.weight", ones(p))
     heads, inter = c["num_attention_heads"], c["intermediate_size"]
