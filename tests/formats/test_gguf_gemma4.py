@@ -127,7 +127,8 @@ def test_rope_scaling_and_uneven_layers_are_refused_by_name(tmp_path):
     path = make(tmp_path / "hf", tokenizer=gguf_gemma4.write_tokenizer, **CHECKPOINTS["every-feature"])
     src = gguf_gemma4.write_gguf(path, tmp_path / "model.gguf")
     for key, value, needle in [("{arch}.rope.scaling.type", "yarn", "RoPE scaling"),
-                               ("{arch}.attention.head_count_kv", [2, 1, 2, 1, 1, 1], "head count")]:
+                               ("{arch}.attention.head_count_kv", [2, 1, 2, 1, 1, 1], "head count"),
+                               ("{arch}.attention.sliding_window_pattern", [True] * 6, "without global layers")]:
         with pytest.raises(UmakitError, match=needle):
             import_gguf(with_metadata(src, tmp_path / "edited.gguf", **{key: value}), tmp_path / "never")
         assert not (tmp_path / "never").exists()

@@ -113,6 +113,9 @@ def gemma4_config(gf: GGUFFile) -> dict:
     pattern = _per_layer(gf, "{arch}.attention.sliding_window_pattern", n)
     types = [SLIDING if s else FULL for s in pattern]
     shared = int(gf.get("{arch}.attention.shared_kv_layers", 0))
+    if FULL not in types or not 0 <= shared < n:
+        raise UnsupportedModelError(f"{gf.path.name}: a gemma4 layout without global layers, or whose every layer "
+                                    "shares another's keys, is not supported")
     owners = types[: n - shared]  # the shared layers' own widths may be doubled
     kv = _by_kind(_per_layer(gf, "{arch}.attention.head_count_kv", n), types, "the key/value head count", gf)
     widths = _per_layer(gf, "{arch}.feed_forward_length", n)
@@ -129,8 +132,8 @@ def gemma4_config(gf: GGUFFile) -> dict:
         if gf.get(key) not in (None, head_dim if key.endswith("_swa") else global_head_dim):
             raise UnsupportedModelError(f"{gf.path.name}: key and value head sizes differ")
     embed = gf.tensors["token_embd.weight"]
-    first_full = types.index(FULL) if FULL in types else None
-    k_eq_v = (first_full is not None and first_full < n - shared
+    first_full = types.index(FULL)
+    k_eq_v = (first_full < n - shared
               and f"blk.{first_full}.attn_k.weight" in gf.tensors
               and f"blk.{first_full}.attn_v.weight" not in gf.tensors)
     per_layer = int(gf.get("{arch}.embedding_length_per_layer_input", 0) or 0)
