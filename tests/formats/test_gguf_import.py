@@ -227,7 +227,7 @@ def test_unsupported_architecture(tmp_path):
     src = write_gguf(tmp_path / "m.gguf", arch="mamba", tensor_arch="llama")
     with pytest.raises(UnsupportedModelError,
                        match=r"architecture 'mamba' is not supported \(supported: gemma3, gemma4, gpt-oss, llama, "
-                             r"qwen2, qwen3, qwen35, qwen35moe, smollm3\)"):
+                             r"qwen2, qwen3, qwen35, qwen35moe, qwen3next, smollm3\)"):
         import_gguf(src, tmp_path / "out")
     assert_nothing_left(tmp_path, tmp_path / "out")
 

@@ -134,9 +134,12 @@ def test_the_layers_kinds_come_from_the_file_s_layer_list(tmp_path):
 
 @pytest.mark.skipif(not gguf_gpt_oss.CONVERTERS, reason="llama.cpp's convert_hf_to_gguf.py is not here "
                     "(~/.cache/umakit-peers/src/*/vendor/llama.cpp): run ../shared/tools/build_llama_peers.sh")
-def test_llama_cpp_s_own_converter_writes_what_the_writer_here_writes(original, tmp_path):
+@pytest.mark.parametrize("family", ["qwen35", "qwen3next"])
+def test_llama_cpp_s_own_converter_writes_what_the_writer_here_writes(family, original, tmp_path):
     import gguf
 
+    if family == "qwen3next":
+        original = gguf_qwen35.make(tmp_path / "next", next_=True)
     ours = gguf.GGUFReader(gguf_qwen35.write_gguf(original, tmp_path / "ours.gguf"))
     theirs = gguf.GGUFReader(gguf_qwen35.llama_cpp_convert(original, tmp_path / "theirs.gguf"))
     assert {t.name for t in ours.tensors} == {t.name for t in theirs.tensors}
@@ -192,3 +195,30 @@ def test_a_column_order_that_would_split_quantized_groups_is_refused_by_name(tmp
     with pytest.raises(UmakitError, match=r"blk\.0\.ssm_out\.weight \(Q8_0\) cannot be reordered"):
         import_gguf(src, tmp_path / "never")
     assert not (tmp_path / "never").exists()
+
+
+@pytest.fixture(scope="module")
+def next_(tmp_path_factory):
+    return gguf_qwen35.make(tmp_path_factory.mktemp("qwen3next") / "hf", next_=True)
+
+
+def test_qwen3_next_s_split_projection_is_joined_back(next_, tmp_path):
+    """qwen3next: llama.cpp splits ``in_proj_qkvz`` (each key head's q, k, v and z together) into ``attn_qkv`` and
+    ``attn_gate``; the import joins them back (quantized rows as stored) and writes mlx-lm's own layout for the
+    model (its experts as stacks, so its norms as 1 + w and its conv kernel (channels, kernel, 1)), which MLX runs
+    as transformers runs the checkpoint; the transformers engine refuses that layout by name."""
+    src = gguf_qwen35.write_gguf(next_, tmp_path / "model.gguf")
+    import_gguf(src, tmp_path / "imported")
+    ours, theirs = _tensors(tmp_path / "imported"), _tensors(next_)
+    name = "model.layers.0.linear_attn.in_proj_qkvz.weight"
+    np.testing.assert_array_equal(ours[name], theirs[name])
+    ref = reference(next_)
+    want = ref_logits(ref, PROMPT)
+    model = umakit.load(tmp_path / "imported", dtype="float32")
+    assert model.info.backend == "mlx" and any("transformers cannot load it" in w for w in model.info.warnings)
+    np.testing.assert_allclose(model.logits(PROMPT), want, atol=1e-5 * np.abs(want).max(), rtol=0)
+    assert greedy(model, PROMPT, 8) == greedy_reference(ref, PROMPT, 8)
+    quantized = gguf_qwen35.write_gguf(next_, tmp_path / "q8.gguf", dense=T.Q8_0)
+    import_gguf(quantized, tmp_path / "q8")
+    got, want = _dequantized(tmp_path / "q8")[name], theirs[name]
+    np.testing.assert_allclose(got, want, atol=np.abs(want).max() / 127 * 1.01, rtol=0)

@@ -26,7 +26,7 @@ CONFIG = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidde
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
 
 
-def make(path: Path, seed: int = 0, moe: bool = False, **overrides) -> Path:
+def make(path: Path, seed: int = 0, moe: bool = False, next_: bool = False, **overrides) -> Path:
     """A random text-only Qwen3.5 (three gated delta-net layers, then gated full attention; ``moe``: the mixture
     with a shared expert in every layer), its norms, decays and time steps moved off their defaults so that a slip
     in any shows, its routers made decisive so that a wrong expert would."""
@@ -34,7 +34,10 @@ def make(path: Path, seed: int = 0, moe: bool = False, **overrides) -> Path:
     import transformers
 
     torch.manual_seed(seed)
-    if moe:
+    if next_:  # Qwen3-Next: in_proj_qkvz and in_proj_ba fused, every layer a mixture
+        config = transformers.Qwen3NextConfig(**{**CONFIG, **MOE, **overrides})
+        model = transformers.Qwen3NextForCausalLM(config)
+    elif moe:
         config = transformers.Qwen3_5MoeTextConfig(**{**CONFIG, **MOE, **overrides})
         model = transformers.Qwen3_5MoeForCausalLM(config)
     else:
@@ -78,10 +81,21 @@ def _tiled(x: np.ndarray, axis: int, c: dict, width: int) -> np.ndarray:
     return np.moveaxis(x, 0, axis)
 
 
+def _split_qkvz(x: np.ndarray, c: dict) -> tuple[np.ndarray, np.ndarray]:
+    """qwen3next's ``in_proj_qkvz`` (each key head's q, k, v and z together) as the converter splits it: all
+    heads' q, k and v one after another, and all their z."""
+    k, hk, hv = c["linear_num_key_heads"], c["linear_key_head_dim"], c["linear_value_head_dim"]
+    per = c["linear_num_value_heads"] // k
+    q, kk, v, z = np.split(x.reshape(k, -1, x.shape[-1]), np.cumsum([hk, hk, per * hv]), axis=1)
+    return np.concatenate([p.reshape(-1, x.shape[-1]) for p in (q, kk, v)]), z.reshape(-1, x.shape[-1])
+
+
 def _stored(hf: str, x: np.ndarray, c: dict) -> np.ndarray:
     """A checkpoint tensor as llama.cpp's converter stores it."""
     hv, qk = c["linear_value_head_dim"], 2 * c["linear_num_key_heads"] * c["linear_key_head_dim"]
-    if hf.endswith(("in_proj_qkv.weight", "conv1d.weight")):
+    if c["model_type"] == "qwen3_next":  # no value heads tiled there
+        x = x.reshape(x.shape[0], -1) if hf.endswith("conv1d.weight") else x
+    elif hf.endswith(("in_proj_qkv.weight", "conv1d.weight")):
         x = x.reshape(x.shape[0], -1)  # the conv kernel loses its middle axis
         x = np.concatenate([x[:qk], _tiled(x[qk:], 0, c, hv)])
     elif hf.endswith("in_proj_z.weight"):
@@ -104,9 +118,8 @@ def write_gguf(checkpoint: Path, out: Path, dense=T.F32, overrides: dict | None 
 
     c = json.loads((checkpoint / "config.json").read_text())
     st = _stacked(load_file(checkpoint / "model.safetensors"), c)
-    arch = "qwen35moe" if c.get("num_experts") else ARCH
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN35MOE if c.get("num_experts") else gguf.MODEL_ARCH.QWEN35,
-                                     c["num_hidden_layers"])
+    arch = "qwen3next" if c["model_type"] == "qwen3_next" else "qwen35moe" if c.get("num_experts") else ARCH
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], c["num_hidden_layers"])
     w = gguf.GGUFWriter(str(out), arch)
     w.add_block_count(c["num_hidden_layers"])
     w.add_context_length(c["max_position_embeddings"])
@@ -131,16 +144,24 @@ def write_gguf(checkpoint: Path, out: Path, dense=T.F32, overrides: dict | None 
     w.add_array(f"{arch}.attention.recurrent_layers", [t == "linear_attention" for t in c["layer_types"]])
     w.add_full_attention_interval(c.get("full_attention_interval", 4))
     w.add_rope_dimension_count(int(c["head_dim"] * c["rope_parameters"]["partial_rotary_factor"]))
-    w.add_rope_dimension_sections([11, 11, 10, 0])
+    if arch != "qwen3next":  # Qwen3.5's interleaved MRoPE sections (text positions: plain RoPE)
+        w.add_rope_dimension_sections([11, 11, 10, 0])
     tok = json.loads((checkpoint / "tokenizer.json").read_text())
     vocab = tok["model"]["vocab"]
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("qwen2")
     w.add_token_list(sorted(vocab, key=vocab.get))
     w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
+    stored = {}
     for hf, x in st.items():
-        name = names.get_name(hf.replace(".dt_bias", ".dt_proj.bias"), try_suffixes=(".weight", ".bias"))
         x = _stored(hf, x, c).astype(np.float32)
+        if hf.endswith("in_proj_qkvz.weight"):
+            qkv, z = _split_qkvz(x, c)
+            stored[hf.replace("in_proj_qkvz", "in_proj_qkv")], stored[hf.replace("in_proj_qkvz", "in_proj_z")] = qkv, z
+        else:
+            stored[hf] = x
+    for hf, x in stored.items():
+        name = names.get_name(hf.replace(".dt_bias", ".dt_proj.bias"), try_suffixes=(".weight", ".bias"))
         qtype = next((t for end, t in (overrides or {}).items() if hf.endswith(end)), dense)
         if qtype != T.F32 and x.ndim >= 2 and x.shape[-1] % 32 == 0 and "conv1d" not in hf:
             rows = gguf.quants.quantize(x.reshape(-1, x.shape[-1]), qtype)

@@ -35,7 +35,7 @@ from umakit.backends.transformers.batch_decoder import TransformersBatchDecoder
 from umakit.backends.transformers.cache import TransformersCache
 from umakit.checkpoint import config as config_compat
 from umakit.checkpoint.hfquant.detect import native_block
-from umakit.errors import BackendUnavailableError, InvalidArgumentError
+from umakit.errors import BackendUnavailableError, InvalidArgumentError, UnsupportedModelError
 from umakit.generate.sampling import SamplingParams, recent_tokens
 from umakit.plan.roofline import kv_bytes_per_token
 
@@ -79,8 +79,12 @@ class TransformersEngine:
                                      f"scales lie outside what the packed form holds exactly",)
             return engine
         with _quiet() as transformers:
-            model, info = transformers.AutoModelForCausalLM.from_pretrained(str(ckpt.path), dtype=target,
-                                                                            output_loading_info=True)
+            try:
+                model, info = transformers.AutoModelForCausalLM.from_pretrained(str(ckpt.path), dtype=target,
+                                                                                output_loading_info=True)
+            except RuntimeError as e:  # tensors of other shapes than its model's (another layout: mlx-lm's, say)
+                raise UnsupportedModelError(f"{ckpt.path}: transformers' model does not take this checkpoint's "
+                                            f"tensors ({str(e).splitlines()[0][:200]})") from None
         from umakit.backends.transformers.mapped import check_loaded
 
         check_loaded(ckpt, model, info)

@@ -250,6 +250,9 @@ class ArchSpec:
     # back (an HF name and its array; after the reordering)
     reorder: Callable[[str, int, int, dict], tuple[np.ndarray | None, np.ndarray | None]] | None = None
     fix: Callable[[str, np.ndarray], np.ndarray] | None = None
+    # qwen3next: the order of the parts of a tensor llama.cpp split in two (their names past "blk.N."), which
+    # `rename` maps to the one HF name; joined along their rows before `reorder`
+    joins: tuple[str, ...] = ()
 
 
 SPECS = {
@@ -263,6 +266,9 @@ SPECS = {
     "qwen35moe": ArchSpec("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", qwen35_arch.qwen35_name,
                           qwen35_arch.qwen35moe_config, reorder=qwen35_arch.reorder, fix=qwen35_arch.fix,
                           stacked=qwen35_arch.expert_parts),
+    "qwen3next": ArchSpec("qwen3_next", "Qwen3NextForCausalLM", qwen35_arch.qwen3next_name,
+                          qwen35_arch.qwen3next_config, reorder=qwen35_arch.reorder, fix=qwen35_arch.fix_next,
+                          stacked=qwen35_arch.expert_parts, joins=("attn_qkv.weight", "attn_gate.weight")),
     "gemma4": ArchSpec("gemma4_text", "Gemma4ForCausalLM", gemma4_arch.gemma4_name, gemma4_arch.gemma4_config,
                        stacked=gemma4_arch.expert_parts),
     "gpt-oss": ArchSpec("gpt_oss", "GptOssForCausalLM", gpt_oss.gpt_oss_name, gpt_oss_config,

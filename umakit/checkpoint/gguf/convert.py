@@ -164,6 +164,32 @@ def _dequantized(t):
     return mx.array(np.ascontiguousarray(gguf_quants.dequantize(np.asarray(t.data), t.tensor_type), dtype=np.float32))
 
 
+def _targets(plan: ImportPlan) -> dict[str, list[str]]:
+    """Each HF tensor's GGUF tensors: one, or the parts llama.cpp split it into, in `ArchSpec.joins` order."""
+    groups: dict[str, list[str]] = {}
+    for name, hf in plan.names.items():
+        groups.setdefault(hf, []).append(name)
+    order = {part: i for i, part in enumerate(plan.spec.joins)}
+    return {hf: sorted(g, key=lambda n: order.get(n.split(".", 2)[-1], 0)) for hf, g in groups.items()}
+
+
+def _joined(gf: GGUFFile, names: list[str]):
+    """One tensor, or the parts of a split one as one tensor of all their rows: their blocks as stored where all
+    are of one type (rows are rows), else their values in float32 (exact, at 4 bytes a weight)."""
+    parts = [gf.tensors[n] for n in names]
+    if len(parts) == 1:
+        return parts[0]
+    cols = int(parts[0].shape[0])
+    if len({p.tensor_type for p in parts}) == 1 and all(int(p.shape[0]) == cols for p in parts):
+        data = np.concatenate([np.asarray(p.data).reshape(int(p.shape[1]), -1) for p in parts])
+        return SimpleNamespace(data=data, tensor_type=parts[0].tensor_type, shape=(cols, data.shape[0]))
+    from gguf import quants as gguf_quants
+
+    values = np.concatenate([gguf_quants.dequantize(np.asarray(p.data), p.tensor_type).reshape(-1, cols)
+                             for p in parts]).astype(np.float32)
+    return SimpleNamespace(data=values, tensor_type=quants.T.F32, shape=(cols, values.shape[0]))
+
+
 def _stacked(t, hf: str, spec: ArchSpec, parts: list[tuple[str, int, int]], arrays: dict, quantized: dict,
              lossy: list) -> int:
     """A 3-D stack of experts (ne = cols, rows, experts), converted as one 2-D tensor of all their rows (a
@@ -218,8 +244,8 @@ def _convert(plan: ImportPlan) -> _Converted:
         grouped = spec.expert_arrays(gf)
         arrays.update({k: mx.array(v) for k, v in grouped.items()})
         exact += len(grouped)
-    for name, hf in plan.names.items():
-        t = gf.tensors[name]
+    for hf, group in _targets(plan).items():
+        name, t = group[0], _joined(gf, group)
         if spec.stacked and (parts := spec.stacked(hf)):
             exact += _stacked(t, hf, spec, parts, arrays, quantized, lossy)
             continue
@@ -306,8 +332,8 @@ def import_config(plan: ImportPlan, quantized: dict | None = None) -> dict:
     gf, spec = plan.gf, plan.spec
     if quantized is None:
         quantized = {}
-        for name, hf in plan.names.items():
-            qtype = gf.tensors[name].tensor_type
+        for hf, group in _targets(plan).items():
+            qtype = _joined(gf, group).tensor_type if len(group) > 1 else gf.tensors[group[0]].tensor_type
             if qtype in quants.FLOAT_TYPES or spec.expert_arrays:
                 continue
             bits = quants.EXACT[qtype][1] if qtype in quants.EXACT else quants.lossy_bits(qtype)

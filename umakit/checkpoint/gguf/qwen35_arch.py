@@ -64,6 +64,28 @@ def qwen35_name(name: str) -> str | None:
     return _GLOBAL.get(name)
 
 
+def qwen3next_name(name: str) -> str | None:
+    """HF name of a qwen3next GGUF tensor: qwen35moe's, but for the projections llama.cpp split out of one
+    (``in_proj_qkvz``: ``attn_qkv`` and ``attn_gate``) and kept whole (``in_proj_ba``)."""
+    if m := _NAME_RE.match(name):
+        layer, part = m.groups()
+        if part in ("attn_qkv.weight", "attn_gate.weight"):
+            return f"model.layers.{layer}.linear_attn.in_proj_qkvz.weight"
+        if part == "ssm_ba.weight":
+            return f"model.layers.{layer}.linear_attn.in_proj_ba.weight"
+    return qwen35_name(name)
+
+
+def qwen3next_config(gf: GGUFFile) -> dict:
+    """transformers' Qwen3NextConfig fields (qwen35moe's; every layer a mixture)."""
+    config = qwen35moe_config(gf)
+    rope = config["rope_parameters"]
+    # mlx-lm's qwen3_next reads these at the top level, as Qwen3-Next's own config.json states them
+    return {**config, "model_type": "qwen3_next", "decoder_sparse_step": 1, "mlp_only_layers": [],
+            "norm_topk_prob": True, "intermediate_size": int(gf.get("{arch}.feed_forward_length", 0)),
+            "partial_rotary_factor": rope["partial_rotary_factor"], "rope_theta": rope["rope_theta"]}
+
+
 def expert_parts(hf: str) -> list[tuple[str, int, int]] | None:
     """A stacked experts tensor's module in mlx-lm's layout (``mlp.switch_mlp``), which MLX reads."""
     base, _, kind = hf.rpartition(".mlp.experts.")
@@ -131,6 +153,14 @@ def qwen35_config(gf: GGUFFile) -> dict:
     }
 
 
+def _interleaved(groups: int, widths: list[int]) -> np.ndarray:
+    """The order that takes parts stored one after another (all groups' first part, then all their second...)
+    to each group's parts together, as the checkpoint fuses them."""
+    starts = np.cumsum([0] + [groups * w for w in widths])[:-1]
+    return np.concatenate([np.arange(s + g * w, s + (g + 1) * w) for g in range(groups)
+                           for s, w in zip(starts, widths)])
+
+
 def _untiled(count: int, key_heads: int, per_key: int, width: int) -> np.ndarray:
     """The order that gives tiled value heads (v, k) back in the checkpoint's grouped order (k, v)."""
     return np.arange(count).reshape(per_key, key_heads, width).transpose(1, 0, 2).reshape(-1)
@@ -139,9 +169,11 @@ def _untiled(count: int, key_heads: int, per_key: int, width: int) -> np.ndarray
 def reorder(hf: str, rows: int, cols: int, config: dict) -> tuple[np.ndarray | None, np.ndarray | None]:
     """(rows, columns) orders that undo llama.cpp's tiling of the value heads (see the module's text)."""
     k_heads, v_heads = config["linear_num_key_heads"], config["linear_num_value_heads"]
-    if ".linear_attn." not in hf or k_heads == v_heads:
-        return None, None
     per, hk, hv = v_heads // k_heads, config["linear_key_head_dim"], config["linear_value_head_dim"]
+    if hf.endswith(".in_proj_qkvz.weight"):  # qwen3next: q, k, v and z of each key head together, not tiled
+        return _interleaved(k_heads, [hk, hk, per * hv, per * hv]), None
+    if ".linear_attn." not in hf or k_heads == v_heads or config.get("model_type") == "qwen3_next":
+        return None, None
     qk = 2 * k_heads * hk
     if hf.endswith((".in_proj_qkv.weight", ".conv1d.weight")):
         return np.concatenate([np.arange(qk), qk + _untiled(rows - qk, k_heads, per, hv)]), None
@@ -154,12 +186,30 @@ def reorder(hf: str, rows: int, cols: int, config: dict) -> tuple[np.ndarray | N
     return None, None
 
 
+def _one_row(hf: str, values: np.ndarray) -> np.ndarray:
+    """The shared expert's gate, a one-row matrix, which llama.cpp's quantizer writes as a vector."""
+    return values[None] if hf.endswith(".shared_expert_gate.weight") and values.ndim == 1 else values
+
+
 def fix(hf: str, values: np.ndarray) -> np.ndarray:
     """A float tensor's values as the checkpoint holds them (after `reorder`)."""
+    values = _one_row(hf, values)
     if hf.endswith(".A_log"):
         return np.log(-values.astype(np.float32))
     if hf.endswith(".conv1d.weight"):
         return values.reshape(values.shape[0], 1, -1)  # (channels, kernel) -> (channels, 1, kernel)
     if hf.endswith("norm.weight") and not hf.endswith(".linear_attn.norm.weight"):
         return (values.astype(np.float32) - 1).astype(values.dtype)
+    return values
+
+
+def fix_next(hf: str, values: np.ndarray) -> np.ndarray:
+    """qwen3next's float tensors in mlx-lm's own layout for that model, which is the one that holds its experts as
+    stacks (mlx-lm converts a checkpoint's names, conv kernel and norms only when its experts come one by one):
+    the norms kept as stored (1 + w), the conv kernel as (channels, kernel, 1)."""
+    values = _one_row(hf, values)
+    if hf.endswith(".A_log"):
+        return np.log(-values.astype(np.float32))
+    if hf.endswith(".conv1d.weight"):
+        return values.reshape(values.shape[0], -1, 1)
     return values
