@@ -222,3 +222,15 @@ def test_qwen3_next_s_split_projection_is_joined_back(next_, tmp_path):
     import_gguf(quantized, tmp_path / "q8")
     got, want = _dequantized(tmp_path / "q8")[name], theirs[name]
     np.testing.assert_allclose(got, want, atol=np.abs(want).max() / 127 * 1.01, rtol=0)
+
+
+def test_halves_of_two_types_are_joined_as_their_values(next_, tmp_path):
+    """attn_qkv at Q8_0 beside attn_gate at Q4_0: one quantized module cannot hold both, so the joined projection
+    is their values in float32 (each within its own format's step)."""
+    src = gguf_qwen35.write_gguf(next_, tmp_path / "model.gguf", dense=T.Q8_0, overrides={"in_proj_z.weight": T.Q4_0})
+    import_gguf(src, tmp_path / "imported")
+    stored, want = _tensors(tmp_path / "imported"), _tensors(next_)
+    name = "model.layers.0.linear_attn.in_proj_qkvz"
+    assert f"{name}.scales" not in stored and stored[f"{name}.weight"].dtype == np.float32
+    np.testing.assert_allclose(stored[f"{name}.weight"], want[f"{name}.weight"],
+                               atol=np.abs(want[f"{name}.weight"]).max() / 7 * 1.01, rtol=0)
