@@ -1,12 +1,16 @@
-"""Qwen3.5 GGUFs (llama.cpp's ``qwen35`` architecture: the dense hybrid models, gated delta-net layers beside
-gated full attention) back in transformers' layout, which mlx-lm and the transformers engine read.
+"""Qwen3.5 and Qwen3-Next GGUFs (llama.cpp's ``qwen35``: the dense hybrid models, gated delta-net layers beside
+gated full attention; ``qwen35moe``: their mixtures; ``qwen3next``) back in a layout the engines read:
+transformers' for the dense models (mlx-lm and the transformers engine read it), with the mixtures' experts as
+mlx-lm's ``switch_mlp`` stacks (MLX reads those), and Qwen3-Next wholly in mlx-lm's own layout (`fix_next`).
 
 llama.cpp's converter (conversion/qwen.py, `Qwen3_5TextModel`) changes what it stores, and each change is undone
 here exactly: the value heads of the linear-attention layers, grouped by key head in the checkpoint, are tiled
 for ggml's broadcast (rows of ``in_proj_qkv``'s V part, ``in_proj_z``, ``in_proj_a``/``b``, the conv channels,
 ``A_log``, ``dt_bias``; columns of ``out_proj``), a pure reordering that keeps quantization groups whole (rows
 always; columns in whole heads); the RMSNorm weights that act as 1 + w are stored as 1 + w (the gated norm of the
-linear layers is not); ``A_log`` is stored as -exp(A_log); the conv kernel loses its middle axis.
+linear layers is not); ``A_log`` is stored as -exp(A_log); the conv kernel loses its middle axis. For Qwen3-Next
+it splits ``in_proj_qkvz`` (each key head's q, k, v and z together) into ``attn_qkv`` and ``attn_gate``, which
+the import joins back (`ArchSpec.joins`, then `reorder`), and tiles no value heads.
 """
 
 from __future__ import annotations
