@@ -173,6 +173,12 @@ def _targets(plan: ImportPlan) -> dict[str, list[str]]:
     return {hf: sorted(g, key=lambda n: order.get(n.split(".", 2)[-1], 0)) for hf, g in groups.items()}
 
 
+def _joined_type(gf: GGUFFile, names: list[str]):
+    """The type `_joined` gives ``names``' tensors, without joining them."""
+    types = {gf.tensors[n].tensor_type for n in names}
+    return types.pop() if len(types) == 1 else quants.T.F32
+
+
 def _joined(gf: GGUFFile, names: list[str]):
     """One tensor, or the parts of a split one as one tensor of all their rows: their blocks as stored where all
     are of one type (rows are rows), else their values in float32 (exact, at 4 bytes a weight)."""
@@ -180,7 +186,9 @@ def _joined(gf: GGUFFile, names: list[str]):
     if len(parts) == 1:
         return parts[0]
     cols = int(parts[0].shape[0])
-    if len({p.tensor_type for p in parts}) == 1 and all(int(p.shape[0]) == cols for p in parts):
+    if any(int(p.shape[0]) != cols for p in parts):
+        raise UnsupportedModelError(f"{gf.path.name}: {', '.join(names)} have different widths and cannot be joined")
+    if len({p.tensor_type for p in parts}) == 1:
         data = np.concatenate([np.asarray(p.data).reshape(int(p.shape[1]), -1) for p in parts])
         return SimpleNamespace(data=data, tensor_type=parts[0].tensor_type, shape=(cols, data.shape[0]))
     from gguf import quants as gguf_quants
@@ -333,7 +341,7 @@ def import_config(plan: ImportPlan, quantized: dict | None = None) -> dict:
     if quantized is None:
         quantized = {}
         for hf, group in _targets(plan).items():
-            qtype = _joined(gf, group).tensor_type if len(group) > 1 else gf.tensors[group[0]].tensor_type
+            qtype = _joined_type(gf, group)
             if qtype in quants.FLOAT_TYPES or spec.expert_arrays:
                 continue
             bits = quants.EXACT[qtype][1] if qtype in quants.EXACT else quants.lossy_bits(qtype)
