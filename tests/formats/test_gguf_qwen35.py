@@ -157,34 +157,73 @@ def mixture(tmp_path_factory):
     return gguf_qwen35.make(tmp_path_factory.mktemp("qwen35moe") / "hf", moe=True)
 
 
-def test_the_mixture_s_file_runs_on_mlx_as_transformers_runs_its_checkpoint(mixture, tmp_path):
+def test_the_mixture_s_file_runs_on_both_engines_as_transformers_runs_its_checkpoint(mixture, tmp_path):
     """qwen35moe: the routed experts (3-D stacks) become mlx-lm's ``switch_mlp`` stacks, which MLX reads and the
-    transformers engine does not: ``auto`` says so and goes on to MLX, rather than run a model missing them."""
+    transformers engine takes into transformers' own experts modules (switch.py); ``auto`` takes the latter."""
     src = gguf_qwen35.write_gguf(mixture, tmp_path / "model.gguf")
     import_gguf(src, tmp_path / "imported")
     config = json.loads((tmp_path / "imported" / "config.json").read_text())
     assert config["model_type"] == "qwen3_5_moe_text" and config["num_experts"] == 4
     ref = reference(mixture)
     want = ref_logits(ref, PROMPT)
-    model = umakit.load(tmp_path / "imported", dtype="float32")
-    assert model.info.backend == "mlx"
-    assert any("transformers cannot load it" in w and "switch_mlp" in w for w in model.info.warnings)
-    np.testing.assert_allclose(model.logits(PROMPT), want, atol=1e-5 * np.abs(want).max(), rtol=0)
-    assert greedy(model, PROMPT, 8) == greedy_reference(ref, PROMPT, 8)
+    for backend, engine in (("mlx", "mlx"), ("auto", "transformers")):
+        model = umakit.load(tmp_path / "imported", backend=backend, dtype="float32")
+        assert model.info.backend == engine
+        np.testing.assert_allclose(model.logits(PROMPT), want, atol=1e-5 * np.abs(want).max(), rtol=0)
+        assert greedy(model, PROMPT, 8) == greedy_reference(ref, PROMPT, 8), backend
 
 
-def test_the_mixture_s_quantized_experts_import_exactly(mixture, tmp_path):
-    src = gguf_qwen35.write_gguf(mixture, tmp_path / "model.gguf", dense=T.Q8_0)
-    report = import_gguf(src, tmp_path / "imported")
+@pytest.fixture(scope="module")
+def quantized_mixture(mixture, tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen35moe-q8")
+    src = gguf_qwen35.write_gguf(mixture, path / "model.gguf", dense=T.Q8_0)
+    report = import_gguf(src, path / "imported")
     assert not report.lossy_tensors
-    ours, theirs = _dequantized(tmp_path / "imported"), _tensors(mixture)
+    return path / "imported"
+
+
+def test_the_mixture_s_quantized_experts_import_exactly(mixture, quantized_mixture):
+    ours, theirs = _dequantized(quantized_mixture), _tensors(mixture)
     got = ours["model.layers.0.mlp.switch_mlp.up_proj.weight"]
     want = np.stack([theirs[f"model.layers.0.mlp.experts.{e}.up_proj.weight"] for e in range(4)])
     assert got.shape == want.shape
     np.testing.assert_allclose(got, want, atol=np.abs(want).max() / 127 * 1.01, rtol=0)
-    model = umakit.load(tmp_path / "imported", backend="mlx", dtype="float32")
     want = ref_logits(reference(mixture), PROMPT)
-    np.testing.assert_allclose(model.logits(PROMPT), want, atol=0.1 * np.abs(want).max(), rtol=0)
+    for backend in ("mlx", "transformers"):
+        model = umakit.load(quantized_mixture, backend=backend, dtype="float32")
+        np.testing.assert_allclose(model.logits(PROMPT), want, atol=0.1 * np.abs(want).max(), rtol=0)
+
+
+def test_the_mixture_s_packed_experts_run_as_mlx_runs_them_and_batch_rows_as_lone_ones(quantized_mixture):
+    """On the transformers engine each quantized expert is its own layer on umakit's CPU kernel, and the router's
+    quantized weight is dequantized: the logits are MLX's of the same codes within the packed forms' tolerance
+    (the kernel's int8 inputs, in two passes), and rows of a batch (one joining mid-way) give their lone runs'
+    tokens."""
+    from umakit.backends.base import BatchRow
+    from umakit.backends.torch.cpu.affine_kernel import AffineLinear
+    from umakit.generate.sampling import SamplingParams
+
+    model = umakit.load(quantized_mixture, backend="transformers", dtype="float32")
+    engine = model.engine
+    packed = [p for p, m in engine.model.named_modules() if isinstance(m, AffineLinear) and ".switch_mlp." in p]
+    assert len(packed) == 4 * 3 * 4  # layers, projections, experts
+    mlx = umakit.load(quantized_mixture, backend="mlx", dtype="float32").logits(PROMPT)
+    np.testing.assert_allclose(model.logits(PROMPT), mlx, atol=1e-2 * np.abs(mlx).max(), rtol=0)
+    info = engine.weight_info()
+    assert 0 < info.bytes_per_token < info.total_bytes  # 2 of 4 experts read a token
+    greedy_ = SamplingParams(temperature=0)
+    prompts = {0: PROMPT, 1: PROMPT[:3], 2: [9, 8, 7, 6, 5, 4, 3]}
+    decoder = engine.batch_decoder()
+    decoder.add([BatchRow(i, p, greedy_) for i, p in prompts.items() if i != 2])
+    got = {i: [] for i in prompts}
+    for step in range(8):
+        if step == 2:
+            decoder.add([BatchRow(2, prompts[2], greedy_)])
+        for row, token in decoder.step():
+            got[row].append(token)
+    for i, p in prompts.items():
+        lone = engine.generate_tokens(p, engine.make_cache(), greedy_)
+        assert got[i] == [next(lone) for _ in range(len(got[i]))], i
 
 
 def test_a_column_order_that_would_split_quantized_groups_is_refused_by_name(tmp_path):
@@ -206,7 +245,8 @@ def test_qwen3_next_s_split_projection_is_joined_back(next_, tmp_path):
     """qwen3next: llama.cpp splits ``in_proj_qkvz`` (each key head's q, k, v and z together) into ``attn_qkv`` and
     ``attn_gate``; the import joins them back (quantized rows as stored) and writes mlx-lm's own layout for the
     model (its experts as stacks, so its norms as 1 + w and its conv kernel (channels, kernel, 1)), which MLX runs
-    as transformers runs the checkpoint; the transformers engine refuses that layout by name."""
+    as transformers runs the checkpoint, and so does the transformers engine, which puts those values back
+    (mlx_layout.py); ``auto`` takes it."""
     src = gguf_qwen35.write_gguf(next_, tmp_path / "model.gguf")
     import_gguf(src, tmp_path / "imported")
     ours, theirs = _tensors(tmp_path / "imported"), _tensors(next_)
@@ -214,14 +254,18 @@ def test_qwen3_next_s_split_projection_is_joined_back(next_, tmp_path):
     np.testing.assert_array_equal(ours[name], theirs[name])
     ref = reference(next_)
     want = ref_logits(ref, PROMPT)
-    model = umakit.load(tmp_path / "imported", dtype="float32")
-    assert model.info.backend == "mlx" and any("transformers cannot load it" in w for w in model.info.warnings)
-    np.testing.assert_allclose(model.logits(PROMPT), want, atol=1e-5 * np.abs(want).max(), rtol=0)
-    assert greedy(model, PROMPT, 8) == greedy_reference(ref, PROMPT, 8)
+    for backend, engine in (("mlx", "mlx"), ("auto", "transformers")):
+        model = umakit.load(tmp_path / "imported", backend=backend, dtype="float32")
+        assert model.info.backend == engine
+        np.testing.assert_allclose(model.logits(PROMPT), want, atol=1e-5 * np.abs(want).max(), rtol=0)
+        assert greedy(model, PROMPT, 8) == greedy_reference(ref, PROMPT, 8), backend
     quantized = gguf_qwen35.write_gguf(next_, tmp_path / "q8.gguf", dense=T.Q8_0)
     import_gguf(quantized, tmp_path / "q8")
-    got, want = _dequantized(tmp_path / "q8")[name], theirs[name]
-    np.testing.assert_allclose(got, want, atol=np.abs(want).max() / 127 * 1.01, rtol=0)
+    got, want_w = _dequantized(tmp_path / "q8")[name], theirs[name]
+    np.testing.assert_allclose(got, want_w, atol=np.abs(want_w).max() / 127 * 1.01, rtol=0)
+    mlx = umakit.load(tmp_path / "q8", backend="mlx", dtype="float32").logits(PROMPT)
+    packed = umakit.load(tmp_path / "q8", backend="transformers", dtype="float32").logits(PROMPT)
+    np.testing.assert_allclose(packed, mlx, atol=1e-2 * np.abs(mlx).max(), rtol=0)
 
 
 def test_halves_of_two_types_are_joined_as_their_values(next_, tmp_path):

@@ -7,7 +7,8 @@ torch engine's `Fp16Linear`), half the bytes a decode step reads, as the torch e
 synthetic model's linear layers can be quantized to umakit's affine layout and run in the torch engine's execution
 forms (its affine kernel on a CPU, Triton on CUDA): the quantized linears swapped in for
 ``nn.Linear``; so are a quantized checkpoint's (MLX's layout: an imported GGUF, GPTQ, AWQ or compressed-tensors
-checkpoint, `umakit quantize`'s output), mapped in by the model's own names (mapped.py). Around the model: umakit's
+checkpoint, `umakit quantize`'s output), mapped in by the model's own names (mapped.py), routed experts stacked as
+mlx-lm stacks them included (switch.py). Around the model: umakit's
 cache protocol (cache.py), its sampler, its batch rows (batch_decoder.py) and its measurements. Not here: a
 quantized KV cache, offload, and the fused CPU step, which need the compact model code of the torch engine.
 """
@@ -58,13 +59,14 @@ class TransformersEngine:
                         vram_budget: int | str | None = None) -> TransformersEngine:
         refuse_options(SPEC, quantize=quantize, gpu_layers=gpu_layers, vram_budget=vram_budget)
         target, half = _dtype(dtype, device), _half_weights(dtype, device)
-        if isinstance(ckpt.config.get("quantization"), dict):  # MLX's layout: mapped.py
+        stacked = any(common.ROUTED_EXPERTS in name for name in ckpt.tensors or ())
+        if isinstance(ckpt.config.get("quantization"), dict) or stacked:  # MLX's layout: mapped.py
             from umakit.backends.transformers import mapped
 
             _check_device(device)
             with _quiet() as transformers:
                 model, params = mapped.load(transformers, ckpt, torch.device(device), target)
-            return cls(model, ckpt.config, device, target, params=params, quantization=ckpt.config["quantization"],
+            return cls(model, ckpt.config, device, target, params=params, quantization=ckpt.config.get("quantization"),
                        half_weights=half)
         native = native_block(ckpt.config)
         if native:  # gpt-oss's MXFP4 experts: packed (mxfp4.py)
@@ -205,7 +207,7 @@ class TransformersEngine:
                 continue
             seen.add(where)
             by_cat[common.category(name)] = by_cat.get(common.category(name), 0) + n
-            routed += n if ROUTED in name else 0
+            routed += n if ROUTED in name or common.ROUTED_EXPERTS in name else 0
         text = config_compat.text_config(self.config)
         experts = text.get("num_local_experts") or text.get("num_experts")
         share = text.get("num_experts_per_tok", 1) / experts if experts else 1.0

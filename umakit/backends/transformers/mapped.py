@@ -4,7 +4,10 @@ registered for the layout: before the weights load, each quantized ``nn.Linear``
 model's skeleton becomes a `_Packed` holder of its codes, scales and biases, which the loader fills by the model's
 own names while its renames and merges (routed experts fused into one tensor, say) apply to the float tensors;
 after, each holder becomes the torch engine's execution form of its layer (its affine kernel on a CPU, Triton on
-CUDA). A quantized table a tied head reads is read as that head too.
+CUDA). A quantized table a tied head reads is read as that head too. Routed experts stored as mlx-lm's stacks
+(``switch_mlp``, float or quantized) are taken into transformers' experts modules by switch.py, so a float
+checkpoint holding them loads here too, with the values mlx-lm's own layout stores otherwise put back
+(mlx_layout.py).
 
 A checkpoint whose quantized tensors do not carry the model's own names (mlx-lm's names for a multimodal family;
 routed experts quantized one by one where transformers fuses them) is refused with the first name that does not
@@ -19,12 +22,11 @@ from torch import nn
 from umakit.backends.torch.load.loader import quant_spec
 from umakit.backends.torch.quant import forms
 from umakit.backends.torch.quant.layout import QuantizedEmbedding, QuantizedLinear
-from umakit.backends.transformers import quantizer
+from umakit.backends.transformers import mlx_layout, quantizer, switch
 from umakit.errors import UnsupportedModelError
 
 
 METHOD = "umakit-affine"  # the quantization method registered with transformers for MLX's layout
-SCALE_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
 
 
 class _Packed(nn.Module):
@@ -47,6 +49,7 @@ class _Packed(nn.Module):
 
 
 def _swap_in_packed(model: nn.Module, c) -> None:
+    c.stacks, c.convs = switch.swap_in(model, c.block, c.tensors), mlx_layout.before(model, c.tensors)
     modules = dict(model.named_modules())
     table, head = model.get_input_embeddings(), model.get_output_embeddings()
     for path, module in modules.items():
@@ -60,7 +63,7 @@ def _swap_in_packed(model: nn.Module, c) -> None:
             c.scales[path] = _embed_scale(module)
         else:
             continue
-        stored = SCALE_DTYPES.get(c.tensors[f"{path}.scales"].dtype, torch.float32)  # as the checkpoint has them
+        stored = switch.SCALE_DTYPES.get(c.tensors[f"{path}.scales"].dtype, torch.float32)  # as the checkpoint has them
         c.packed[path] = _Packed(rows, cols, bias, spec["bits"], spec["group_size"], stored)
         quantizer.put(model, path, c.packed[path])
         if module is table and head is not None and f"{path}.scales" in c.tensors:
@@ -74,6 +77,8 @@ def _swap_in_packed(model: nn.Module, c) -> None:
 def _swap_in_forms(model: nn.Module, c) -> None:
     device = torch.device(c.device)
     dtype = c.dtype
+    switch.finish(model, c.stacks, device, dtype)
+    mlx_layout.after(model, c.convs)
     form = torch.bfloat16 if device.type == "cpu" else dtype  # "bfloat16" names the packed CPU forms
     for path, packed in c.packed.items():
         if packed.weight.is_meta:
@@ -96,8 +101,9 @@ def load(transformers, ckpt, device: torch.device, dtype: torch.dtype) -> tuple[
         k: v for k, v in c.block.items() if not isinstance(v, dict)})
     # packed: the `_Packed` holders by path; scales: what a quantized table's rows are multiplied by; head: a tied
     # head reading a quantized table
-    c = config_cls(block=ckpt.config["quantization"] or {}, tensors=ckpt.tensors or {}, device=str(device),
-                   dtype=dtype, packed={}, scales={}, head=None)
+    # stacks: mlx-lm's stacked routed experts by path (switch.py); convs: the kernels mlx_layout.py moves
+    c = config_cls(block=ckpt.config.get("quantization") or {}, tensors=ckpt.tensors or {}, device=str(device),
+                   dtype=dtype, packed={}, scales={}, head=None, stacks={}, convs=None)
     hf_config = transformers.AutoConfig.from_pretrained(str(ckpt.path))
     for cfg in {id(x): x for x in (hf_config, hf_config.get_text_config())}.values():
         cfg.quantization_config = None  # MLX's block, which transformers cannot read: ours instead
@@ -107,12 +113,12 @@ def load(transformers, ckpt, device: torch.device, dtype: torch.dtype) -> tuple[
             output_loading_info=True)
     except RuntimeError as e:  # its shapes refused: routed experts quantized one by one where transformers fuses them
         raise UnsupportedModelError(
-            f"{ckpt.path}: transformers' model does not take this checkpoint's quantized tensors "
+            f"{ckpt.path}: transformers' model does not take this checkpoint's tensors "
             f"({str(e).splitlines()[0][:200]}); quantized routed experts stored one by one run on --backend torch "
             "or mlx") from None
     check_loaded(ckpt, model, info)
     params = sum(p.rows * p.cols + (p.rows if p.bias is not None else 0) for p in c.packed.values())
-    return model.eval(), params + sum(p.numel() for p in model.parameters())
+    return model.eval(), params + switch.params(c.stacks) + sum(p.numel() for p in model.parameters())
 
 
 def _embed_scale(module: nn.Embedding) -> float | None:

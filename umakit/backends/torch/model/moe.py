@@ -201,13 +201,14 @@ class SparseMoE(nn.Module):
 def mix(switch_mlp: SwitchMLP, flat: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, n: int) -> torch.Tensor:
     """Tokens ``flat`` (N, H) through their picked experts ``idx`` (N, k), summed by ``weights`` (N, k): (N, H)
     float32. A decode step gathers the picked experts' matrices (graph-capturable: no host sync); a prompt runs
-    each expert once, over the tokens routed to it."""
+    each expert once, over the tokens routed to it. Either way a token's k outputs are summed in its picks' order,
+    so a row's sum has the same bits in a batch as alone."""
     N, k = idx.shape
     if N * k <= n:
-        y = switch_mlp.gathered(flat.repeat_interleave(k, dim=0), idx.reshape(-1))  # (N*k, H)
-        return (y.view(N, k, -1).float() * weights[..., None]).sum(dim=1)
-    out = torch.zeros(flat.shape, dtype=torch.float32, device=flat.device)
-    for e in torch.unique(idx).tolist():
-        token, slot = torch.where(idx == e)
-        out.index_add_(0, token, switch_mlp.one(flat[token], e).float() * weights[token, slot, None])
-    return out
+        y = switch_mlp.gathered(flat.repeat_interleave(k, dim=0), idx.reshape(-1)).view(N, k, -1)  # (N, k, H)
+    else:
+        y = torch.empty(N, k, flat.shape[-1], dtype=torch.float32, device=flat.device)
+        for e in torch.unique(idx).tolist():
+            token, slot = torch.where(idx == e)
+            y[token, slot] = switch_mlp.one(flat[token], e).float()
+    return (y.float() * weights[..., None]).sum(dim=1)
