@@ -53,7 +53,9 @@ WINDOW = 512
 OUT = Path(__file__).parent / "out" / "cpu_engines.md"
 UMAKIT = {"torch-auto": ("torch", "auto"), "torch-float32": ("torch", "float32"),
           "torch-float16": ("torch", "float16"), "torch-bfloat16": ("torch", "bfloat16"), "mlx": ("mlx", "float32"),
-          "torch-auto-avx2": ("torch", "auto")}
+          "torch-auto-avx2": ("torch", "auto"),
+          "auto": ("auto", "auto")}  # umakit's own pick for the model (an architecture the torch engine's compact
+# code lacks: the transformers engine)
 # engines run as on a CPU with AVX2 only: torch dispatches, and umakit's C++ is built, for AVX2 (FBGEMM, which
 # reads the CPU itself, keeps its AVX-512 code)
 AS_AVX2 = {"ATEN_CPU_CAPABILITY": "avx2"}
@@ -322,7 +324,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         ppl = None
         if args.ppl_tokens:
-            tokenizer = umakit.load(args.mlx_path, backend="torch", device="cpu", dtype="float32").tokenizer
+            tokenizer = umakit.load(args.mlx_path, device="cpu", dtype="float32").tokenizer
             ids = tokenizer.encode(load_corpus(args.corpus))[:args.ppl_tokens]
             ppl = str(Path(tmp) / "ids.json")
             Path(ppl).write_text(json.dumps(ids))
