@@ -9,6 +9,7 @@ checkpoint's tensors and transformers' float32 model of it."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -224,6 +225,30 @@ def test_the_mixture_s_packed_experts_run_as_mlx_runs_them_and_batch_rows_as_lon
     for i, p in prompts.items():
         lone = engine.generate_tokens(p, engine.make_cache(), greedy_)
         assert got[i] == [next(lone) for _ in range(len(got[i]))], i
+
+
+def test_a_second_load_reads_the_packing_the_first_kept_and_no_load_holds_the_checkpoint_mapped(
+        quantized_mixture, monkeypatch, tmp_path):
+    """The transformers engine keeps its CPU packing (every expert's, every linear layer's) under $UMAKIT_HOME as
+    the torch engine does, so a second load repacks nothing; and once loaded the model reads nothing from the
+    checkpoint's file, whose mapping would keep every page the load read resident."""
+    import shutil
+
+    from umakit.backends.torch.cpu import affine_kernel as affine
+
+    if not affine.available():
+        pytest.skip("umakit's affine kernel is not built here")
+    monkeypatch.setenv("UMAKIT_HOME", str(tmp_path / "home"))
+    path = shutil.copytree(quantized_mixture, tmp_path / "checkpoint")
+    repacked, planes = [], affine.planes
+    monkeypatch.setattr(affine, "planes", lambda m: repacked.append(1) or planes(m))
+    first = umakit.load(path, backend="transformers", dtype="float32")
+    assert repacked and list((tmp_path / "home" / "packed").glob("*.safetensors"))
+    assert str((path / "model.safetensors").resolve()) not in Path("/proc/self/maps").read_text()
+    before = len(repacked)
+    second = umakit.load(path, backend="transformers", dtype="float32")
+    assert len(repacked) == before
+    np.testing.assert_array_equal(second.logits(PROMPT), first.logits(PROMPT))
 
 
 def test_a_column_order_that_would_split_quantized_groups_is_refused_by_name(tmp_path):

@@ -16,10 +16,14 @@ fit, never loaded with layers left random.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch import nn
 
+from umakit.backends import trim_heap
 from umakit.backends.torch.load.loader import quant_spec
+from umakit.backends.torch.load.packed import PackedCache
 from umakit.backends.torch.quant import forms
 from umakit.backends.torch.quant.layout import QuantizedEmbedding, QuantizedLinear
 from umakit.backends.transformers import mlx_layout, quantizer, switch
@@ -77,7 +81,8 @@ def _swap_in_packed(model: nn.Module, c) -> None:
 def _swap_in_forms(model: nn.Module, c) -> None:
     device = torch.device(c.device)
     dtype = c.dtype
-    switch.finish(model, c.stacks, device, dtype)
+    kept = c.kept.get if c.kept is not None else lambda path: {}
+    switch.finish(model, c.stacks, device, dtype, kept)
     mlx_layout.after(model, c.convs)
     form = torch.bfloat16 if device.type == "cpu" else dtype  # "bfloat16" names the packed CPU forms
     for path, packed in c.packed.items():
@@ -90,9 +95,15 @@ def _swap_in_forms(model: nn.Module, c) -> None:
             table.weight, table.scales, table.biases = q.weight, q.scales, q.biases
             quantizer.put(model, path, _Table(table, c.scales[path]))
             if c.head is not None and isinstance(model.get_submodule(c.head), _Deferred):
-                quantizer.put(model, c.head, forms.for_execution(table.as_linear(), device, form))
+                quantizer.put(model, c.head, forms.for_execution(table.as_linear(), device, form, kept(c.head)))
         else:
-            quantizer.put(model, path, forms.for_execution(q, device, form))
+            quantizer.put(model, path, forms.for_execution(q, device, form, kept(path)))
+            packed.weight = packed.scales = packed.biases = None  # the checkpoint's copy goes as its form comes
+        del q
+    if c.kept is not None:
+        c.kept.store({f"{path}.{name}": t for path, m in model.named_modules() if hasattr(m, "packing")
+                      for name, t in m.packing().items()})
+    trim_heap()
 
 
 def load(transformers, ckpt, device: torch.device, dtype: torch.dtype) -> tuple[nn.Module, int]:
@@ -101,9 +112,11 @@ def load(transformers, ckpt, device: torch.device, dtype: torch.dtype) -> tuple[
         k: v for k, v in c.block.items() if not isinstance(v, dict)})
     # packed: the `_Packed` holders by path; scales: what a quantized table's rows are multiplied by; head: a tied
     # head reading a quantized table
-    # stacks: mlx-lm's stacked routed experts by path (switch.py); convs: the kernels mlx_layout.py moves
+    # stacks: mlx-lm's stacked routed experts by path (switch.py); convs: the kernels mlx_layout.py moves; kept:
+    # the packing an earlier CPU load kept (load/packed.py), and where this one's goes
+    kept = PackedCache.for_checkpoint(ckpt.path, ckpt.files) if device.type == "cpu" else None
     c = config_cls(block=ckpt.config.get("quantization") or {}, tensors=ckpt.tensors or {}, device=str(device),
-                   dtype=dtype, packed={}, scales={}, head=None, stacks={}, convs=None)
+                   dtype=dtype, packed={}, scales={}, head=None, stacks={}, convs=None, kept=kept)
     hf_config = transformers.AutoConfig.from_pretrained(str(ckpt.path))
     for cfg in {id(x): x for x in (hf_config, hf_config.get_text_config())}.values():
         cfg.quantization_config = None  # MLX's block, which transformers cannot read: ours instead
@@ -117,8 +130,12 @@ def load(transformers, ckpt, device: torch.device, dtype: torch.dtype) -> tuple[
             f"({str(e).splitlines()[0][:200]}); quantized routed experts stored one by one run on --backend torch "
             "or mlx") from None
     check_loaded(ckpt, model, info)
+    if device.type == "cpu":
+        _off_the_map(model, ckpt.files)
     params = sum(p.rows * p.cols + (p.rows if p.bias is not None else 0) for p in c.packed.values())
-    return model.eval(), params + switch.params(c.stacks) + sum(p.numel() for p in model.parameters())
+    params += switch.params(c.stacks)
+    c.packed, c.stacks = {}, {}  # the config outlives the load (the model's config holds it): not its holders
+    return model.eval(), params + sum(p.numel() for p in model.parameters())
 
 
 def _embed_scale(module: nn.Embedding) -> float | None:
@@ -169,3 +186,27 @@ def check_loaded(ckpt, model: nn.Module, info: dict) -> None:
 def _unmapped(ckpt, name: str, what: str) -> str:
     return (f"{ckpt.path}: {name} is not {what} of transformers' model (the transformers engine reads a "
             "checkpoint by the model's own names); run it with --backend mlx, or load its float original")
+
+
+def _off_the_map(model: nn.Module, files) -> None:
+    """Copy out of the checkpoint's files every tensor of the model that transformers left reading them in place
+    (the float tensors already in their dtype, a quantized table's codes): one such view keeps the whole mapped
+    file, every page the load read, resident beside the packed forms that hold the rest already (a 1.4 GB
+    Q4_K_M's 1.4 GB at rest). Where /proc/self/maps cannot be read, nothing is copied."""
+    names = {str(Path(f).resolve()) for f in files}
+    try:
+        lines = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return
+    spans = [tuple(int(x, 16) for x in part[0].split("-")) for part in (line.split(maxsplit=5) for line in lines)
+             if len(part) == 6 and part[5] in names]
+    copies: dict[int, torch.Tensor] = {}  # a tensor two modules hold (a tied head) copied once
+    for module in model.modules():
+        for held in (module._parameters, module._buffers):
+            for name, t in held.items():
+                if t is None or not any(a <= t.data_ptr() < b for a, b in spans):
+                    continue
+                if id(t) not in copies:
+                    out = t.detach().clone()
+                    copies[id(t)] = nn.Parameter(out, requires_grad=False) if isinstance(t, nn.Parameter) else out
+                held[name] = copies[id(t)]

@@ -101,9 +101,11 @@ def params(stacks: dict) -> int:
                for e in (s.gate_proj, s.up_proj, s.down_proj) if e.bits is not None)
 
 
-def finish(model: nn.Module, stacks: dict, device: torch.device, dtype: torch.dtype) -> None:
-    """Refuse stacks the checkpoint left unfilled; on a CPU, pack each quantized expert for umakit's kernel; the
-    quantized routers' weights dequantized to ``dtype``."""
+def finish(model: nn.Module, stacks: dict, device: torch.device, dtype: torch.dtype,
+           kept=lambda path: {}) -> None:
+    """Refuse stacks the checkpoint left unfilled; on a CPU, pack each quantized expert for umakit's kernel
+    (``kept(path)``: a layer's packing kept by an earlier load); the quantized routers' weights dequantized to
+    ``dtype``."""
     for base, switch in stacks.items():
         if not isinstance(switch, SwitchMLP):
             router = model.get_submodule(base)
@@ -117,4 +119,4 @@ def finish(model: nn.Module, stacks: dict, device: torch.device, dtype: torch.dt
                 raise UnsupportedModelError(f"the checkpoint has no tensor for {base}.{name}.weight (the stacked "
                                             "experts of a layer it holds stacks for)")
             if device.type == "cpu" and e.bits is not None and affine.available():
-                pack_experts(e, f"{base}.{name}")
+                pack_experts(e, f"{base}.{name}", kept)
