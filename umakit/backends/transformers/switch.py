@@ -7,8 +7,9 @@ stacked projections (`moe.SwitchMLP`, on the meta device), which transformers' l
 names, and the experts module itself becomes `_Routed`: what transformers' module computes (each token's picked
 experts, ``act_fn(gate) * up`` then down, summed by the router's weights) on those stacks, through the torch
 engine's `moe.mix`. After, on a CPU, each quantized stack becomes one packed layer an expert on umakit's kernel
-(`forms.pack_experts`), as the torch engine's own mixtures run. A router of its own class (transformers' top-k routers hold a bare 2-D ``weight``) whose
-weight the checkpoint quantizes is filled as codes, scales and biases and dequantized after: E x H, small.
+(`forms.pack_experts`), as the torch engine's own mixtures run. A router of its own class (transformers' top-k
+routers hold a bare 2-D ``weight``) whose weight the checkpoint quantizes is filled as codes, scales and biases
+and dequantized after: E x H, small.
 
 Only experts modules of transformers' standard form are taken (concatenated gate and up, not transposed, no
 biases, no post-expert norm, the default gate); the stacks of any other (gpt-oss's clamped gate, say) are left
@@ -62,8 +63,8 @@ def _standard(module: nn.Module) -> bool:
 
 def swap_in(model: nn.Module, block: dict, tensors) -> dict[str, SwitchMLP | dict]:
     """Give each standard experts module whose stacks the checkpoint holds (``tensors``: names to their
-    descriptions, ``block``: its quantization) a `SwitchMLP` to be filled by name; and each router whose weight it quantizes its codes, scales and biases. Returns them by path (a router's: its
-    bits and group size)."""
+    descriptions, ``block``: its quantization) a `SwitchMLP` to be filled by name, and each router whose weight it
+    quantizes its codes, scales and biases. Returns them by path (a router's: its bits and group size)."""
     stacks: dict[str, SwitchMLP | dict] = {}
     for path, module in list(model.named_modules()):
         base = f"{path.rpartition('.')[0]}.{STACKED}"
