@@ -35,9 +35,10 @@ SHAPES = {
 # gemma4 shapes: a transformers config of the presets beside this script, written in llama.cpp's gemma4 layout
 GEMMA4 = {name: Path(__file__).parent / "presets" / f"{name}.json"
           for name in ("gemma4-e4b-width-6l", "gemma4-moe-small")}
-# Qwen3.5 mixtures: a transformers config beside this script (35B-A3B's widths, as transformers' own defaults
-# give them, with fewer layers and experts), written in llama.cpp's qwen35moe layout
-QWEN35 = {name: Path(__file__).parent / "presets" / f"{name}.json" for name in ("qwen3.5-35b-a3b-width-8l",)}
+# Qwen3.5: a transformers config beside this script (27B's and 35B-A3B's widths, as transformers' own defaults give
+# them, with fewer layers, and experts), written in llama.cpp's qwen35 / qwen35moe layout
+QWEN35 = {name: Path(__file__).parent / "presets" / f"{name}.json"
+          for name in ("qwen3.5-27b-width-4l", "qwen3.5-35b-a3b-width-8l")}
 # llama.cpp's LLAMA_FTYPE_MOSTLY_* numbers
 FTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18}
 Q8_0_TYPE = 8  # GGML_TYPE_Q8_0
@@ -200,26 +201,27 @@ def write_gemma4_f16(path: Path, config_path: Path, name: str, tokenizer_from: P
     w.close()
 
 
-def write_qwen35moe_f16(path: Path, config_path: Path, name: str, tokenizer_from: Path) -> None:
-    """A float16 GGUF of a Qwen3.5 mixture config's shapes in llama.cpp's qwen35moe layout (gated delta-net layers
-    beside gated full attention, 3-D expert stacks, a shared expert), random weights."""
+def write_qwen35_f16(path: Path, config_path: Path, name: str, tokenizer_from: Path) -> None:
+    """A float16 GGUF of a Qwen3.5 config's shapes in llama.cpp's layout (gated delta-net layers beside gated full
+    attention; a mixture's as qwen35moe: 3-D expert stacks and a shared expert), random weights."""
     import gguf
 
     c = json.loads(config_path.read_text())
     n, h, types = c["num_hidden_layers"], c["hidden_size"], c["layer_types"]
     kh, vh, dk, dv = (c[f"linear_{k}"] for k in ("num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim"))
-    heads, kv, hd, e, inter = (c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"], c["num_experts"],
-                               c["moe_intermediate_size"])
-    w = gguf.GGUFWriter(str(path), "qwen35moe")
+    heads, kv, hd, e = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"], c.get("num_experts")
+    arch = "qwen35moe" if e else "qwen35"
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_name(f"{name}-shaped, random weights")
     w.add_block_count(n)
     w.add_context_length(c["max_position_embeddings"])
     w.add_embedding_length(h)
-    w.add_feed_forward_length(0)
-    w.add_expert_count(e)
-    w.add_expert_used_count(c["num_experts_per_tok"])
-    w.add_expert_feed_forward_length(inter)
-    w.add_expert_shared_feed_forward_length(c["shared_expert_intermediate_size"])
+    w.add_feed_forward_length(c.get("intermediate_size", 0))
+    if e:
+        w.add_expert_count(e)
+        w.add_expert_used_count(c["num_experts_per_tok"])
+        w.add_expert_feed_forward_length(c["moe_intermediate_size"])
+        w.add_expert_shared_feed_forward_length(c["shared_expert_intermediate_size"])
     w.add_head_count(heads)
     w.add_head_count_kv(kv)
     w.add_rope_freq_base(c["rope_parameters"]["rope_theta"])
@@ -231,7 +233,7 @@ def write_qwen35moe_f16(path: Path, config_path: Path, name: str, tokenizer_from
     w.add_ssm_group_count(kh)
     w.add_ssm_time_step_rank(vh)
     w.add_ssm_inner_size(dv * vh)
-    w.add_array("qwen35moe.attention.recurrent_layers", [t == "linear_attention" for t in types])
+    w.add_array(f"{arch}.attention.recurrent_layers", [t == "linear_attention" for t in types])
     w.add_full_attention_interval(c["full_attention_interval"])
     rope = int(hd * c["rope_parameters"]["partial_rotary_factor"])
     w.add_rope_dimension_count(rope)
@@ -258,12 +260,15 @@ def write_qwen35moe_f16(path: Path, config_path: Path, name: str, tokenizer_from
         else:
             tensors = dict(attn_q=rand(2 * heads * hd, h), attn_k=rand(kv * hd, h), attn_v=rand(kv * hd, h),
                            attn_output=rand(h, heads * hd), attn_q_norm=ones(hd), attn_k_norm=ones(hd))
-        tensors.update(attn_norm=ones(h), post_attention_norm=ones(h), ffn_gate_inp=rand(e, h),
-                       ffn_gate_exps=rand(e, inter, h), ffn_up_exps=rand(e, inter, h), ffn_down_exps=rand(e, h, inter),
-                       ffn_gate_shexp=rand(c["shared_expert_intermediate_size"], h),
-                       ffn_up_shexp=rand(c["shared_expert_intermediate_size"], h),
-                       ffn_down_shexp=rand(h, c["shared_expert_intermediate_size"]),
-                       ffn_gate_inp_shexp=rand(1, h).astype(np.float32))
+        tensors.update(attn_norm=ones(h), post_attention_norm=ones(h))
+        if e:
+            inter, shared = c["moe_intermediate_size"], c["shared_expert_intermediate_size"]
+            tensors.update(ffn_gate_inp=rand(e, h), ffn_gate_exps=rand(e, inter, h), ffn_up_exps=rand(e, inter, h),
+                           ffn_down_exps=rand(e, h, inter), ffn_gate_shexp=rand(shared, h), ffn_up_shexp=rand(shared, h),
+                           ffn_down_shexp=rand(h, shared), ffn_gate_inp_shexp=rand(1, h).astype(np.float32))
+        else:
+            inter = c["intermediate_size"]
+            tensors.update(ffn_gate=rand(inter, h), ffn_up=rand(inter, h), ffn_down=rand(h, inter))
         for t, value in tensors.items():
             w.add_tensor(b + t + (".bias" if t == "ssm_dt" else "" if t == "ssm_a" else ".weight"), value)
     w.write_header_to_file()
@@ -299,7 +304,7 @@ def make(where: Path, model: str, types: list[str], llama_python: str = LLAMA_PY
             write_gemma4_f16(f16.with_suffix(".part"), GEMMA4[model], model, packaged_gguf())
             f16.with_suffix(".part").rename(f16)
         if not f16.exists() and model in QWEN35:
-            write_qwen35moe_f16(f16.with_suffix(".part"), QWEN35[model], model, packaged_gguf())
+            write_qwen35_f16(f16.with_suffix(".part"), QWEN35[model], model, packaged_gguf())
             f16.with_suffix(".part").rename(f16)
         if not f16.exists():
             write_f16(f16.with_suffix(".part"), SHAPES[model], model, packaged_gguf())
