@@ -231,8 +231,9 @@ def test_the_mixture_s_packed_experts_run_as_mlx_runs_them_and_batch_rows_as_lon
 def test_a_second_load_reads_the_packing_the_first_kept_and_no_load_holds_the_checkpoint_mapped(
         quantized_mixture, monkeypatch, tmp_path):
     """The transformers engine keeps its CPU packing (every expert's, every linear layer's) under $UMAKIT_HOME as
-    the torch engine does, so a second load repacks nothing; and once loaded the model reads nothing from the
-    checkpoint's file, whose mapping would keep every page the load read resident."""
+    the torch engine does, so a second load repacks nothing and reads no kept linear layer's codes from the
+    checkpoint; and once loaded the model reads nothing from the checkpoint's file, whose mapping would keep every
+    page the load read resident."""
     import shutil
 
     from umakit.backends.torch.cpu import affine_kernel as affine
@@ -243,13 +244,21 @@ def test_a_second_load_reads_the_packing_the_first_kept_and_no_load_holds_the_ch
     path = shutil.copytree(quantized_mixture, tmp_path / "checkpoint")
     repacked, planes = [], affine.planes
     monkeypatch.setattr(affine, "planes", lambda m: repacked.append(1) or planes(m))
+    from transformers import core_model_loading
+
+    read, materialize = [], core_model_loading.spawn_materialize  # the checkpoint's tensors transformers reads
+    monkeypatch.setattr(core_model_loading, "spawn_materialize", lambda *a, **k: read.__setitem__(-1, read[-1] + 1)
+                        or materialize(*a, **k))
+    read.append(0)
     first = umakit.load(path, backend="transformers", dtype="float32")
+    read.append(0)
     assert repacked and list((tmp_path / "home" / "packed").glob("*.safetensors"))
     assert str((path / "model.safetensors").resolve()) not in Path("/proc/self/maps").read_text()
     before = len(repacked)
     second = umakit.load(path, backend="transformers", dtype="float32")
     assert len(repacked) == before
     np.testing.assert_array_equal(second.logits(PROMPT), first.logits(PROMPT))
+    assert read[1] < read[0] - 3 * 4  # a linear layer's kept: its codes, scales and biases not read at all
 
 
 def test_a_column_order_that_would_split_quantized_groups_is_refused_by_name(tmp_path):

@@ -24,6 +24,7 @@ from torch import nn
 from umakit.backends import trim_heap
 from umakit.backends.torch.load.loader import quant_spec
 from umakit.backends.torch.load.packed import PackedCache
+from umakit.backends.torch.cpu import affine_kernel as affine
 from umakit.backends.torch.quant import forms
 from umakit.backends.torch.quant.layout import QuantizedEmbedding, QuantizedLinear
 from umakit.backends.transformers import mlx_layout, quantizer, switch
@@ -36,13 +37,17 @@ METHOD = "umakit-affine"  # the quantization method registered with transformers
 class _Packed(nn.Module):
     """A quantized layer as the checkpoint stores it, for transformers' loader to fill by name."""
 
-    def __init__(self, rows: int, cols: int, bias: bool, bits: int, group: int, dtype: torch.dtype):
+    def __init__(self, rows: int, cols: int, bias: bool, bits: int, group: int, dtype: torch.dtype,
+                 unread: bool = False):
+        """``unread``: its codes, scales and biases are left in the checkpoint (its packing is kept: they are
+        not parameters to fill, only their shapes)."""
         super().__init__()
-        self.rows, self.cols, self.bits, self.group = rows, cols, bits, group
+        self.rows, self.cols, self.bits, self.group, self.unread = rows, cols, bits, group, unread
         meta = dict(device="meta")
-        self.weight = nn.Parameter(torch.empty(rows, cols * bits // 32, dtype=torch.uint32, **meta), requires_grad=False)
-        self.scales = nn.Parameter(torch.empty(rows, cols // group, dtype=dtype, **meta), requires_grad=False)
-        self.biases = nn.Parameter(torch.empty(rows, cols // group, dtype=dtype, **meta), requires_grad=False)
+        held = (lambda t: t) if unread else (lambda t: nn.Parameter(t, requires_grad=False))
+        self.weight = held(torch.empty(rows, cols * bits // 32, dtype=torch.uint32, **meta))
+        self.scales = held(torch.empty(rows, cols // group, dtype=dtype, **meta))
+        self.biases = held(torch.empty(rows, cols // group, dtype=dtype, **meta))
         self.bias = nn.Parameter(torch.empty(rows, dtype=dtype, **meta), requires_grad=False) if bias else None
 
     def layout(self) -> QuantizedLinear:
@@ -69,6 +74,9 @@ def _swap_in_packed(model: nn.Module, c) -> None:
             continue
         stored = switch.SCALE_DTYPES.get(c.tensors[f"{path}.scales"].dtype, torch.float32)  # as the checkpoint has them
         c.packed[path] = _Packed(rows, cols, bias, spec["bits"], spec["group_size"], stored)
+        if path not in c.scales and c.kept is not None and _kept_whole(c.packed[path], c.kept.get(path)):
+            c.packed[path] = _Packed(rows, cols, bias, spec["bits"], spec["group_size"], stored, unread=True)
+            c.unread.update(f"{path}.{k}" for k in ("weight", "scales", "biases"))
         quantizer.put(model, path, c.packed[path])
         if module is table and head is not None and f"{path}.scales" in c.tensors:
             c.head = next((p for p, m in modules.items() if m is head), None)
@@ -76,6 +84,12 @@ def _swap_in_packed(model: nn.Module, c) -> None:
         quantizer.put(model, c.head, _Deferred())  # read from the table after loading
     else:
         c.head = None
+
+
+def _kept_whole(packed: _Packed, kept: dict) -> bool:
+    """Whether ``kept`` (a layer's packing from an earlier load) holds all that packing the layer would make, so
+    that its codes, scales and biases need not be read from the checkpoint at all."""
+    return bool(kept) and affine.available() and affine.AffineLinear.reuses([packed.layout()], kept)
 
 
 def _swap_in_forms(model: nn.Module, c) -> None:
@@ -86,7 +100,7 @@ def _swap_in_forms(model: nn.Module, c) -> None:
     mlx_layout.after(model, c.convs)
     form = torch.bfloat16 if device.type == "cpu" else dtype  # "bfloat16" names the packed CPU forms
     for path, packed in c.packed.items():
-        if packed.weight.is_meta:
+        if packed.weight.is_meta and not packed.unread:
             raise UnsupportedModelError(f"the checkpoint has no packed codes for {path} (transformers' name for one of "
                                         "its quantized layers)")
         q = packed.layout()
@@ -99,6 +113,9 @@ def _swap_in_forms(model: nn.Module, c) -> None:
         else:
             quantizer.put(model, path, forms.for_execution(q, device, form, kept(path)))
             packed.weight = packed.scales = packed.biases = None  # the checkpoint's copy goes as its form comes
+            if packed.unread and not isinstance(model.get_submodule(path), affine.AffineLinear):
+                raise UnsupportedModelError(f"{path}: the packing kept under $UMAKIT_HOME/packed does not fit this "
+                                            "load; delete it to pack again")
         del q
     if c.kept is not None:
         c.kept.store({f"{path}.{name}": t for path, m in model.named_modules() if hasattr(m, "packing")
@@ -116,7 +133,7 @@ def load(transformers, ckpt, device: torch.device, dtype: torch.dtype) -> tuple[
     # the packing an earlier CPU load kept (load/packed.py), and where this one's goes
     kept = PackedCache.for_checkpoint(ckpt.path, ckpt.files) if device.type == "cpu" else None
     c = config_cls(block=ckpt.config.get("quantization") or {}, tensors=ckpt.tensors or {}, device=str(device),
-                   dtype=dtype, packed={}, scales={}, head=None, stacks={}, convs=None, kept=kept)
+                   dtype=dtype, packed={}, scales={}, head=None, stacks={}, convs=None, kept=kept, unread=set())
     hf_config = transformers.AutoConfig.from_pretrained(str(ckpt.path))
     for cfg in {id(x): x for x in (hf_config, hf_config.get_text_config())}.values():
         cfg.quantization_config = None  # MLX's block, which transformers cannot read: ours instead
@@ -129,7 +146,7 @@ def load(transformers, ckpt, device: torch.device, dtype: torch.dtype) -> tuple[
             f"{ckpt.path}: transformers' model does not take this checkpoint's tensors "
             f"({str(e).splitlines()[0][:200]}); quantized routed experts stored one by one run on --backend torch "
             "or mlx") from None
-    check_loaded(ckpt, model, info)
+    check_loaded(ckpt, model, {**info, "unexpected_keys": set(info.get("unexpected_keys", ())) - c.unread})
     if device.type == "cpu":
         _off_the_map(model, ckpt.files)
     params = sum(p.rows * p.cols + (p.rows if p.bias is not None else 0) for p in c.packed.values())
