@@ -125,9 +125,9 @@ def test_speculation_is_lossless(torch_models, family):
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
 def test_quantized_experts_run_one_packed_layer_each_on_the_cpu_default(tiny_dir, tmp_path, family):
-    """`umakit quantize`'s 4-bit experts on the CPU default: each expert its own layers on umakit's packed kernel
-    (quant/forms.py `pack_switch`: gate and up one two-part layer, down one), the stacked codes dropped; greedy
-    tokens those of the same quantized weights dequantized in float32."""
+    """`umakit quantize`'s 4-bit experts on the CPU default: each expert its own layer on umakit's packed kernel
+    (quant/forms.py `pack_experts`), the stacked codes dropped; greedy tokens those of the same quantized weights
+    dequantized in float32."""
     from click.testing import CliRunner
 
     from umakit.backends.torch.cpu import affine_kernel
@@ -142,44 +142,9 @@ def test_quantized_experts_run_one_packed_layer_each_on_the_cpu_default(tiny_dir
     packed = umakit.load(out, backend="torch", device="cpu")
     exact = umakit.load(out, backend="torch", device="cpu", dtype="float32")
     moe = packed.engine.model.model.layers[0]._modules[packed.engine.args.ffn_name].switch_mlp
-    assert len(moe.gate_up) == 4 and len(moe.down_proj.forms) == 4 and "weight" not in moe.gate_proj._buffers
+    assert len(moe.gate_proj.forms) == 4 and "weight" not in moe.gate_proj._buffers
     assert exact.engine.model.model.layers[0]._modules[exact.engine.args.ffn_name].switch_mlp.gate_proj.forms is None
     greedy = SamplingParams(temperature=0)
     ours = packed.engine.generate_tokens(PROMPT, packed.make_cache(), greedy)
     want = exact.engine.generate_tokens(PROMPT, exact.make_cache(), greedy)
     assert [next(ours) for _ in range(12)] == [next(want) for _ in range(12)]
-
-
-def test_an_expert_s_gate_and_up_as_one_packed_layer_give_the_bits_of_two():
-    """forms.pack_switch joins each expert's gate and up in one call of the kernel; every output, one row or a
-    prompt's rows, has the bits it has with the two packed one by one (so batch rows keep their lone tokens)."""
-    import copy
-
-    import torch
-
-    from umakit.backends.torch.cpu import affine_kernel
-    from umakit.backends.torch.model.moe import SwitchMLP
-    from umakit.backends.torch.quant import forms
-    from umakit.backends.torch.quant.layout import quantize as quantize_weights
-
-    if not affine_kernel.available():
-        pytest.skip("umakit's CPU kernel is not built here")
-    torch.manual_seed(0)
-    joined = SwitchMLP(4, 64, 32, torch.nn.functional.silu)
-    for name, bits in (("gate_proj", 4), ("up_proj", 6), ("down_proj", 8)):
-        float_ = getattr(joined, name)
-        q = float_.quantized(bits, 32, torch.float16)
-        parts = [quantize_weights(torch.randn(float_.out_features, float_.in_features), bits, 32) for _ in range(4)]
-        for k, i in (("weight", 0), ("scales", 1), ("biases", 2)):
-            setattr(q, k, torch.stack([p[i] for p in parts]).to(torch.uint32 if i == 0 else torch.float16))
-        setattr(joined, name, q)
-    apart = copy.deepcopy(joined)
-    forms.pack_switch(joined, "mlp")
-    for name in ("gate_proj", "up_proj", "down_proj"):
-        forms.pack_experts(getattr(apart, name), name)
-    assert joined.gate_up is not None and apart.gate_up is None and apart.gate_proj.forms is not None
-    x = torch.randn(6, 64)
-    idx = torch.tensor([2, 0, 3, 1, 2, 2])
-    assert torch.equal(joined.gathered(x, idx), apart.gathered(x, idx))
-    assert torch.equal(joined.gathered(x[:4], idx[:4]), apart.gathered(x[:4], idx[:4]))
-    assert torch.equal(joined.one(x, 1), apart.one(x, 1))

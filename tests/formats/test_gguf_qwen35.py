@@ -196,10 +196,9 @@ def test_the_mixture_s_quantized_experts_import_exactly(mixture, quantized_mixtu
 
 
 def test_the_mixture_s_packed_experts_run_as_mlx_runs_them_and_batch_rows_as_lone_ones(quantized_mixture):
-    """On the transformers engine each quantized expert is its own layers on umakit's CPU kernel (gate and up one
-    layer, down another), and the router's quantized weight is dequantized: the logits are MLX's of the same
-    codes within the packed forms' tolerance (the kernel's int8 inputs, in two passes), and rows of a batch (one
-    joining mid-way) give their lone runs'
+    """On the transformers engine each quantized expert is its own layer on umakit's CPU kernel, and the router's
+    quantized weight is dequantized: the logits are MLX's of the same codes within the packed forms' tolerance
+    (the kernel's int8 inputs, in two passes), and rows of a batch (one joining mid-way) give their lone runs'
     tokens."""
     from umakit.backends.base import BatchRow
     from umakit.backends.torch.cpu.affine_kernel import AffineLinear
@@ -208,7 +207,7 @@ def test_the_mixture_s_packed_experts_run_as_mlx_runs_them_and_batch_rows_as_lon
     model = umakit.load(quantized_mixture, backend="transformers", dtype="float32")
     engine = model.engine
     packed = [p for p, m in engine.model.named_modules() if isinstance(m, AffineLinear) and ".switch_mlp." in p]
-    assert len(packed) == 4 * 2 * 4  # layers, (gate and up, down), experts
+    assert len(packed) == 4 * 3 * 4  # layers, projections, experts
     mlx = umakit.load(quantized_mixture, backend="mlx", dtype="float32").logits(PROMPT)
     np.testing.assert_allclose(model.logits(PROMPT), mlx, atol=1e-2 * np.abs(mlx).max(), rtol=0)
     info = engine.weight_info()

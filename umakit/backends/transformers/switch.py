@@ -7,7 +7,7 @@ stacked projections (`moe.SwitchMLP`, on the meta device), which transformers' l
 names, and the experts module itself becomes `_Routed`: what transformers' module computes (each token's picked
 experts, ``act_fn(gate) * up`` then down, summed by the router's weights) on those stacks, through the torch
 engine's `moe.mix`. After, on a CPU, each quantized stack becomes one packed layer an expert on umakit's kernel
-(`forms.pack_switch`: gate and up one layer), as the torch engine's own mixtures run. A router of its own class (transformers' top-k
+(`forms.pack_experts`), as the torch engine's own mixtures run. A router of its own class (transformers' top-k
 routers hold a bare 2-D ``weight``) whose weight the checkpoint quantizes is filled as codes, scales and biases
 and dequantized after: E x H, small.
 
@@ -24,7 +24,7 @@ from torch import nn
 from umakit.backends.torch.model.moe import Experts, SwitchMLP, mix
 from umakit.backends.torch.load.loader import quant_spec
 from umakit.backends.torch.cpu import affine_kernel as affine
-from umakit.backends.torch.quant.forms import pack_switch
+from umakit.backends.torch.quant.forms import pack_experts
 from umakit.backends.torch.quant.layout import dequantize
 from umakit.backends.transformers import quantizer
 from umakit.errors import UnsupportedModelError
@@ -119,5 +119,5 @@ def finish(model: nn.Module, stacks: dict, device: torch.device, dtype: torch.dt
             if e.weight.is_meta:
                 raise UnsupportedModelError(f"the checkpoint has no tensor for {base}.{name}.weight (the stacked "
                                             "experts of a layer it holds stacks for)")
-        if device.type == "cpu" and affine.available():
-            pack_switch(switch, base, kept)
+            if device.type == "cpu" and e.bits is not None and affine.available():
+                pack_experts(e, f"{base}.{name}", kept)

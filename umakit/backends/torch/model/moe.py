@@ -156,8 +156,7 @@ class Experts(nn.Module):
 
 
 class SwitchMLP(nn.Module):
-    """Every expert's gated MLP: down(act(gate(x)) * up(x)), each projection stacked over experts; on a CPU each
-    expert's gate and up may run as one packed layer (``gate_up``, forms.pack_switch)."""
+    """Every expert's gated MLP: down(act(gate(x)) * up(x)), each projection stacked over experts."""
 
     def __init__(self, n: int, hidden: int, inter: int, act: Callable):
         super().__init__()
@@ -165,31 +164,14 @@ class SwitchMLP(nn.Module):
         self.up_proj = Experts(n, hidden, inter)
         self.down_proj = Experts(n, inter, hidden)
         self.act = act
-        self.gate_up: nn.ModuleList | None = None  # expert e's gate and up outputs side by side
 
     def gathered(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """Row i of ``x`` (M, H) through expert ``idx[i]``: (M, H). Reads only the experts picked."""
-        if self.gate_up is not None:
-            picked = idx.tolist()
-            if len(set(picked)) == len(picked):  # a decode step's: each row its own expert
-                h = torch.cat([self._gated(x[i:i + 1], e) for i, e in enumerate(picked)])
-            else:
-                h = x.new_empty(x.shape[0], self.down_proj.in_features)
-                for e in torch.unique(idx).tolist():
-                    rows = (idx == e).nonzero()[:, 0]
-                    h[rows] = self._gated(x[rows], e)
-            return self.down_proj.apply(h, idx)
         return self.down_proj.apply(self.act(self.gate_proj.apply(x, idx)) * self.up_proj.apply(x, idx), idx)
 
     def one(self, x: torch.Tensor, e: int) -> torch.Tensor:
         """Every row of ``x`` (M, H) through expert ``e``."""
-        if self.gate_up is not None:
-            return self.down_proj.apply_one(self._gated(x, e), e)
         return self.down_proj.apply_one(self.act(self.gate_proj.apply_one(x, e)) * self.up_proj.apply_one(x, e), e)
-
-    def _gated(self, x: torch.Tensor, e: int) -> torch.Tensor:
-        gate, up = self.gate_up[e](x).to(x.dtype).split(self.down_proj.in_features, dim=-1)
-        return self.act(gate) * up
 
 
 class SparseMoE(nn.Module):

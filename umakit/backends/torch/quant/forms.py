@@ -16,7 +16,7 @@ from torch import nn
 from umakit.backends.torch.cpu import affine_kernel as affine
 from umakit.errors import CheckpointError
 from umakit.backends.torch.cuda.matvec import TritonAffineLinear, triton_kernel
-from umakit.backends.torch.model.moe import Experts, SwitchMLP
+from umakit.backends.torch.model.moe import Experts
 from umakit.backends.torch.quant.kernels import Fp16Linear, Int4PackLinear, dense
 from umakit.backends.torch.quant.layout import Concat, QuantizedLinear, concat
 
@@ -114,8 +114,6 @@ def convert_model(model: nn.Module, device: torch.device, dtype: torch.dtype, te
         for path, module in list(model.named_modules()):  # parts of different widths: still one call
             if isinstance(module, Concat) and _affine_parts(list(module.parts)):
                 _replace(model, path, affine.AffineLinear(list(module.parts), prepacked(path)))
-            elif isinstance(module, SwitchMLP) and not tensors_only(path):
-                pack_switch(module, path, prepacked)
             elif isinstance(module, Experts) and not tensors_only(path):
                 pack_experts(module, path, prepacked)
     for path, module in list(model.named_modules()):
@@ -150,59 +148,23 @@ def pack_experts(m: Experts, path: str, prepacked=lambda path: {}) -> None:
     tensors dropped: a decode step then reads each picked expert's codes once, where dequantizing them writes and
     reads a float32 copy. Left stacked where the kernel does not take the layer or its scales and biases leave
     float16's range (the planes hold float16, as for every layer on the kernel)."""
-    if m.bits is None or m.forms is not None or "weight" not in m._buffers:
+    if m.bits is None:
         return
-    experts = _layers(m)
-    kept = [prepacked(f"{path}.forms.{e}") for e in range(m.n)]
-    unread = m.weight.stride(-1) == 0  # load/openai_experts.py left the codes unread: the kept packing has them
-    if unread and not all(affine.AffineLinear.reuses([q], k) for q, k in zip(experts, kept)):
-        raise CheckpointError(f"{path}: the packing kept under $UMAKIT_HOME/packed does not fit this load; "
-                              f"delete it to pack again")
-    if not unread and not _packable(m, experts[0]):
-        return
-    m.forms = nn.ModuleList(affine.AffineLinear([q], k) for q, k in zip(experts, kept))
-    _drop_stacks(m)
-
-
-def pack_switch(s: SwitchMLP, path: str, prepacked=lambda path: {}) -> None:
-    """A quantized `SwitchMLP` on umakit's CPU kernel: each expert's gate and up projections as one two-part layer
-    (``s.gate_up``: one call where there were two, the same bits in each output), its down projection as
-    `pack_experts` packs it. Gate and up go one by one where the kernel cannot join them (rows not a multiple of
-    8, widths it does not take)."""
-    gate, up = s.gate_proj, s.up_proj
-    stacked = all(m.bits is not None and m.forms is None and "weight" in m._buffers and m.weight.stride(-1) != 0
-                  for m in (gate, up))
-    if stacked:
-        gates, ups = _layers(gate), _layers(up)
-        if all(_packable(m, q[0]) for m, q in ((gate, gates), (up, ups))) and affine.concatenates([gates[0], ups[0]]):
-            s.gate_up = nn.ModuleList(affine.AffineLinear([g, u], prepacked(f"{path}.gate_up.{e}"))
-                                      for e, (g, u) in enumerate(zip(gates, ups)))
-            _drop_stacks(gate)
-            _drop_stacks(up)
-    if s.gate_up is None:
-        pack_experts(gate, f"{path}.gate_proj", prepacked)
-        pack_experts(up, f"{path}.up_proj", prepacked)
-    pack_experts(s.down_proj, f"{path}.down_proj", prepacked)
-
-
-def _layers(m: Experts) -> list[QuantizedLinear]:
-    """Each expert of a quantized `Experts` as a `QuantizedLinear` on views of the stacks."""
-    out = []
+    experts = []
     for e in range(m.n):
         q = QuantizedLinear(m.in_features, m.out_features, m.bias is not None, m.bits, m.group_size, device="meta")
         q.weight, q.scales, q.biases = m.weight[e], m.scales[e], m.biases[e]
         if m.bias is not None:
             q.bias = m.bias[e]
-        out.append(q)
-    return out
-
-
-def _packable(m: Experts, first: QuantizedLinear) -> bool:
-    return affine.supports(first) and all(_in_half_range(t) for t in (m.scales, m.biases))
-
-
-def _drop_stacks(m: Experts) -> None:
-    """The stacked tensors of ``m``, now held by packed layers, dropped."""
+        experts.append(q)
+    kept = [prepacked(f"{path}.forms.{e}") for e in range(m.n)]
+    unread = m.weight.stride(-1) == 0  # load/openai_experts.py left the codes unread: the kept packing has them
+    if unread and not all(affine.AffineLinear.reuses([q], k) for q, k in zip(experts, kept)):
+        raise CheckpointError(f"{path}: the packing kept under $UMAKIT_HOME/packed does not fit this load; "
+                              f"delete it to pack again")
+    if not unread and (not affine.supports(experts[0]) or not all(_in_half_range(t) for t in (m.scales, m.biases))):
+        return
+    m.forms = nn.ModuleList(affine.AffineLinear([q], k) for q, k in zip(experts, kept))
     for name in ("weight", "scales", "biases"):
         m._buffers.pop(name)
     if m.bias is not None:
