@@ -283,3 +283,26 @@ def test_speculation_is_refused_where_the_cache_cannot_give_positions_back(famil
         return
     with pytest.raises(InvalidArgumentError, match=f"--prompt-lookup.*{name}"):
         model.engine.batch_decoder(lookup=Lookup(ngram=2, tokens=4))
+
+
+def test_the_kernel_fallback_note_is_not_printed_in_a_reply(tmp_path):
+    """On a CPU transformers notes, on a hybrid model's first forward pass, that flash-linear-attention's kernels
+    fall back to PyTorch's, through its own handler on stderr: the library never prints, so that note is dropped
+    (what reaches transformers' handlers is collected here; the note's once-only record is cleared first, so that
+    an earlier test cannot have used it up)."""
+    import logging
+
+    from support import gguf_qwen35
+    from transformers.utils import logging as hf_logging
+
+    model = umakit.load(gguf_qwen35.make(tmp_path / "m"), backend="transformers", dtype="float32")
+    hf_logging.warning_once.cache_clear()
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logging.getLogger("transformers").addHandler(handler)
+    try:
+        [_ for _, _ in zip(range(3), model.engine.generate_tokens(PROMPT[:5], model.make_cache(), GREEDY))]
+    finally:
+        logging.getLogger("transformers").removeHandler(handler)
+    assert not [m for m in seen if "falling back" in m], seen

@@ -132,6 +132,7 @@ class TransformersEngine:
         self._cache_arg = "cache" if "cache" in accepts else "past_key_values"
         self._keeps = "logits_to_keep" in accepts
         self._cache_dtype = dtype
+        _quiet_kernel_fallbacks()
 
     # -- forward passes ---------------------------------------------------------------------------------
     def make_cache(self, kv_bits: int | None = None) -> TransformersCache:
@@ -256,6 +257,20 @@ def _dtype(dtype: str, device: str) -> torch.dtype:
     if dtype not in DTYPES:
         raise InvalidArgumentError(f"unknown dtype {dtype!r}; choose auto, {', '.join(DTYPES)}")
     return DTYPES[dtype]
+
+
+def _quiet_kernel_fallbacks() -> None:
+    """transformers notes on a model's first forward pass that a hub kernel (flash-linear-attention's, say) falls
+    back to its PyTorch reference where it is not installed or not for the device (a CPU): a note it would print
+    in the middle of a reply, as the library never does. That note alone is dropped (a filter on its logger)."""
+    log = logging.getLogger("transformers.integrations.hub_kernels")
+    if not any(isinstance(f, _FallbackNote) for f in log.filters):
+        log.addFilter(_FallbackNote())
+
+
+class _FallbackNote(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "falling back to its reference" not in record.getMessage()
 
 
 @contextlib.contextmanager
