@@ -127,3 +127,19 @@ def test_an_unusable_home_only_costs_the_repack(checkpoint, tmp_path, monkeypatc
     monkeypatch.setenv("UMAKIT_HOME", str(blocked))
     model = load(checkpoint)
     assert len(repacks) > 0 and len(model.logits(ids(PROMPT))) > 0
+
+
+def test_a_layer_packed_otherwise_from_the_same_files_is_written_again(tmp_path):
+    """The cache is keyed by the checkpoint's files; a load that packs a layer otherwise from the same files (a
+    new reading of them: an import's exact groups of 16 in place of its 8-bit copy) writes its packing again
+    rather than keep the stale one, which would never fit and be repacked on every load."""
+    import torch
+
+    cache = packed_cache.PackedCache(tmp_path / "p.safetensors")
+    cache.store({"lm_head.codes0": torch.zeros(8, 64, dtype=torch.uint8)})
+    cache = packed_cache.PackedCache(tmp_path / "p.safetensors")
+    cache.store({"lm_head.codes0": torch.ones(8, 48, dtype=torch.uint8)})
+    assert tuple(packed_cache.PackedCache(tmp_path / "p.safetensors").get("lm_head")["codes0"].shape) == (8, 48)
+    before = (tmp_path / "p.safetensors").stat().st_mtime_ns
+    packed_cache.PackedCache(tmp_path / "p.safetensors").store({"lm_head.codes0": torch.ones(8, 48, dtype=torch.uint8)})
+    assert (tmp_path / "p.safetensors").stat().st_mtime_ns == before  # held already: not written again

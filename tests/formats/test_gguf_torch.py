@@ -118,16 +118,18 @@ def test_q6_k_tensors_are_imported_exactly_in_groups_of_16_beside_the_8_bit_ones
 
 
 @pytest.mark.skipif(not affine.available(), reason="umakit's CPU kernel is not built here")
-def test_q6_k_layers_run_exactly_on_the_cpu_kernel(tmp_path, monkeypatch):
-    """The default engine loads the exact groups for its kernel (scales as codes: the GGUF's 6.5625 bits a
-    weight, not 8.5) and agrees with transformers' reading of the file as closely as the exact types do."""
+@pytest.mark.parametrize("backend", ["auto", "transformers"])
+def test_q6_k_layers_run_exactly_on_the_cpu_kernel(tmp_path, monkeypatch, backend):
+    """The default engine, and the transformers engine (which the families without compact code take), load the
+    exact groups for the kernel (scales as codes: the GGUF's 6.5625 bits a weight, not 8.5) and agree with
+    transformers' reading of the file as closely as the exact types do."""
     from umakit import backends
 
     monkeypatch.setattr(backends, "is_apple_silicon", lambda: False)
     monkeypatch.setattr(backends, "_cuda_available", lambda: False)
     src = write_gguf(tmp_path / "q6k.gguf", "llama", layers=Q6K_LAYERS, tied=False, output=T.Q6_K)
     import_gguf(src, tmp_path / "out")
-    model = umakit.load(tmp_path / "out")
+    model = umakit.load(tmp_path / "out", backend=backend)
     net = model.engine.model
     for layer in (net.lm_head, net.model.layers[0].mlp.down_proj):
         assert (layer.bits, layer.groups, layer.sb0.dtype) == ([6], [16], torch_uint8())

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from umakit.backends import trim_heap
+from umakit.backends.torch.load import exact
 from umakit.backends.torch.load.loader import quant_spec
 from umakit.backends.torch.load.packed import PackedCache
 from umakit.backends.torch.cpu import affine_kernel as affine
@@ -74,8 +75,13 @@ def _swap_in_packed(model: nn.Module, c) -> None:
             continue
         stored = switch.SCALE_DTYPES.get(c.tensors[f"{path}.scales"].dtype, torch.float32)  # as the checkpoint has them
         c.packed[path] = _Packed(rows, cols, bias, spec["bits"], spec["group_size"], stored)
-        if path not in c.scales and c.kept is not None and _kept_whole(c.packed[path], c.kept.get(path)):
+        sixteen = c.exact.get(path) if path not in c.scales else None
+        if sixteen:  # a GGUF's Q6_K: read from the import's groups of 16, not its 8-bit copy (load/exact.py)
+            c.packed[path] = _Packed(rows, cols, bias, sixteen["bits"], sixteen["group_size"], torch.float32,
+                                     unread=True)
+        elif path not in c.scales and c.kept is not None and _kept_whole(c.packed[path], c.kept.get(path)):
             c.packed[path] = _Packed(rows, cols, bias, spec["bits"], spec["group_size"], stored, unread=True)
+        if c.packed[path].unread:  # none of its checkpoint tensors read
             c.unread.update(f"{path}.{k}" for k in ("weight", "scales", "biases"))
         quantizer.put(model, path, c.packed[path])
         if module is table and head is not None and f"{path}.scales" in c.tensors:
@@ -103,6 +109,8 @@ def _swap_in_forms(model: nn.Module, c) -> None:
         if packed.weight.is_meta and not packed.unread:
             raise UnsupportedModelError(f"the checkpoint has no packed codes for {path} (transformers' name for one of "
                                         "its quantized layers)")
+        if path in c.exact and not _kept_whole(packed, kept(path)):
+            packed.weight, packed.scales, packed.biases = exact.read(c.exact_file, path, c.exact[path]["bits"])
         q = packed.layout()
         if path in c.scales:
             table = QuantizedEmbedding(q.out_features, q.in_features, q.bits, q.group_size, dtype=dtype, device="meta")
@@ -131,9 +139,12 @@ def load(transformers, ckpt, device: torch.device, dtype: torch.dtype) -> tuple[
     # head reading a quantized table
     # stacks: mlx-lm's stacked routed experts by path (switch.py); convs: the kernels mlx_layout.py moves; kept:
     # the packing an earlier CPU load kept (load/packed.py), and where this one's goes
+    # exact: a GGUF import's layers held exactly in groups of 16 (load/exact.py), which umakit's CPU kernel reads
     kept = PackedCache.for_checkpoint(ckpt.path, ckpt.files) if device.type == "cpu" else None
+    packs = device.type == "cpu" and affine.available()
     c = config_cls(block=ckpt.config.get("quantization") or {}, tensors=ckpt.tensors or {}, device=str(device),
-                   dtype=dtype, packed={}, scales={}, head=None, stacks={}, convs=None, kept=kept, unread=set())
+                   dtype=dtype, packed={}, scales={}, head=None, stacks={}, convs=None, kept=kept, unread=set(),
+                   exact=exact.layers(ckpt) if packs else {}, exact_file=exact.file_of(ckpt))
     hf_config = transformers.AutoConfig.from_pretrained(str(ckpt.path))
     for cfg in {id(x): x for x in (hf_config, hf_config.get_text_config())}.values():
         cfg.quantization_config = None  # MLX's block, which transformers cannot read: ours instead

@@ -25,6 +25,19 @@ def layers(ckpt: Checkpoint) -> dict[str, dict]:
     return dict(meta.get("layers") or {}) if (Path(ckpt.path) / EXACT16_FILE).is_file() else {}
 
 
+def file_of(ckpt: Checkpoint) -> Path:
+    return Path(ckpt.path) / EXACT16_FILE
+
+
+def read(file: Path, module: str, bits: int) -> tuple:
+    """(codes, scales, biases) of the exact layer ``module`` from ``file``: symmetric, as the GGUF's are."""
+    from safetensors import safe_open
+
+    with safe_open(str(file), framework="pt") as f:
+        scales = f.get_tensor(f"{module}.scales")
+        return f.get_tensor(f"{module}.weight"), scales, scales * -(2 ** (bits - 1))
+
+
 def substitute(ckpt: Checkpoint, config: dict, shapes: dict, source):
     """``config``, ``shapes`` and ``source`` with the exact layers' tensors in place of the re-quantized ones: their
     quantization, shapes and tensors from `EXACT16_FILE`. ``source(skip)`` gives the checkpoint's (name, tensor)
@@ -47,14 +60,11 @@ def substitute(ckpt: Checkpoint, config: dict, shapes: dict, source):
     replaced = {f"{m}.{p}" for m in exact for p in PARTS}
 
     def stream():
-        from safetensors import safe_open
-
         yield from source(frozenset(replaced))
-        with safe_open(str(file), framework="pt") as f:
-            for module, spec in exact.items():
-                scales = f.get_tensor(f"{module}.scales")
-                yield f"{module}.weight", f.get_tensor(f"{module}.weight")
-                yield f"{module}.scales", scales
-                yield f"{module}.biases", scales * -(2 ** (spec["bits"] - 1))  # symmetric, as the GGUF's are
+        for module, spec in exact.items():
+            codes, scales, biases = read(file, module, spec["bits"])
+            yield f"{module}.weight", codes
+            yield f"{module}.scales", scales
+            yield f"{module}.biases", biases
 
     return {**config, "quantization": quantization}, shapes, stream

@@ -60,6 +60,12 @@ class PackedCache:
                 self.file = safe_open(path, framework="pt")
                 self.names = set(self.file.keys())
 
+    def _holds(self, name: str, t: torch.Tensor) -> bool:
+        try:
+            return tuple(self.file.get_slice(name).get_shape()) == tuple(t.shape)
+        except (OSError, SafetensorError):
+            return False
+
     @classmethod
     def for_checkpoint(cls, checkpoint_dir: Path, files: list[Path]) -> "PackedCache | None":
         """The cache of the checkpoint at ``checkpoint_dir`` as its ``files`` are now; None where none can be kept."""
@@ -76,8 +82,10 @@ class PackedCache:
             return {}
 
     def store(self, layers: dict[str, torch.Tensor]) -> None:
-        """Write ``layers`` (name -> tensor) as this checkpoint's cache, unless it holds them already."""
-        if not layers or layers.keys() <= self.names:
+        """Write ``layers`` (name -> tensor) as this checkpoint's cache, unless it holds them already (every name,
+        each in the same shape: a layer packed otherwise than before, by a new reading of the same files, is
+        written again)."""
+        if not layers or layers.keys() <= self.names and all(self._holds(k, t) for k, t in layers.items()):
             return
         try:
             with atomic_file(self.path, "wb") as f:
