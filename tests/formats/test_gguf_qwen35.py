@@ -54,6 +54,18 @@ def _dequantized(path) -> dict[str, np.ndarray]:
     return out
 
 
+def _runs_as_transformers_runs(imported, checkpoint) -> None:
+    """The float import's logits (1e-5 of the largest) and greedy tokens on MLX and on ``auto`` (the transformers
+    engine) as transformers' own float32 model of ``checkpoint`` gives them."""
+    ref = reference(checkpoint)
+    want = ref_logits(ref, PROMPT)
+    for backend, engine in (("mlx", "mlx"), ("auto", "transformers")):
+        model = umakit.load(imported, backend=backend, dtype="float32")
+        assert model.info.backend == engine
+        np.testing.assert_allclose(model.logits(PROMPT), want, atol=1e-5 * np.abs(want).max(), rtol=0)
+        assert greedy(model, PROMPT, 8) == greedy_reference(ref, PROMPT, 8), backend
+
+
 def test_a_float_file_comes_back_as_its_checkpoint_and_runs_as_transformers_runs_it(original, tmp_path):
     src = gguf_qwen35.write_gguf(original, tmp_path / "model.gguf")
     report = import_gguf(src, tmp_path / "imported")
@@ -66,13 +78,7 @@ def test_a_float_file_comes_back_as_its_checkpoint_and_runs_as_transformers_runs
                                    err_msg=name)
     config = json.loads((tmp_path / "imported" / "config.json").read_text())
     assert config["model_type"] == "qwen3_5_text" and config["layer_types"][-1] == "full_attention"
-    ref = reference(original)
-    want = ref_logits(ref, PROMPT)
-    for backend, engine in (("mlx", "mlx"), ("auto", "transformers")):
-        model = umakit.load(tmp_path / "imported", backend=backend, dtype="float32")
-        assert model.info.backend == engine
-        np.testing.assert_allclose(model.logits(PROMPT), want, atol=1e-5 * np.abs(want).max(), rtol=0)
-        assert greedy(model, PROMPT, 8) == greedy_reference(ref, PROMPT, 8), backend
+    _runs_as_transformers_runs(tmp_path / "imported", original)
 
 
 @pytest.mark.parametrize("qtype, step", [(T.Q8_0, 1 / 127), (T.Q4_0, 1 / 7)])
@@ -165,13 +171,7 @@ def test_the_mixture_s_file_runs_on_both_engines_as_transformers_runs_its_checkp
     import_gguf(src, tmp_path / "imported")
     config = json.loads((tmp_path / "imported" / "config.json").read_text())
     assert config["model_type"] == "qwen3_5_moe_text" and config["num_experts"] == 4
-    ref = reference(mixture)
-    want = ref_logits(ref, PROMPT)
-    for backend, engine in (("mlx", "mlx"), ("auto", "transformers")):
-        model = umakit.load(tmp_path / "imported", backend=backend, dtype="float32")
-        assert model.info.backend == engine
-        np.testing.assert_allclose(model.logits(PROMPT), want, atol=1e-5 * np.abs(want).max(), rtol=0)
-        assert greedy(model, PROMPT, 8) == greedy_reference(ref, PROMPT, 8), backend
+    _runs_as_transformers_runs(tmp_path / "imported", mixture)
 
 
 @pytest.fixture(scope="module")
@@ -286,13 +286,7 @@ def test_qwen3_next_s_split_projection_is_joined_back(next_, tmp_path):
     ours, theirs = _tensors(tmp_path / "imported"), _tensors(next_)
     name = "model.layers.0.linear_attn.in_proj_qkvz.weight"
     np.testing.assert_array_equal(ours[name], theirs[name])
-    ref = reference(next_)
-    want = ref_logits(ref, PROMPT)
-    for backend, engine in (("mlx", "mlx"), ("auto", "transformers")):
-        model = umakit.load(tmp_path / "imported", backend=backend, dtype="float32")
-        assert model.info.backend == engine
-        np.testing.assert_allclose(model.logits(PROMPT), want, atol=1e-5 * np.abs(want).max(), rtol=0)
-        assert greedy(model, PROMPT, 8) == greedy_reference(ref, PROMPT, 8), backend
+    _runs_as_transformers_runs(tmp_path / "imported", next_)
     quantized = gguf_qwen35.write_gguf(next_, tmp_path / "q8.gguf", dense=T.Q8_0)
     import_gguf(quantized, tmp_path / "q8")
     got, want_w = _dequantized(tmp_path / "q8")[name], theirs[name]

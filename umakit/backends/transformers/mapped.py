@@ -105,12 +105,16 @@ def _swap_in_forms(model: nn.Module, c) -> None:
     switch.finish(model, c.stacks, device, dtype, kept)
     mlx_layout.after(model, c.convs)
     form = torch.bfloat16 if device.type == "cpu" else dtype  # "bfloat16" names the packed CPU forms
+    unkept = [path for path in c.exact if path in c.packed and not _kept_whole(c.packed[path], kept(path))]
+    if unkept:  # read once, each layer in its place
+        with exact.opened(c.ckpt) as f:
+            for path in unkept:
+                c.packed[path].weight, c.packed[path].scales, c.packed[path].biases = exact.read(
+                    f, path, c.exact[path]["bits"])
     for path, packed in c.packed.items():
         if packed.weight.is_meta and not packed.unread:
             raise UnsupportedModelError(f"the checkpoint has no packed codes for {path} (transformers' name for one of "
                                         "its quantized layers)")
-        if path in c.exact and not _kept_whole(packed, kept(path)):
-            packed.weight, packed.scales, packed.biases = exact.read(c.exact_file, path, c.exact[path]["bits"])
         q = packed.layout()
         if path in c.scales:
             table = QuantizedEmbedding(q.out_features, q.in_features, q.bits, q.group_size, dtype=dtype, device="meta")
@@ -144,7 +148,7 @@ def load(transformers, ckpt, device: torch.device, dtype: torch.dtype) -> tuple[
     packs = device.type == "cpu" and affine.available()
     c = config_cls(block=ckpt.config.get("quantization") or {}, tensors=ckpt.tensors or {}, device=str(device),
                    dtype=dtype, packed={}, scales={}, head=None, stacks={}, convs=None, kept=kept, unread=set(),
-                   exact=exact.layers(ckpt) if packs else {}, exact_file=exact.file_of(ckpt))
+                   exact=exact.layers(ckpt) if packs else {}, ckpt=ckpt)
     hf_config = transformers.AutoConfig.from_pretrained(str(ckpt.path))
     for cfg in {id(x): x for x in (hf_config, hf_config.get_text_config())}.values():
         cfg.quantization_config = None  # MLX's block, which transformers cannot read: ours instead

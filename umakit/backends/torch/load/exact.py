@@ -29,13 +29,18 @@ def file_of(ckpt: Checkpoint) -> Path:
     return Path(ckpt.path) / EXACT16_FILE
 
 
-def read(file: Path, module: str, bits: int) -> tuple:
-    """(codes, scales, biases) of the exact layer ``module`` from ``file``: symmetric, as the GGUF's are."""
+def opened(ckpt: Checkpoint):
+    """`EXACT16_FILE` of ``ckpt`` open for `read` (a context manager)."""
     from safetensors import safe_open
 
-    with safe_open(str(file), framework="pt") as f:
-        scales = f.get_tensor(f"{module}.scales")
-        return f.get_tensor(f"{module}.weight"), scales, scales * -(2 ** (bits - 1))
+    return safe_open(str(file_of(ckpt)), framework="pt")
+
+
+def read(f, module: str, bits: int) -> tuple:
+    """(codes, scales, biases) of the exact layer ``module`` from the open file ``f``: symmetric, as the GGUF's
+    are."""
+    scales = f.get_tensor(f"{module}.scales")
+    return f.get_tensor(f"{module}.weight"), scales, scales * -(2 ** (bits - 1))
 
 
 def substitute(ckpt: Checkpoint, config: dict, shapes: dict, source):
@@ -61,10 +66,11 @@ def substitute(ckpt: Checkpoint, config: dict, shapes: dict, source):
 
     def stream():
         yield from source(frozenset(replaced))
-        for module, spec in exact.items():
-            codes, scales, biases = read(file, module, spec["bits"])
-            yield f"{module}.weight", codes
-            yield f"{module}.scales", scales
-            yield f"{module}.biases", biases
+        with opened(ckpt) as f:
+            for module, spec in exact.items():
+                codes, scales, biases = read(f, module, spec["bits"])
+                yield f"{module}.weight", codes
+                yield f"{module}.scales", scales
+                yield f"{module}.biases", biases
 
     return {**config, "quantization": quantization}, shapes, stream
