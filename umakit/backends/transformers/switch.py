@@ -19,6 +19,7 @@ unmapped, and the load's check then refuses them by name.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from umakit.backends.torch.model.moe import Experts, SwitchMLP, mix
@@ -61,6 +62,17 @@ def _standard(module: nn.Module) -> bool:
             and getattr(type(module), "_apply_gate", None) is _default_apply_gate)
 
 
+def _torch_act(act):
+    """transformers' SiLU and tanh-GELU modules as the torch functions their forwards call, which the experts'
+    C++ step recognizes (affine_kernel.native_activation); any other activation as it is."""
+    from transformers import activations
+
+    if type(act) is activations.SiLUActivation:
+        return F.silu
+    inner = getattr(act, "act", None)
+    return inner if type(act) is activations.GELUTanh and affine.native_activation(inner) is not None else act
+
+
 def swap_in(model: nn.Module, block: dict, tensors) -> dict[str, SwitchMLP | dict]:
     """Give each standard experts module whose stacks the checkpoint holds (``tensors``: names to their
     descriptions, ``block``: its quantization) a `SwitchMLP` to be filled by name, and each router whose weight it
@@ -72,7 +84,7 @@ def swap_in(model: nn.Module, block: dict, tensors) -> dict[str, SwitchMLP | dic
             continue
         n, inter2, hidden = module.gate_up_proj.shape
         with torch.device("meta"):
-            switch = SwitchMLP(n, hidden, inter2 // 2, module.act_fn)
+            switch = SwitchMLP(n, hidden, inter2 // 2, _torch_act(module.act_fn))
         for name in PROJECTIONS:
             spec = quant_spec(f"{base}.{name}", block, tensors)
             if spec is not None:

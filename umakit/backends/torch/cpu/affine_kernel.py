@@ -17,6 +17,7 @@ import functools
 import os
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from umakit.backends.torch import crossover
@@ -244,3 +245,32 @@ class AffineEmbedding(nn.Module):
         flat = ids.reshape(-1)
         rows = torch.ops.umakit.affine_dequantize(head.codes0, head.sb0, self.bits, self.group, flat)
         return rows.to(self.dtype).view(*ids.shape, -1)
+
+
+SILU, GELU_TANH = 0, 1  # the activations csrc/experts.cpp computes, as torch's own silu and tanh gelu
+
+
+def native_activation(act) -> int | None:
+    """`SILU` or `GELU_TANH` where ``act`` is torch's own F.silu or F.gelu(approximate="tanh") (as a function,
+    `nn.SiLU` or a partial), else None: the experts' C++ step then stays in Python."""
+    if act is F.silu or isinstance(act, nn.SiLU):
+        return SILU
+    gelu = isinstance(act, functools.partial) and act.func is F.gelu and not act.args
+    return GELU_TANH if gelu and act.keywords == {"approximate": "tanh"} else None
+
+
+def expert_rows(forms: tuple, act: int, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor | None:
+    """Row i of ``x`` (R, H) through expert ``idx[i]``'s gated MLP in one C++ call (csrc/experts.cpp), with the
+    bits of moe.py's Python path; ``forms``: the gate's, up's and down's layers an expert (`Experts.forms`). None
+    where the call does not take them: a layer of more than one part or with a bias, or x not float32."""
+    if x.dtype != torch.float32 or x.device.type != "cpu":
+        return None
+    picked = sorted(set(idx.tolist()))
+    layers = [f[e] for e in picked for f in forms]
+    if any(len(m.bits) != 1 or m.bias is not None for m in layers):
+        return None
+    planes = [m._buffers[name] for m in layers for name in ("codes0", "sb0")]
+    first = layers[:3]
+    return torch.ops.umakit.expert_rows(x, idx, picked, planes, [m.bits[0] for m in first],
+                                        [m.groups[0] for m in first], [m.out_features for m in first], act,
+                                        dense_rows(), gemm_form())

@@ -8,6 +8,7 @@ differences are fields from model/gemma.py, mixture-of-experts layers model/moe.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -25,7 +26,7 @@ from umakit.backends.torch.model.gemma import GemmaRMSNorm, gemma4_fields, gemma
 from umakit.backends.torch.model.moe import SparseMoE, moe_fields
 from umakit.backends.torch.model.openai_moe import GptOssMoE, gpt_oss_fields, sink_attention
 
-ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh")}
 
 
 @dataclass
@@ -146,7 +147,6 @@ class ModelArgs:
 
 
 # -- masks: pure functions ----------------------------------------------------------
-
 
 def nope_layers(c: dict) -> tuple[int, ...]:
     """smollm3's layers without RoPE: its ``no_rope_layers`` (1: RoPE, 0: none), or, where a config leaves that

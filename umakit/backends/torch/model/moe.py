@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from umakit.errors import UnsupportedModelError
+from umakit.backends.torch.cpu import affine_kernel
 from umakit.backends.torch.quant.layout import dequantize
 
 # HF per-expert projection names -> mlx-lm's stacked ones
@@ -164,9 +165,16 @@ class SwitchMLP(nn.Module):
         self.up_proj = Experts(n, hidden, inter)
         self.down_proj = Experts(n, inter, hidden)
         self.act = act
+        self.native_act = affine_kernel.native_activation(act)  # None: not one the C++ step computes
 
     def gathered(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        """Row i of ``x`` (M, H) through expert ``idx[i]``: (M, H). Reads only the experts picked."""
+        """Row i of ``x`` (M, H) through expert ``idx[i]``: (M, H). Reads only the experts picked. Where each
+        expert is a packed CPU layer, one C++ call does what the Python below does, to the bit."""
+        forms = (self.gate_proj.forms, self.up_proj.forms, self.down_proj.forms)
+        if self.native_act is not None and all(f is not None for f in forms):
+            y = affine_kernel.expert_rows(forms, self.native_act, x, idx)
+            if y is not None:
+                return y
         return self.down_proj.apply(self.act(self.gate_proj.apply(x, idx)) * self.up_proj.apply(x, idx), idx)
 
     def one(self, x: torch.Tensor, e: int) -> torch.Tensor:

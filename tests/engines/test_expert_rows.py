@@ -1,0 +1,83 @@
+"""A decode step's routed experts in one C++ call (csrc/experts.cpp, `affine_kernel.expert_rows`): the same bits as
+moe.py's Python path over the same packed layers, for distinct picks (a lone step) and shared ones (a batch)."""
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from umakit.backends.torch.cpu import affine_kernel as affine, build
+from umakit.backends.torch.model.moe import SwitchMLP, mix
+from umakit.backends.torch.quant import layout
+from umakit.backends.torch.quant.forms import pack_experts
+
+pytestmark = pytest.mark.skipif(not build.ensure(), reason="the C++ library cannot be built here")
+
+E, HIDDEN, INTER = 6, 128, 256
+
+
+def packed_switch(act, bits: int, group: int, seed: int = 0) -> SwitchMLP:
+    """A SwitchMLP of E random quantized experts, each projection packed one layer an expert."""
+    g = torch.Generator().manual_seed(seed)
+    switch = SwitchMLP(E, HIDDEN, INTER, act)
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        stack = getattr(switch, name).quantized(bits, group, torch.float16)
+        w = torch.randn(E * stack.out_features, stack.in_features, generator=g) * 0.05
+        codes, scales, biases = layout.quantize(w, bits, group)
+        stack.weight = codes.view(E, stack.out_features, -1)
+        stack.scales = scales.half().view(E, stack.out_features, -1)
+        stack.biases = biases.half().view(E, stack.out_features, -1)
+        pack_experts(stack, name)
+        assert stack.forms is not None
+        setattr(switch, name, stack)
+    return switch
+
+
+def python_path(switch: SwitchMLP, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    native, switch.native_act = switch.native_act, None
+    try:
+        return switch.gathered(x, idx)
+    finally:
+        switch.native_act = native
+
+
+GELU = functools.partial(F.gelu, approximate="tanh")
+
+
+@pytest.mark.parametrize("act", [F.silu, GELU], ids=["silu", "gelu_tanh"])
+@pytest.mark.parametrize("bits,group", [(4, 32), (6, 64), (8, 128), (5, 32)])
+@pytest.mark.parametrize("picks", [[3], [0, 5, 2, 4], [1, 1, 4, 1, 0, 4]], ids=["one", "distinct", "shared"])
+def test_one_call_gives_the_python_paths_bits(act, bits, group, picks, monkeypatch):
+    switch = packed_switch(act, bits, group)
+    x = torch.randn(len(picks), HIDDEN, generator=torch.Generator().manual_seed(1))
+    idx = torch.tensor(picks)
+    calls = []
+    real = affine.expert_rows
+    monkeypatch.setattr(affine, "expert_rows", lambda *a: calls.append(1) or real(*a))
+    got = switch.gathered(x, idx)
+    assert calls, "the C++ step was not taken"
+    want = python_path(switch, x, idx)
+    assert got.shape == (len(picks), HIDDEN) and torch.equal(got, want)
+
+
+def test_a_batch_step_through_mix_equals_the_python_path():
+    """Three tokens, two experts each (some shared), summed by the router's weights: the same bits."""
+    switch = packed_switch(F.silu, 4, 32, seed=2)
+    flat = torch.randn(3, HIDDEN, generator=torch.Generator().manual_seed(3))
+    idx = torch.tensor([[0, 2], [2, 5], [0, 1]])
+    weights = torch.tensor([[0.7, 0.3], [0.6, 0.4], [0.5, 0.5]])
+    got = mix(switch, flat, weights, idx, E)
+    switch.native_act = None
+    assert torch.equal(got, mix(switch, flat, weights, idx, E))
+
+
+def test_other_activations_and_dtypes_stay_in_python():
+    assert affine.native_activation(F.relu) is None
+    assert affine.native_activation(functools.partial(F.gelu, approximate="none")) is None
+    assert affine.native_activation(torch.nn.SiLU()) == affine.SILU
+    switch = packed_switch(F.silu, 4, 32)
+    forms = (switch.gate_proj.forms, switch.up_proj.forms, switch.down_proj.forms)
+    x = torch.randn(2, HIDDEN)
+    assert affine.expert_rows(forms, affine.SILU, x.half(), torch.tensor([0, 1])) is None
+    assert affine.expert_rows(forms, affine.SILU, x, torch.tensor([0, 1])) is not None
