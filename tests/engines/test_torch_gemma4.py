@@ -19,6 +19,8 @@ import umakit
 from support.oracle import greedy_reference, ref_logits, reference
 from support.tiny import VOCAB, write_tokenizer
 from umakit.backends.base import BatchRow
+from umakit.backends.torch.cpu import build
+from umakit.backends.torch.model.norm import Norm
 from umakit.generate.sampling import SamplingParams
 
 transformers = pytest.importorskip("transformers")
@@ -69,6 +71,8 @@ def test_gemma4_runs_on_the_compact_code_as_transformers_runs_it(gemma4):
     name, path = gemma4
     model = umakit.load(path, dtype="float32")
     assert model.info.backend == "torch" and type(model.engine.model).__name__ == "Gemma4Transformer"
+    norms = [m for m in model.engine.model.modules() if isinstance(m, Norm)]
+    assert norms and all(m.native == build.ensure() for m in norms)  # each one call of csrc/norm.cpp
     layers = model.engine.model.args.gemma4
     if name == "every-feature":
         assert layers.slots == (0, 1, 2, 3, 2, 3) and layers.shared == (False,) * 4 + (True,) * 2

@@ -68,7 +68,7 @@ from umakit.backends.torch.load.loader import (
 )
 from umakit.backends.torch.model.llama import ModelArgs
 from umakit.backends.torch.offload.experts import ExpertStreamer, plan_expert_offload
-from umakit.backends.torch.cpu.fused import FusedDecoder, covers
+from umakit.backends.torch.cpu.fused import FusedDecoder, covers, native_norms
 from umakit.backends.torch.offload.layers import LayerStreamer
 from umakit.backends.torch.load import exact, gemma4_experts, openai_experts
 from umakit.backends.torch.load.packed import PackedCache
@@ -189,6 +189,8 @@ class TorchEngine:
             elif not os.environ.get("UMAKIT_NO_NATIVE"):
                 self.load_notes = (f"decode steps run eagerly, about 1.7x slower: the fused CPU step is "
                                    f"unavailable ({build.reason()})",)
+        if device == "cpu" and self._fused is None and build.ensure():
+            native_norms(self.model)
 
     # -- engine interface -----------------------------------------------------
     def make_cache(self, kv_bits: int | None = None) -> StaticKVCache | QuantizedKVCache:

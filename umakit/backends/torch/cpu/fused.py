@@ -17,7 +17,8 @@ import torch
 
 from umakit.backends.torch.cpu import affine_kernel
 from umakit.backends.torch.cpu.affine_kernel import AffineLinear
-from umakit.backends.torch.model.llama import MLP, RMSNorm, Transformer
+from umakit.backends.torch.model.llama import MLP, Transformer
+from umakit.backends.torch.model.norm import RMSNorm, Norm
 from umakit.backends.torch.quant.kernels import Int4PackLinear
 
 INT4, INT4_SPLIT, AFFINE = 0, 1, 2  # a projection's kind, as csrc/fused_decode.cpp reads it
@@ -130,3 +131,15 @@ def _describe(m, ta: list, tb: list, kinds: list, counts: list, bits: list, grou
     counts.append(1)
     bits.append(0)
     groups.append(m.group_size)
+
+
+def native_norms(model: torch.nn.Module) -> int:
+    """Where the fused step does not cover ``model``: each float32 RMSNorm of its eager step one call of the
+    library (csrc/norm.cpp; model/norm.py). Returns how many norms it turned."""
+    turned = 0
+    for m in model.modules():
+        weight = getattr(m, "weight", None) if isinstance(m, Norm) else False
+        if weight is None or isinstance(weight, torch.Tensor) and weight.dtype == torch.float32:
+            m.native = True
+            turned += 1
+    return turned

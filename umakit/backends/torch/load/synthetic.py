@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from umakit.backends.torch.model.gemma import GemmaRMSNorm
-from umakit.backends.torch.model.llama import ModelArgs, RMSNorm
+from umakit.backends.torch.model.llama import ModelArgs
+from umakit.backends.torch.model.norm import GemmaRMSNorm, RMSNorm
 from umakit.backends.torch.model.gemma4 import transformer_for
 from umakit.backends.torch.model.moe import Experts
 

@@ -13,7 +13,6 @@ soft-capped. The layer code itself lives in model/llama.py, switched by these fi
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from umakit.checkpoint.config import FULL, SLIDING
 from umakit.core.gemma4_layers import GEMMA4, gemma4_layers
@@ -44,20 +43,6 @@ def gemma_fields(c: dict) -> dict:
         qk_norm=True,
         tie_word_embeddings=bool(c.get("tie_word_embeddings", True)),
     )
-
-
-class GemmaRMSNorm(nn.Module):
-    """RMSNorm with weight (1 + w), the product taken in float32 (transformers' Gemma3RMSNorm)."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        out = x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + self.eps)
-        return (out * (1.0 + self.weight.float())).to(x.dtype)
 
 
 def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:

@@ -19,19 +19,8 @@ from torch import nn
 
 from umakit.backends.torch.model.llama import ACTIVATIONS, MLP, ModelArgs, RMSNorm, Step, Transformer
 from umakit.backends.torch.model.moe import SwitchMLP, mix
+from umakit.backends.torch.model.norm import ScalelessNorm
 from umakit.backends.torch.model.rope import apply_rope
-
-
-class ScalelessNorm(nn.Module):
-    """RMSNorm without a weight (gemma4's values), in float32 as transformers computes it."""
-
-    def __init__(self, eps: float):
-        super().__init__()
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        return (x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
 class Gemma4Attention(nn.Module):

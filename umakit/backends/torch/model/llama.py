@@ -22,8 +22,9 @@ from umakit.backends.torch.model.rope import (apply_rope, dynamic_inv_freq, is_d
 from umakit.errors import UnsupportedModelError
 from umakit.backends.torch import ARCHITECTURES as SUPPORTED
 from umakit.core.gemma4_layers import Gemma4Layers
-from umakit.backends.torch.model.gemma import GemmaRMSNorm, gemma4_fields, gemma_fields, softcap
+from umakit.backends.torch.model.gemma import gemma4_fields, gemma_fields, softcap
 from umakit.backends.torch.model.moe import SparseMoE, moe_fields
+from umakit.backends.torch.model.norm import GemmaRMSNorm, RMSNorm
 from umakit.backends.torch.model.openai_moe import GptOssMoE, gpt_oss_fields, sink_attention
 
 ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh")}
@@ -181,18 +182,6 @@ class Step(NamedTuple):
 
 
 # -- blocks -----------------------------------------------------------------------
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # transformers' formula (float32 inside); on CPU F.rms_norm is a composite of ~25 ops.
-        x32 = x.float()
-        return self.weight * (x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + self.eps)).to(x.dtype)
-
-
 class Attention(nn.Module):
     def __init__(self, a: ModelArgs, layer: int):
         super().__init__()

@@ -1,5 +1,9 @@
-"""A decode step's routed experts in one C++ call (csrc/experts.cpp, `affine_kernel.expert_rows`): the same bits as
-moe.py's Python path over the same packed layers, for distinct picks (a lone step) and shared ones (a batch)."""
+"""The eager CPU step's calls into umakit's library where it has no fused step (gemma4, the mixtures):
+- a decode step's routed experts in one call (csrc/experts.cpp, `affine_kernel.expert_rows`): the same bits as
+  moe.py's Python path over the same packed layers, for distinct picks (a lone step) and shared ones (a batch);
+- each RMSNorm in one call (csrc/norm.cpp): the formula of model/norm.py within float32's rounding (the mean
+  summed in double rather than by torch's reduction: at most a few units in the last place of the largest output).
+"""
 
 import functools
 
@@ -81,3 +85,22 @@ def test_other_activations_and_dtypes_stay_in_python():
     x = torch.randn(2, HIDDEN)
     assert affine.expert_rows(forms, affine.SILU, x.half(), torch.tensor([0, 1])) is None
     assert affine.expert_rows(forms, affine.SILU, x, torch.tensor([0, 1])) is not None
+
+
+def test_the_one_call_norms_are_the_formula_within_float32_rounding():
+    """csrc/norm.cpp against model/norm.py's formula: w, 1 + w and no weight, a row and many, a strided view."""
+    from umakit.backends.torch.model.norm import GemmaRMSNorm, RMSNorm, ScalelessNorm
+
+    g = torch.Generator().manual_seed(4)
+    for norm in (RMSNorm(96, 1e-6), GemmaRMSNorm(96, 1e-6), ScalelessNorm(1e-6)):
+        if "weight" in norm._parameters:
+            norm.weight.data = torch.randn(96, generator=g)
+        for x in (torch.randn(1, 1, 96, generator=g) * 3, torch.randn(5, 2, 192, generator=g)[..., ::2]):
+            want = norm(x)
+            norm.native = True
+            try:
+                got = norm(x)
+            finally:
+                norm.native = False
+            assert got.shape == want.shape and got.is_contiguous()
+            assert (got - want).abs().max() <= 4e-7 * want.abs().max(), type(norm).__name__
