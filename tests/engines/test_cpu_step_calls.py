@@ -104,3 +104,13 @@ def test_the_one_call_norms_are_the_formula_within_float32_rounding():
                 norm.native = False
             assert got.shape == want.shape and got.is_contiguous()
             assert (got - want).abs().max() <= 4e-7 * want.abs().max(), type(norm).__name__
+
+
+def test_an_expert_whose_rows_take_a_gemm_runs_as_python_runs_it(monkeypatch):
+    """Where one expert has `dense_rows` rows or more (a GEMM's bits, not a lone row's), the call runs expert by
+    expert as the Python path does, and still gives its bits."""
+    monkeypatch.setattr(affine, "dense_rows", lambda: 2)
+    switch = packed_switch(F.silu, 4, 32, seed=5)
+    x = torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(6))
+    idx = torch.tensor([2, 2, 2, 0, 3])
+    assert torch.equal(switch.gathered(x, idx), python_path(switch, x, idx))

@@ -34,6 +34,11 @@ namespace umakit {
 at::Tensor affine_mm(const at::Tensor& x, at::TensorList codes, at::TensorList sb, at::IntArrayRef bits,
                      at::IntArrayRef groups, int64_t dense_rows, int64_t inputs);
 
+// Row i of x (P, K) times part i alone (P parts of one width n) -> (P, n) float32, each row as affine_mm gives it
+// alone below `dense_rows`: a decode step's experts, whose inputs differ, in one call.
+at::Tensor affine_mm_each(const at::Tensor& x, at::TensorList codes, at::TensorList sb, at::IntArrayRef bits,
+                          at::IntArrayRef groups, int64_t inputs);
+
 // Bit 0: the AVX-512 loops are built; bit 1: the vector loops (AVX2, FMA, F16C), without which it is a scalar
 // loop; bit 2: AVX512-VNNI's dot products; bit 3: int8 inputs (forms 2 and 3).
 int64_t affine_features();

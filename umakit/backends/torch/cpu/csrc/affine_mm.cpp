@@ -665,6 +665,8 @@ int64_t slab_tiles(const std::vector<Part>& parts, int64_t K) {
   return std::clamp<int64_t>(tiles / (4 * at::get_num_threads()), 1, fits);
 }
 
+static void multiply_rows(const Tensor& x, std::vector<Part> parts, int64_t inputs, bool each, Tensor& y);
+
 Tensor affine_mm(const Tensor& x_in, at::TensorList codes, at::TensorList sb, at::IntArrayRef bits,
                  at::IntArrayRef groups, int64_t dense_rows, int64_t inputs) {
   TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.dim() == 2, "x must be float32 (rows, K)");
@@ -699,6 +701,14 @@ Tensor affine_mm(const Tensor& x_in, at::TensorList codes, at::TensorList sb, at
     });
     return y;
   }
+  multiply_rows(x, parts, inputs, false, y);
+  return y;
+}
+
+// Below `dense_rows`: each output a dot product of its own, in the form `inputs` asks (affine_mm). `each`: part i
+// multiplies row i of x alone, into row i of y (its columns from 0); else every part every row, into its columns.
+static void multiply_rows(const Tensor& x, std::vector<Part> parts, int64_t inputs, bool each, Tensor& y) {
+  const int64_t M = x.size(0), K = x.size(1), N = y.size(1);
   inputs &= ~(DENSE_BF16 | DENSE_ONEDNN);
   const int64_t form = (inputs == INT8 || inputs == INT8X2) && kSIMD ? inputs : FLOAT32;
   const bool int8 = form != FLOAT32, two = form == INT8X2;
@@ -710,14 +720,15 @@ Tensor affine_mm(const Tensor& x_in, at::TensorList codes, at::TensorList sb, at
     for (int64_t k = 0; k < M * K; ++k) rest[k] = xv[k] - dx[k / BLOCK] * xq[k];
     quantize_rows(rest.data(), M * K / BLOCK, xq2.data(), dx2.data());
   }
-  const Inputs in{x.data_ptr<float>(), xq.data(), xq2.data(), dx.data(), dx2.data()};
-  // the sums of x over each part's groups, (M, K / group); in int8, the sums of x less those of its rounded
+  // the sums of x over each part's groups, (rows, K / group); in int8, the sums of x less those of its rounded
   // values too
   std::vector<std::vector<float>> sums, diffs;
   const float* xp = x.data_ptr<float>();
-  for (const Part& p : parts) {
-    std::vector<float> s(M * p.groups, 0.0f), d(int8 ? M * p.groups : 0, 0.0f);
-    for (int64_t m = 0; m < M; ++m)
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const Part& p = parts[i];
+    const int64_t m0 = each ? static_cast<int64_t>(i) : 0, m1 = each ? m0 + 1 : M;
+    std::vector<float> s((m1 - m0) * p.groups, 0.0f), d(int8 ? (m1 - m0) * p.groups : 0, 0.0f);
+    for (int64_t m = m0; m < m1; ++m)
       for (int64_t g = 0; g < p.groups; ++g) {
         float t = 0, r = 0;
         for (int64_t j = 0; j < p.group; ++j) {
@@ -725,20 +736,41 @@ Tensor affine_mm(const Tensor& x_in, at::TensorList codes, at::TensorList sb, at
           t += xp[k];
           if (int8) r += two ? rest[k] - dx2[k / BLOCK] * xq2[k] : xp[k] - dx[k / BLOCK] * xq[k];
         }
-        s[m * p.groups + g] = t;
-        if (int8) d[m * p.groups + g] = r;
+        s[(m - m0) * p.groups + g] = t;
+        if (int8) d[(m - m0) * p.groups + g] = r;
       }
     sums.push_back(std::move(s));
     diffs.push_back(std::move(d));
   }
+  std::vector<Inputs> ins;  // each part's rows of x
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const int64_t m0 = each ? static_cast<int64_t>(i) : 0;
+    ins.push_back({xp + m0 * K, int8 ? xq.data() + m0 * K : nullptr, two ? xq2.data() + m0 * K : nullptr,
+                   int8 ? dx.data() + m0 * K / BLOCK : nullptr, two ? dx2.data() + m0 * K / BLOCK : nullptr});
+    if (each) parts[i].col = 0;
+  }
   std::vector<int64_t> first_tile{0};  // part i's tiles are [first_tile[i], first_tile[i + 1])
   for (const Part& p : parts) first_tile.push_back(first_tile.back() + p.rows / ROWS);
+  float* out = y.data_ptr<float>();
   at::parallel_for(0, first_tile.back(), 4, [&](int64_t a, int64_t b) {
     for (size_t i = 0; i < parts.size(); ++i)
       for (int64_t t = std::max(a, first_tile[i]); t < std::min(b, first_tile[i + 1]); ++t)
-        part_tile(parts[i], t - first_tile[i], in, form, sums[i].data(), diffs[i].data(), M, K,
-                  y.data_ptr<float>(), N);
+        part_tile(parts[i], t - first_tile[i], ins[i], form, sums[i].data(), diffs[i].data(), each ? 1 : M, K,
+                  out + (each ? static_cast<int64_t>(i) * N : 0), N);
   });
+}
+
+// Row i of x (P, K) times part i alone (each (n, K) in tiles, n the same for every part) -> (P, n) float32, each
+// row the bits it gets from affine_mm alone: the experts of a decode step, whose rows differ, in one call.
+Tensor affine_mm_each(const Tensor& x_in, at::TensorList codes, at::TensorList sb, at::IntArrayRef bits,
+                      at::IntArrayRef groups, int64_t inputs) {
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.dim() == 2, "x must be float32 (rows, K)");
+  const Tensor x = x_in.contiguous();
+  const std::vector<Part> parts = parts_of(codes, sb, bits, groups, x.size(1));
+  TORCH_CHECK(static_cast<int64_t>(parts.size()) == x.size(0), "one part a row");
+  for (const Part& p : parts) TORCH_CHECK(p.rows == parts[0].rows, "every part of the same width");
+  Tensor y = at::empty({x.size(0), parts[0].rows}, x.options());
+  multiply_rows(x, parts, inputs, true, y);
   return y;
 }
 
