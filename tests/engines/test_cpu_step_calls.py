@@ -114,3 +114,35 @@ def test_an_expert_whose_rows_take_a_gemm_runs_as_python_runs_it(monkeypatch):
     x = torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(6))
     idx = torch.tensor([2, 2, 2, 0, 3])
     assert torch.equal(switch.gathered(x, idx), python_path(switch, x, idx))
+
+
+def test_the_gated_delta_step_is_transformers_rule_within_float32_rounding():
+    """csrc/delta.cpp against transformers' own recurrent rule (Qwen3.5's), q and k normed in the kernel, grouped
+    value heads, two rows; the state it started from is left as it was."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen35
+
+    from umakit.backends.transformers import recurrent
+
+    rule = qwen35.torch_recurrent_gated_delta_rule
+    rule = getattr(rule, "umakit_wraps", rule)  # transformers' own, whether or not a load wrapped it
+    g = torch.Generator().manual_seed(7)
+    B, Hk, Hv, dk, dv = 2, 2, 4, 32, 16
+    q, k = (torch.randn(B, 1, Hk, dk, generator=g) for _ in range(2))
+    v = torch.randn(B, 1, Hv, dv, generator=g)
+    decay, beta = -torch.rand(B, 1, Hv, generator=g), torch.rand(B, 1, Hv, generator=g)
+    state = torch.randn(B, Hv, dk, dv, generator=g)
+    before = state.clone()
+    want_out, want_state = rule(q, k, v, g=decay, beta=beta, initial_state=state, output_final_state=True,
+                                use_qk_l2norm_in_kernel=True)
+    got_out, got_state = torch.ops.umakit.delta_rule_step(q, k, v, decay, beta, state)
+    assert torch.equal(state, before)
+    for got, want in ((got_out, want_out), (got_state, want_state)):
+        assert got.shape == want.shape
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    wrapped = recurrent._wrap(rule)
+    args = dict(g=decay, beta=beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    assert torch.equal(wrapped(q, k, v, **args)[0], want_out)  # outside umakit's forward: transformers' own
+    with recurrent.umakit_forward():
+        assert torch.equal(wrapped(q, k, v, **args)[0], got_out)
+        assert torch.equal(wrapped(q, k, v, **{**args, "use_qk_l2norm_in_kernel": False})[0],
+                           rule(q, k, v, **{**args, "use_qk_l2norm_in_kernel": False})[0])

@@ -54,19 +54,30 @@ def _dequantized(path) -> dict[str, np.ndarray]:
     return out
 
 
-def _runs_as_transformers_runs(imported, checkpoint) -> None:
+def _runs_as_transformers_runs(imported, checkpoint, monkeypatch) -> None:
     """The float import's logits (1e-5 of the largest) and greedy tokens on MLX and on ``auto`` (the transformers
-    engine) as transformers' own float32 model of ``checkpoint`` gives them."""
+    engine) as transformers' own float32 model of ``checkpoint`` gives them; the transformers engine's decode
+    steps through the library's gated delta step (csrc/delta.cpp), where it is built."""
+    import torch
+
+    from umakit.backends.torch.cpu import build
+
     ref = reference(checkpoint)
     want = ref_logits(ref, PROMPT)
+    steps = []
+    if build.ensure():
+        real = torch.ops.umakit.delta_rule_step
+        monkeypatch.setattr(torch.ops.umakit, "delta_rule_step", lambda *a: steps.append(1) or real(*a))
     for backend, engine in (("mlx", "mlx"), ("auto", "transformers")):
         model = umakit.load(imported, backend=backend, dtype="float32")
         assert model.info.backend == engine
         np.testing.assert_allclose(model.logits(PROMPT), want, atol=1e-5 * np.abs(want).max(), rtol=0)
         assert greedy(model, PROMPT, 8) == greedy_reference(ref, PROMPT, 8), backend
+    assert bool(steps) == build.ensure()  # the decode steps' linear attention, each layer's
 
 
-def test_a_float_file_comes_back_as_its_checkpoint_and_runs_as_transformers_runs_it(original, tmp_path):
+def test_a_float_file_comes_back_as_its_checkpoint_and_runs_as_transformers_runs_it(original, tmp_path,
+                                                                                   monkeypatch):
     src = gguf_qwen35.write_gguf(original, tmp_path / "model.gguf")
     report = import_gguf(src, tmp_path / "imported")
     assert not report.lossy_tensors
@@ -78,7 +89,7 @@ def test_a_float_file_comes_back_as_its_checkpoint_and_runs_as_transformers_runs
                                    err_msg=name)
     config = json.loads((tmp_path / "imported" / "config.json").read_text())
     assert config["model_type"] == "qwen3_5_text" and config["layer_types"][-1] == "full_attention"
-    _runs_as_transformers_runs(tmp_path / "imported", original)
+    _runs_as_transformers_runs(tmp_path / "imported", original, monkeypatch)
 
 
 @pytest.mark.parametrize("qtype, step", [(T.Q8_0, 1 / 127), (T.Q4_0, 1 / 7)])
@@ -164,14 +175,15 @@ def mixture(tmp_path_factory):
     return gguf_qwen35.make(tmp_path_factory.mktemp("qwen35moe") / "hf", moe=True)
 
 
-def test_the_mixture_s_file_runs_on_both_engines_as_transformers_runs_its_checkpoint(mixture, tmp_path):
+def test_the_mixture_s_file_runs_on_both_engines_as_transformers_runs_its_checkpoint(mixture, tmp_path,
+                                                                                    monkeypatch):
     """qwen35moe: the routed experts (3-D stacks) become mlx-lm's ``switch_mlp`` stacks, which MLX reads and the
     transformers engine takes into transformers' own experts modules (switch.py); ``auto`` takes the latter."""
     src = gguf_qwen35.write_gguf(mixture, tmp_path / "model.gguf")
     import_gguf(src, tmp_path / "imported")
     config = json.loads((tmp_path / "imported" / "config.json").read_text())
     assert config["model_type"] == "qwen3_5_moe_text" and config["num_experts"] == 4
-    _runs_as_transformers_runs(tmp_path / "imported", mixture)
+    _runs_as_transformers_runs(tmp_path / "imported", mixture, monkeypatch)
 
 
 @pytest.fixture(scope="module")
@@ -275,7 +287,7 @@ def next_(tmp_path_factory):
     return gguf_qwen35.make(tmp_path_factory.mktemp("qwen3next") / "hf", next_=True)
 
 
-def test_qwen3_next_s_split_projection_is_joined_back(next_, tmp_path):
+def test_qwen3_next_s_split_projection_is_joined_back(next_, tmp_path, monkeypatch):
     """qwen3next: llama.cpp splits ``in_proj_qkvz`` (each key head's q, k, v and z together) into ``attn_qkv`` and
     ``attn_gate``; the import joins them back (quantized rows as stored) and writes mlx-lm's own layout for the
     model (its experts as stacks, so its norms as 1 + w and its conv kernel (channels, kernel, 1)), which MLX runs
@@ -286,7 +298,7 @@ def test_qwen3_next_s_split_projection_is_joined_back(next_, tmp_path):
     ours, theirs = _tensors(tmp_path / "imported"), _tensors(next_)
     name = "model.layers.0.linear_attn.in_proj_qkvz.weight"
     np.testing.assert_array_equal(ours[name], theirs[name])
-    _runs_as_transformers_runs(tmp_path / "imported", next_)
+    _runs_as_transformers_runs(tmp_path / "imported", next_, monkeypatch)
     quantized = gguf_qwen35.write_gguf(next_, tmp_path / "q8.gguf", dense=T.Q8_0)
     import_gguf(quantized, tmp_path / "q8")
     got, want_w = _dequantized(tmp_path / "q8")[name], theirs[name]

@@ -130,8 +130,8 @@ class TransformersBatchDecoder:
         longest = max(self._lengths)
         ids = torch.tensor(self._next, dtype=torch.long, device=device)[:, None]
         where = torch.tensor(self._lengths, dtype=torch.long, device=device)[:, None]
-        out = engine.model(ids, **{engine._cache_arg: self._batch}, use_cache=True, position_ids=where,
-                           attention_mask=stacking.mask(self._lengths, longest, device))
+        out = engine.run(ids, **{engine._cache_arg: self._batch}, use_cache=True, position_ids=where,
+                         attention_mask=stacking.mask(self._lengths, longest, device))
         self._lengths = [n + 1 for n in self._lengths]
         return out.logits[:, -1, :]
 

@@ -34,6 +34,7 @@ from umakit.backends.torch.sampler import TorchOps
 from umakit.backends.transformers import SPEC
 from umakit.backends.transformers.batch_decoder import TransformersBatchDecoder
 from umakit.backends.transformers.cache import TransformersCache
+from umakit.backends.transformers import recurrent
 from umakit.checkpoint import config as config_compat
 from umakit.checkpoint.hfquant.detect import native_block
 from umakit.errors import BackendUnavailableError, InvalidArgumentError, UnsupportedModelError
@@ -133,6 +134,8 @@ class TransformersEngine:
         self._keeps = "logits_to_keep" in accepts
         self._cache_dtype = dtype
         _quiet_kernel_fallbacks()
+        if device == "cpu":
+            recurrent.install(self.model)
 
     # -- forward passes ---------------------------------------------------------------------------------
     def make_cache(self, kv_bits: int | None = None) -> TransformersCache:
@@ -149,9 +152,14 @@ class TransformersEngine:
         options = {self._cache_arg: cache.hf, "use_cache": True, "position_ids": where[None]}
         if not head and self._keeps:
             options["logits_to_keep"] = 1
-        out = self.model(ids[None], **options)
+        out = self.run(ids[None], **options)
         cache.advance(len(ids))
         return out.logits[0]
+
+    def run(self, *args, **kwargs):
+        """The model's forward pass, with umakit's CPU steps where they apply (recurrent.py)."""
+        with recurrent.umakit_forward():
+            return self.model(*args, **kwargs)
 
     def step_logits(self, token: int, cache: TransformersCache) -> torch.Tensor:
         """Logits (1, V) of one token appended to ``cache`` (a decode step; batch_decoder.py)."""
