@@ -236,6 +236,8 @@ def test_a_4_bit_mixture_runs_its_experts_packed_as_its_float_twin(moe, tmp_path
     packed = umakit.load(out, backend="torch", device="cpu")
     exact = umakit.load(out, backend="torch", device="cpu", dtype="float32")
     assert any(getattr(m, "forms", None) for m in packed.engine.model.modules())  # the experts packed one by one
+    # tanh GELU, one the experts' C++ call computes: a decode step's experts in one call (experts.cpp)
+    assert all(m.native_act == 1 for m in packed.engine.model.modules() if type(m).__name__ == "SwitchMLP")
     prompt = PROMPT[:12]
     ours, want = packed.logits(prompt), exact.logits(prompt)
     assert np.abs(ours - want).max() <= 1e-2 * np.abs(want).max(), np.abs(ours - want).max()
