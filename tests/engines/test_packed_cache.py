@@ -143,3 +143,17 @@ def test_a_layer_packed_otherwise_from_the_same_files_is_written_again(tmp_path)
     before = (tmp_path / "p.safetensors").stat().st_mtime_ns
     packed_cache.PackedCache(tmp_path / "p.safetensors").store({"lm_head.codes0": torch.ones(8, 48, dtype=torch.uint8)})
     assert (tmp_path / "p.safetensors").stat().st_mtime_ns == before  # held already: not written again
+
+
+def test_a_layer_gets_its_own_names_only(tmp_path):
+    """`get` gives a layer's names and not those of a layer nested in it or named with it as a prefix (one lookup
+    a layer: a mixture's thousands of experts each scanned every name before)."""
+    import torch
+
+    names = ["layers.1.codes0", "layers.1.sb0", "layers.10.codes0", "layers.1.forms.0.codes0", "layers.codes0"]
+    packed_cache.PackedCache(tmp_path / "p.safetensors").store({k: torch.zeros(8, 8, dtype=torch.uint8)
+                                                                 for k in names})
+    cache = packed_cache.PackedCache(tmp_path / "p.safetensors")
+    assert sorted(cache.get("layers.1")) == ["codes0", "sb0"]
+    assert list(cache.get("layers.1.forms.0")) == ["codes0"] and list(cache.get("layers")) == ["codes0"]
+    assert cache.get("layers.2") == {}

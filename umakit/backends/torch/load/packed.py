@@ -55,10 +55,13 @@ class PackedCache:
         self.path = path
         self.file = None  # the stored packing, read a layer at a time
         self.names: set[str] = set()
+        self._layers: dict[str, list[str]] = {}  # a layer's module path -> its stored names (one lookup a layer)
         if path.exists():
             with contextlib.suppress(OSError, SafetensorError):
                 self.file = safe_open(path, framework="pt")
                 self.names = set(self.file.keys())
+        for k in self.names:
+            self._layers.setdefault(k.rpartition(".")[0], []).append(k)
 
     def _holds(self, name: str, t: torch.Tensor) -> bool:
         try:
@@ -74,10 +77,9 @@ class PackedCache:
 
     def get(self, name: str) -> dict[str, torch.Tensor]:
         """The stored packing of the layer at module path ``name``, by the layer's names (empty if none)."""
-        prefix = f"{name}."
-        keys = [k for k in self.names if k.startswith(prefix) and "." not in k[len(prefix):]]
+        keys = self._layers.get(name, ())
         try:
-            return {k[len(prefix):]: _aligned(self.file.get_tensor(k)) for k in keys}
+            return {k[len(name) + 1:]: _aligned(self.file.get_tensor(k)) for k in keys}
         except (OSError, SafetensorError):
             return {}
 

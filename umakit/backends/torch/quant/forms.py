@@ -158,11 +158,13 @@ def pack_experts(m: Experts, path: str, prepacked=lambda path: {}) -> None:
             q.bias = m.bias[e]
         experts.append(q)
     kept = [prepacked(f"{path}.forms.{e}") for e in range(m.n)]
+    reused = all(affine.AffineLinear.reuses([q], k) for q, k in zip(experts, kept))
     unread = m.weight.stride(-1) == 0  # load/openai_experts.py left the codes unread: the kept packing has them
-    if unread and not all(affine.AffineLinear.reuses([q], k) for q, k in zip(experts, kept)):
+    if unread and not reused:
         raise CheckpointError(f"{path}: the packing kept under $UMAKIT_HOME/packed does not fit this load; "
                               f"delete it to pack again")
-    if not unread and (not affine.supports(experts[0]) or not all(_in_half_range(t) for t in (m.scales, m.biases))):
+    # a packing kept from these files passed the checks when it was made
+    if not reused and (not affine.supports(experts[0]) or not all(_in_half_range(t) for t in (m.scales, m.biases))):
         return
     m.forms = nn.ModuleList(affine.AffineLinear([q], k) for q, k in zip(experts, kept))
     for name in ("weight", "scales", "biases"):
