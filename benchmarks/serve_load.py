@@ -2,6 +2,7 @@
 
     python benchmarks/serve_load.py [--levels 1,2,4,8,16] [--max-tokens 48] [--prompt-tokens 256]
         [--shared-prefix 1000] [--requests 2] [--llama-server PATH] [--llama-python PATH] [--skip-mlx]
+        [--step-tokens 32,48] [--steps separate,mixed]
 
 Starts each server in turn on 127.0.0.1 (umakit serve; mlx-lm's server on the
 same imported weights; llama.cpp's own llama-server on the same GGUF, built
@@ -232,6 +233,8 @@ def main() -> None:
     ap.add_argument("--skip-umakit", action="store_true")
     ap.add_argument("--model", type=Path, help="a GGUF to serve instead of the built-in model (both servers)")
     ap.add_argument("--step-tokens", default="", help="comma-separated --step-tokens values: umakit once with each")
+    ap.add_argument("--steps", default="", help="comma-separated 'separate' and 'mixed': umakit once with each of "
+                                                "--separate-steps and --mixed-steps (default: neither flag)")
     args = ap.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
     prompts = Prompts(args.prompt_tokens, args.shared_prefix)
@@ -239,10 +242,13 @@ def main() -> None:
     path = str(args.model.resolve()) if args.model else str(umakit.resolve_model(None))
     notes, rows = [], []
     top = max(levels)
-    for step in ([] if args.skip_umakit else args.step_tokens.split(",") if args.step_tokens else [""]):
-        rows += run_server("umakit serve (torch-CPU)" + (f", --step-tokens {step}" if step else ""),
+    runs = [(step, how) for step in (args.step_tokens.split(",") if args.step_tokens else [""])
+            for how in (args.steps.split(",") if args.steps else [""])]
+    for step, how in ([] if args.skip_umakit else runs):
+        flags = (["--step-tokens", step] if step else []) + ([f"--{how}-steps"] if how else [])
+        rows += run_server(" ".join(["umakit serve (torch-CPU)" + ("," if flags else ""), *flags]),
                            [sys.executable, "-m", "umakit.cli.main", "serve", path, "--port", "{port}",
-                            "--max-concurrency", str(max(top, 16)), *(["--step-tokens", step] if step else [])],
+                            "--max-concurrency", str(max(top, 16)), *flags],
                            "/health", levels, args.max_tokens, prompts, args.requests)
     if args.model and not args.skip_mlx:
         notes.append("mlx-lm's server was not run: it does not read a GGUF file.")
@@ -285,13 +291,14 @@ def main() -> None:
                      f"{r['tps']:.1f} | {r['prefill_tps']:.0f} | "
                      f"{r['ttft_p50']:.2f} | {r['ttft_p95']:.2f} | {1000 * r['itl_p50']:.0f} | "
                      f"{1000 * r['itl_p95']:.0f} | {'' if share is None else f'{100 * share:.0f}%'} |")
-    ours = {r["clients"]: r["tps"] for r in rows if r["server"] == "umakit serve (torch-CPU)"}
     theirs = {r["clients"]: r["tps"] for r in rows if r["server"].startswith("llama-server")}
     lines.append("")
-    if 1 in ours and 8 in ours:
-        lines.append(f"- umakit at 8 clients: {ours[8] / ours[1]:.2f}x its aggregate tok/s at 1 client")
-    for c in sorted(set(ours) & set(theirs)):
-        lines.append(f"- {c} client(s): umakit {ours[c] / theirs[c]:.2f}x llama-server's aggregate tok/s")
+    for name in dict.fromkeys(r["server"] for r in rows if r["server"].startswith("umakit")):
+        ours = {r["clients"]: r["tps"] for r in rows if r["server"] == name}
+        if 1 in ours and 8 in ours:
+            lines.append(f"- {name} at 8 clients: {ours[8] / ours[1]:.2f}x its aggregate tok/s at 1 client")
+        for c in sorted(set(ours) & set(theirs)):
+            lines.append(f"- {c} client(s): {name} {ours[c] / theirs[c]:.2f}x llama-server's aggregate tok/s")
     for n in notes:
         lines.append(f"- {n}")
     table = "\n".join(lines)

@@ -312,6 +312,35 @@ def _close(a: np.ndarray, b: np.ndarray) -> None:
     np.testing.assert_allclose(a, b, atol=1e-4 * max(np.abs(b).max(), 1.0), rtol=0)
 
 
+@pytest.mark.parametrize("mixed", [None, False, True])
+def test_a_steps_prompt_slice_lands_in_its_cache_as_a_prefill(engine, mixed):
+    """`BatchDecoder.step(prefill=...)`: the rows decode on as without it, the slice's cache continues as one
+    `Engine.prefill` filled, and joins as one; ``mixed=True`` only with the ``mixed_steps`` feature."""
+    if mixed and base.MIXED not in engine.features:
+        with pytest.raises(InvalidArgumentError, match="--mixed-steps"):
+            engine.batch_decoder(mixed=True)
+        return
+    plain = _batch(engine)
+    plain.add([base.BatchRow(0, PROMPT, GREEDY)])
+    want = _decode(plain, {0: 8})[0]
+    decoder = engine.batch_decoder(mixed=mixed)
+    assert decoder.mixes is bool(mixed) or mixed is None and isinstance(decoder.mixes, bool)
+    decoder.add([base.BatchRow(0, PROMPT, GREEDY)])
+    other = [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 12, 13]
+    cache, got = engine.make_cache(), []
+    for lo, hi in ((0, 5), (5, 6), (6, len(other) - 1)):
+        got += [t for _, t in decoder.step((other[lo:hi], cache))]
+    assert cache.offset == len(other) - 1
+    _close(engine.logits(other[-1:], cache.copy(cache.offset)),
+           engine.logits(other[-1:], _prefilled(engine, other[:-1])))
+    decoder.add([base.BatchRow(1, other, GREEDY, cache=cache)])
+    rest = _decode(decoder, {0: 8, 1: 4})
+    assert (got + rest[0])[:8] == want
+    lone = _batch(engine)
+    lone.add([base.BatchRow(1, other, GREEDY)])
+    assert rest[1] == _decode(lone, {1: 4})[1]
+
+
 @pytest.mark.parametrize("held", [0, 4, len(PROMPT) - 1])
 def test_batch_row_with_a_prefilled_cache_decodes_as_without(engine, held):
     plain = _batch(engine)

@@ -168,10 +168,10 @@ def spy(tiny_model, monkeypatch):
             spy.seen.append(spy.depth)
             yield t
 
-    def batch_decoder(kv_bits=None, lookup=None):
-        decoder = real_decoder(kv_bits, lookup)
+    def batch_decoder(kv_bits=None, lookup=None, mixed=None):
+        decoder = real_decoder(kv_bits, lookup, mixed)
         real_step = decoder.step
-        decoder.step = lambda: spy.seen.append(spy.depth) or real_step()
+        decoder.step = lambda *slice: spy.seen.append(spy.depth) or real_step(*slice)
         return decoder
 
     monkeypatch.setattr(engine, "generate_tokens", generate_tokens)

@@ -78,6 +78,33 @@ def test_concurrent_requests_decode_together_and_each_gets_its_lone_tokens(model
     assert m["requests_total"] == len(PROMPTS) and m["generated_tokens_total"] >= emitted
 
 
+def test_mixed_steps_carry_the_prompt_slices_and_each_request_gets_its_lone_tokens(model, loop):
+    """`--mixed-steps`: prompts that arrive while a row decodes ride in its steps' own passes, a slice a step (the
+    tiny float model's rows keep their lone tokens there); an engine without the feature refuses it at start."""
+    settings = SchedulerSettings(max_concurrency=8, prefill_chunk=4, step_tokens=3, mixed_steps=True)
+    if model.engine.name != "torch":
+        looks = iter([False])
+        with pytest.raises(Exception, match="--mixed-steps"):
+            Scheduler(model, settings).run(until=lambda: next(looks, True))
+        return
+    s = Scheduler(model, settings)
+    s.start()
+    try:
+        lengths = [60, 12, 5, 20, 9, 16]
+        first = s.submit(request(model, PROMPTS[0], lengths[0]), loop)
+        opened = loop.run_until_complete(asyncio.wait_for(first.queue.get(), 60))  # it decodes from here on
+        handles = [first] + [s.submit(request(model, p, n), loop) for p, n in zip(PROMPTS[1:], lengths[1:])]
+        results = run_all(loop, handles)
+        results[0].insert(0, opened)
+        m = s.metrics()
+    finally:
+        s.stop()
+    for prompt, n, events in zip(PROMPTS, lengths, results):
+        want = model.generate(prompt, raw=True, max_tokens=n, temperature=0)
+        assert text_and_tokens(events)[:2] == (want.text, want.tokens)
+    assert m["mixed_steps_total"] > 0 and m["requests_total"] == len(PROMPTS)
+
+
 def test_the_next_turn_finds_the_previous_cache(model, loop):
     s = Scheduler(model, SchedulerSettings())
     s.start()
@@ -195,11 +222,11 @@ def test_a_failing_worker_fails_requests_with_the_reason_and_restarts(model, loo
     real = type(model.engine).batch_decoder
     calls = {"n": 0}
 
-    def flaky(engine, kv_bits=None, lookup=None):
-        decoder = real(engine, kv_bits, lookup)
+    def flaky(engine, kv_bits=None, lookup=None, mixed=None):
+        decoder = real(engine, kv_bits, lookup, mixed)
         calls["n"] += 1
         if calls["n"] == 1:
-            def boom():
+            def boom(*_):
                 raise RuntimeError("injected step failure")
             decoder.step = boom
         return decoder
@@ -263,10 +290,10 @@ def test_run_serves_in_the_calling_thread_until_told(model, monkeypatch):
     real = type(model.engine).batch_decoder
     stepped_in, ready, results = set(), [], []
 
-    def spying(engine, kv_bits=None, lookup=None):
-        decoder = real(engine, kv_bits, lookup)
+    def spying(engine, kv_bits=None, lookup=None, mixed=None):
+        decoder = real(engine, kv_bits, lookup, mixed)
         step = decoder.step
-        decoder.step = lambda: stepped_in.add(threading.current_thread()) or step()
+        decoder.step = lambda *slice: stepped_in.add(threading.current_thread()) or step(*slice)
         return decoder
 
     def client():
@@ -291,7 +318,7 @@ def test_run_serves_in_the_calling_thread_until_told(model, monkeypatch):
 
 
 def test_run_raises_when_the_worker_cannot_start(model, monkeypatch):
-    def broken(engine, kv_bits=None, lookup=None):
+    def broken(engine, kv_bits=None, lookup=None, mixed=None):
         raise RuntimeError("no decoder today")
 
     monkeypatch.setattr(type(model.engine), "batch_decoder", broken)

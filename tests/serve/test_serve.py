@@ -387,12 +387,12 @@ def test_worker_failure_is_a_500_with_the_reason_then_it_restarts(local, name, m
     real = local.engine.batch_decoder
     broken = {"left": 1}
 
-    def flaky(kv_bits=None, lookup=None):
-        decoder = real(kv_bits, lookup)
+    def flaky(kv_bits=None, lookup=None, mixed=None):
+        decoder = real(kv_bits, lookup, mixed)
         if broken["left"]:
             broken["left"] -= 1
 
-            def step():
+            def step(*_):
                 raise RuntimeError("injected failure")
             decoder.step = step
         return decoder

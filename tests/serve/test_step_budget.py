@@ -80,10 +80,10 @@ def test_a_running_row_waits_on_one_prefill_pass_at_most(tiny_dir, monkeypatch):
     engine, events = model.engine, []
     real_prefill, real_decoder = engine.prefill, type(engine).batch_decoder
 
-    def spying(self, kv_bits=None, lookup=None):
-        decoder = real_decoder(self, kv_bits, lookup)
+    def spying(self, kv_bits=None, lookup=None, mixed=None):
+        decoder = real_decoder(self, kv_bits, lookup, mixed)
         step = decoder.step
-        decoder.step = lambda: events.append("step") or step()
+        decoder.step = lambda *slice: events.append("step") or step(*slice)
         return decoder
 
     def prefill(ids, cache):  # the decoder's own call for a row whose cache holds its prompt already has no tokens

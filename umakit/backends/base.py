@@ -22,9 +22,9 @@ from umakit.plan.shapes import PREFILL_CHUNK  # tokens per prefill chunk, every 
 if TYPE_CHECKING:
     import numpy as np
 
-__all__ = ["PREFILL_CHUNK", "MAX_LOGPROBS", "QUANTIZED_KV", "BATCH", "BATCH_KV_BITS", "CONSTRAIN", "QUANTIZE", "OFFLOAD",
-           "EXPORT", "LOOKUP", "FEATURES", "FEATURE_NAMES", "EngineSpec", "KVCache", "WeightInfo", "TokenConstraint",
-           "BatchRow", "Lookup", "BatchDecoder", "Engine", "refuse_options"]
+__all__ = ["PREFILL_CHUNK", "MAX_LOGPROBS", "QUANTIZED_KV", "BATCH", "BATCH_KV_BITS", "CONSTRAIN", "QUANTIZE",
+           "OFFLOAD", "EXPORT", "LOOKUP", "MIXED", "FEATURES", "FEATURE_NAMES", "EngineSpec", "KVCache", "WeightInfo",
+           "TokenConstraint", "BatchRow", "Lookup", "BatchDecoder", "Engine", "refuse_options"]
 
 # Optional features an engine declares (its spec's ``features``):
 QUANTIZED_KV = "kv_bits"  # a quantized KV cache (make_cache(kv_bits=4|8))
@@ -35,12 +35,13 @@ QUANTIZE = "quantize"  # quantize a float checkpoint on load (from_checkpoint(qu
 OFFLOAD = "offload"  # stream layers from host memory (from_checkpoint(gpu_layers=..., vram_budget=...))
 EXPORT = "export"  # hand its loaded weights back in checkpoint layout (export_weights())
 LOOKUP = "batch_lookup"  # batch rows that speculate by prompt lookup (batch_decoder(lookup=Lookup(...)))
-FEATURES = (QUANTIZED_KV, BATCH, BATCH_KV_BITS, CONSTRAIN, QUANTIZE, OFFLOAD, EXPORT, LOOKUP)
+MIXED = "mixed_steps"  # a prompt slice in the rows' own forward pass (batch_decoder(mixed=True))
+FEATURES = (QUANTIZED_KV, BATCH, BATCH_KV_BITS, CONSTRAIN, QUANTIZE, OFFLOAD, EXPORT, LOOKUP, MIXED)
 # How an error names a feature to the user: the flag or option that asks for it.
 FEATURE_NAMES = {QUANTIZED_KV: "--kv-bits", BATCH: "batched decoding", BATCH_KV_BITS: "--kv-bits in a batch",
                  CONSTRAIN: "constrained decoding (a schema, regex, grammar or forced tool call)",
                  QUANTIZE: "--quantize", OFFLOAD: "--gpu-layers and --vram-budget", EXPORT: "exporting its weights",
-                 LOOKUP: "--prompt-lookup or --draft in batch and serve"}
+                 LOOKUP: "--prompt-lookup or --draft in batch and serve", MIXED: "--mixed-steps"}
 
 MAX_LOGPROBS = 20  # most alternatives a batch row may ask for (OpenAI's top_logprobs limit)
 
@@ -224,9 +225,18 @@ class BatchDecoder(Protocol):
         Their first sampled tokens come out of later `step` calls.
         """
 
-    def step(self) -> list[tuple[int, int]]:
+    @property
+    def mixes(self) -> bool:
+        """Whether `step` puts a prompt slice into the rows' own forward pass (``batch_decoder(mixed=...)``)."""
+
+    def step(self, prefill: tuple[Sequence[int], KVCache] | None = None) -> list[tuple[int, int]]:
         """Advance every row by one forward pass; returns ``(row id, token)`` pairs, a row's in order (several
         where it speculates, `Lookup`).
+
+        ``prefill``: a waiting prompt's next tokens and its own cache (one `Engine.make_cache` made), which
+        they are appended to as `Engine.prefill` appends them. Where the decoder `mixes`, they ride in the
+        rows' forward pass (the weights read once for both; the rows then take that pass's arithmetic, so
+        their last bits may differ from a lone step's); elsewhere they get a pass of their own first.
 
         A decoder may run one step ahead of what it returns (so the device
         computes step n+1 while the caller handles step n): rows added since
@@ -329,10 +339,13 @@ class Engine(Protocol):
     def logits(self, tokens: Sequence[int], cache: KVCache | None = None) -> np.ndarray:
         """Float32 logits (T, V) for ``tokens`` appended to ``cache`` (or alone)."""
 
-    def batch_decoder(self, kv_bits: int | None = None, lookup: Lookup | None = None) -> BatchDecoder:
+    def batch_decoder(self, kv_bits: int | None = None, lookup: Lookup | None = None,
+                      mixed: bool | None = None) -> BatchDecoder:
         """A fresh batched decoder over this engine (feature ``batch``); its rows' caches quantized to ``kv_bits``
         (4 or 8; feature ``batch_kv_bits``) as ``make_cache(kv_bits)`` makes them; its greedy rows speculating
-        by ``lookup`` (feature ``batch_lookup``; `InvalidArgumentError` where it cannot now)."""
+        by ``lookup`` (feature ``batch_lookup``; `InvalidArgumentError` where it cannot now); a step's prompt
+        slice in the rows' pass with ``mixed`` True (feature ``mixed_steps``; `InvalidArgumentError` where the
+        model cannot), never with False, and where the engine finds it pays with None."""
 
     def weight_info(self) -> WeightInfo: ...
 
@@ -354,9 +367,9 @@ def refuse_options(spec: EngineSpec, **options) -> None:
     from umakit.errors import InvalidArgumentError
 
     needs = {"quantize": QUANTIZE, "gpu_layers": OFFLOAD, "vram_budget": OFFLOAD, "batch_kv_bits": BATCH_KV_BITS,
-             "constrain": CONSTRAIN, "lookup": LOOKUP}
+             "constrain": CONSTRAIN, "lookup": LOOKUP, "mixed": MIXED}
     for key, value in options.items():
         if value is not None and needs[key] not in spec.features:
-            name = FEATURE_NAMES[needs[key]] if needs[key] in (BATCH_KV_BITS, CONSTRAIN, LOOKUP) else \
+            name = FEATURE_NAMES[needs[key]] if needs[key] in (BATCH_KV_BITS, CONSTRAIN, LOOKUP, MIXED) else \
                 key.replace("_", "-")
             raise InvalidArgumentError(f"the {spec.name} backend does not support {name}")

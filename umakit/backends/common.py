@@ -260,6 +260,13 @@ def read_figures(f: tuple) -> tuple[float, list[tuple[int, float]]]:
     return chosen.item(), list(zip(ids[0].tolist(), values[0].tolist()))
 
 
+def prefill_apart(engine, prefill: tuple[Sequence[int], Any] | None) -> None:
+    """`BatchDecoder.step`'s prompt slice, for a decoder that does not mix it into its rows' pass: a pass of its own,
+    before theirs."""
+    if prefill is not None:
+        engine.prefill(*prefill)
+
+
 def check_prompt(prompt: Sequence[int]) -> None:
     """Refuse an empty prompt: a sequence continues from its last token."""
     if not prompt:

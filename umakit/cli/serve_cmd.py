@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import click
 
-from umakit.backends.base import BATCH
+from umakit.backends.base import BATCH, MIXED
 from umakit.serve import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S, DEFAULT_HOST, DEFAULT_MAX_BODY_BYTES,
                           DEFAULT_PORT, DEFAULT_SEND_TIMEOUT_S)
 from umakit.serve.types import SchedulerSettings
@@ -60,6 +60,11 @@ def _size_or_zero(ctx, param, value):
               help="Prompt tokens prefilled between two decode steps while requests are decoding: lower keeps "
                    "their tokens coming more evenly, higher prefills new prompts faster (default: measured on the "
                    "model at start, so that a prefill pass takes about twice its fixed cost).")
+@click.option("--mixed-steps/--separate-steps", "mixed_steps", default=None,
+              help="Prefill a waiting prompt's slice in the decoding rows' own forward pass, the weights read once "
+                   "for both (faster under load; the rows then take that pass's arithmetic, so a greedy reply may "
+                   "differ from a lone run's in a near tie), or in a pass of its own (default: mixed on CUDA, "
+                   "separate on a CPU; the torch engine only).")
 @click.option("--max-body-bytes", metavar="SIZE", callback=_size, default=str(DEFAULT_MAX_BODY_BYTES),
               help=f"Largest request body; larger ones get 413 (default {size(DEFAULT_MAX_BODY_BYTES)}).")
 @click.option("--request-timeout", type=click.FloatRange(min=0, min_open=True), metavar="S",
@@ -92,9 +97,9 @@ def _size_or_zero(ctx, param, value):
 @offload_options
 @parallel_option
 def serve_cmd(models, models_file, keep_alive, memory_budget, host, port, api_key, api_keys_file, max_concurrency,
-              max_queue, prompt_cache_bytes, step_tokens, max_body_bytes, request_timeout, body_timeout, header_timeout,
-              send_timeout, allowed_origins, allowed_hosts, kv_bits, prompt_lookup, draft, draft_tokens, ngram, backend,
-              device, dtype, peak_bandwidth, gpu_layers, vram_budget, parallel):
+              max_queue, prompt_cache_bytes, step_tokens, mixed_steps, max_body_bytes, request_timeout, body_timeout,
+              header_timeout, send_timeout, allowed_origins, allowed_hosts, kv_bits, prompt_lookup, draft, draft_tokens,
+              ngram, backend, device, dtype, peak_bandwidth, gpu_layers, vram_budget, parallel):
     """Serve models over OpenAI's and Anthropic's HTTP APIs: chat completions, completions, responses and
     messages, streamed or not, with tool calls and structured outputs.
 
@@ -109,12 +114,13 @@ def serve_cmd(models, models_file, keep_alive, memory_budget, host, port, api_ke
 
     lookup = batch_lookup(prompt_lookup, draft_tokens, ngram, draft)  # with --draft: checked, made once loaded
     load = dict(backend=backend, device=device, dtype=dtype, peak_bandwidth=peak_bandwidth,
-                needs={BATCH} | batch_kv_needs(kv_bits) | lookup_needs(prompt_lookup or draft is not None),
+                needs={BATCH} | batch_kv_needs(kv_bits) | lookup_needs(prompt_lookup or draft is not None)
+                | ({MIXED} if mixed_steps else set()),
                 gpu_layers=gpu_layers, vram_budget=vram_budget)
     origins = tuple(o.strip().rstrip("/") for o in allowed_origins.split(",") if o.strip())
     settings = SchedulerSettings(max_concurrency=max_concurrency, max_queue=max_queue,
                                  prompt_cache_bytes=prompt_cache_bytes, request_timeout_s=request_timeout,
-                                 kv_bits=kv_bits, step_tokens=step_tokens, lookup=lookup)
+                                 kv_bits=kv_bits, step_tokens=step_tokens, lookup=lookup, mixed_steps=mixed_steps)
     keys = _keys(api_key, api_keys_file)
     hosts = (host, *(h.strip() for h in allowed_hosts.split(",") if h.strip()))
     deadlines = (header_timeout, send_timeout)

@@ -22,6 +22,17 @@ class NeverFits(UmakitError):
     """A request whose KV cache alone is more than this machine can give a row: refused, never queued."""
 
 
+def kv_tokens(request: GenerationRequest) -> int:
+    """Cache positions a request's row may take: its prompt and its longest reply."""
+    return len(request.prompt) + request.max_tokens
+
+
+def too_big(request: GenerationRequest, kv_bytes: int, budget: int) -> str:
+    tokens = kv_tokens(request)
+    return (f"the request needs {tokens} tokens of KV cache ({(tokens * kv_bytes) >> 20} MiB), more than the "
+            f"{budget >> 20} MiB this machine can give it; ask for fewer max_tokens")
+
+
 class Handle:
     """A submitted request as its HTTP handler sees it: a queue of events, and a way to give up.
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections import Counter
+from collections import Counter, deque
 
 METRIC_HELP = {
     "requests_total": "Completion requests accepted by the scheduler.",
@@ -15,6 +15,7 @@ METRIC_HELP = {
     "cached_tokens_total": "Prompt tokens found in the prompt cache instead of prefilled.",
     "worker_restarts_total": "Times the generation worker failed and was restarted.",
     "decode_steps_total": "Batched decode steps run.",
+    "mixed_steps_total": "Decode steps whose pass also prefilled a waiting prompt's slice (--mixed-steps).",
     "queue_depth": "Requests waiting for a row.",
     "active_rows": "Rows decoding now.",
     "prefilling_requests": "Requests prefilling their prompt now.",
@@ -35,6 +36,25 @@ MODEL_METRIC_HELP = {
     "bytes": "Bytes the model holds (its files while it loads).", "active_requests": "Requests holding the model.",
     "loads_total": "Times the model was loaded.", "idle_seconds": "Seconds since the model's last request ended.",
 }
+
+
+class RecentRates:
+    """Tokens and bytes of the steps of the last ``window`` seconds, as rates a second."""
+
+    def __init__(self, window: float):
+        self.window, self._steps = window, deque()
+
+    def add(self, now: float, tokens: int, read: float) -> None:
+        self._steps.append((now, tokens, read))
+
+    def rates(self, now: float) -> tuple[float, float]:
+        """(tokens, bytes) a second over the window."""
+        while self._steps and now - self._steps[0][0] > self.window:
+            self._steps.popleft()
+        if not self._steps:
+            return 0.0, 0.0
+        span = max(now - self._steps[0][0], 1e-9)
+        return sum(t for _, t, _ in self._steps) / span, sum(b for _, _, b in self._steps) / span
 
 
 def prometheus(metrics: dict[str, float], responses: Counter, per_model: list = ()) -> str:

@@ -1,11 +1,11 @@
 """The one owner of the engine: continuous batching across requests, supervised.
 
-A worker thread runs the engine's batched decoder (`Engine.batch_decoder`, the declared protocol) one step at
-a time. Every active request is one row of that step, whatever its sampling settings or seed; new requests
-join between steps. A prompt is prefilled into a cache of its own, a slice per loop (the step budget:
-serve/budget.py), so the running rows stall by one slice at most; then it joins the batch with that cache
-(`BatchRow.cache`). A finished row's cache goes into the prompt cache, where the next turn of the same
-conversation finds it. A request whose client went away is dropped at the next step. Requests are validated
+A worker thread runs the engine's batched decoder (`Engine.batch_decoder`, the declared protocol) one step at a
+time. Every active request is one row of that step, whatever its sampling settings or seed; new requests join
+between steps. A prompt is prefilled into a cache of its own, a slice a step (the step budget: serve/budget.py; in
+the rows' own pass where the decoder mixes), so running rows stall by one slice at most; then it joins the batch
+with that cache (`BatchRow.cache`). A finished row's cache goes into the prompt cache, where the next turn of the
+same conversation finds it. A request whose client went away is dropped at the next step. Requests are validated
 before they get here; the HTTP layer talks to the worker only through `submit` and each request's event queue.
 
 If the worker fails, every request in flight gets an `ErrorEvent` with the reason, `healthy` is False, and
@@ -33,7 +33,8 @@ from umakit.backends.base import BatchRow
 from umakit.generate.stream import FINISH_STOP, DecodeRow
 from umakit.serve.budget import StepBudget, measure_model
 from umakit.serve.api_errors import internal
-from umakit.serve.jobs import Handle, Job, NeverFits, QueueFull
+from umakit.serve.jobs import Handle, Job, NeverFits, QueueFull, kv_tokens, too_big
+from umakit.serve.metrics import RecentRates
 from umakit.serve.prompt_cache import PromptCache, common_prefix
 from umakit.serve.types import ErrorEvent, FinalEvent, GenerationRequest, SchedulerSettings, TokenEvent, Usage
 
@@ -62,12 +63,12 @@ class Scheduler:
         self._counters = dict.fromkeys(
             ("requests_total", "requests_failed_total", "requests_cancelled_total", "requests_rejected_total",
              "generated_tokens_total", "prompt_tokens_total", "cached_tokens_total", "worker_restarts_total",
-             "decode_steps_total"), 0)
+             "decode_steps_total", "mixed_steps_total"), 0)
         self._max_rows = self._kv_budget = 0
         self._service_s = 1.0  # running mean of a request's time from submission to its end
         self._failures = 0  # worker failures in a row, without a request served in between
         self._bytes_read, self._rows_summed = 0.0, 0
-        self._recent: deque[tuple[float, int, float]] = deque()  # (time, tokens, bytes) per step
+        self._recent = RecentRates(RATE_WINDOW_S)
         self.step_budget: StepBudget | None = None  # measured when settings.step_tokens is None, then its tokens:
         self._step_tokens = self.settings.step_tokens or self.settings.prefill_chunk
 
@@ -122,7 +123,7 @@ class Scheduler:
         with self._lock:
             if self._kv_budget and self._never_fits(request):
                 self._counters["requests_rejected_total"] += 1
-                raise NeverFits(self._too_big(request))
+                raise NeverFits(too_big(request, self._kv_bytes, self._kv_budget))
             self._refuse_if_full()
             if request.timeout_s is None:
                 request.timeout_s = self.settings.request_timeout_s
@@ -142,12 +143,7 @@ class Scheduler:
 
     def metrics(self) -> dict[str, float]:
         with self._lock:
-            now = time.perf_counter()
-            while self._recent and now - self._recent[0][0] > RATE_WINDOW_S:
-                self._recent.popleft()
-            window = max(now - self._recent[0][0], 1e-9) if self._recent else 0.0
-            tokens = sum(t for _, t, _ in self._recent)
-            read = sum(b for _, _, b in self._recent)
+            tokens, read = self._recent.rates(time.perf_counter())
             decoding = sum(1 for j in self._jobs.values() if j.cache is None)
             return {
                 **{k: float(v) for k, v in self._counters.items()},
@@ -156,8 +152,7 @@ class Scheduler:
                 "prefilling_requests": float(len(self._jobs) - decoding),
                 "max_active_rows": float(self._max_rows),
                 "step_tokens": float(self._step_tokens),
-                "tokens_per_second": tokens / window if window else 0.0,
-                "achieved_gbps": read / window / 1e9 if window else 0.0,
+                "tokens_per_second": tokens, "achieved_gbps": read / 1e9,
                 "peak_gbps": self._peak_gbps,
                 "prompt_cache_hit_ratio": self.prompt_cache.hit_ratio,
                 "prompt_cache_bytes": float(self.prompt_cache.bytes),
@@ -195,7 +190,9 @@ class Scheduler:
             self._serve(ready, until)
 
     def _serve(self, ready: Callable[[], None] | None, until: Callable[[], bool]) -> None:
-        decoder = self.model.engine.batch_decoder(self.settings.kv_bits, self.settings.lookup)
+        decoder = self.model.engine.batch_decoder(self.settings.kv_bits, self.settings.lookup,
+                                                  self.settings.mixed_steps)
+        self._slice, self._joining = None, []  # the next step's prompt slice and cache; the rows whose prompts it ends
         self._kv_budget = decoder.kv_budget_bytes()
         if self.settings.step_tokens is None and self.step_budget is None:
             self.step_budget = b = measure_model(self.model, self.settings.kv_bits, self.settings.prefill_chunk)
@@ -257,7 +254,8 @@ class Scheduler:
                         return  # wait for a row to finish
                     self._waiting.popleft()
                     self._counters["requests_failed_total"] += 1
-                    job.handle.put(ErrorEvent(self._too_big(job.request), 400, "kv_cache_exceeded"))
+                    reason = too_big(job.request, self._kv_bytes, self._kv_budget)
+                    job.handle.put(ErrorEvent(reason, 400, "kv_cache_exceeded"))
                     continue
                 self._waiting.popleft()
             prompt = job.request.prompt
@@ -269,21 +267,12 @@ class Scheduler:
             with self._lock:
                 self._jobs[next(self._ids)] = job
 
-    @staticmethod
-    def _row_tokens(job: Job) -> int:
-        return len(job.request.prompt) + job.request.max_tokens
-
     def _never_fits(self, request: GenerationRequest) -> bool:
-        return (len(request.prompt) + request.max_tokens) * self._kv_bytes > self._kv_budget
-
-    def _too_big(self, request: GenerationRequest) -> str:
-        tokens = len(request.prompt) + request.max_tokens
-        return (f"the request needs {tokens} tokens of KV cache ({(tokens * self._kv_bytes) >> 20} MiB), more than "
-                f"the {self._kv_budget >> 20} MiB this machine can give it; ask for fewer max_tokens")
+        return kv_tokens(request) * self._kv_bytes > self._kv_budget
 
     def _fits(self, job: Job) -> bool:
         """Whether one more row fits the KV budget: a batch cache pads every row to the longest one."""
-        longest = max([self._row_tokens(j) for j in self._jobs.values()] + [self._row_tokens(job)])
+        longest = max(kv_tokens(j.request) for j in [*self._jobs.values(), job])
         need = (len(self._jobs) + 1) * longest * self._kv_bytes
         if need + self.prompt_cache.bytes > self._kv_budget:
             self.prompt_cache.clear()  # stored caches give way to running requests
@@ -306,19 +295,27 @@ class Scheduler:
                 self._share(decoder, job)
             end = min(job.prefilled + budget, len(prompt) - 1)
             if end > job.prefilled:
-                self.model.engine.prefill(prompt[job.prefilled:end], job.cache)
+                if decoder.size and decoder.mixes:  # the slice rides in the rows' next step, in their pass
+                    self._slice = (prompt[job.prefilled:end], job.cache)
+                else:
+                    self.model.engine.prefill(prompt[job.prefilled:end], job.cache)
                 budget -= end - job.prefilled
                 job.prefilled, passed = end, True
             did = True
             if job.prefilled >= len(prompt) - 1:
-                r = job.request
-                decoder.add([BatchRow(row_id, prompt, r.sampling, r.seed, cache=job.cache, logprobs=r.logprobs,
-                                      constraint=r.constraint)])
-                job.cache = None
-                job.start = (time.perf_counter(), self._bytes_read, self._counters["decode_steps_total"],
-                             self._rows_summed)
+                if self._slice is not None and self._slice[1] is job.cache:
+                    self._joining.append(row_id)  # once the step has prefilled its last slice
+                else:
+                    self._join(decoder, row_id, job)
                 budget = min(budget, self._step_tokens)  # rows are decoding now
         return did
+
+    def _join(self, decoder, row_id: int, job: Job) -> None:
+        r = job.request
+        decoder.add([BatchRow(row_id, r.prompt, r.sampling, r.seed, cache=job.cache, logprobs=r.logprobs,
+                              constraint=r.constraint)])
+        job.cache = None
+        job.start = (time.perf_counter(), self._bytes_read, self._counters["decode_steps_total"], self._rows_summed)
 
     def _share(self, decoder, job: Job) -> None:
         """Start ``job`` from the cache of a row in the batch whose prompt shares more of its own than ``job``
@@ -344,7 +341,8 @@ class Scheduler:
         job.row.prompt_tokens, job.row.cached_tokens = len(prompt) - shared, shared
 
     def _step(self, decoder) -> None:
-        out = decoder.step()
+        out = decoder.step(self._slice)
+        self._counters["mixed_steps_total"] += self._slice is not None and decoder.mixes
         probs = decoder.logprobs() if any(j.request.logprobs is not None for j in self._jobs.values()) else {}
         now = time.perf_counter()
         rows = decoder.size
@@ -355,7 +353,7 @@ class Scheduler:
             self._bytes_read += read
             self._rows_summed += rows
             self._max_rows = max(self._max_rows, rows)
-            self._recent.append((now, len(out), read))
+            self._recent.add(now, len(out), read)
         finished = []
         for row_id, token in out:  # a speculating row's several, in order
             job = self._jobs.get(row_id)
@@ -370,6 +368,9 @@ class Scheduler:
                 finished.append(row_id)
         for row_id in finished:
             self._finish(decoder, row_id, now)
+        for row_id in self._joining:  # their last slices prefilled by this step
+            self._join(decoder, row_id, self._jobs[row_id])
+        self._slice, self._joining = None, []
 
     def _finish(self, decoder, row_id: int, now: float) -> None:
         job = self._jobs[row_id]

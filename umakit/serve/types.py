@@ -84,4 +84,7 @@ class SchedulerSettings:
     request_timeout_s: float = 600.0
     kv_bits: int | None = None  # 4 or 8: every request's KV cache quantized (the engine's batch_kv_bits feature)
     lookup: Lookup | None = None  # greedy requests speculate by prompt lookup (the engine's batch_lookup feature)
+    # A prompt slice in the decode step's own forward pass (the engine's mixed_steps feature): True, False, or None
+    # for the engine's choice (`Engine.batch_decoder`; `umakit serve --mixed-steps/--separate-steps`).
+    mixed_steps: bool | None = None
     extra: dict = field(default_factory=dict)

@@ -23,6 +23,7 @@ from importlib import metadata
 from typing import ClassVar, Iterable, Iterator, Sequence
 
 from umakit.generate.sampling import SamplingParams, seed_or_random
+from umakit.backends import common
 from umakit.backends.base import BatchRow, EngineSpec, Lookup, WeightInfo, refuse_options
 from umakit.backends.distributed import DistributedError
 from umakit.core.sharding import TENSOR
@@ -136,7 +137,10 @@ class LeaderBatch:
             self.inner.add([BatchRow(r.id, r.prompt, r.sampling, r.seed, None if r.cache is None else r.cache.inner,
                                      r.logprobs) for r in rows])
 
-    def step(self) -> list[tuple[int, int]]:
+    mixes = False  # a prompt slice is prefilled on every rank in a pass of its own
+
+    def step(self, prefill=None) -> list[tuple[int, int]]:
+        common.prefill_apart(self._leader, prefill)
         # The previous step's tokens travel with this message: a follower that drew others stops the run.
         self._leader.send("batch_step", batch=self.id, check=self._last)
         with self._leader.channel.guarded("a batch step"):
@@ -244,8 +248,9 @@ class LeaderEngine:
         finally:
             tokens.close()
 
-    def batch_decoder(self, kv_bits: int | None = None, lookup: Lookup | None = None) -> LeaderBatch:
-        refuse_options(self.spec, batch_kv_bits=kv_bits, lookup=lookup)
+    def batch_decoder(self, kv_bits: int | None = None, lookup: Lookup | None = None,
+                      mixed: bool | None = None) -> LeaderBatch:
+        refuse_options(self.spec, batch_kv_bits=kv_bits, lookup=lookup, mixed=mixed or None)
         did = self.new_id()
         self.send("batch", batch=did)
         return LeaderBatch(self, did)

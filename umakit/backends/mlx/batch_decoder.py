@@ -176,7 +176,10 @@ class MLXBatchDecoder:
                           if self._lookup is not None and s.plain and s.constraint is None and s.logprobs is None
                           else None for r, s in zip(group, self._rows[-len(group):])]
 
-    def step(self) -> list[tuple[int, int]]:
+    mixes = False  # mlx-lm's layers attend as one part: a prompt slice gets a pass of its own
+
+    def step(self, prefill=None) -> list[tuple[int, int]]:
+        common.prefill_apart(self._engine, prefill)
         self._logprobs = {}
         if not self._ids:
             return []

@@ -299,8 +299,9 @@ class MLXEngine:
                 if n % CLEAR_EVERY == 0:
                     release_buffers()
 
-    def batch_decoder(self, kv_bits: int | None = None, lookup: Lookup | None = None) -> MLXBatchDecoder:
-        refuse_options(SPEC, batch_kv_bits=kv_bits)
+    def batch_decoder(self, kv_bits: int | None = None, lookup: Lookup | None = None,
+                      mixed: bool | None = None) -> MLXBatchDecoder:
+        refuse_options(SPEC, batch_kv_bits=kv_bits, mixed=mixed or None)
         return MLXBatchDecoder(self, lookup)
 
     def weight_info(self) -> WeightInfo:

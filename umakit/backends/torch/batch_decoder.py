@@ -20,7 +20,7 @@ from typing import Iterable, Sequence
 import torch
 
 from umakit.backends import common
-from umakit.backends.base import BatchRow, Lookup
+from umakit.backends.base import PREFILL_CHUNK, BatchRow, Lookup
 from umakit.backends.common import TokenSampler
 from umakit.backends.torch.cache import GROW_STEP, StaticKVCache
 from umakit.backends.torch.quant_cache import QuantizedKVCache, check_kv_bits, dequantize, quantize
@@ -162,7 +162,8 @@ class _Slotted:
 class TorchBatchDecoder:
     """`umakit.backends.base.BatchDecoder` for `TorchEngine`."""
 
-    def __init__(self, engine, kv_bits: int | None = None, lookup: Lookup | None = None):
+    def __init__(self, engine, kv_bits: int | None = None, lookup: Lookup | None = None, mixed: bool = False):
+        self.mixes = mixed  # a step's prompt slice rides in the rows' pass (`Transformer.mixed`)
         self._lookup = lookup
         self._lookups: list[RowLookup | None] = []  # a greedy row's proposals, where the decoder speculates
         self._engine = engine
@@ -203,19 +204,26 @@ class TorchBatchDecoder:
             self._lengths.append(single.offset)
             self._next.append(row.prompt[-1])
 
-    def step(self) -> list[tuple[int, int]]:
+    def step(self, prefill: tuple[Sequence[int], StaticKVCache | QuantizedKVCache] | None = None
+             ) -> list[tuple[int, int]]:
         self._logprobs = {}
+        plans = self._proposals() if self._lookup is not None and self._ids else []
+        if prefill is not None and not (self.mixes and self._ids and not any(plans)
+                                        and len(prefill[0]) <= PREFILL_CHUNK):
+            common.prefill_apart(self._engine, prefill)
+            prefill = None
         if not self._ids:
             return []
-        if self._lookup is not None:
-            plans = self._proposals()
-            if any(plans):
-                return self._speculate(plans)
+        if any(plans):
+            return self._speculate(plans)
         span = max(self._lengths) + 1
         self._cache.reserve(len(self._ids), span, span - 1)
         with torch.inference_mode():
             tokens = torch.tensor(self._next, dtype=torch.long, device=self._device)[:, None]  # (B, 1)
-            logits = self._engine._decode_rows(tokens, self._lengths, self._cache, span)  # (B, V)
+            if prefill is not None:
+                logits = self._engine._mixed_rows(tokens, self._lengths, self._cache, span, *prefill)
+            else:
+                logits = self._engine._decode_rows(tokens, self._lengths, self._cache, span)  # (B, V)
             picked, figures = common.sample_rows(self._engine._ops, self._rows, logits)
             picked = picked.tolist()  # the one wait for the device; the figures are ready after it
             for row, token in zip(self._rows, picked):

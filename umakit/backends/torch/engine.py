@@ -286,6 +286,14 @@ class TorchEngine:
         where = torch.tensor(positions, dtype=torch.long, device=self.torch_device)
         return self.model.decode_rows(tokens, where, cache if slots is None else cache.slotted(slots), span)
 
+    def _mixed_rows(self, tokens: torch.Tensor, positions: list[int], cache, span: int, prompt: Sequence[int],
+                    prompt_cache) -> torch.Tensor:
+        """`_decode_rows`'s logits, with ``prompt`` appended to ``prompt_cache`` in the same pass
+        (`Transformer.mixed`): the eager layers, the fused step's rows taking that pass's arithmetic."""
+        ids = torch.tensor(list(prompt), dtype=torch.long, device=self.torch_device)
+        where = torch.tensor(positions, dtype=torch.long, device=self.torch_device)
+        return self.model.mixed(tokens, where, cache, span, ids, prompt_cache)
+
     def _fusing(self, cache=None) -> FusedDecoder | None:
         """The fused CPU step where it is on and applies now (no hook on a layer it would bypass), and ``cache``,
         if given, is a float one: the step reads and writes its buffers in place."""
@@ -315,8 +323,14 @@ class TorchEngine:
             if isinstance(m, quant.Fp16Linear):  # FBGEMM's packed weights are not tensors
                 yield name, m.packed_nbytes
 
-    def batch_decoder(self, kv_bits: int | None = None, lookup: Lookup | None = None) -> TorchBatchDecoder:
-        return TorchBatchDecoder(self, kv_bits, lookup)
+    def batch_decoder(self, kv_bits: int | None = None, lookup: Lookup | None = None,
+                      mixed: bool | None = None) -> TorchBatchDecoder:
+        if mixed and not self.model.mixes:
+            raise InvalidArgumentError(f"--mixed-steps: {self.args.model_type}'s layers on the torch engine prefill a "
+                                       "prompt in a pass of its own")
+        # None: mixed on CUDA, where a decode step's rows are GEMM rows anyway and the weights' one read is the
+        # gain; not on a CPU, where each row takes the affine kernel's bits of its lone step (docs/performance.md)
+        return TorchBatchDecoder(self, kv_bits, lookup, self.device == "cuda" if mixed is None else mixed)
 
     def weight_info(self) -> WeightInfo:
         by_cat: dict[str, int] = {}

@@ -71,7 +71,10 @@ class TransformersBatchDecoder:
             self._caches = [TransformersCache(stacking.row(self._batch, i, n), n) for i, n in enumerate(self._lengths)]
             self._batch = None
 
-    def step(self) -> list[tuple[int, int]]:
+    mixes = False  # transformers' layers attend as one part: a prompt slice gets a pass of its own
+
+    def step(self, prefill=None) -> list[tuple[int, int]]:
+        common.prefill_apart(self._engine, prefill)
         self._logprobs = {}
         if not self._ids:
             return []

@@ -192,7 +192,9 @@ class TransformersEngine:
             with torch.inference_mode():
                 logits = self.step_logits(token, cache)
 
-    def batch_decoder(self, kv_bits: int | None = None, lookup: Lookup | None = None) -> TransformersBatchDecoder:
+    def batch_decoder(self, kv_bits: int | None = None, lookup: Lookup | None = None,
+                      mixed: bool | None = None) -> TransformersBatchDecoder:
+        refuse_options(SPEC, mixed=mixed or None)
         if kv_bits is not None:
             raise InvalidArgumentError("the transformers backend has no quantized KV cache (--kv-bits)")
         if lookup is not None and not self.make_cache().trimmable:

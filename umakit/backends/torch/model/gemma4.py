@@ -148,6 +148,7 @@ class Gemma4Block(nn.Module):
 
 class Gemma4Transformer(Transformer):
     block = Gemma4Block
+    mixes = False  # its layers attend as one part (Transformer.mixed)
 
     def __init__(self, args: ModelArgs):
         super().__init__(args)

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import NamedTuple
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -26,6 +24,7 @@ from umakit.backends.torch.model.gemma import gemma4_fields, gemma_fields, softc
 from umakit.backends.torch.model.moe import SparseMoE, moe_fields
 from umakit.backends.torch.model.norm import GemmaRMSNorm, RMSNorm
 from umakit.backends.torch.model.openai_moe import GptOssMoE, gpt_oss_fields, sink_attention
+from umakit.backends.torch.model.step import Mixed, MixedCache, Step, attention_mask
 
 ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh")}
 
@@ -161,26 +160,6 @@ def nope_layers(c: dict) -> tuple[int, ...]:
     return tuple(i for i in range(c["num_hidden_layers"]) if not flags[i])
 
 
-def attention_mask(positions: torch.Tensor, key_len: int, window: int | None) -> torch.Tensor:
-    """Boolean (T, key_len) mask: query at position p sees keys 0..p (and only the last ``window``)."""
-    keys = torch.arange(key_len, device=positions.device)[None, :]
-    mask = keys <= positions[:, None]
-    if window:
-        mask &= keys > positions[:, None] - window
-    return mask
-
-
-class Step(NamedTuple):
-    """What every layer needs to know about the tokens of one forward call."""
-
-    cos: torch.Tensor  # (T, hd), or (B, 1, 1, hd) when each row has its own position
-    sin: torch.Tensor  # (T, hd), sign folded in (see rope_cos_sin)
-    positions: torch.Tensor  # (T,) int64, or (B,) one per row (`Transformer.decode_rows`)
-    mask: torch.Tensor | None  # (T, S) bool, None when every cached key is visible; (B, 1, 1, S) per row
-    static: int  # 0: attend to the filled cache; else to its first `static` slots under the mask (CUDA graphs)
-    local: tuple | None = None  # (cos, sin, mask) of sliding layers where they differ from the others (gemma3)
-
-
 # -- blocks -----------------------------------------------------------------------
 class Attention(nn.Module):
     def __init__(self, a: ModelArgs, layer: int):
@@ -199,16 +178,32 @@ class Attention(nn.Module):
             self.sinks = nn.Parameter(torch.empty(self.n_heads))
         self.qkv_proj = None  # set by fuse_projections
 
-    def forward(self, x, step: Step, cache, layer: int):
+    def forward(self, x, step: Step | Mixed, cache, layer: int):
+        B, T, _ = x.shape
+        qk, v = self.project(x)
+        if isinstance(step, Mixed):  # the rows and the prompt attend apart, each over its own cache
+            n = step.split
+            rows = self.attend(qk[:n], v[:n], step.rows, cache.rows, layer)  # (n, 1, nh * hd)
+            prompt = self.attend(qk[n:].transpose(0, 1), v[n:].transpose(0, 1), step.prompt, cache.prompt, layer)
+            return self.o_proj(torch.cat([rows, prompt.transpose(0, 1)]))
+        return self.o_proj(self.attend(qk, v, step, cache, layer))
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k (B, T, nh + nkv, hd), normed where the family norms them, and v (B, T, nkv, hd)."""
         B, T, _ = x.shape
         nh, nkv = self.n_heads, self.n_kv
-        cos, sin, mask = step.local if self.sliding and step.local else (step.cos, step.sin, step.mask)
         qkv = self.qkv_proj(x).view(B, T, nh + 2 * nkv, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k, v = qkv.split([nh, nkv, nkv], dim=2)
-            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=2)
-        else:
-            qk, v = qkv.split([nh + nkv, nkv], dim=2)
+            return torch.cat([self.q_norm(q), self.k_norm(k)], dim=2), v
+        qk, v = qkv.split([nh + nkv, nkv], dim=2)
+        return qk, v
+
+    def attend(self, qk: torch.Tensor, v: torch.Tensor, step: Step, cache, layer: int) -> torch.Tensor:
+        """Attention (B, T, nh * hd) of `project`'s output over ``cache``, the new keys written into it."""
+        B, T = qk.shape[:2]
+        nh, nkv = self.n_heads, self.n_kv
+        cos, sin, mask = step.local if self.sliding and step.local else (step.cos, step.sin, step.mask)
         qk = qk.transpose(1, 2)  # (B, nh+nkv, T, hd): q and k rotated in one go
         if self.rope:
             qk = apply_rope(qk, cos, sin)
@@ -224,7 +219,7 @@ class Attention(nn.Module):
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=nh != nkv)
             out = out.transpose(1, 2)  # (B, T, nh, hd)
-        return self.o_proj(out.reshape(B, T, nh * self.head_dim))
+        return out.reshape(B, T, nh * self.head_dim)
 
 
 class MLP(nn.Module):
@@ -326,6 +321,21 @@ class Transformer(nn.Module):
         step = self._step(positions, span, x.dtype, True, span, rows=True)
         x = self._blocks(x, step, cache, self._layer_inputs(tokens, x))
         return self._head(x)[:, -1]
+
+    mixes = True  # `mixed` runs here (not on gemma4's layers)
+
+    def mixed(self, tokens: torch.Tensor, positions: torch.Tensor, cache, span: int, prompt: torch.Tensor,
+              prompt_cache) -> torch.Tensor:
+        """`decode_rows`'s logits (B, V), and in the same pass ``prompt`` (T,) appended to ``prompt_cache`` as
+        `forward` appends it: every layer's weights read once for both (`Mixed`)."""
+        B, T, at = tokens.shape[0], prompt.shape[0], prompt_cache.offset
+        prompt_cache.reserve(T)
+        x = self._embed(torch.cat([tokens[:, 0], prompt])[:, None])  # (B + T, 1, d): a token a row
+        rows = self._step(positions, span, x.dtype, True, span, rows=True)
+        part = self._step(torch.arange(at, at + T, device=x.device), at + T, x.dtype, T > 1, 0)
+        x = self._blocks(x, Mixed(rows, part, B), MixedCache(cache, prompt_cache))
+        prompt_cache.advance(T)
+        return self._head(x[:B])[:, -1]
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.model.embed_tokens(tokens)
