@@ -658,11 +658,19 @@ void widen_into(const Tensor& out, float* y, int64_t N) {
 // Measured against 32 tiles whatever K (2026-12-06, 512 tokens, GEMM / kernel time, the two builds run one after
 // the other): 0.37 against 0.44 on Qwen2.5-1.5B's shapes, 0.48 against 0.50 on the built-in model's; a third
 // pair on Qwen2.5-0.5B's was within the VM's noise.
-int64_t slab_tiles(const std::vector<Part>& parts, int64_t K) {
+// Below SHORT rows of x (a server's prompt slices) a GEMM's own arithmetic is small beside each call's fixed cost
+// (oneDNN packing the slab's weights for its loops, and its setup: a 128-row slab cost 2.5x a 512-row one per
+// row at 16 rows of x), so slabs hold up to 2M weights, one a thread where a part is smaller. On the built-in
+// model (2026-12-07) that took a 96-token prefill from 97 to 87 ms and a server's aggregate at 8 clients from
+// 102-103 to 107-108 tok/s (docs/performance.md).
+constexpr int64_t SHORT = 256;
+int64_t slab_tiles(const std::vector<Part>& parts, int64_t K, int64_t M) {
   int64_t tiles = 0;
   for (const Part& p : parts) tiles += p.rows / ROWS;
+  const int64_t threads = at::get_num_threads();
+  if (M < SHORT) return std::clamp<int64_t>(tiles / threads, 1, std::max<int64_t>((int64_t{1} << 21) / (K * ROWS), 8));
   const int64_t fits = std::clamp<int64_t>((int64_t{1} << 19) / (K * ROWS), 8, 128);
-  return std::clamp<int64_t>(tiles / (4 * at::get_num_threads()), 1, fits);
+  return std::clamp<int64_t>(tiles / (4 * threads), 1, fits);
 }
 
 static void multiply_rows(const Tensor& x, std::vector<Part> parts, int64_t inputs, bool each, Tensor& y);
@@ -680,7 +688,7 @@ Tensor affine_mm(const Tensor& x_in, at::TensorList codes, at::TensorList sb, at
     const bool bf16 = inputs & DENSE_BF16, onednn = inputs & DENSE_ONEDNN;
     const Tensor xb = bf16 ? x.to(at::kBFloat16) : x;
     // slabs of output rows, each dequantized and multiplied by one thread while it is still in that core's cache
-    const int64_t slab = slab_tiles(parts, K);
+    const int64_t slab = slab_tiles(parts, K, M);
     std::vector<std::pair<const Part*, int64_t>> slabs;
     for (const Part& p : parts)
       for (int64_t t0 = 0; t0 < p.rows / ROWS; t0 += slab) slabs.emplace_back(&p, t0);
