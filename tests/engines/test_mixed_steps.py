@@ -132,3 +132,16 @@ def test_where_mixing_is_asked_of_a_model_that_cannot(torch_models, tiny_dir):
     with pytest.raises(InvalidArgumentError, match="--mixed-steps"):
         engine.batch_decoder(mixed=True)
     assert engine.batch_decoder().mixes is False
+
+
+@pytest.mark.parametrize("backend", ["mlx", "transformers"])
+def test_serve_refuses_mixed_steps_on_an_engine_without_them(tiny_dir, backend):
+    from click.testing import CliRunner
+
+    from umakit.cli.main import main
+
+    r = CliRunner().invoke(main, ["serve", str(tiny_dir("llama")), "--backend", backend, "--mixed-steps",
+                                  "--port", "0"])
+    assert r.exit_code != 0 and "Traceback" not in r.output
+    assert r.output.strip().splitlines()[-1] == f"Error: the {backend} backend does not support --mixed-steps yet; " \
+                                                "use --backend torch"

@@ -61,10 +61,10 @@ def _size_or_zero(ctx, param, value):
                    "their tokens coming more evenly, higher prefills new prompts faster (default: measured on the "
                    "model at start, so that a prefill pass takes about twice its fixed cost).")
 @click.option("--mixed-steps/--separate-steps", "mixed_steps", default=None,
-              help="Prefill a waiting prompt's slice in the decoding rows' own forward pass, the weights read once "
-                   "for both (faster under load; the rows then take that pass's arithmetic, so a greedy reply may "
-                   "differ from a lone run's in a near tie), or in a pass of its own (default: mixed on CUDA, "
-                   "separate on a CPU; the torch engine only).")
+              help="Prefill a waiting prompt's slice in the decoding rows' own forward pass, each layer's weights "
+                   "read once for both (the rows then take that pass's arithmetic, so a greedy reply may differ "
+                   "from a lone run's in a near tie), or in a pass of its own (default: mixed on CUDA, separate on "
+                   "a CPU; the torch engine only).")
 @click.option("--max-body-bytes", metavar="SIZE", callback=_size, default=str(DEFAULT_MAX_BODY_BYTES),
               help=f"Largest request body; larger ones get 413 (default {size(DEFAULT_MAX_BODY_BYTES)}).")
 @click.option("--request-timeout", type=click.FloatRange(min=0, min_open=True), metavar="S",

@@ -15,7 +15,7 @@ METRIC_HELP = {
     "cached_tokens_total": "Prompt tokens found in the prompt cache instead of prefilled.",
     "worker_restarts_total": "Times the generation worker failed and was restarted.",
     "decode_steps_total": "Batched decode steps run.",
-    "mixed_steps_total": "Decode steps whose pass also prefilled a waiting prompt's slice (--mixed-steps).",
+    "mixed_steps_total": "Decode steps that carried a waiting prompt's slice in their pass (--mixed-steps).",
     "queue_depth": "Requests waiting for a row.",
     "active_rows": "Rows decoding now.",
     "prefilling_requests": "Requests prefilling their prompt now.",

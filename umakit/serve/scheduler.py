@@ -342,7 +342,7 @@ class Scheduler:
 
     def _step(self, decoder) -> None:
         out = decoder.step(self._slice)
-        self._counters["mixed_steps_total"] += self._slice is not None and decoder.mixes
+        self._counters["mixed_steps_total"] += self._slice is not None
         probs = decoder.logprobs() if any(j.request.logprobs is not None for j in self._jobs.values()) else {}
         now = time.perf_counter()
         rows = decoder.size
