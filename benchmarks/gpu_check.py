@@ -11,7 +11,8 @@
    MXFP4 experts (packed as 5-bit codes) against its CPU run on both torch-side
    engines (the compact code's CUDA-graph step against its eager one too), a
    tiny gemma4 with every per-layer feature likewise, and the default model
-   when its package is installed.
+   when its package is installed; a decode step carrying a prompt's slice in
+   the rows' own pass (serve's default on CUDA) against the separate passes.
 3. Speed: decode tok/s, achieved GB/s and MBU for a synthetic Llama-3-8B in
    bfloat16, 8-bit and 4-bit, and for the default model.
 4. Offload (layers streamed from pinned host memory over PCIe):
@@ -263,6 +264,55 @@ def check_engine(report: Report) -> None:
                 report.check(f"engine {label} cuda float32: 24 greedy tokens as on cpu", same, "")
             del gpu
             torch.cuda.empty_cache()
+
+
+def mixed_run(engine, mixed: bool, rows: int = 8, slice_tokens: int = 32, slices: int = 2) -> tuple:
+    """``rows`` rows decoding while a prompt goes in ``slices`` slices beside them (`BatchDecoder.step(prefill=)`):
+    (every step's tokens, the prompt's next-token logits once its slices are in, the steps' seconds)."""
+    from umakit.backends.base import BatchRow
+    from umakit.generate.sampling import SamplingParams
+
+    greedy_ = SamplingParams(temperature=0)
+    decoder = engine.batch_decoder(mixed=mixed)
+    decoder.add([BatchRow(i, [(7 * i + j) % 500 + 3 for j in range(40 + 9 * i)], greedy_) for i in range(rows)])
+    out, took = [decoder.step()], []
+    prompt = [(11 * j) % 500 + 3 for j in range(slices * slice_tokens + 1)]
+    cache = engine.make_cache()
+    for k in range(slices):
+        if engine.device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out.append(decoder.step((prompt[k * slice_tokens:(k + 1) * slice_tokens], cache)))  # the tokens: a sync
+        took.append(time.perf_counter() - t0)
+    out += [decoder.step() for _ in range(4)]
+    return out, engine.logits(prompt[-1:], cache)[-1], took
+
+
+def check_mixed_steps(report: Report, device: str = "cuda", dtype: str = "bfloat16") -> None:
+    """A step carrying a prompt's slice in the rows' own pass (serve's default on CUDA) against the slice's own
+    pass then the rows' step: the slice's cache continues as the separate steps' does, the rows' tokens agree
+    (their last bits may differ: a GEMM of more rows), and on a synthetic Llama-3-8B the one pass is faster."""
+    from umakit.backends.torch.engine import TorchEngine
+    from umakit.plan.sources import load_preset
+
+    for bits in (None, 4):
+        config, shapes, tensors = small_tensors(bits)
+        engine = TorchEngine.from_tensors(config, shapes, tensors.items().__iter__, device, dtype)
+        label = f"{bits}-bit g64" if bits else "float"
+        apart, apart_next, _ = mixed_run(engine, False)
+        together, together_next, _ = mixed_run(engine, True)
+        err = abs(together_next - apart_next).max() / abs(apart_next).max()
+        report.check(f"mixed step {label} {device} {dtype}: the slice's cache as a separate pass's", err <= 2e-2,
+                     f"max error {err:.1e} of max |logit| (limit 2e-02)")
+        same = sum(a == b for a, b in zip(apart, together, strict=True))
+        report.check(f"mixed step {label} {device} {dtype}: the rows' tokens as separate steps'",
+                     same >= len(apart) - 1, f"{same} of {len(apart)} steps alike")
+    preset = load_preset("llama-3-8b")
+    engine = TorchEngine.synthetic(preset, device=device, dtype=dtype, bits=4, group_size=64)
+    apart = min(mixed_run(engine, False, slice_tokens=128, slices=4)[2])
+    together = min(mixed_run(engine, True, slice_tokens=128, slices=4)[2])
+    report.check(f"mixed step Llama-3-8B shape 4-bit {device}: one pass against two", together < apart,
+                 f"8 rows and 128 prompt tokens: {together * 1e3:.1f} ms against {apart * 1e3:.1f} ms", target=True)
 
 
 def check_mxfp4(report: Report) -> None:
@@ -597,6 +647,7 @@ def main() -> None:
                          "on a CPU-only machine run benchmarks/cpu_engines.py instead")
     sys.path.insert(0, str(ROOT))
     from umakit.backends.torch.engine import TorchEngine
+    from umakit.plan.sources import load_preset
 
     torch.manual_seed(0)
     report = Report()
@@ -604,6 +655,7 @@ def main() -> None:
     with torch.inference_mode():
         check_kernels(report, args.quick)
     check_engine(report)
+    check_mixed_steps(report)
     check_mxfp4(report)
     check_gemma4(report)
     default = check_default_model(report)
@@ -614,7 +666,7 @@ def main() -> None:
     if default is not None:
         measure(report, "default model", default.engine, tokens, repeat, peak)
         del default
-    preset = json.loads((ROOT / "umakit" / "presets" / "llama-3-8b.json").read_text())
+    preset = load_preset("llama-3-8b")
     for bits in (None, 8, 4):
         engine = TorchEngine.synthetic(preset, device="cuda", dtype="bfloat16", bits=bits, group_size=64)
         measure(report, "Llama-3-8B shape (random)", engine, tokens, repeat, peak)

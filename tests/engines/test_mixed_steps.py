@@ -145,3 +145,28 @@ def test_serve_refuses_mixed_steps_on_an_engine_without_them(tiny_dir, backend):
     assert r.exit_code != 0 and "Traceback" not in r.output
     assert r.output.strip().splitlines()[-1] == f"Error: the {backend} backend does not support --mixed-steps yet; " \
                                                 "use --backend torch"
+
+
+def test_the_gpu_checks_mixed_steps_run_here_on_the_cpu(monkeypatch):
+    """benchmarks/gpu_check.py's mixed-step check, on the CPU in float32 with a one-layer preset: its checks pass
+    and its preset resolves (the run on a GPU must not be the first to find a broken path)."""
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    import umakit.plan.sources as sources
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import gpu_check
+
+    real = sources.load_preset
+    assert real("llama-3-8b")["num_hidden_layers"] == 32
+    monkeypatch.setattr(sources, "load_preset", lambda name: dict(
+        real(name), num_hidden_layers=1, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=1024))
+    report = gpu_check.Report()
+    with torch.inference_mode():
+        gpu_check.check_mixed_steps(report, device="cpu", dtype="float32")
+    assert not report.failed() and len(report.checks) == 5, report.markdown("cpu")
+    sys.modules.pop("gpu_check", None)
