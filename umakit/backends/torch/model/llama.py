@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -179,7 +180,6 @@ class Attention(nn.Module):
         self.qkv_proj = None  # set by fuse_projections
 
     def forward(self, x, step: Step | Mixed, cache, layer: int):
-        B, T, _ = x.shape
         qk, v = self.project(x)
         if isinstance(step, Mixed):  # the rows and the prompt attend apart, each over its own cache
             n = step.split
@@ -281,6 +281,7 @@ class Inner(nn.Module):
 
 class Transformer(nn.Module):
     block: type[nn.Module] = Block  # a layer of the model (model/gemma4.py's own)
+    mixes = True  # `mixed` runs on its layers (not on gemma4's)
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -321,8 +322,6 @@ class Transformer(nn.Module):
         step = self._step(positions, span, x.dtype, True, span, rows=True)
         x = self._blocks(x, step, cache, self._layer_inputs(tokens, x))
         return self._head(x)[:, -1]
-
-    mixes = True  # `mixed` runs here (not on gemma4's layers)
 
     def mixed(self, tokens: torch.Tensor, positions: torch.Tensor, cache, span: int, prompt: torch.Tensor,
               prompt_cache) -> torch.Tensor:
