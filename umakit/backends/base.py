@@ -363,13 +363,13 @@ class Engine(Protocol):
 
 
 def refuse_options(spec: EngineSpec, **options) -> None:
-    """Raise for options given to an engine whose spec lacks their feature."""
+    """Raise for options given to an engine whose spec lacks their feature (None and False ask for none)."""
     from umakit.errors import InvalidArgumentError
 
     needs = {"quantize": QUANTIZE, "gpu_layers": OFFLOAD, "vram_budget": OFFLOAD, "batch_kv_bits": BATCH_KV_BITS,
              "constrain": CONSTRAIN, "lookup": LOOKUP, "mixed": MIXED}
     for key, value in options.items():
-        if value is not None and needs[key] not in spec.features:
+        if value is not None and value is not False and needs[key] not in spec.features:
             name = FEATURE_NAMES[needs[key]] if needs[key] in (BATCH_KV_BITS, CONSTRAIN, LOOKUP, MIXED) else \
                 key.replace("_", "-")
             raise InvalidArgumentError(f"the {spec.name} backend does not support {name}")

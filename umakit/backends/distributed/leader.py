@@ -250,7 +250,7 @@ class LeaderEngine:
 
     def batch_decoder(self, kv_bits: int | None = None, lookup: Lookup | None = None,
                       mixed: bool | None = None) -> LeaderBatch:
-        refuse_options(self.spec, batch_kv_bits=kv_bits, lookup=lookup, mixed=mixed or None)
+        refuse_options(self.spec, batch_kv_bits=kv_bits, lookup=lookup, mixed=mixed)
         did = self.new_id()
         self.send("batch", batch=did)
         return LeaderBatch(self, did)

@@ -301,7 +301,7 @@ class MLXEngine:
 
     def batch_decoder(self, kv_bits: int | None = None, lookup: Lookup | None = None,
                       mixed: bool | None = None) -> MLXBatchDecoder:
-        refuse_options(SPEC, batch_kv_bits=kv_bits, mixed=mixed or None)
+        refuse_options(SPEC, batch_kv_bits=kv_bits, mixed=mixed)
         return MLXBatchDecoder(self, lookup)
 
     def weight_info(self) -> WeightInfo:

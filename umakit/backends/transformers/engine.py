@@ -194,7 +194,7 @@ class TransformersEngine:
 
     def batch_decoder(self, kv_bits: int | None = None, lookup: Lookup | None = None,
                       mixed: bool | None = None) -> TransformersBatchDecoder:
-        refuse_options(SPEC, mixed=mixed or None)
+        refuse_options(SPEC, mixed=mixed)
         if kv_bits is not None:
             raise InvalidArgumentError("the transformers backend has no quantized KV cache (--kv-bits)")
         if lookup is not None and not self.make_cache().trimmable:
