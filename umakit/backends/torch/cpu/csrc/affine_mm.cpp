@@ -660,15 +660,16 @@ void widen_into(const Tensor& out, float* y, int64_t N) {
 // pair on Qwen2.5-0.5B's was within the VM's noise.
 // Below SHORT rows of x (a server's prompt slices) a GEMM's own arithmetic is small beside each call's fixed cost
 // (oneDNN packing the slab's weights for its loops, and its setup: a 128-row slab cost 2.5x a 512-row one per
-// row at 16 rows of x), so slabs hold up to 2M weights, one a thread where a part is smaller. On the built-in
-// model (2026-12-07) that took a 96-token prefill from 97 to 87 ms and a server's aggregate at 8 clients from
-// 102-103 to 107-108 tok/s (docs/performance.md).
+// row at 16 rows of x), so slabs hold up to 1M weights, one a thread where a part is smaller. Measured 2026-12-07
+// against the rule above (prefills alternating the two builds): the built-in model's 0.63-0.90x at 48-200 tokens
+// (level at 16), a Qwen2.5-0.5B-shaped Q4_K_M's level (0.90-1.06x); slabs of 2M weights were slower on the
+// Q4_K_M (1.1-1.2x at 96-200 tokens).
 constexpr int64_t SHORT = 256;
 int64_t slab_tiles(const std::vector<Part>& parts, int64_t K, int64_t M) {
   int64_t tiles = 0;
   for (const Part& p : parts) tiles += p.rows / ROWS;
   const int64_t threads = at::get_num_threads();
-  if (M < SHORT) return std::clamp<int64_t>(tiles / threads, 1, std::max<int64_t>((int64_t{1} << 21) / (K * ROWS), 8));
+  if (M < SHORT) return std::clamp<int64_t>(tiles / threads, 1, std::max<int64_t>((int64_t{1} << 20) / (K * ROWS), 8));
   const int64_t fits = std::clamp<int64_t>((int64_t{1} << 19) / (K * ROWS), 8, 128);
   return std::clamp<int64_t>(tiles / (4 * threads), 1, fits);
 }
