@@ -267,11 +267,18 @@ def test_existing_output_needs_force(tmp_path):
 
 
 def test_failed_write_leaves_nothing(tmp_path, monkeypatch):
-    """An error in the middle of writing (here: the weights file) removes the partial directory."""
-    def boom(*args, **kwargs):
-        raise OSError("disk full")
+    """An error in the middle of writing (here: the weights file, its third tensor) removes the partial
+    directory."""
+    from umakit.checkpoint.writer import StreamedSafetensors
 
-    monkeypatch.setattr(mx, "save_safetensors", boom)
+    write = StreamedSafetensors.__setitem__
+
+    def boom(self, name, array):
+        if len(self) == 2:
+            raise OSError("disk full")
+        write(self, name, array)
+
+    monkeypatch.setattr(StreamedSafetensors, "__setitem__", boom)
     src = write_gguf(tmp_path / "m.gguf")
     with pytest.raises(OSError, match="disk full"):
         import_gguf(src, tmp_path / "out")

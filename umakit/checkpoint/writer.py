@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import struct
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
@@ -27,6 +28,83 @@ COPIED_FILES = (
     "added_tokens.json", "vocab.json", "merges.txt", "chat_template.json", "chat_template.jinja",
     "generation_config.json", "LICENSE", "LICENSE.txt", "LICENSE.md", "NOTICE",
 )
+
+
+class StreamedSafetensors:
+    """One safetensors file written a tensor at a time, so memory holds one tensor, not the model.
+
+    The header goes first in the format but is known last: ``reserve`` bytes are left for it, and it is written
+    into them at `close`, padded with spaces (the format allows them after the JSON). A header that outgrows
+    its room (a low guess) costs one copy of the data into a new file, never a wrong one. Tensors are numpy
+    arrays or mx arrays; they are written as they come, with no gaps, as the format requires.
+    """
+
+    def __init__(self, path: Path, reserve: int = 1 << 16, metadata: dict[str, str] | None = None):
+        self.path, self._room = Path(path), -(-max(reserve, 64) // 8) * 8
+        self._meta, self._header, self._size = metadata, {}, 0
+        self._f = open(self.path, "wb")
+        self._f.seek(8 + self._room)
+
+    def __setitem__(self, name: str, array) -> None:
+        if name in self._header:
+            raise ValueError(f"tensor {name} written twice")
+        dtype, raw = _raw(array)
+        self._f.write(raw)
+        self._header[name] = {"dtype": dtype, "shape": list(array.shape),
+                              "data_offsets": [self._size, self._size + raw.nbytes]}
+        self._size += raw.nbytes
+
+    def update(self, arrays: Mapping[str, Any]) -> None:
+        for name, array in arrays.items():
+            self[name] = array
+
+    def __len__(self) -> int:
+        return len(self._header)
+
+    def close(self) -> int:
+        """Write the header; returns the file's size."""
+        meta = {"__metadata__": self._meta} if self._meta else {}
+        header = json.dumps({**meta, **self._header}, separators=(",", ":")).encode()
+        with self._f:
+            if len(header) <= self._room:
+                self._f.seek(0)
+                self._f.write(struct.pack("<Q", self._room) + header.ljust(self._room, b" "))
+                return 8 + self._room + self._size
+        start, self._room = 8 + self._room, -(-len(header) // 8) * 8
+        moved = self.path.with_name(self.path.name + ".data")
+        os.rename(self.path, moved)
+        try:
+            with open(moved, "rb") as src, open(self.path, "wb") as dst:
+                dst.write(struct.pack("<Q", self._room) + header.ljust(self._room, b" "))
+                src.seek(start)
+                shutil.copyfileobj(src, dst, 1 << 24)
+        finally:
+            moved.unlink()
+        return 8 + self._room + self._size
+
+    def abort(self) -> None:
+        self._f.close()
+
+
+_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64", "uint8": "U8", "int8": "I8",
+           "uint16": "U16", "int16": "I16", "uint32": "U32", "int32": "I32", "uint64": "U64", "int64": "I64",
+           "bool": "BOOL"}
+
+
+def _raw(array) -> tuple[str, memoryview]:
+    """A numpy or mx array's safetensors dtype and its bytes, C order."""
+    import numpy as np
+
+    if not isinstance(array, np.ndarray):  # an mx array: through numpy, bfloat16 as its raw 16 bits
+        import mlx.core as mx
+
+        name = str(array.dtype).removeprefix("mlx.core.")
+        array = np.array(array.view(mx.uint16) if array.dtype == mx.bfloat16 else array)
+    else:
+        name = array.dtype.name
+    if name not in _DTYPES:
+        raise ValueError(f"no safetensors dtype for {name}")
+    return _DTYPES[name], memoryview(np.ascontiguousarray(array)).cast("B")
 
 
 def _shards(weights: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -83,7 +161,7 @@ def fill_model_dir(
     index even for one file; otherwise a single `WEIGHTS_FILE`, no index.
     """
     _write_weights(dest, weights, sharded)
-    return _finish(dest, config, files, copy_from)
+    return finish_model_dir(dest, config, files, copy_from)
 
 
 def fill_model_dir_streamed(dest: Path, items: Iterable[tuple[str, Any]], config: Callable[[], dict], *,
@@ -112,10 +190,11 @@ def fill_model_dir_streamed(dest: Path, items: Iterable[tuple[str, Any]], config
     index = {"metadata": {"total_size": total},
              "weight_map": dict(sorted((k, final[v]) for k, v in weight_map.items()))}
     (dest / INDEX_FILE).write_text(json.dumps(index, indent=4))
-    return _finish(dest, config(), None, copy_from)
+    return finish_model_dir(dest, config(), None, copy_from)
 
 
-def _finish(dest: Path, config: dict | str, files: Mapping[str, str] | None, copy_from: Path | None) -> int:
+def finish_model_dir(dest: Path, config: dict | str, files: Mapping[str, str] | None = None,
+                     copy_from: Path | None = None) -> int:
     """config.json and the other files beside the weights; the bytes of every file in ``dest``."""
     text = config if isinstance(config, str) else json.dumps(config, indent=4)
     (dest / "config.json").write_text(text, encoding="utf-8")

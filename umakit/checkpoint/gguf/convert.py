@@ -19,10 +19,10 @@ from typing import NamedTuple
 import numpy as np
 
 from umakit.core.affine import quantization_block
-from umakit.checkpoint.writer import fill_model_dir
+from umakit.checkpoint.writer import WEIGHTS_FILE, StreamedSafetensors, finish_model_dir
 from umakit.core.fsutil import atomic_dir, check_destination, check_not_inside, check_writable
 from umakit.errors import UnsupportedModelError
-from umakit.checkpoint.gguf import quants
+from umakit.checkpoint.gguf import quants, tensors
 from umakit.checkpoint.gguf.arch import ArchSpec, map_names, qk_row_order, spec_for
 from umakit.checkpoint.gguf.finished import EXACT16_FILE, IMPORT_FORMAT, is_complete  # noqa: F401 (is_complete: part of this module's API)
 from umakit.checkpoint.gguf.reader import GGUFFile, open_gguf, sha256_file
@@ -73,7 +73,7 @@ def plan_import(gf: GGUFFile) -> ImportPlan:
         qtype = t.tensor_type
         if qtype in quants.FLOAT_TYPES:
             continue
-        if spec.expert_arrays and quants.can_dequantize(qtype):  # dequantized beside the experts (`_dequantized`)
+        if spec.expert_arrays and quants.can_dequantize(qtype):  # beside the experts: `tensors.dequantized`
             continue
         if len(t.shape) != (3 if spec.stacked and spec.stacked(names[name]) else 2):
             raise UnsupportedModelError(f"{gf.path.name}: quantized tensor {name} is not 2-D")
@@ -86,82 +86,6 @@ def plan_import(gf: GGUFFile) -> ImportPlan:
             f"(exact: F32, F16, BF16, {exact}; others the gguf package can dequantize are re-quantized)"
         )
     return ImportPlan(gf, spec, names, spec.config(gf), build_tokenizer(gf))
-
-
-def _reordered(values: np.ndarray, order: np.ndarray | None, cols: np.ndarray | None = None) -> np.ndarray:
-    values = values if order is None else values[order]
-    return values if cols is None else values[:, cols]
-
-
-def _float_tensor(t, hf: str, spec: ArchSpec, order: np.ndarray | None, cols: np.ndarray | None = None):
-    import mlx.core as mx
-
-    data = np.asarray(t.data)
-    bf16 = t.tensor_type == quants.T.BF16
-    if bf16:
-        data = data.view(np.uint16)
-    data = _reordered(data, order, cols)
-    if spec.fix is not None:
-        if bf16:  # widened exactly to float32 to be changed, and kept so
-            data, bf16 = (data.astype(np.uint32) << 16).view(np.float32), False
-        data = spec.fix(hf, data)
-    arr = mx.array(np.ascontiguousarray(data))
-    if bf16:
-        arr = arr.view(mx.bfloat16)
-    if spec.norm_offset and hf.endswith("norm.weight"):
-        arr = (arr.astype(mx.float32) - spec.norm_offset).astype(arr.dtype)
-    return arr
-
-
-def _exact(t, order: np.ndarray | None, cols: np.ndarray | None = None) -> tuple[tuple, int, None]:
-    """Repack a block type that is an affine format already; values do not change."""
-    aff = quants.to_affine(np.asarray(t.data), t.tensor_type, cols=int(t.shape[0])).reorder(order, cols)
-    dtype = quants.pick_dtype(aff.scales, aff.biases)
-    return (quants.pack(aff.q, aff.bits), aff.scales.astype(dtype), aff.biases.astype(dtype)), aff.bits, None
-
-
-def _requantize(t, order: np.ndarray | None, cols: np.ndarray | None = None) -> tuple[tuple, int, float]:
-    """Dequantize with the gguf package, re-quantize to MLX; return arrays, bits, max abs error."""
-    import mlx.core as mx
-    from gguf import quants as gguf_quants
-
-    values = _reordered(gguf_quants.dequantize(np.asarray(t.data), t.tensor_type), order, cols)  # float32
-    bits = quants.lossy_bits(t.tensor_type)
-    if t.tensor_type in quants.SYMMETRIC and bits == 8:
-        return quants.symmetric8(values)
-    ref = mx.array(values)
-    w, scales, biases = mx.quantize(ref, group_size=quants.GROUP_SIZE, bits=bits)
-    half = scales.astype(mx.float16), biases.astype(mx.float16)
-    if all(mx.all(mx.isfinite(x)).item() for x in half):
-        scales, biases = half
-    back = mx.dequantize(
-        w, scales.astype(mx.float32), biases.astype(mx.float32), group_size=quants.GROUP_SIZE, bits=bits
-    )
-    err = mx.max(mx.abs(back - ref)).item()
-    mx.eval(w, scales, biases)
-    return (w, scales, biases), bits, float(err)
-
-
-def _exact16(t, order: np.ndarray | None, cols: np.ndarray | None = None) -> tuple[dict[str, np.ndarray], tuple, int,
-                                                                                   float]:
-    """A `quants.EXACT16` tensor's codes and scales in groups of 16, exactly (MLX's packing, float32 scales; the
-    biases are -2^(bits-1) times them), which the torch engine's CPU kernel reads (backends/torch/load/exact.py);
-    and, from the same decoding, its symmetric 8-bit re-quantization for MLX's groups, as `_requantize` makes it."""
-    aff = quants.to_affine16(np.asarray(t.data), t.tensor_type, cols=int(t.shape[0])).reorder(order, cols)
-    exact = {"weight": quants.pack(aff.q, aff.bits), "scales": np.ascontiguousarray(aff.scales, dtype=np.float32)}
-    rows, cols = aff.q.shape
-    centred = aff.q.reshape(rows, -1, aff.group_size).astype(np.float32) - 2 ** (aff.bits - 1)
-    values = (aff.scales[..., None] * centred).reshape(rows, cols)  # the gguf package's products, bit for bit
-    return (exact, *quants.symmetric8(values))
-
-
-def _dequantized(t):
-    """A quantized tensor as float32 (the gguf package's values), for a checkpoint whose engines take no
-    MLX-quantized tensors beside its own format (gpt-oss's MXFP4)."""
-    import mlx.core as mx
-    from gguf import quants as gguf_quants
-
-    return mx.array(np.ascontiguousarray(gguf_quants.dequantize(np.asarray(t.data), t.tensor_type), dtype=np.float32))
 
 
 def _targets(plan: ImportPlan) -> dict[str, list[str]]:
@@ -209,9 +133,10 @@ def _stacked(t, hf: str, spec: ArchSpec, parts: list[tuple[str, int, int]], arra
     flat = SimpleNamespace(data=np.asarray(t.data).reshape(n * rows, -1), tensor_type=t.tensor_type,
                            shape=(cols, n * rows))
     if t.tensor_type in quants.FLOAT_TYPES:
-        held, bits, err = (_float_tensor(flat, hf, spec, None),), None, None
+        held, bits, err = (tensors.float_tensor(flat, hf, spec, None),), None, None
     else:
-        convert = _exact if t.tensor_type in quants.EXACT else _requantize  # groups of 16: re-quantized here
+        # groups of 16: re-quantized here
+        convert = tensors.exact if t.tensor_type in quants.EXACT else tensors.requantize
         held, bits, err = convert(flat, None)
     for module, index, count in parts:
         lo, hi = index * rows // count, (index + 1) * rows // count
@@ -228,25 +153,45 @@ def _stacked(t, hf: str, spec: ArchSpec, parts: list[tuple[str, int, int]], arra
 
 @dataclass
 class _Converted:
-    """A GGUF's tensors in MLX's layout and the files beside them, ready to write."""
+    """What a conversion wrote besides the weights, and what it found."""
 
-    arrays: dict  # HF tensor name -> mx array
     config_text: str
     files: dict[str, str]  # tokenizer and generation files by name
     exact: int
     lossy: list[LossyTensor]
-    exact16: dict = field(default_factory=dict)  # HF tensor name -> numpy array, for EXACT16_FILE
+    exact16: list[str]  # module paths also written exactly in groups of 16 (EXACT16_FILE)
 
 
-def _convert(plan: ImportPlan) -> _Converted:
+class _Groups16:
+    """`EXACT16_FILE`, made when the first tensor kept exactly in groups of 16 comes, and written as they come."""
+
+    def __init__(self, path: Path):
+        self.path, self.file, self.modules = path, None, []
+
+    def add(self, module: str, held: dict[str, np.ndarray]) -> None:
+        if self.file is None:
+            self.path.parent.mkdir()
+            self.file = StreamedSafetensors(self.path)
+        self.file.update({f"{module}.{k}": v for k, v in held.items()})
+        self.modules.append(module)
+
+    def close(self) -> int:
+        return self.file.close() if self.file is not None else 0
+
+    def abort(self) -> None:
+        if self.file is not None:
+            self.file.abort()
+
+
+def _convert(plan: ImportPlan, arrays: StreamedSafetensors, groups16_file: _Groups16) -> _Converted:
+    """Convert ``plan.gf`` tensor by tensor into ``arrays`` (and ``groups16_file``), each written as it is made,
+    its GGUF pages let go of, so memory holds one tensor and its temporaries."""
     import mlx.core as mx
 
     gf, spec, config = plan.gf, plan.spec, plan.config
-    arrays: dict[str, mx.array] = {}
     quantized: dict[str, tuple[int, int]] = {}  # module path -> (group_size, bits)
     lossy: list[LossyTensor] = []
     exact = 0
-    exact16: dict[str, np.ndarray] = {}
     groups16: dict[str, dict] = {}  # module path -> its exact groups' bits, group size and GGUF type
     if spec.expert_arrays:
         grouped = spec.expert_arrays(gf)
@@ -254,42 +199,8 @@ def _convert(plan: ImportPlan) -> _Converted:
         exact += len(grouped)
     for hf, group in _targets(plan).items():
         name, t = group[0], _joined(gf, group)
-        if spec.stacked and (parts := spec.stacked(hf)):
-            exact += _stacked(t, hf, spec, parts, arrays, quantized, lossy)
-            continue
-        rows = int(t.shape[1]) if len(t.shape) == 2 else int(t.shape[0])  # ne = (cols, rows)
-        order, cols = qk_row_order(hf, rows, config) if spec.permute_qk else None, None
-        if spec.reorder:
-            order, cols = spec.reorder(hf, rows, int(t.shape[0]) if len(t.shape) == 2 else 1, config)
-        if t.tensor_type in quants.FLOAT_TYPES:
-            arrays[hf] = _float_tensor(t, hf, spec, order, cols)
-            exact += 1
-            continue
-        if spec.expert_arrays:
-            arrays[hf] = _dequantized(t)
-            exact += 1
-            continue
-        try:
-            if t.tensor_type in quants.EXACT16:
-                held, packed, bits, err = _exact16(t, order, cols)
-                exact16.update({f"{hf.removesuffix('.weight')}.{k}": v for k, v in held.items()})
-            else:
-                convert = _exact if t.tensor_type in quants.EXACT else _requantize
-                packed, bits, err = convert(t, order, cols)
-        except ValueError as e:  # a column order the quantized groups cannot follow (Affine.take_cols)
-            raise UnsupportedModelError(
-                f"{gf.path.name}: {name} ({t.tensor_type.name}) cannot be reordered: {e}") from None
-        if err is None:
-            exact += 1
-        else:
-            lossy.append(LossyTensor(hf, t.tensor_type.name, bits, err))
-        module = hf.removesuffix(".weight")
-        for suffix, arr in zip(("weight", "scales", "biases"), packed):
-            arrays[f"{module}.{suffix}"] = mx.array(arr) if isinstance(arr, np.ndarray) else arr
-        quantized[module] = (quants.GROUP_SIZE, bits)
-        if t.tensor_type in quants.EXACT16:
-            groups16[module] = {"bits": quants.EXACT16[t.tensor_type][1], "group_size": quants.EXACT16_GROUP,
-                                "from": t.tensor_type.name}
+        exact += _one(plan, hf, t, name, arrays, groups16_file, quantized, lossy, groups16)
+        gf.release(group)
     files = {
         "tokenizer_config.json": dumps(plan.tokenizer.tokenizer_config),
         "generation_config.json": dumps(plan.tokenizer.generation_config),
@@ -298,7 +209,46 @@ def _convert(plan: ImportPlan) -> _Converted:
     config = _full_config(plan, quantized, lossy)
     if groups16:
         config["umakit"]["exact_groups"] = {"file": EXACT16_FILE, "layers": groups16}
-    return _Converted(arrays, dumps(config), files, exact, lossy, exact16)
+    return _Converted(dumps(config), files, exact, lossy, groups16_file.modules)
+
+
+def _one(plan: ImportPlan, hf: str, t, name: str, arrays: StreamedSafetensors, groups16_file: _Groups16,
+         quantized: dict, lossy: list, groups16: dict) -> int:
+    """Convert one tensor ``t`` (GGUF ``name``, HF ``hf``) into ``arrays``; 1 if it stayed exact, else 0."""
+    import mlx.core as mx
+
+    gf, spec, config = plan.gf, plan.spec, plan.config
+    if spec.stacked and (parts := spec.stacked(hf)):
+        return _stacked(t, hf, spec, parts, arrays, quantized, lossy)
+    rows = int(t.shape[1]) if len(t.shape) == 2 else int(t.shape[0])  # ne = (cols, rows)
+    order, cols = qk_row_order(hf, rows, config) if spec.permute_qk else None, None
+    if spec.reorder:
+        order, cols = spec.reorder(hf, rows, int(t.shape[0]) if len(t.shape) == 2 else 1, config)
+    if t.tensor_type in quants.FLOAT_TYPES:
+        arrays[hf] = tensors.float_tensor(t, hf, spec, order, cols)
+        return 1
+    if spec.expert_arrays:
+        arrays[hf] = tensors.dequantized(t)
+        return 1
+    module = hf.removesuffix(".weight")
+    try:
+        if t.tensor_type in quants.EXACT16:
+            held, packed, bits, err = tensors.exact16(t, order, cols)
+            groups16_file.add(module, held)
+            groups16[module] = {"bits": quants.EXACT16[t.tensor_type][1], "group_size": quants.EXACT16_GROUP,
+                                "from": t.tensor_type.name}
+        else:
+            convert = tensors.exact if t.tensor_type in quants.EXACT else tensors.requantize
+            packed, bits, err = convert(t, order, cols)
+    except ValueError as e:  # a column order the quantized groups cannot follow (Affine.take_cols)
+        raise UnsupportedModelError(
+            f"{gf.path.name}: {name} ({t.tensor_type.name}) cannot be reordered: {e}") from None
+    if err is not None:
+        lossy.append(LossyTensor(hf, t.tensor_type.name, bits, err))
+    for suffix, arr in zip(("weight", "scales", "biases"), packed):
+        arrays[f"{module}.{suffix}"] = arr
+    quantized[module] = (quants.GROUP_SIZE, bits)
+    return int(err is None)
 
 
 def _report(plan: ImportPlan, converted: _Converted, out_dir: Path, written: int, start: float) -> ImportReport:
@@ -309,29 +259,31 @@ def _report(plan: ImportPlan, converted: _Converted, out_dir: Path, written: int
         bytes_written=written,
         seconds=time.perf_counter() - start,
         warnings=list(plan.tokenizer.warnings),
-        exact16=sorted({k.rsplit(".", 1)[0] for k in converted.exact16}),
+        exact16=sorted(converted.exact16),
     )
 
 
 def write_import(plan: ImportPlan, dest: Path) -> ImportReport:
     """Convert ``plan.gf`` into the existing, empty directory ``dest``."""
     start = time.perf_counter()
-    c = _convert(plan)
-    return _report(plan, c, dest, _fill(dest, c), start)
+    c, written = _fill(dest, plan)
+    return _report(plan, c, dest, written, start)
 
 
-def _fill(dest: Path, c: _Converted) -> int:
-    """Write ``c`` into the empty directory ``dest``: the weights, the files beside them and the exact groups of
-    16 (`EXACT16_FILE`); returns the bytes written."""
-    written = fill_model_dir(dest, c.arrays, c.config_text, files=c.files, sharded=False)
-    if c.exact16:
-        from safetensors.numpy import save_file
-
-        path = Path(dest) / EXACT16_FILE
-        path.parent.mkdir()
-        save_file(c.exact16, str(path))
-        written += path.stat().st_size
-    return written
+def _fill(dest: Path, plan: ImportPlan) -> tuple[_Converted, int]:
+    """Convert ``plan.gf`` into the empty directory ``dest``: the weights as they are made, then the files beside
+    them (config.json last); returns what was converted and the bytes written."""
+    reserve = (1 << 16) + 768 * len(plan.gf.tensors)  # the header's room: about 3 entries a GGUF tensor
+    weights = StreamedSafetensors(Path(dest) / WEIGHTS_FILE, reserve, metadata={"format": "mlx"})
+    groups16 = _Groups16(Path(dest) / EXACT16_FILE)
+    try:
+        c = _convert(plan, weights, groups16)
+    except BaseException:
+        weights.abort()
+        groups16.abort()
+        raise
+    weights.close()
+    return c, groups16.close() + finish_model_dir(dest, c.config_text, c.files)  # with the weights' file
 
 
 def import_config(plan: ImportPlan, quantized: dict | None = None) -> dict:
@@ -393,7 +345,6 @@ def import_gguf(path: str | os.PathLike, out_dir: str | os.PathLike, force: bool
     check_destination(out_dir, force)
     check_not_inside(path, out_dir)  # with --force, replacing a folder that holds the GGUF would destroy it
     check_writable(out_dir)
-    c = _convert(plan)
     with atomic_dir(out_dir, force=force) as tmp:
-        written = _fill(Path(tmp), c)
+        c, written = _fill(Path(tmp), plan)
     return _report(plan, c, Path(out_dir), written, start)

@@ -1,0 +1,88 @@
+"""One GGUF tensor in MLX's layout: kept as it is (floats), repacked exactly (the affine block types), re-quantized
+(the others), or dequantized; `convert` writes what these return."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from umakit.checkpoint.gguf import quants
+from umakit.checkpoint.gguf.arch import ArchSpec
+
+
+def reordered(values: np.ndarray, order: np.ndarray | None, cols: np.ndarray | None = None) -> np.ndarray:
+    values = values if order is None else values[order]
+    return values if cols is None else values[:, cols]
+
+
+def float_tensor(t, hf: str, spec: ArchSpec, order: np.ndarray | None, cols: np.ndarray | None = None):
+    import mlx.core as mx
+
+    data = np.asarray(t.data)
+    bf16 = t.tensor_type == quants.T.BF16
+    if bf16:
+        data = data.view(np.uint16)
+    data = reordered(data, order, cols)
+    if spec.fix is not None:
+        if bf16:  # widened exactly to float32 to be changed, and kept so
+            data, bf16 = (data.astype(np.uint32) << 16).view(np.float32), False
+        data = spec.fix(hf, data)
+    arr = mx.array(np.ascontiguousarray(data))
+    if bf16:
+        arr = arr.view(mx.bfloat16)
+    if spec.norm_offset and hf.endswith("norm.weight"):
+        arr = (arr.astype(mx.float32) - spec.norm_offset).astype(arr.dtype)
+    return arr
+
+
+def exact(t, order: np.ndarray | None, cols: np.ndarray | None = None) -> tuple[tuple, int, None]:
+    """Repack a block type that is an affine format already; values do not change."""
+    aff = quants.to_affine(np.asarray(t.data), t.tensor_type, cols=int(t.shape[0])).reorder(order, cols)
+    dtype = quants.pick_dtype(aff.scales, aff.biases)
+    return (quants.pack(aff.q, aff.bits), aff.scales.astype(dtype), aff.biases.astype(dtype)), aff.bits, None
+
+
+def requantize(t, order: np.ndarray | None, cols: np.ndarray | None = None) -> tuple[tuple, int, float]:
+    """Dequantize with the gguf package, re-quantize to MLX; return arrays, bits, max abs error."""
+    import mlx.core as mx
+    from gguf import quants as gguf_quants
+
+    values = reordered(gguf_quants.dequantize(np.asarray(t.data), t.tensor_type), order, cols)  # float32
+    bits = quants.lossy_bits(t.tensor_type)
+    if t.tensor_type in quants.SYMMETRIC and bits == 8:
+        return quants.symmetric8(values)
+    ref = mx.array(values)
+    w, scales, biases = mx.quantize(ref, group_size=quants.GROUP_SIZE, bits=bits)
+    half = scales.astype(mx.float16), biases.astype(mx.float16)
+    if all(mx.all(mx.isfinite(x)).item() for x in half):
+        scales, biases = half
+    back = mx.dequantize(
+        w, scales.astype(mx.float32), biases.astype(mx.float32), group_size=quants.GROUP_SIZE, bits=bits
+    )
+    err = mx.max(mx.abs(back - ref)).item()
+    mx.eval(w, scales, biases)
+    return (w, scales, biases), bits, float(err)
+
+
+def exact16(t, order: np.ndarray | None, cols: np.ndarray | None = None) -> tuple[dict[str, np.ndarray], tuple, int,
+                                                                                   float]:
+    """A `quants.EXACT16` tensor's codes and scales in groups of 16, exactly (MLX's packing, float32 scales; the
+    biases are -2^(bits-1) times them), which the torch engine's CPU kernel reads (backends/torch/load/exact.py);
+    and, from the same decoding, its symmetric 8-bit re-quantization for MLX's groups, as `requantize` makes it."""
+    aff = quants.to_affine16(np.asarray(t.data), t.tensor_type, cols=int(t.shape[0])).reorder(order, cols)
+    exact = {"weight": quants.pack(aff.q, aff.bits), "scales": np.ascontiguousarray(aff.scales, dtype=np.float32)}
+    rows, cols = aff.q.shape
+
+    def values(lo: int, hi: int) -> np.ndarray:  # the gguf package's products, bit for bit
+        centred = aff.q[lo:hi].reshape(hi - lo, -1, aff.group_size).astype(np.float32) - 2 ** (aff.bits - 1)
+        return (aff.scales[lo:hi, :, None] * centred).reshape(hi - lo, cols)
+
+    return (exact, *quants.symmetric8_rows(values, rows, cols))
+
+
+def dequantized(t):
+    """A quantized tensor as float32 (the gguf package's values), for a checkpoint whose engines take no
+    MLX-quantized tensors beside its own format (gpt-oss's MXFP4)."""
+    import mlx.core as mx
+    from gguf import quants as gguf_quants
+
+    return mx.array(np.ascontiguousarray(gguf_quants.dequantize(np.asarray(t.data), t.tensor_type), dtype=np.float32))
