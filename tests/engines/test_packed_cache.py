@@ -5,6 +5,7 @@ import os
 
 import numpy as np
 import pytest
+import torch
 from safetensors import safe_open
 
 import umakit
@@ -53,6 +54,40 @@ def repacks(form, monkeypatch):
     real = quant.Int4PackLinear._repack
     monkeypatch.setattr(quant.Int4PackLinear, "_repack", lambda self, m, d: calls.append(1) or real(self, m, d))
     return calls
+
+
+class Packs(torch.nn.Module):
+    """A layer with a packing: its buffers."""
+
+    def __init__(self, **buffers):
+        super().__init__()
+        for name, t in buffers.items():
+            self.register_buffer(name, t)
+
+    def packing(self):
+        return dict(self.named_buffers())
+
+
+def mapped_from(t, file) -> bool:
+    """Whether ``t``'s data lies in this process's map of ``file``."""
+    for line in open("/proc/self/maps"):
+        span, *rest = line.split()
+        if rest and rest[-1] == str(file):
+            lo, hi = (int(x, 16) for x in span.split("-"))
+            if lo <= t.data_ptr() < hi:
+                return True
+    return False
+
+
+def test_the_load_that_packs_keeps_no_second_copy(checkpoint, home, form, repacks):
+    """Once the first load has written the packing, its layers read the file's map, as a later load's do: the
+    packing it made is not held in memory beside the file's pages."""
+    model = load(checkpoint)
+    assert len(repacks) > 0
+    [file] = packings(home)
+    layers = [m for m in model.engine.model.modules() if isinstance(m, form)]
+    assert layers and all(mapped_from(t, file) for m in layers for t in m.packing().values())
+    assert len(model.logits(ids(PROMPT))) > 0
 
 
 def ids(text):
@@ -136,12 +171,13 @@ def test_a_layer_packed_otherwise_from_the_same_files_is_written_again(tmp_path)
     import torch
 
     cache = packed_cache.PackedCache(tmp_path / "p.safetensors")
-    cache.store({"lm_head.codes0": torch.zeros(8, 64, dtype=torch.uint8)})
+    cache.store({"lm_head": Packs(codes0=torch.zeros(8, 64, dtype=torch.uint8))})
     cache = packed_cache.PackedCache(tmp_path / "p.safetensors")
-    cache.store({"lm_head.codes0": torch.ones(8, 48, dtype=torch.uint8)})
+    cache.store({"lm_head": Packs(codes0=torch.ones(8, 48, dtype=torch.uint8))})
     assert tuple(packed_cache.PackedCache(tmp_path / "p.safetensors").get("lm_head")["codes0"].shape) == (8, 48)
     before = (tmp_path / "p.safetensors").stat().st_mtime_ns
-    packed_cache.PackedCache(tmp_path / "p.safetensors").store({"lm_head.codes0": torch.ones(8, 48, dtype=torch.uint8)})
+    packed_cache.PackedCache(tmp_path / "p.safetensors").store({"lm_head": Packs(codes0=torch.ones(8, 48,
+                                                                                              dtype=torch.uint8))})
     assert (tmp_path / "p.safetensors").stat().st_mtime_ns == before  # held already: not written again
 
 
@@ -151,8 +187,11 @@ def test_a_layer_gets_its_own_names_only(tmp_path):
     import torch
 
     names = ["layers.1.codes0", "layers.1.sb0", "layers.10.codes0", "layers.1.forms.0.codes0", "layers.codes0"]
-    packed_cache.PackedCache(tmp_path / "p.safetensors").store({k: torch.zeros(8, 8, dtype=torch.uint8)
-                                                                 for k in names})
+    layers: dict = {}
+    for k in names:
+        path, _, name = k.rpartition(".")
+        layers.setdefault(path, Packs()).register_buffer(name, torch.zeros(8, 8, dtype=torch.uint8))
+    packed_cache.PackedCache(tmp_path / "p.safetensors").store(layers)
     cache = packed_cache.PackedCache(tmp_path / "p.safetensors")
     assert sorted(cache.get("layers.1")) == ["codes0", "sb0"]
     assert list(cache.get("layers.1.forms.0")) == ["codes0"] and list(cache.get("layers")) == ["codes0"]

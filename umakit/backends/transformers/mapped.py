@@ -130,8 +130,7 @@ def _swap_in_forms(model: nn.Module, c) -> None:
                                             "load; delete it to pack again")
         del q
     if c.kept is not None:
-        c.kept.store({f"{path}.{name}": t for path, m in model.named_modules() if hasattr(m, "packing")
-                      for name, t in m.packing().items()})
+        c.kept.store({path: m for path, m in model.named_modules() if hasattr(m, "packing")})
     trim_heap()
 
 

@@ -150,7 +150,7 @@ def _execute(model: nn.Module, c) -> None:
                 else:
                     made.append(forms.for_execution(q, device, form, kept))
                     if c.packed is not None and hasattr(made[-1], "packing"):
-                        c.made.update({f"{where}.{k}": t for k, t in made[-1].packing().items()})
+                        c.made[where] = made[-1]
                 del q
             layers[name] = made
             for k in ("blocks", "scales", "bias"):  # the checkpoint's copy goes as its packed form comes

@@ -198,8 +198,7 @@ def build_model(args: ModelArgs, config: dict, shapes: dict, source, device: tor
                                                                            ".switch_mlp." in path),
                   prepacked=packed.get if packed is not None else lambda path: {})
     if packed is not None:
-        packed.store({f"{path}.{name}": t for path, m in model.named_modules() if hasattr(m, "packing")
-                      for name, t in m.packing().items()})
+        packed.store({path: m for path, m in model.named_modules() if hasattr(m, "packing")})
     if tied and isinstance(embed, quant.QuantizedEmbedding) and isinstance(model.lm_head, nn.Linear):
         # The tied head was dequantized: look rows up in it and drop the packed table.
         model.model.embed_tokens = nn.Embedding.from_pretrained(model.lm_head.weight, freeze=True)

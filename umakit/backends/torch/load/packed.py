@@ -20,6 +20,7 @@ import json
 from pathlib import Path
 
 import torch
+from torch import nn
 from safetensors import SafetensorError, safe_open
 
 from umakit.errors import WriteError
@@ -57,9 +58,13 @@ class PackedCache:
         self.names: set[str] = set()
         self._layers: dict[str, list[str]] = {}  # a layer's module path -> its stored names (one lookup a layer)
         if path.exists():
-            with contextlib.suppress(OSError, SafetensorError):
-                self.file = safe_open(path, framework="pt")
-                self.names = set(self.file.keys())
+            self._open()
+
+    def _open(self) -> None:
+        with contextlib.suppress(OSError, SafetensorError):
+            self.file = safe_open(self.path, framework="pt")
+            self.names = set(self.file.keys())
+        self._layers = {}
         for k in self.names:
             self._layers.setdefault(k.rpartition(".")[0], []).append(k)
 
@@ -83,17 +88,25 @@ class PackedCache:
         except (OSError, SafetensorError):
             return {}
 
-    def store(self, layers: dict[str, torch.Tensor]) -> None:
-        """Write ``layers`` (name -> tensor) as this checkpoint's cache, unless it holds them already (every name,
-        each in the same shape: a layer packed otherwise than before, by a new reading of the same files, is
-        written again)."""
-        if not layers or layers.keys() <= self.names and all(self._holds(k, t) for k, t in layers.items()):
+    def store(self, layers: dict[str, nn.Module]) -> None:
+        """Write the packing of ``layers`` (module path -> a module with `packing()`) as this checkpoint's cache,
+        unless it holds it already (every name, each in the same shape: a layer packed otherwise than before, by a
+        new reading of the same files, is written again). Once written, the layers hold the file's mapped tensors
+        instead of the ones they made, as a later load's do: the process that packed keeps no second copy."""
+        tensors = {f"{path}.{name}": t for path, m in layers.items() for name, t in m.packing().items()}
+        if not tensors or tensors.keys() <= self.names and all(self._holds(k, t) for k, t in tensors.items()):
             return
         try:
             with atomic_file(self.path, "wb") as f:
-                _write(f, layers)
+                _write(f, tensors)
         except WriteError:
             return  # a cache: the next load repacks
+        self._open()
+        for path, m in layers.items():
+            made, kept = m.packing(), self.get(path)
+            if kept.keys() == made.keys() and all(_same(kept[k], t) for k, t in made.items()):
+                for name, t in kept.items():
+                    setattr(m, name, t)
         # older keys' packings of the same checkpoint go
         prefix = self.path.name.split("-")[0] + "-"
         for old in self.path.parent.glob(f"{prefix}*{SUFFIX}"):
@@ -120,6 +133,10 @@ def _write(f, tensors: dict[str, torch.Tensor]) -> None:
     f.write(len(text).to_bytes(8, "little") + text)
     for t in tensors.values():
         f.write(t.detach().contiguous().view(-1).view(torch.uint8).numpy().data)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
