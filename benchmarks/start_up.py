@@ -1,6 +1,7 @@
 """Process start to first token, one-shot: `umakit generate` against llama-cpp-python on the same GGUF.
 
     python benchmarks/start_up.py [--repeat 3] [--threads 2] [--keep DIR] [--llama-server PATH]
+        [--model GGUF ...] [--only] [--first-run]
 
 Two models: the built-in SmolLM2-135M Q4_1 GGUF, and a GGUF of Qwen2.5-0.5B's
 exact shapes (24 layers, hidden 896, 14/2 heads, q/k/v biases, 151,936-token
@@ -32,6 +33,12 @@ run, with their prompt caches on (umakit's default, llama-server's
 request left (the chat template's system prompt) is reused, the question's
 own tokens are prefilled.
 
+First runs (``--first-run``, a table of its own): `umakit generate` on a GGUF it has never seen, in a fresh
+``$UMAKIT_HOME`` that holds only what a machine makes once (the native library, the bandwidth probe), so the
+run imports the file and packs it for the CPU kernel before its first token, against llama-cpp-python's run on
+the same file (which has nothing to do first); seconds to the first byte and the process's peak resident memory
+(its rusage), median of ``--repeat``.
+
 Prints a markdown table and writes it to benchmarks/out/start_up.md.
 """
 
@@ -41,6 +48,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -62,22 +70,30 @@ OUT = Path(__file__).parent / "out" / "start_up.md"
 LLAMA_PYTHON = os.environ.get("LLAMA_PYTHON") or str(Path.home() / ".cache" / "umakit-peers" / "venv" / "bin" / "python")
 LLAMA_SERVER = os.environ.get("LLAMA_SERVER") or str(Path.home() / ".cache" / "umakit-peers" / "bin" / "llama-server")
 LLAMA_WORKER = """
-import sys, time
+import resource, sys, time
 t0 = float(sys.argv[3])
 from llama_cpp import Llama
 llm = Llama(sys.argv[1], n_threads=int(sys.argv[2]), n_ctx=512, verbose=False)
 ids = sys.argv[4]
 llm.eval([int(t) for t in ids.split(",")] if ids else llm.tokenize(sys.argv[5].encode()))
 llm.sample(top_k=1, temp=0)
-print(time.time() - t0)
+print(time.time() - t0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 """
+MADE_ONCE = ("native", "hardware.json")  # what a first run's fresh $UMAKIT_HOME is given: a machine's, not a model's
 
 
-def umakit_first_token(gguf_file: Path, threads: int, server: str | None = None, prompt: str = PROMPT) -> float:
+def umakit_first_token(gguf_file: Path, threads: int, server: str | None = None, prompt: str = PROMPT,
+                       home: str | None = None) -> float:
     """Seconds from spawning `umakit generate` to the first byte of its reply on stdout; in this process, or
     attached to the umakit server at ``server``."""
+    return _umakit_run(gguf_file, threads, server, prompt, home)[0]
+
+
+def _umakit_run(gguf_file: Path, threads: int, server: str | None = None, prompt: str = PROMPT,
+                home: str | None = None) -> tuple[float, float]:
+    """`umakit_first_token`, and the process's peak resident MB; ``home``: its $UMAKIT_HOME."""
     umakit = Path(sys.executable).with_name("umakit")
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), **({"UMAKIT_HOME": home} if home else {})}
     where = ["--server", server] if server else ["--no-server"]
     t0 = time.time()
     p = subprocess.Popen([str(umakit), "generate", "-m", str(gguf_file), "-p", prompt, "--max-tokens", "8",
@@ -85,16 +101,60 @@ def umakit_first_token(gguf_file: Path, threads: int, server: str | None = None,
     first = p.stdout.read(1)
     took = time.time() - t0
     p.stdout.read()
-    if p.wait() != 0 or not first:
+    _, status, usage = os.wait4(p.pid, 0)
+    p.returncode = os.waitstatus_to_exitcode(status)
+    if p.returncode != 0 or not first:
         raise RuntimeError(f"umakit generate failed on {gguf_file}")
-    return took
+    return took, usage.ru_maxrss / 1024
+
+
+def umakit_first_run(gguf_file: Path, threads: int) -> tuple[float, float]:
+    """`_umakit_run` on a GGUF umakit has never seen: a fresh $UMAKIT_HOME with only `MADE_ONCE` from the usual
+    one, so the run imports and packs the file first."""
+    from umakit.core.home import umakit_home
+
+    with tempfile.TemporaryDirectory(dir=umakit_home().parent) as home:
+        for name in MADE_ONCE:
+            src, dst = umakit_home() / name, Path(home) / name
+            if src.is_dir():
+                shutil.copytree(src, dst)
+            elif src.exists():
+                shutil.copy2(src, dst)
+        return _umakit_run(gguf_file, threads, home=home)
 
 
 def llama_first_token(llama_python: str, gguf_file: Path, threads: int, ids: list[int] | None) -> float:
     """llama-cpp-python's start to first token, evaluating ``ids`` (None: PROMPT, tokenized by llama.cpp)."""
+    return llama_run(llama_python, gguf_file, threads, ids)[0]
+
+
+def llama_run(llama_python: str, gguf_file: Path, threads: int, ids: list[int] | None) -> tuple[float, float]:
+    """`llama_first_token`, and the process's peak resident MB."""
     run = subprocess.run([llama_python, "-c", LLAMA_WORKER, str(gguf_file), str(threads), repr(time.time()),
                           ",".join(map(str, ids or [])), PROMPT], capture_output=True, text=True, check=True)
-    return float(run.stdout.strip().splitlines()[-1])
+    took, peak_kb = run.stdout.strip().splitlines()[-1].split()
+    return float(took), float(peak_kb) / 1024
+
+
+def first_runs(models: dict[str, Path], args) -> str:
+    """The first-run table (see the module's docstring)."""
+    ids = {name: chat_ids(path) for name, path in models.items()}  # imports each into the usual home, untimed
+    rows = {name: {"umakit": [], "llama": []} for name in models}
+    for _ in range(args.repeat):
+        for name, path in models.items():
+            rows[name]["umakit"].append(umakit_first_run(path, args.threads))
+            rows[name]["llama"].append(llama_run(args.llama_python, path, args.threads, ids[name]))
+            print(f"  {name}: first run {rows[name]['umakit'][-1]}, llama.cpp {rows[name]['llama'][-1]}",
+                  file=sys.stderr)
+    lines = [f"A GGUF's first run, {time.strftime('%Y-%m-%d')}: median of {args.repeat}, each a fresh process "
+             f"(umakit's with a fresh $UMAKIT_HOME), in rotation; {args.threads} threads.", "",
+             "| model | GGUF size | umakit's first run: first token | its peak RSS | llama-cpp-python: first token "
+             "| its peak RSS |", "|---|---:|---:|---:|---:|---:|"]
+    for name, r in rows.items():
+        med = {k: [statistics.median(x[i] for x in v) for i in (0, 1)] for k, v in r.items()}
+        lines.append(f"| {name} | {models[name].stat().st_size / 1e6:.0f} MB | {med['umakit'][0]:.2f} s | "
+                     f"{med['umakit'][1]:.0f} MB | {med['llama'][0]:.2f} s | {med['llama'][1]:.0f} MB |")
+    return "\n".join(lines)
 
 
 def curl_first_token(url: str, ids: list[int], cache: bool = False) -> float:
@@ -170,6 +230,8 @@ def main() -> None:
     ap.add_argument("--llama-server", default=LLAMA_SERVER, help="llama.cpp's llama-server for the attached peer")
     ap.add_argument("--model", action="append", default=[], type=Path, metavar="GGUF",
                     help="one more GGUF to time (a type users download: benchmarks/shaped_ggufs.py writes them)")
+    ap.add_argument("--first-run", action="store_true", help="time first runs only (fresh $UMAKIT_HOME)")
+    ap.add_argument("--only", action="store_true", help="the --model files only, not the two built in here")
     args = ap.parse_args()
     if not Path(args.llama_python).exists():
         sys.exit(f"no {args.llama_python}: llama-cpp-python is the peer here (see cpu_engines.py's docstring)")
@@ -180,13 +242,20 @@ def main() -> None:
         where = Path(args.keep or tmp)
         where.mkdir(parents=True, exist_ok=True)
         qwen = where / "qwen2.5-0.5b-shaped.Q4_1.gguf"
-        if not qwen.exists():
+        if not qwen.exists() and not args.only:
             f16 = where / "qwen2.5-0.5b-shaped.F16.gguf"
             write_f16(f16, SHAPES["qwen2.5-0.5b"], "qwen2.5-0.5b", builtin)
             quantize(args.llama_python, f16, qwen, "Q4_1", Q8_0_TYPE)
             f16.unlink()
-        models = {"SmolLM2-135M-Instruct Q4_1 (built-in)": builtin, "Qwen2.5-0.5B shapes, Q4_1 (random)": qwen,
-                  **{f.name: f.resolve() for f in args.model}}
+        models = {} if args.only else {"SmolLM2-135M-Instruct Q4_1 (built-in)": builtin,
+                                       "Qwen2.5-0.5B shapes, Q4_1 (random)": qwen}
+        models.update({f.name: f.resolve() for f in args.model})
+        if args.first_run:
+            table = first_runs(models, args)
+            print(table)
+            OUT.parent.mkdir(parents=True, exist_ok=True)
+            OUT.write_text(table + "\n")
+            return
         for path in models.values():  # the one-time import and first load, as a first run does, outside the timings
             umakit_first_token(path, args.threads)
         ids = {name: chat_ids(path) for name, path in models.items()}
