@@ -70,14 +70,25 @@ OUT = Path(__file__).parent / "out" / "start_up.md"
 LLAMA_PYTHON = os.environ.get("LLAMA_PYTHON") or str(Path.home() / ".cache" / "umakit-peers" / "venv" / "bin" / "python")
 LLAMA_SERVER = os.environ.get("LLAMA_SERVER") or str(Path.home() / ".cache" / "umakit-peers" / "bin" / "llama-server")
 LLAMA_WORKER = """
-import resource, sys, time
+import sys, time
 t0 = float(sys.argv[3])
 from llama_cpp import Llama
 llm = Llama(sys.argv[1], n_threads=int(sys.argv[2]), n_ctx=512, verbose=False)
 ids = sys.argv[4]
 llm.eval([int(t) for t in ids.split(",")] if ids else llm.tokenize(sys.argv[5].encode()))
 llm.sample(top_k=1, temp=0)
-print(time.time() - t0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+took = time.time() - t0
+print(took, next(line.split()[1] for line in open("/proc/self/status") if line.startswith("VmHWM:")))
+"""
+# `umakit generate` with its peak resident memory (VmHWM, which exec resets; a forked child's rusage keeps the
+# parent's peak) written to argv[1] as it exits
+UMAKIT_WORKER = """
+import atexit, sys
+out = sys.argv.pop(1)
+atexit.register(lambda: open(out, "w").write(next(line.split()[1] for line in open("/proc/self/status")
+                                                   if line.startswith("VmHWM:"))))
+from umakit.cli.main import main
+main()
 """
 MADE_ONCE = ("native", "hardware.json")  # what a first run's fresh $UMAKIT_HOME is given: a machine's, not a model's
 
@@ -92,20 +103,19 @@ def umakit_first_token(gguf_file: Path, threads: int, server: str | None = None,
 def _umakit_run(gguf_file: Path, threads: int, server: str | None = None, prompt: str = PROMPT,
                 home: str | None = None) -> tuple[float, float]:
     """`umakit_first_token`, and the process's peak resident MB; ``home``: its $UMAKIT_HOME."""
-    umakit = Path(sys.executable).with_name("umakit")
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), **({"UMAKIT_HOME": home} if home else {})}
     where = ["--server", server] if server else ["--no-server"]
-    t0 = time.time()
-    p = subprocess.Popen([str(umakit), "generate", "-m", str(gguf_file), "-p", prompt, "--max-tokens", "8",
-                          "--temp", "0", *where], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
-    first = p.stdout.read(1)
-    took = time.time() - t0
-    p.stdout.read()
-    _, status, usage = os.wait4(p.pid, 0)
-    p.returncode = os.waitstatus_to_exitcode(status)
-    if p.returncode != 0 or not first:
-        raise RuntimeError(f"umakit generate failed on {gguf_file}")
-    return took, usage.ru_maxrss / 1024
+    with tempfile.NamedTemporaryFile("r") as peak:
+        t0 = time.time()
+        p = subprocess.Popen([sys.executable, "-c", UMAKIT_WORKER, peak.name, "generate", "-m", str(gguf_file), "-p",
+                              prompt, "--max-tokens", "8", "--temp", "0", *where], stdout=subprocess.PIPE,
+                             stderr=subprocess.DEVNULL, env=env)
+        first = p.stdout.read(1)
+        took = time.time() - t0
+        p.stdout.read()
+        if p.wait() != 0 or not first:
+            raise RuntimeError(f"umakit generate failed on {gguf_file}")
+        return took, int(peak.read()) / 1024
 
 
 def umakit_first_run(gguf_file: Path, threads: int) -> tuple[float, float]:
