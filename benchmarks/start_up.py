@@ -54,6 +54,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -110,12 +111,30 @@ def _umakit_run(gguf_file: Path, threads: int, server: str | None = None, prompt
         p = subprocess.Popen([sys.executable, "-c", UMAKIT_WORKER, peak.name, "generate", "-m", str(gguf_file), "-p",
                               prompt, "--max-tokens", "8", "--temp", "0", *where], stdout=subprocess.PIPE,
                              stderr=subprocess.DEVNULL, env=env)
+        sampled = _sampling_rss(p.pid)
         first = p.stdout.read(1)
         took = time.time() - t0
         p.stdout.read()
         if p.wait() != 0 or not first:
             raise RuntimeError(f"umakit generate failed on {gguf_file}")
-        return took, int(peak.read()) / 1024
+        return took, max(int(peak.read()), *sampled) / 1024
+
+
+def _sampling_rss(pid: int, every_s: float = 0.02) -> list[int]:
+    """The resident KB of process ``pid``, read every ``every_s`` until it exits, into the list returned (filled
+    by a thread). VmHWM misses peaks that end without an unmap (memory handed back by madvise, as glibc's
+    malloc_trim does), so a run's peak is the larger of the two."""
+    seen: list[int] = [0]
+
+    def sample():
+        with contextlib.suppress(OSError, StopIteration, ValueError):
+            while True:
+                with open(f"/proc/{pid}/status") as f:
+                    seen.append(int(next(line.split()[1] for line in f if line.startswith("VmRSS:"))))
+                time.sleep(every_s)
+
+    threading.Thread(target=sample, daemon=True).start()
+    return seen
 
 
 def umakit_first_run(gguf_file: Path, threads: int) -> tuple[float, float]:
@@ -140,10 +159,15 @@ def llama_first_token(llama_python: str, gguf_file: Path, threads: int, ids: lis
 
 def llama_run(llama_python: str, gguf_file: Path, threads: int, ids: list[int] | None) -> tuple[float, float]:
     """`llama_first_token`, and the process's peak resident MB."""
-    run = subprocess.run([llama_python, "-c", LLAMA_WORKER, str(gguf_file), str(threads), repr(time.time()),
-                          ",".join(map(str, ids or [])), PROMPT], capture_output=True, text=True, check=True)
-    took, peak_kb = run.stdout.strip().splitlines()[-1].split()
-    return float(took), float(peak_kb) / 1024
+    p = subprocess.Popen([llama_python, "-c", LLAMA_WORKER, str(gguf_file), str(threads), repr(time.time()),
+                          ",".join(map(str, ids or [])), PROMPT], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    sampled = _sampling_rss(p.pid)
+    out, err = p.communicate()
+    if p.returncode:
+        raise RuntimeError(f"llama-cpp-python failed on {gguf_file}: {err[-500:]}")
+    took, peak_kb = out.strip().splitlines()[-1].split()
+    return float(took), max(int(peak_kb), *sampled) / 1024
 
 
 def first_runs(models: dict[str, Path], args) -> str:
