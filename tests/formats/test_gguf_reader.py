@@ -173,3 +173,24 @@ def test_streamed_safetensors_read_back(tmp_path, reserve):
     loaded = mx.load(str(path))
     assert loaded["d"].dtype == mx.bfloat16 and loaded["d"].tolist() == [1.5, -2.25]
     assert read_safetensors_header(path)["a.weight"].shape == (3, 4)
+
+
+def test_an_import_holds_one_tensor_at_a_time(tmp_path, monkeypatch):
+    """Each converted tensor is written as it is made and let go of: when a tensor is written, none of those
+    written before the GGUF tensor it comes from is still held (so memory holds one tensor, not the model)."""
+    import weakref
+
+    from umakit.checkpoint.gguf import import_gguf
+
+    write, written = StreamedSafetensors.__setitem__, []
+
+    def tracked(self, name, array):
+        write(self, name, array)
+        module = name.rsplit(".", 1)[0]
+        alive = [n for n, ref in written if ref() is not None and n.rsplit(".", 1)[0] != module]
+        assert not alive, f"{alive} still held when {name} was written"
+        written.append((name, weakref.ref(array)))
+
+    monkeypatch.setattr(StreamedSafetensors, "__setitem__", tracked)
+    import_gguf(write_gguf(tmp_path / "m.gguf", layers=LOSSY_LAYERS + EXACT_LAYERS), tmp_path / "out")
+    assert len(written) > 40
