@@ -90,6 +90,40 @@ def test_the_load_that_packs_keeps_no_second_copy(checkpoint, home, form, repack
     assert len(model.logits(ids(PROMPT))) > 0
 
 
+@pytest.mark.parametrize("how", ["a-layer-a-batch", "header-outgrown", "abandoned"])
+def test_a_first_packing_written_as_it_is_made(checkpoint, home, tmp_path, form, monkeypatch, how):
+    """The first load writes each layer's packing as it makes it (load/packing_stream.py): read back from the map
+    a layer at a time, or, where the header outgrows its room or the stream is given up, written whole after; in
+    every case the logits are those of a load that keeps no packing, a later load reads the file back without
+    repacking, and no temporary file is left."""
+    from umakit.backends.torch.load import packing_stream
+
+    monkeypatch.setenv("UMAKIT_HOME", str(tmp_path / "blocked-file"))
+    (tmp_path / "blocked-file").write_text("not a directory")
+    unkept = load(checkpoint).logits(ids(PROMPT))  # no packing kept: repacked in memory
+    monkeypatch.setenv("UMAKIT_HOME", str(home.parent))
+    monkeypatch.setattr(packing_stream, "BATCH", 1)
+    if how == "header-outgrown":
+        monkeypatch.setattr(packing_stream, "ROOM", 0)
+        monkeypatch.setattr(packing_stream, "ROOM_PER_LAYER", 0)
+    if how == "abandoned":
+        add = packing_stream.PackingStream.add
+        monkeypatch.setattr(packing_stream.PackingStream, "add", lambda self, path, m: self.abort(
+            OSError(28, "No space left on device")) if len(self.added) == 2 else add(self, path, m))
+    finish, finished = packing_stream.PackingStream.finish, []
+    monkeypatch.setattr(packing_stream.PackingStream, "finish", lambda self: finished.append(finish(self)) or
+                        finished[-1])
+    first = load(checkpoint)
+    assert finished == {"a-layer-a-batch": [True], "header-outgrown": [False], "abandoned": []}[how]
+    [file] = packings(home)
+    layers = [m for m in first.engine.model.modules() if isinstance(m, form)]
+    assert layers and all(mapped_from(t, file) for m in layers for t in m.packing().values())
+    np.testing.assert_array_equal(first.logits(ids(PROMPT)), unkept)
+    monkeypatch.setattr(affine, "planes", lambda m: pytest.fail("repacked"))
+    monkeypatch.setattr(quant.Int4PackLinear, "_repack", lambda *a: pytest.fail("repacked"))
+    np.testing.assert_array_equal(load(checkpoint).logits(ids(PROMPT)), unkept)
+
+
 def ids(text):
     return list(range(3, 3 + len(text.split())))
 

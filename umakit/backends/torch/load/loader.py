@@ -31,6 +31,7 @@ from umakit.backends.torch.model.rope import rope_inv_freq
 from umakit.backends.torch.model.moe import Experts, expert_slot, stacked_shapes
 from umakit.backends.torch.cpu.affine_kernel import AffineEmbedding, AffineLinear
 from umakit.backends.torch.load.packed import PackedCache
+from umakit.backends.torch.load.packing_stream import PackingStream, count_quantized
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 SAFETENSORS_FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -193,12 +194,16 @@ def build_model(args: ModelArgs, config: dict, shapes: dict, source, device: tor
         convert_model(block, device, weights, tensors_only=lambda path: True)
         block.to(host)
     hosted = frozenset(host_experts)  # their experts stay stacked tensors, for the ExpertStreamer
+    # a first CPU packing is written as it is made (load/packing_stream.py)
+    stream = PackingStream(packed.path, count_quantized(model)) if packed is not None and packed.file is None \
+        else None
     convert_model(model, device, weights,
                   tensors_only=lambda path: layer_of(path) in streamed or (layer_of(path) in hosted and
                                                                            ".switch_mlp." in path),
-                  prepacked=packed.get if packed is not None else lambda path: {})
+                  prepacked=packed.get if packed is not None else lambda path: {},
+                  made=stream.add if stream is not None else lambda path, module: None)
     if packed is not None:
-        packed.store({path: m for path, m in model.named_modules() if hasattr(m, "packing")})
+        packed.store({path: m for path, m in model.named_modules() if hasattr(m, "packing")}, stream)
     if tied and isinstance(embed, quant.QuantizedEmbedding) and isinstance(model.lm_head, nn.Linear):
         # The tied head was dequantized: look rows up in it and drop the packed table.
         model.model.embed_tokens = nn.Embedding.from_pretrained(model.lm_head.weight, freeze=True)

@@ -88,11 +88,20 @@ class PackedCache:
         except (OSError, SafetensorError):
             return {}
 
-    def store(self, layers: dict[str, nn.Module]) -> None:
+    def store(self, layers: dict[str, nn.Module], stream=None) -> None:
         """Write the packing of ``layers`` (module path -> a module with `packing()`) as this checkpoint's cache,
         unless it holds it already (every name, each in the same shape: a layer packed otherwise than before, by a
         new reading of the same files, is written again). Once written, the layers hold the file's mapped tensors
-        instead of the ones they made, as a later load's do: the process that packed keeps no second copy."""
+        instead of the ones they made, as a later load's do: the process that packed keeps no second copy.
+        ``stream``: a `packing_stream.PackingStream` this load wrote its layers to as it made them, finished here
+        with any layer it missed (else, where it could not be finished, the file is written whole)."""
+        if stream is not None and not stream.broken:
+            for path, m in layers.items():
+                stream.add(path, m)
+            if stream.finish():
+                self._open()
+                self._drop_older()
+                return
         tensors = {f"{path}.{name}": t for path, m in layers.items() for name, t in m.packing().items()}
         if not tensors or tensors.keys() <= self.names and all(self._holds(k, t) for k, t in tensors.items()):
             return
@@ -107,7 +116,10 @@ class PackedCache:
             if kept.keys() == made.keys() and all(_same(kept[k], t) for k, t in made.items()):
                 for name, t in kept.items():
                     setattr(m, name, t)
-        # older keys' packings of the same checkpoint go
+        self._drop_older()
+
+    def _drop_older(self) -> None:
+        """Older keys' packings of the same checkpoint go."""
         prefix = self.path.name.split("-")[0] + "-"
         for old in self.path.parent.glob(f"{prefix}*{SUFFIX}"):
             if old != self.path:
@@ -115,7 +127,7 @@ class PackedCache:
                     old.unlink()
 
 
-_DTYPES = {torch.uint8: "U8", torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32",
+DTYPES = {torch.uint8: "U8", torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32",
            torch.int32: "I32"}
 
 
@@ -126,7 +138,7 @@ def _write(f, tensors: dict[str, torch.Tensor]) -> None:
     header, offset = {}, 0
     for name, t in tensors.items():
         size = t.numel() * t.element_size()
-        header[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        header[name] = {"dtype": DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
         offset += size
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-(8 + len(text)) % ALIGNMENT)

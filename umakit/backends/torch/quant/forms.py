@@ -99,23 +99,24 @@ def cpu_auto_dtype(quantization: dict | None) -> str:
 
 
 def convert_model(model: nn.Module, device: torch.device, dtype: torch.dtype, tensors_only=lambda path: False,
-                  prepacked=lambda path: {}) -> None:
+                  prepacked=lambda path: {}, made=lambda path, module: None) -> None:
     """Swap every loaded `QuantizedLinear` for its execution form (embeddings stay lookups).
 
     On CPU in float16, every linear layer then holds float16 weights for
     FBGEMM's float32 kernels (see `Fp16Linear`), except where
     ``tensors_only(path)``: FBGEMM's packed weights are not tensors, so such
     layers (streamed ones, see offload/layers.py) run dequantized in float32 instead.
-    ``prepacked(path)`` gives a layer's stored CPU packing (a dict by name, empty if none).
+    ``prepacked(path)`` gives a layer's stored CPU packing (a dict by name, empty if none); ``made(path, layer)``
+    hears of each layer with a CPU packing as it is made (load/packing_stream.py writes it then).
     """
     fp16 = device.type == "cpu" and dtype == torch.float16 and Fp16Linear.available()
     if device.type == "cpu" and dtype == torch.bfloat16 and affine.available():
         affine.prefill_gemm()  # a bad UMAKIT_PREFILL_GEMM is refused here, at load
         for path, module in list(model.named_modules()):  # parts of different widths: still one call
             if isinstance(module, Concat) and _affine_parts(list(module.parts)):
-                _replace(model, path, affine.AffineLinear(list(module.parts), prepacked(path)))
+                _replace(model, path, affine.AffineLinear(list(module.parts), prepacked(path)), made)
             elif isinstance(module, Experts) and not tensors_only(path):
-                pack_experts(module, path, prepacked)
+                pack_experts(module, path, prepacked, made)
     for path, module in list(model.named_modules()):
         if isinstance(module, Concat) and fp16 and all(isinstance(m, (QuantizedLinear, nn.Linear)) for m in module.parts):
             # mixed bits: dequantize each part, then one matmul again
@@ -125,7 +126,7 @@ def convert_model(model: nn.Module, device: torch.device, dtype: torch.dtype, te
         if type(module) is QuantizedLinear:
             plain = tensors_only(path) and fp16
             _replace(model, path, dense(module, torch.float32) if plain
-                     else for_execution(module, device, dtype, prepacked(path)))
+                     else for_execution(module, device, dtype, prepacked(path)), made)
     for path, module in list(model.named_modules()):
         if isinstance(module, Concat) and all(isinstance(m, nn.Linear) for m in module.parts):
             _replace(model, path, concat(list(module.parts)))  # mixed bits, all dequantized: one matmul again
@@ -143,7 +144,7 @@ def convert_model(model: nn.Module, device: torch.device, dtype: torch.dtype, te
                 module.weight = nn.Parameter(module.weight.to(torch.float16), requires_grad=False)
 
 
-def pack_experts(m: Experts, path: str, prepacked=lambda path: {}) -> None:
+def pack_experts(m: Experts, path: str, prepacked=lambda path: {}, made=lambda path, module: None) -> None:
     """Each expert of a quantized `Experts` as its own layer on umakit's CPU kernel (``m.forms``), the stacked
     tensors dropped: a decode step then reads each picked expert's codes once, where dequantizing them writes and
     reads a float32 copy. Left stacked where the kernel does not take the layer or its scales and biases leave
@@ -167,6 +168,8 @@ def pack_experts(m: Experts, path: str, prepacked=lambda path: {}) -> None:
     if not reused and (not affine.supports(experts[0]) or not all(_in_half_range(t) for t in (m.scales, m.biases))):
         return
     m.forms = nn.ModuleList(affine.AffineLinear([q], k) for q, k in zip(experts, kept))
+    for e, form in enumerate(m.forms):
+        made(f"{path}.forms.{e}", form)
     for name in ("weight", "scales", "biases"):
         m._buffers.pop(name)
     if m.bias is not None:
@@ -198,9 +201,11 @@ def _affine_parts(parts: list) -> bool:
     return all(type(m) is QuantizedLinear and affine.supports(m) for m in parts) and affine.concatenates(parts)
 
 
-def _replace(model: nn.Module, path: str, new: nn.Module) -> None:
+def _replace(model: nn.Module, path: str, new: nn.Module, made=lambda path, module: None) -> None:
     parent, _, attr = path.rpartition(".")
     setattr(model.get_submodule(parent), attr, new)
+    if hasattr(new, "packing"):
+        made(path, new)
 
 
 def describe_execution(model: nn.Module) -> str:
