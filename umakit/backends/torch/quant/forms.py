@@ -99,15 +99,16 @@ def cpu_auto_dtype(quantization: dict | None) -> str:
 
 
 def convert_model(model: nn.Module, device: torch.device, dtype: torch.dtype, tensors_only=lambda path: False,
-                  prepacked=lambda path: {}, made=lambda path, module: None) -> None:
+                  prepacked=lambda path: {}, made=lambda path, layer, source: None) -> None:
     """Swap every loaded `QuantizedLinear` for its execution form (embeddings stay lookups).
 
     On CPU in float16, every linear layer then holds float16 weights for
     FBGEMM's float32 kernels (see `Fp16Linear`), except where
     ``tensors_only(path)``: FBGEMM's packed weights are not tensors, so such
     layers (streamed ones, see offload/layers.py) run dequantized in float32 instead.
-    ``prepacked(path)`` gives a layer's stored CPU packing (a dict by name, empty if none); ``made(path, layer)``
-    hears of each layer with a CPU packing as it is made (load/packing_stream.py writes it then).
+    ``prepacked(path)`` gives a layer's stored CPU packing (a dict by name, empty if none); ``made(path, layer,
+    source)`` hears of each layer with a CPU packing as it is made, and of the module it was made from
+    (load/packing_stream.py writes it then, load/pages.py lets go of the source's pages).
     """
     fp16 = device.type == "cpu" and dtype == torch.float16 and Fp16Linear.available()
     if device.type == "cpu" and dtype == torch.bfloat16 and affine.available():
@@ -144,7 +145,7 @@ def convert_model(model: nn.Module, device: torch.device, dtype: torch.dtype, te
                 module.weight = nn.Parameter(module.weight.to(torch.float16), requires_grad=False)
 
 
-def pack_experts(m: Experts, path: str, prepacked=lambda path: {}, made=lambda path, module: None) -> None:
+def pack_experts(m: Experts, path: str, prepacked=lambda path: {}, made=lambda path, layer, source: None) -> None:
     """Each expert of a quantized `Experts` as its own layer on umakit's CPU kernel (``m.forms``), the stacked
     tensors dropped: a decode step then reads each picked expert's codes once, where dequantizing them writes and
     reads a float32 copy. Left stacked where the kernel does not take the layer or its scales and biases leave
@@ -168,8 +169,8 @@ def pack_experts(m: Experts, path: str, prepacked=lambda path: {}, made=lambda p
     if not reused and (not affine.supports(experts[0]) or not all(_in_half_range(t) for t in (m.scales, m.biases))):
         return
     m.forms = nn.ModuleList(affine.AffineLinear([q], k) for q, k in zip(experts, kept))
-    for e, form in enumerate(m.forms):
-        made(f"{path}.forms.{e}", form)
+    for e, (form, q) in enumerate(zip(m.forms, experts)):
+        made(f"{path}.forms.{e}", form, q)
     for name in ("weight", "scales", "biases"):
         m._buffers.pop(name)
     if m.bias is not None:
@@ -201,11 +202,12 @@ def _affine_parts(parts: list) -> bool:
     return all(type(m) is QuantizedLinear and affine.supports(m) for m in parts) and affine.concatenates(parts)
 
 
-def _replace(model: nn.Module, path: str, new: nn.Module, made=lambda path, module: None) -> None:
+def _replace(model: nn.Module, path: str, new: nn.Module, made=lambda path, layer, source: None) -> None:
     parent, _, attr = path.rpartition(".")
+    old = getattr(model.get_submodule(parent), attr)
     setattr(model.get_submodule(parent), attr, new)
     if hasattr(new, "packing"):
-        made(path, new)
+        made(path, new, old)
 
 
 def describe_execution(model: nn.Module) -> str:
