@@ -35,6 +35,14 @@ def half_save(file, arrays):
     os.truncate(file, os.path.getsize(file) // 2)
     time.sleep(600)
 
+real_set = writer.StreamedSafetensors.__setitem__
+
+def half_set(self, name, array):  # a weights file written a tensor at a time (a GGUF import): three, then a stall
+    real_set(self, name, array)
+    if len(self) == 3:
+        self._f.flush()
+        time.sleep(600)
+
 def half_line(self, data):
     if lines:
         os.write(self._fd, data[: len(data) // 2])
@@ -43,6 +51,7 @@ def half_line(self, data):
     real_write(self, data)
 
 writer._save = half_save
+writer.StreamedSafetensors.__setitem__ = half_set
 fsutil.AppendFile.write = half_line
 COMMANDS.setdefault("batch", "umakit.cli.batch_cmd:batch_cmd")
 main()

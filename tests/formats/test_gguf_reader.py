@@ -194,3 +194,28 @@ def test_an_import_holds_one_tensor_at_a_time(tmp_path, monkeypatch):
     monkeypatch.setattr(StreamedSafetensors, "__setitem__", tracked)
     import_gguf(write_gguf(tmp_path / "m.gguf", layers=LOSSY_LAYERS + EXACT_LAYERS), tmp_path / "out")
     assert len(written) > 40
+
+
+def test_corrupt_headers_are_one_clear_error_or_read(tmp_path):
+    """Any byte of a GGUF's header changed, or the file cut anywhere in it: the reader gives its metadata or one
+    of umakit's errors, never a bare exception from deep inside."""
+    from umakit.errors import UmakitError
+
+    good = write_gguf(tmp_path / "m.gguf").read_bytes()
+    header = min(t.data_offset for t in open_gguf(tmp_path / "m.gguf").tensors.values())  # where the data starts
+    rng = np.random.default_rng(7)
+    bad = tmp_path / "bad.gguf"
+    for i in range(400):
+        data = bytearray(good)
+        if i % 4 == 0:
+            data = data[:int(rng.integers(8, header))]
+        else:
+            at = int(rng.integers(8, header))
+            data[at] = int(rng.integers(0, 256))
+        bad.write_bytes(bytes(data))
+        try:
+            gf = open_gguf(bad)
+        except UmakitError:
+            continue
+        for t in gf.tensors.values():
+            assert t.data.nbytes == t.n_bytes

@@ -25,6 +25,8 @@ from umakit.backends import trim_heap
 from umakit.backends.torch.load import exact
 from umakit.backends.torch.load.loader import quant_spec
 from umakit.backends.torch.load.packed import PackedCache
+from umakit.backends.torch.load.packing_stream import PackingStream
+from umakit.backends.torch.load.pages import SourcePages
 from umakit.backends.torch.cpu import affine_kernel as affine
 from umakit.backends.torch.quant import forms
 from umakit.backends.torch.quant.layout import QuantizedEmbedding, QuantizedLinear
@@ -111,6 +113,9 @@ def _swap_in_forms(model: nn.Module, c) -> None:
             for path in unkept:
                 c.packed[path].weight, c.packed[path].scales, c.packed[path].biases = exact.read(
                     f, path, c.exact[path]["bits"])
+    # a first packing written as it is made, each layer's checkpoint pages let go of (as the torch engine's load)
+    stream = PackingStream(c.kept.path, len(c.packed)) if c.kept is not None and c.kept.file is None else None
+    pages = SourcePages() if stream is not None else None
     for path, packed in c.packed.items():
         if packed.weight.is_meta and not packed.unread:
             raise UnsupportedModelError(f"the checkpoint has no packed codes for {path} (transformers' name for one of "
@@ -124,13 +129,16 @@ def _swap_in_forms(model: nn.Module, c) -> None:
                 quantizer.put(model, c.head, forms.for_execution(table.as_linear(), device, form, kept(c.head)))
         else:
             quantizer.put(model, path, forms.for_execution(q, device, form, kept(path)))
+            if stream is not None and hasattr(layer := model.get_submodule(path), "packing"):
+                stream.add(path, layer)
+                pages.let_go(q)
             packed.weight = packed.scales = packed.biases = None  # the checkpoint's copy goes as its form comes
             if packed.unread and not isinstance(model.get_submodule(path), affine.AffineLinear):
                 raise UnsupportedModelError(f"{path}: the packing kept under $UMAKIT_HOME/packed does not fit this "
                                             "load; delete it to pack again")
         del q
     if c.kept is not None:
-        c.kept.store({path: m for path, m in model.named_modules() if hasattr(m, "packing")})
+        c.kept.store({path: m for path, m in model.named_modules() if hasattr(m, "packing")}, stream)
     trim_heap()
 
 

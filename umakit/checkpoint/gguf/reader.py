@@ -11,6 +11,7 @@ mapped file, shaped as the `gguf` package shapes them.
 from __future__ import annotations
 
 import hashlib
+import math
 import mmap
 import os
 import struct
@@ -181,7 +182,9 @@ def open_gguf(path: str | os.PathLike) -> GGUFFile:
             raise UnsupportedModelError(f"{path} uses a tensor type this gguf package does not know ({e})") from e
         if name in tensors:
             raise CheckpointError(f"{path}: tensor {name} appears twice")
-        n = int(np.prod(dims, dtype=np.uint64)) if len(dims) else 1
+        n = math.prod(int(d) for d in dims)  # Python's integers: a corrupt dimension cannot wrap around
+        if qtype not in GGML_QUANT_SIZES:
+            raise UnsupportedModelError(f"{path}: tensor {name} has type {qtype.name}, which has no block size here")
         block, type_size = GGML_QUANT_SIZES[qtype]
         begin, n_bytes = start + offset, n * type_size // block
         if begin + n_bytes > len(buf):
