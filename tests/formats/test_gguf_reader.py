@@ -219,3 +219,24 @@ def test_corrupt_headers_are_one_clear_error_or_read(tmp_path):
             continue
         for t in gf.tensors.values():
             assert t.data.nbytes == t.n_bytes
+
+
+@pytest.mark.parametrize("qtype", [T.Q2_K, T.Q3_K, T.IQ4_NL, T.Q6_K], ids=lambda q: q.name)
+def test_requantizing_in_chunks_is_requantizing_at_once(monkeypatch, qtype):
+    """A re-quantized type's rows a chunk at a time (rows reordered, as q and k are) give the codes, scales,
+    biases, their dtypes and the error one pass gives."""
+    from types import SimpleNamespace
+
+    from support.gguf_files import tensor_data
+    from umakit.checkpoint.gguf import tensors
+
+    rng = np.random.default_rng(5)
+    t = SimpleNamespace(data=tensor_data(qtype, 96, 512, rng), tensor_type=qtype, shape=(512, 96))
+    order = rng.permutation(96)
+    whole = tensors.requantize(t, order)
+    monkeypatch.setattr(quants, "CHUNK_VALUES", 700)  # a row a chunk
+    parts = tensors.requantize(t, order)
+    assert whole[1:] == parts[1:]
+    for a, b in zip(whole[0], parts[0]):
+        a, b = np.array(a), np.array(b)
+        assert a.dtype == b.dtype and np.array_equal(a, b)

@@ -42,25 +42,40 @@ def exact(t, order: np.ndarray | None, cols: np.ndarray | None = None) -> tuple[
 
 
 def requantize(t, order: np.ndarray | None, cols: np.ndarray | None = None) -> tuple[tuple, int, float]:
-    """Dequantize with the gguf package, re-quantize to MLX; return arrays, bits, max abs error."""
+    """Dequantize with the gguf package, re-quantize to MLX; return arrays, bits, max abs error. A chunk of rows
+    at a time (`quants.CHUNK_VALUES`), so memory never holds the tensor in float32; every group is quantized on
+    its own, so the chunks give what one pass gives, and float16 scales and biases are kept where every chunk's
+    are finite in it."""
     import mlx.core as mx
     from gguf import quants as gguf_quants
 
-    values = reordered(gguf_quants.dequantize(np.asarray(t.data), t.tensor_type), order, cols)  # float32
+    data, width = np.asarray(t.data), int(t.shape[0])
+
+    def values(lo: int, hi: int) -> np.ndarray:  # float32 rows lo..hi of the reordered tensor
+        v = gguf_quants.dequantize(data[lo:hi] if order is None else data[order[lo:hi]], t.tensor_type)
+        return v if cols is None else v[:, cols]
+
     bits = quants.lossy_bits(t.tensor_type)
     if t.tensor_type in quants.SYMMETRIC and bits == 8:
-        return quants.symmetric8(values)
-    ref = mx.array(values)
-    w, scales, biases = mx.quantize(ref, group_size=quants.GROUP_SIZE, bits=bits)
-    half = scales.astype(mx.float16), biases.astype(mx.float16)
-    if all(mx.all(mx.isfinite(x)).item() for x in half):
-        scales, biases = half
-    back = mx.dequantize(
-        w, scales.astype(mx.float32), biases.astype(mx.float32), group_size=quants.GROUP_SIZE, bits=bits
-    )
-    err = mx.max(mx.abs(back - ref)).item()
+        return quants.symmetric8_rows(values, data.shape[0], width)
+    step = max(1, quants.CHUNK_VALUES // width)
+    parts, errors, half = [], [0.0, 0.0], True
+    for lo in range(0, data.shape[0], step):
+        ref = mx.array(values(lo, lo + step))
+        w, scales, biases = mx.quantize(ref, group_size=quants.GROUP_SIZE, bits=bits)
+        halves = scales.astype(mx.float16), biases.astype(mx.float16)
+        half = half and all(mx.all(mx.isfinite(x)).item() for x in halves)
+        for i, (s, b) in enumerate(((scales, biases), halves) if half else ((scales, biases),)):
+            back = mx.dequantize(w, s.astype(mx.float32), b.astype(mx.float32), group_size=quants.GROUP_SIZE,
+                                 bits=bits)
+            errors[i] = max(errors[i], mx.max(mx.abs(back - ref)).item())
+        mx.eval(w, scales, biases)
+        parts.append((w, scales, biases))
+    w, scales, biases = (mx.concatenate([p[i] for p in parts]) for i in range(3))
+    if half:
+        scales, biases = scales.astype(mx.float16), biases.astype(mx.float16)
     mx.eval(w, scales, biases)
-    return (w, scales, biases), bits, float(err)
+    return (w, scales, biases), bits, float(errors[1] if half else errors[0])
 
 
 def exact16(t, order: np.ndarray | None, cols: np.ndarray | None = None) -> tuple[dict[str, np.ndarray], tuple, int,
