@@ -104,7 +104,17 @@ def _swap_in_forms(model: nn.Module, c) -> None:
     device = torch.device(c.device)
     dtype = c.dtype
     kept = c.kept.get if c.kept is not None else lambda path: {}
-    switch.finish(model, c.stacks, device, dtype, kept)
+    # a first packing written as it is made, each layer's checkpoint pages let go of (as the torch engine's load)
+    stream = PackingStream(c.kept.path, len(c.packed) + _experts(c.stacks)) \
+        if c.kept is not None and c.kept.file is None else None
+    pages = SourcePages() if stream is not None else None
+
+    def made(path: str, layer: nn.Module, source: nn.Module) -> None:
+        if stream is not None:
+            stream.add(path, layer)
+            pages.let_go(source)
+
+    switch.finish(model, c.stacks, device, dtype, kept, made)
     mlx_layout.after(model, c.convs)
     form = torch.bfloat16 if device.type == "cpu" else dtype  # "bfloat16" names the packed CPU forms
     unkept = [path for path in c.exact if path in c.packed and not _kept_whole(c.packed[path], kept(path))]
@@ -113,9 +123,6 @@ def _swap_in_forms(model: nn.Module, c) -> None:
             for path in unkept:
                 c.packed[path].weight, c.packed[path].scales, c.packed[path].biases = exact.read(
                     f, path, c.exact[path]["bits"])
-    # a first packing written as it is made, each layer's checkpoint pages let go of (as the torch engine's load)
-    stream = PackingStream(c.kept.path, len(c.packed)) if c.kept is not None and c.kept.file is None else None
-    pages = SourcePages() if stream is not None else None
     for path, packed in c.packed.items():
         if packed.weight.is_meta and not packed.unread:
             raise UnsupportedModelError(f"the checkpoint has no packed codes for {path} (transformers' name for one of "
@@ -129,9 +136,8 @@ def _swap_in_forms(model: nn.Module, c) -> None:
                 quantizer.put(model, c.head, forms.for_execution(table.as_linear(), device, form, kept(c.head)))
         else:
             quantizer.put(model, path, forms.for_execution(q, device, form, kept(path)))
-            if stream is not None and hasattr(layer := model.get_submodule(path), "packing"):
-                stream.add(path, layer)
-                pages.let_go(q)
+            if hasattr(layer := model.get_submodule(path), "packing"):
+                made(path, layer, q)
             packed.weight = packed.scales = packed.biases = None  # the checkpoint's copy goes as its form comes
             if packed.unread and not isinstance(model.get_submodule(path), affine.AffineLinear):
                 raise UnsupportedModelError(f"{path}: the packing kept under $UMAKIT_HOME/packed does not fit this "
@@ -140,6 +146,12 @@ def _swap_in_forms(model: nn.Module, c) -> None:
     if c.kept is not None:
         c.kept.store({path: m for path, m in model.named_modules() if hasattr(m, "packing")}, stream)
     trim_heap()
+
+
+def _experts(stacks: dict) -> int:
+    """The expert layers ``stacks`` may pack (for the packing's header room)."""
+    return sum(getattr(getattr(s, name), "n", 0) for s in stacks.values() if isinstance(s, switch.SwitchMLP)
+               for name in switch.PROJECTIONS)
 
 
 def load(transformers, ckpt, device: torch.device, dtype: torch.dtype) -> tuple[nn.Module, int]:

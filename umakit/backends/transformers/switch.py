@@ -115,10 +115,10 @@ def params(stacks: dict) -> int:
 
 
 def finish(model: nn.Module, stacks: dict, device: torch.device, dtype: torch.dtype,
-           kept=lambda path: {}) -> None:
+           kept=lambda path: {}, made=lambda path, layer, source: None) -> None:
     """Refuse stacks the checkpoint left unfilled; on a CPU, pack each quantized expert for umakit's kernel
-    (``kept(path)``: a layer's packing kept by an earlier load); the quantized routers' weights dequantized to
-    ``dtype``."""
+    (``kept(path)``: a layer's packing kept by an earlier load; ``made``: as `forms.convert_model` calls it); the
+    quantized routers' weights dequantized to ``dtype``."""
     for base, switch in stacks.items():
         if not isinstance(switch, SwitchMLP):
             router = model.get_submodule(base)
@@ -132,4 +132,4 @@ def finish(model: nn.Module, stacks: dict, device: torch.device, dtype: torch.dt
                 raise UnsupportedModelError(f"the checkpoint has no tensor for {base}.{name}.weight (the stacked "
                                             "experts of a layer it holds stacks for)")
             if device.type == "cpu" and e.bits is not None and affine.available():
-                pack_experts(e, f"{base}.{name}", kept)
+                pack_experts(e, f"{base}.{name}", kept, made)
