@@ -15,7 +15,7 @@ from umakit.checkpoint.gguf import quants
 from umakit.checkpoint.gguf.reader import open_gguf
 from umakit.checkpoint.writer import StreamedSafetensors
 from umakit.errors import CheckpointError
-from support.gguf_files import EXACT_LAYERS, LOSSY_LAYERS, write_gguf
+from support.gguf_files import EXACT_LAYERS, LOSSY_LAYERS, with_metadata, write_gguf
 
 V = gguf.GGUFValueType
 EXTRA = [  # every value type, arrays of them and non-ASCII text (gguf's writer makes no empty array)
@@ -28,22 +28,7 @@ EXTRA = [  # every value type, arrays of them and non-ASCII text (gguf's writer 
 
 
 def _with_extra(path, layers):
-    src = write_gguf(path, layers=layers)
-    reader = gguf.GGUFReader(src)
-    out = path.with_name("extra-" + path.name)
-    w = gguf.GGUFWriter(str(out), reader.fields["general.architecture"].contents())
-    for k, field in reader.fields.items():
-        if not k.startswith(("GGUF.", "general.architecture")):
-            w.add_key_value(k, field.contents(), field.types[0], field.types[-1] if len(field.types) > 1 else None)
-    for key, value, kind, sub in EXTRA:
-        w.add_key_value(key, value, kind, sub)
-    for t in reader.tensors:
-        w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return out
+    return with_metadata(write_gguf(path, layers=layers), path.with_name("extra-" + path.name), typed=EXTRA)
 
 
 @pytest.mark.parametrize("layers", [EXACT_LAYERS, LOSSY_LAYERS], ids=["exact", "lossy"])

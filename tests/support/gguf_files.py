@@ -128,9 +128,10 @@ def write_gguf(path, arch="llama", layers=EXACT_LAYERS, tied=True, embed=T.Q8_0,
     return Path(path)
 
 
-def with_metadata(src, dst, **changes):
+def with_metadata(src, dst, typed=(), **changes):
     """A copy of the GGUF ``src`` at ``dst`` with metadata keys changed or added (``{arch}`` in a key: the file's
-    architecture; the value's GGUF types as `value_types` picks them) and every tensor as stored; returns ``dst``."""
+    architecture; the value's GGUF types as `value_types` picks them, or as given: ``typed`` holds (key, value,
+    type, item type) entries) and every tensor as stored; returns ``dst``."""
     reader = gguf.GGUFReader(src)
     arch = reader.fields["general.architecture"].contents()
     changes = {k.format(arch=arch): v for k, v in changes.items()}
@@ -140,6 +141,8 @@ def with_metadata(src, dst, **changes):
             w.add_key_value(k, field.contents(), field.types[0], field.types[-1] if len(field.types) > 1 else None)
     for k, v in changes.items():
         w.add_key_value(k, v, *value_types(v))
+    for k, v, kind, item in typed:
+        w.add_key_value(k, v, kind, item)
     for t in reader.tensors:
         w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
     w.write_header_to_file()
