@@ -71,10 +71,15 @@ class PackingStream:
         """The pending layers' tensors replaced by views of the file's map (copy-on-write, as safetensors maps)."""
         if not self.pending:
             return
-        self._f.flush()
         start = 8 + self.room + self.mapped
         base = start // mmap.ALLOCATIONGRANULARITY * mmap.ALLOCATIONGRANULARITY
-        view = mmap.mmap(self._f.fileno(), 8 + self.room + self.size - base, offset=base, access=mmap.ACCESS_COPY)
+        try:
+            self._f.flush()
+            view = mmap.mmap(self._f.fileno(), 8 + self.room + self.size - base, offset=base,
+                             access=mmap.ACCESS_COPY)
+        except (OSError, ValueError):  # no map: the layers keep the tensors they made
+            self.pending, self.mapped = [], self.size
+            return
         for module, entries in self.pending:
             for name, (offset, t) in entries.items():
                 mapped = torch.frombuffer(view, dtype=t.dtype, count=t.numel(),
