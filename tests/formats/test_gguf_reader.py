@@ -116,9 +116,9 @@ def test_symmetric8_in_chunks_is_symmetric8_at_once(monkeypatch):
     rng = np.random.default_rng(1)
     values = (rng.standard_normal((50, 256)) * rng.uniform(0, 3, (50, 1))).astype(np.float32)
     values[4] = 0
-    (w, s, b), bits, err = quants.symmetric8(values)
+    (w, s, b), bits, err = quants.symmetric8(lambda lo, hi: values[lo:hi], *values.shape)
     monkeypatch.setattr(quants, "CHUNK_VALUES", 3 * 256)  # chunks of 3 rows, the last one short
-    (w2, s2, b2), bits2, err2 = quants.symmetric8(values)
+    (w2, s2, b2), bits2, err2 = quants.symmetric8(lambda lo, hi: values[lo:hi], *values.shape)
     assert (bits, err) == (bits2, err2) and err > 0
     for x, y in ((w, w2), (s, s2), (b, b2)):
         assert np.array_equal(x, y) and x.dtype == y.dtype

@@ -3,9 +3,10 @@
 One writer for every directory umakit makes (`umakit quantize`, GGUF imports):
 `write_model_dir` builds it atomically (`umakit.core.fsutil.atomic_dir`), so a
 failure leaves nothing behind; `fill_model_dir` writes into a directory the
-caller already made (the GGUF cache installs its own with a racing rename).
-Weights go either as mlx-lm's ``save`` lays them out (5 GB shards and an
-index) or as one `WEIGHTS_FILE`.
+caller already made. Weights go either as mlx-lm's ``save`` lays them out
+(5 GB shards and an index) or as one `WEIGHTS_FILE`; a GGUF import writes its
+one file a tensor at a time (`StreamedSafetensors`), then `finish_model_dir`
+the files beside it.
 """
 
 from __future__ import annotations

@@ -215,8 +215,6 @@ def _convert(plan: ImportPlan, arrays: StreamedSafetensors, groups16_file: _Grou
 def _one(plan: ImportPlan, hf: str, t, name: str, arrays: StreamedSafetensors, groups16_file: _Groups16,
          quantized: dict, lossy: list, groups16: dict) -> int:
     """Convert one tensor ``t`` (GGUF ``name``, HF ``hf``) into ``arrays``; 1 if it stayed exact, else 0."""
-    import mlx.core as mx
-
     gf, spec, config = plan.gf, plan.spec, plan.config
     if spec.stacked and (parts := spec.stacked(hf)):
         return _stacked(t, hf, spec, parts, arrays, quantized, lossy)

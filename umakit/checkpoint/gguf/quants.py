@@ -244,20 +244,15 @@ def lossy_bits(qtype: T) -> int:
 SYMMETRIC = frozenset({T.Q6_K, T.Q3_K})
 
 
-def symmetric8(values: np.ndarray) -> tuple[tuple, int, float]:
-    """(rows, cols) float32 -> 8-bit groups of 32 with bias = -128 * scale (Q8_0's form), as packed MLX arrays,
-    bits and the largest error. As fine a step as min-max groups (max |w| / 127 against (max - min) / 255),
-    and a CPU kernel that knows the bias from the scale reads half the scale bytes (a Q6_K tensor 8.5 bits a
-    weight on the torch engine, not 9)."""
-    return symmetric8_rows(lambda lo, hi: values[lo:hi], *values.shape)
-
-
 CHUNK_VALUES = 1 << 18  # float32 values a chunk: 1 MB, so each pass over it stays in a core's cache
 
 
-def symmetric8_rows(values: Callable[[int, int], np.ndarray], rows: int, cols: int) -> tuple[tuple, int, float]:
-    """`symmetric8` of a tensor whose float32 rows ``values(lo, hi)`` gives a chunk at a time (twice each), so
-    memory holds the codes and a chunk, not the tensor in float32 and its temporaries."""
+def symmetric8(values: Callable[[int, int], np.ndarray], rows: int, cols: int) -> tuple[tuple, int, float]:
+    """A (rows, cols) tensor, whose float32 rows ``values(lo, hi)`` gives a chunk at a time (twice each), as 8-bit
+    groups of 32 with bias = -128 * scale (Q8_0's form): packed MLX arrays, bits and the largest error. Memory
+    holds the codes and a chunk, not the tensor in float32 and its temporaries. As fine a step as min-max groups
+    (max |w| / 127 against (max - min) / 255), and a CPU kernel that knows the bias from the scale reads half
+    the scale bytes (a Q6_K tensor 8.5 bits a weight on the torch engine, not 9)."""
     step = max(1, CHUNK_VALUES // max(cols, 1))
     chunks = [(lo, min(rows, lo + step)) for lo in range(0, rows, step)]
     amax = np.empty((rows, cols // GROUP_SIZE), dtype=np.float32)

@@ -57,7 +57,7 @@ def requantize(t, order: np.ndarray | None, cols: np.ndarray | None = None) -> t
 
     bits = quants.lossy_bits(t.tensor_type)
     if t.tensor_type in quants.SYMMETRIC and bits == 8:
-        return quants.symmetric8_rows(values, data.shape[0], width)
+        return quants.symmetric8(values, data.shape[0], width)
     step = max(1, quants.CHUNK_VALUES // width)
     parts, errors, half = [], [0.0, 0.0], True
     for lo in range(0, data.shape[0], step):
@@ -91,7 +91,7 @@ def exact16(t, order: np.ndarray | None, cols: np.ndarray | None = None) -> tupl
         centred = aff.q[lo:hi].reshape(hi - lo, -1, aff.group_size).astype(np.float32) - 2 ** (aff.bits - 1)
         return (aff.scales[lo:hi, :, None] * centred).reshape(hi - lo, cols)
 
-    return (exact, *quants.symmetric8_rows(values, rows, cols))
+    return (exact, *quants.symmetric8(values, rows, cols))
 
 
 def dequantized(t):
