@@ -295,6 +295,27 @@ def test_k_quant_scales_are_held_as_codes_exactly(bits, group):
         assert_close(run(x), F.linear(x, m.dequantized(torch.float32)), x, [m], exact=rows >= affine.dense_rows())
 
 
+def test_k_quant_scales_found_past_the_first_code_tried():
+    """The search tries first the code the sample's blocks fit most; a block past the sample whose largest code
+    is another (either sign; none the sample saw) is still held exactly, not sent to float16."""
+    from umakit.backends.torch.cpu import scale_codes
+
+    rows, cols, group = 48, 512, 16  # 96 super-blocks: the last 32 past the sample of 64
+    m = k_quant_layer(rows, cols, 6, group, seed=3)
+    blocks = m.scales.view(-1, 256 // group)
+    g = torch.Generator().manual_seed(4)
+    for b in range(scale_codes.SAMPLE, len(blocks)):
+        largest = int(torch.randint(1, 100, (), generator=g))
+        codes = torch.randint(-largest, largest + 1, (256 // group,), generator=g).float()
+        codes[0] = largest if b % 2 else -largest
+        d = float(torch.rand((), generator=g) * 0.01 + 1e-4)
+        blocks[b] = torch.tensor(d, dtype=torch.float16).float() * codes
+    m.biases = m.scales * -32
+    codes, sb = affine.planes(m)
+    assert sb.dtype == torch.uint8
+    assert torch.equal(dequantize(codes, sb, 6, group, rows), m.dequantized(torch.float32))
+
+
 def test_scales_that_are_not_a_k_quants_keep_float16():
     """An MLX quantization's min-max scales are no factor times int8 codes: the float16 form, as before."""
     assert affine.planes(layer(40, 512, 4, 32))[1].dtype == torch.float16

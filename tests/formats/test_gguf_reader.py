@@ -136,6 +136,30 @@ def test_pack_across_chunks(bits):
     packed = quants.pack(q, bits).view(np.uint8)
     row_bits = np.unpackbits(packed, axis=1, bitorder="little").reshape(rows, cols, bits)
     assert np.array_equal((row_bits << np.arange(bits, dtype=np.uint8)).sum(axis=-1), q)
+    # codes in column order, as reordering a tensor's rows leaves them, pack the same
+    assert np.array_equal(quants.pack(np.asfortranarray(q), bits).view(np.uint8), packed)
+
+
+def test_q6_k_in_8_bits_is_symmetric8_of_its_values(monkeypatch):
+    """The 8-bit copy of a Q6_K tensor (its groups' largest |value| from the codes, not the values) is
+    `symmetric8` of the gguf package's values, bit for bit, in chunks of a few rows on every core."""
+    from types import SimpleNamespace
+
+    from gguf import quants as gguf_quants
+    from support.gguf_files import tensor_data
+
+    from umakit.checkpoint.gguf import tensors
+
+    rows, cols = 40, 512
+    data = tensor_data(T.Q6_K, rows, cols, np.random.default_rng(5))
+    monkeypatch.setattr(quants, "CHUNK_VALUES", 3 * cols)
+    _, (w, s, b), bits, err = tensors.exact16(SimpleNamespace(data=data, tensor_type=T.Q6_K, shape=(cols, rows)),
+                                              None)
+    values = gguf_quants.dequantize(data, T.Q6_K)
+    (w2, s2, b2), bits2, err2 = quants.symmetric8(lambda lo, hi: values[lo:hi], rows, cols)
+    assert (bits, err) == (bits2, err2) == (8, err) and err > 0
+    for x, y in ((w, w2), (s, s2), (b, b2)):
+        assert np.array_equal(x, y) and x.dtype == y.dtype
 
 
 @pytest.mark.parametrize("reserve", [64, 1 << 16], ids=["outgrown", "roomy"])

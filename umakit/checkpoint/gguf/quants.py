@@ -21,7 +21,9 @@ grids) and is re-quantized by the caller; `lossy_bits` picks the width.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -162,6 +164,24 @@ EXACT16_GROUP = 16
 CHUNK_BLOCKS = 4096  # blocks decoded at a time: about 1M weights, so the decoders' temporaries stay in cache
 
 
+_POOL: dict[int, ThreadPoolExecutor] = {}  # by process id: a forked child makes its own
+
+
+def each_chunk(fn: Callable[[int, int], object], n: int, step: int) -> list:
+    """``fn(lo, hi)`` over [0, n) in chunks of ``step``, on every core this process may use (numpy lets go of the
+    GIL in its loops): the results in order. Each chunk writes its own rows of the caller's arrays, so the outputs
+    are those of one loop, and memory holds a chunk's temporaries a core."""
+    chunks = [(lo, min(n, lo + step)) for lo in range(0, n, max(1, step))]
+    if len(chunks) < 2:
+        return [fn(lo, hi) for lo, hi in chunks]
+    pid = os.getpid()
+    if pid not in _POOL:
+        _POOL.clear()
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1  # macOS
+        _POOL[pid] = ThreadPoolExecutor(cores, thread_name_prefix="umakit-import")
+    return list(_POOL[pid].map(lambda c: fn(*c), chunks))
+
+
 def _decoded(decode: Callable, data: np.ndarray, qtype: T, group: int):
     """``decode`` over ``data``'s blocks a chunk at a time: codes (n, block), scales and biases (n, block // group)."""
     block_size, type_size = GGML_QUANT_SIZES[qtype]
@@ -169,9 +189,11 @@ def _decoded(decode: Callable, data: np.ndarray, qtype: T, group: int):
     n, per = len(blocks), block_size // group
     q = np.empty((n, block_size), dtype=np.uint8)
     scales, biases = np.empty((n, per), dtype=np.float32), np.empty((n, per), dtype=np.float32)
-    for lo in range(0, n, CHUNK_BLOCKS):
-        hi = min(n, lo + CHUNK_BLOCKS)
+
+    def chunk(lo: int, hi: int) -> None:
         q[lo:hi], scales[lo:hi], biases[lo:hi] = decode(blocks[lo:hi])
+
+    each_chunk(chunk, n, CHUNK_BLOCKS)
     return q, scales, biases
 
 
@@ -208,19 +230,22 @@ def pack(q: np.ndarray, bits: int) -> np.ndarray:
     assert bits in MLX_BITS and cols % 32 == 0 and q.dtype == np.uint8
     if bits == 8:
         return np.ascontiguousarray(q).view("<u4")
-    if bits == 4:  # two codes a byte, the first in the low nibble
-        return np.ascontiguousarray(q[:, 0::2] | (q[:, 1::2] << 4)).view("<u4")
     out = np.empty((rows, cols * bits // 32), dtype="<u4")
-    step = max(1, (1 << 18) // cols)  # rows a chunk: its uint64 words stay in a core's cache
-    for r in range(0, rows, step):
-        codes = q[r : r + step].reshape(-1, cols // 8, 8)
+
+    def chunk(lo: int, hi: int) -> None:
+        if bits == 4:  # two codes a byte, the first in the low nibble
+            out[lo:hi] = np.ascontiguousarray(q[lo:hi, 0::2] | (q[lo:hi, 1::2] << 4)).view("<u4")
+            return
+        codes = q[lo:hi].reshape(-1, cols // 8, 8)
         # 8 codes fill exactly `bits` bytes of a little-endian uint64, lane by lane (numpy's reduce over an axis
         # of 8 took 6x as long)
         word = codes[..., 0].astype(np.uint64)
         for j in range(1, 8):
             word |= codes[..., j].astype(np.uint64) << np.uint64(j * bits)
         packed = word[..., None].view(np.uint8)[..., :bits]  # (r, cols / 8, bits)
-        out[r : r + step] = np.ascontiguousarray(packed).reshape(len(codes), -1).view("<u4")
+        out[lo:hi] = np.ascontiguousarray(packed).reshape(len(codes), -1).view("<u4")
+
+    each_chunk(chunk, rows, (1 << 18) // cols)  # rows a chunk: its uint64 words stay in a core's cache
     return out
 
 
@@ -247,31 +272,43 @@ SYMMETRIC = frozenset({T.Q6_K, T.Q3_K})
 CHUNK_VALUES = 1 << 18  # float32 values a chunk: 1 MB, so each pass over it stays in a core's cache
 
 
-def symmetric8(values: Callable[[int, int], np.ndarray], rows: int, cols: int) -> tuple[tuple, int, float]:
-    """A (rows, cols) tensor, whose float32 rows ``values(lo, hi)`` gives a chunk at a time (twice each), as 8-bit
-    groups of 32 with bias = -128 * scale (Q8_0's form): packed MLX arrays, bits and the largest error. Memory
-    holds the codes and a chunk, not the tensor in float32 and its temporaries. As fine a step as min-max groups
-    (max |w| / 127 against (max - min) / 255), and a CPU kernel that knows the bias from the scale reads half
-    the scale bytes (a Q6_K tensor 8.5 bits a weight on the torch engine, not 9)."""
-    step = max(1, CHUNK_VALUES // max(cols, 1))
-    chunks = [(lo, min(rows, lo + step)) for lo in range(0, rows, step)]
-    amax = np.empty((rows, cols // GROUP_SIZE), dtype=np.float32)
-    for lo, hi in chunks:
-        amax[lo:hi] = np.abs(values(lo, hi).reshape(hi - lo, -1, GROUP_SIZE)).max(axis=-1)
-    scales = amax / 127
+def symmetric8(values: Callable[[int, int], np.ndarray], rows: int, cols: int,
+               amax: Callable[[int, int], np.ndarray] | None = None) -> tuple[tuple, int, float]:
+    """A (rows, cols) tensor, whose float32 rows ``values(lo, hi)`` gives a chunk at a time, as 8-bit groups of 32
+    with bias = -128 * scale (Q8_0's form): packed MLX arrays, bits and the largest error. Memory holds the codes
+    and a chunk, not the tensor in float32 and its temporaries. As fine a step as min-max groups (max |w| / 127
+    against (max - min) / 255), and a CPU kernel that knows the bias from the scale reads half the scale bytes (a
+    Q6_K tensor 8.5 bits a weight on the torch engine, not 9). ``amax(lo, hi)``: each group's largest |value|,
+    where the caller has it for less than ``values`` costs (which is then called once a chunk, not twice)."""
+    step = CHUNK_VALUES // max(cols, 1)
+    largest = np.empty((rows, cols // GROUP_SIZE), dtype=np.float32)
+
+    def most(lo: int, hi: int) -> None:
+        largest[lo:hi] = (amax(lo, hi) if amax else
+                          np.abs(values(lo, hi).reshape(hi - lo, -1, GROUP_SIZE)).max(axis=-1))
+
+    each_chunk(most, rows, step)
+    scales = largest / 127
     half = scales.astype(np.float16).astype(np.float32)
-    if np.isfinite(half).all() and not ((half == 0) & (amax > 0)).any():
+    if np.isfinite(half).all() and not ((half == 0) & (largest > 0)).any():
         scales = half  # float16 where no group overflows or vanishes in it
     safe = np.where(scales > 0, scales, 1)
     biases = scales * -128
     q = np.empty((rows, cols), dtype=np.uint8)
-    err = 0.0
-    for lo, hi in chunks:
+
+    def codes(lo: int, hi: int) -> float:  # in place: each pass over a chunk that stays in cache, no temporaries
         groups = values(lo, hi).reshape(hi - lo, -1, GROUP_SIZE)
-        codes = np.clip(np.rint(groups / safe[lo:hi, :, None]), -128, 127) + 128
-        q[lo:hi] = codes.astype(np.uint8).reshape(hi - lo, cols)
-        back = codes * scales[lo:hi, :, None] + biases[lo:hi, :, None]
-        err = max(err, float(np.abs(back - groups).max())) if groups.size else err
+        c = np.divide(groups, safe[lo:hi, :, None])
+        np.rint(c, out=c)
+        np.clip(c, -128, 127, out=c)
+        c += 128
+        q[lo:hi] = c.reshape(hi - lo, cols)
+        c *= scales[lo:hi, :, None]  # back to values, their distance from the tensor's the error
+        c += biases[lo:hi, :, None]
+        c -= groups
+        return float(np.abs(c, out=c).max()) if groups.size else 0.0
+
+    err = max(each_chunk(codes, rows, step), default=0.0)
     dtype = pick_dtype(scales, biases)
     return (pack(q, 8), scales.astype(dtype), biases.astype(dtype)), 8, err
 

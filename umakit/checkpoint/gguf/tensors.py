@@ -87,11 +87,20 @@ def exact16(t, order: np.ndarray | None, cols: np.ndarray | None = None) -> tupl
     exact = {"weight": quants.pack(aff.q, aff.bits), "scales": np.ascontiguousarray(aff.scales, dtype=np.float32)}
     rows, cols = aff.q.shape
 
-    def values(lo: int, hi: int) -> np.ndarray:  # the gguf package's products, bit for bit
-        centred = aff.q[lo:hi].reshape(hi - lo, -1, aff.group_size).astype(np.float32) - 2 ** (aff.bits - 1)
-        return (aff.scales[lo:hi, :, None] * centred).reshape(hi - lo, cols)
+    centre = 2 ** (aff.bits - 1)
 
-    return (exact, *quants.symmetric8(values, rows, cols))
+    def values(lo: int, hi: int) -> np.ndarray:  # the gguf package's products, bit for bit
+        centred = aff.q[lo:hi].reshape(hi - lo, -1, aff.group_size).astype(np.float32)
+        centred -= centre
+        centred *= aff.scales[lo:hi, :, None]
+        return centred.reshape(hi - lo, cols)
+
+    def amax(lo: int, hi: int) -> np.ndarray:  # max |scale * code| = |scale| * max |code|: rounding is monotone
+        codes = aff.q[lo:hi].reshape(hi - lo, -1, aff.group_size).view(np.int8) - np.int8(centre)
+        most = np.abs(codes).max(axis=-1).astype(np.float32) * np.abs(aff.scales[lo:hi])
+        return most.reshape(hi - lo, -1, quants.GROUP_SIZE // aff.group_size).max(axis=-1)
+
+    return (exact, *quants.symmetric8(values, rows, cols, amax))
 
 
 def dequantized(t):
