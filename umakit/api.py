@@ -261,6 +261,7 @@ def load(
     gpu_layers: int | None = None,
     vram_budget: int | str | None = None,
     parallel: str | None = None,
+    import_progress: Callable[[int, int], None] | None = None,
 ) -> Model:
     """Load a model directory, Hub repo id, .gguf file, or (None) the built-in default.
 
@@ -270,7 +271,8 @@ def load(
     quantizes a float checkpoint in memory, without writing files (mlx backend).
     ``needs`` names features the caller will use (``{"kv_bits", "batch"}``), so
     that "auto" picks an engine that has them. ``progress(bytes_done, bytes_total)``
-    is called as the weights are read. ``gpu_layers`` (keep the first N layers
+    is called as the weights are read; ``import_progress(bytes_done, bytes_total)`` as a
+    GGUF's tensors are imported, on its first run only. ``gpu_layers`` (keep the first N layers
     in device memory) or ``vram_budget`` (bytes or "24GB": keep as many as fit)
     stream the remaining layers from host memory on every step (torch backend;
     on a CPU the copies are host copies, see umakit/plan/placement.py). ``parallel`` ("tensor" or "pipeline"), under
@@ -281,7 +283,7 @@ def load(
     needs = frozenset(needs) | ({QUANTIZE} if quantize is not None else set()) | ({OFFLOAD} if offload else set())
     backend = backends.parallel_backend(backend, parallel)
     backends.resolve(backend, device, needs)  # refuse the user's words before fetching or importing a model
-    path = checkpoint.resolve(model)
+    path = checkpoint.resolve(model, import_progress)
     ckpt = checkpoint.open_checkpoint(path)
     kind, asked = (config_compat.architecture(ckpt.config), config_compat.rope_kind(ckpt.config)), device
     engine_name, device, choice_note = backends.choose(backend, device, needs, *kind)

@@ -146,6 +146,22 @@ def test_a_second_load_reads_the_packing_back_exactly(checkpoint, home, repacks)
     np.testing.assert_array_equal(second.logits(ids(PROMPT)), first.logits(ids(PROMPT)))
 
 
+def test_a_first_packing_reports_its_progress(checkpoint, home, form, repacks):
+    """A load that packs tells its progress as its layers are packed (reading a map takes no time), a later load
+    as its tensors are read; in bytes of the checkpoint's tensors either way."""
+    total = umakit.checkpoint.open_checkpoint(checkpoint).nbytes
+    for first in (True, False):
+        seen = []
+        umakit.load(checkpoint, backend="torch", device="cpu", dtype="bfloat16",
+                    progress=lambda done, all_: seen.append((done, all_, len(repacks))))
+        done, packed = [d for d, _, _ in seen], [n for _, _, n in seen]
+        assert len(seen) > 3 and done == sorted(done) and 0 < done[-1] <= total and {t for _, t, _ in seen} == {total}
+        if first:  # each report after a layer packed
+            assert packed[0] > 0 and len(set(packed)) == len(packed)
+        else:
+            assert set(packed) == {packed[0]}  # nothing packed
+
+
 def test_the_stored_packing_is_mapped_at_the_kernels_alignment(checkpoint, home, form):
     """Read in place from the file's map, at the 64-byte boundary the int4 kernel runs 15-20% faster at."""
     load(checkpoint)

@@ -5,6 +5,7 @@ transformers' own GGUF loader for the logits of the imported model as mlx-lm
 runs it.
 """
 
+import io
 import json
 import os
 import subprocess
@@ -356,6 +357,40 @@ def test_cached_import_reuses_and_refreshes(monkeypatch, tmp_path):
     write_gguf(src, seed=1)  # a changed file is imported again
     os.utime(src, ns=(1, 1))
     assert cached_import(src) != first
+
+
+def test_an_import_reports_its_progress_once(tmp_path):
+    """A first run hears the import tensor by tensor, to the GGUF's tensor bytes; a later run imports nothing
+    and hears nothing."""
+    from umakit.checkpoint.gguf.reader import open_gguf
+
+    src = write_gguf(tmp_path / "m.gguf", layers=LOSSY_LAYERS)
+    seen = []
+    cached_import(src, progress=lambda done, total: seen.append((done, total)))
+    total = sum(t.n_bytes for t in open_gguf(src).tensors.values())
+    done = [d for d, _ in seen]
+    assert len(seen) > 2 and done == sorted(done) and {t for _, t in seen} == {total} and done[-1] == total
+    cached_import(src, progress=lambda *a: pytest.fail("a cached import reported progress"))
+
+
+class Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+@pytest.mark.parametrize("tty", [True, False], ids=["terminal", "pipe"])
+def test_the_import_bar_shows_on_a_terminal_only(tmp_path, monkeypatch, tty):
+    """`umakit import` and a first run draw the import's bar on a terminal's stderr, and end it with the import;
+    on a pipe they write nothing."""
+    from umakit.cli.flags import ImportBar
+
+    err = Terminal() if tty else io.StringIO()
+    monkeypatch.setattr(sys, "stderr", err)
+    bar = ImportBar(tmp_path / "m.gguf")
+    import_gguf(write_gguf(tmp_path / "m.gguf"), tmp_path / "out", progress=bar)
+    assert bar.bar is None  # ended at the import's last tensor
+    text = err.getvalue()
+    assert ("Importing m.gguf (first run only)" in text and "100%" in text) if tty else text == ""
 
 
 @pytest.mark.parametrize("damage", ["old format", "missing file"])

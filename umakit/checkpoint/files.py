@@ -13,6 +13,7 @@ import json
 import os
 import re
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -62,14 +63,15 @@ class Checkpoint:
         return self.path.name
 
 
-def resolve(model: str | os.PathLike | None) -> Path:
+def resolve(model: str | os.PathLike | None, progress: Callable[[int, int], None] | None = None) -> Path:
     """Turn a model argument into a local directory.
 
     None means the built-in default model; an existing directory is used as is;
     a ``.gguf`` file, or a directory of GPTQ, AWQ or compressed-tensors weights, is
     imported once into umakit's cache; ``org/name`` is a
     Hugging Face Hub repo id (downloaded, or taken from the local Hub cache when
-    ``HF_HUB_OFFLINE`` is set).
+    ``HF_HUB_OFFLINE`` is set). ``progress(done, total)`` hears a GGUF's import, in tensor bytes converted,
+    where this call makes it (a first run: later ones find the import).
     """
     if model is None:
         from umakit.checkpoint.default import default_model_dir
@@ -87,7 +89,7 @@ def resolve(model: str | os.PathLike | None) -> Path:
 
             cache = home_dir("models", "gguf")  # an unusable $UMAKIT_HOME is one clear error
             with writing(cache):  # so is a full disk or a read-only cache mid-import
-                return cached_import(path)
+                return cached_import(path, progress)
         raise ModelNotFoundError(
             f"{path} is a file; give the model's directory (with config.json) or a .gguf file"
         )

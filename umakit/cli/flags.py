@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import sys
+from pathlib import Path
 
 import click
 
@@ -128,23 +130,53 @@ def echo_warnings(warnings) -> None:
         click.echo(click.style(f"Warning: {warning}", fg="yellow"), err=True)
 
 
+class ImportBar:
+    """A GGUF import's progress (``bar(done, total)``) as a bar on stderr, drawn from its first report and gone
+    at its last: a first run shows what it is doing; a later run, which imports nothing, and output that is no
+    terminal show nothing."""
+
+    def __init__(self, source, note: str = " (first run only)"):
+        self.label = f"Importing {Path(os.fspath(source)).name}{note}"
+        self.bar = None
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.bar is None:
+            if not sys.stderr.isatty():
+                return
+            self.bar = click.progressbar(length=total, label=self.label, file=sys.stderr, show_pos=False)
+            self.bar.__enter__()
+        self.bar.update(done - self.bar.pos)
+        if done >= total:
+            self.close()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            bar, self.bar = self.bar, None
+            bar.__exit__(None, None, None)
+
+
 def load_model(model, *, show_progress: bool = False, **load_kwargs):
     """`umakit.load` with the CLI's handling of its warnings: every command loads through here.
 
-    ``show_progress`` draws a bar of the bytes read on stderr (for a terminal);
-    the warnings follow the bar, never interleave with it.
+    A GGUF's first run draws its import's bar on a terminal's stderr (`ImportBar`); ``show_progress`` draws
+    one of the bytes read as well. The warnings follow the bars, never interleave with them.
     """
     import umakit
 
-    if not show_progress:
-        m = umakit.load(model, **load_kwargs)
-    else:
-        path = umakit.resolve_model(model)
-        total = umakit.checkpoint_size(path)
-        with click.progressbar(length=total, label=f"Loading {path.name} ({size(total)} on disk)", file=sys.stderr,
-                               show_pos=False) as bar:
-            m = umakit.load(path, progress=lambda done, _: bar.update(done - bar.pos), **load_kwargs)
-            bar.update(total - bar.pos)  # the file headers are not tensor bytes
+    importing = ImportBar(model or "the built-in model")
+    try:
+        if not show_progress:
+            m = umakit.load(model, import_progress=importing, **load_kwargs)
+        else:
+            path = umakit.resolve_model(model, progress=importing)
+            importing.close()
+            total = umakit.checkpoint_size(path)
+            with click.progressbar(length=total, label=f"Loading {path.name} ({size(total)} on disk)",
+                                   file=sys.stderr, show_pos=False) as bar:
+                m = umakit.load(path, progress=lambda done, _: bar.update(done - bar.pos), **load_kwargs)
+                bar.update(total - bar.pos)  # the file headers are not tensor bytes
+    finally:
+        importing.close()  # an import that failed: its bar ends before the error line
     echo_warnings(m.info.warnings)
     return m
 

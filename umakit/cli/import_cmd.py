@@ -28,8 +28,13 @@ def import_cmd(source, out_dir, force):
                    f"(MLX groups of {r.group})")
         return
     from umakit.checkpoint.gguf import import_gguf
+    from umakit.cli.flags import ImportBar
 
-    report = import_gguf(source, out_dir, force=force)
+    bar = ImportBar(source, note="")
+    try:
+        report = import_gguf(source, out_dir, force=force, progress=bar)
+    finally:
+        bar.close()
     click.echo(f"Wrote {report.out_dir} ({size(report.bytes_written)}) in {report.seconds:.1f} s")
     click.echo(f"  {report.exact_tensors} tensors converted exactly")
     if report.lossy_tensors:

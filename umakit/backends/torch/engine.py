@@ -102,13 +102,16 @@ class TorchEngine:
         # CPU packed kernels: the packing of a quantized checkpoint, kept from its first load (load/packed.py)
         packs = device == "cpu" and target == torch.bfloat16 and config.get("quantization")
         packed = PackedCache.for_checkpoint(ckpt.path, ckpt.files) if packs else None
+        packing = progress if packed is not None and packed.file is None else None  # a first load packs
+        reads = None if packing else progress  # then its layers as packed tell the progress, not a map's reads
         source = openai_experts.tensors(ckpt.config, {k: t.shape for k, t in ckpt.tensors.items()},
-                                        lambda skip=frozenset(): stream_checkpoint(ckpt, staging, progress, skip),
+                                        lambda skip=frozenset(): stream_checkpoint(ckpt, staging, reads, skip),
                                         packed.names if packed is not None and affine_kernel.available() else ())
         source = gemma4_experts.tensors(config, source)
         if packs and affine_kernel.available():  # a GGUF's Q6_K tensors exactly, in groups of 16
             config, shapes, source = exact.substitute(ckpt, config, shapes, source)
-        return cls(config, shapes, source, device, target, gpu_layers, vram_budget, packed)
+        return cls(config, shapes, source, device, target, gpu_layers, vram_budget, packed,
+                   None if packing is None else lambda done: packing(min(done, ckpt.nbytes), ckpt.nbytes))
 
     @classmethod
     def synthetic(cls, config: dict, *, device: str, dtype: str = "auto", bits: int | None = None,
@@ -133,9 +136,11 @@ class TorchEngine:
                    compute_dtype(dtype, [torch.bfloat16], device, config.get("quantization")), gpu_layers, vram_budget)
 
     def __init__(self, config: dict, shapes: dict, source, device: str, dtype: torch.dtype,
-                 gpu_layers: int | None = None, vram_budget=None, packed: PackedCache | None = None):
+                 gpu_layers: int | None = None, vram_budget=None, packed: PackedCache | None = None,
+                 packing=None):
         """An engine over ``source()``'s (name, tensor) pairs, named and shaped as ``shapes`` says;
-        ``packed``: where the CPU packing of these tensors is kept between loads."""
+        ``packed``: where the CPU packing of these tensors is kept between loads; ``packing(bytes)``: hears the
+        source bytes of the layers a first load has packed so far."""
         if device not in SPEC.devices:
             raise InvalidArgumentError(f"the torch backend runs on {' or '.join(SPEC.devices)}, not {device!r}")
         if device == "cuda" and not torch.cuda.is_available():
@@ -161,7 +166,7 @@ class TorchEngine:
         self.experts_streamer = None  # an ExpertStreamer when routed experts live in host memory
         with torch.inference_mode():
             self.model = build_model(self.args, config, shapes, source(), self.torch_device, self.cache_dtype,
-                                     dtype, whole, host_experts=experts, packed=packed)
+                                     dtype, whole, host_experts=experts, packed=packed, packing=packing)
             if whole:
                 self.model.streamer = LayerStreamer(self.model.model.layers, whole, self.torch_device,
                                                     RING_SLOTS, common.category)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -27,6 +28,8 @@ from umakit.checkpoint.gguf.arch import ArchSpec, map_names, qk_row_order, spec_
 from umakit.checkpoint.gguf.finished import EXACT16_FILE, IMPORT_FORMAT, is_complete  # noqa: F401 (is_complete: part of this module's API)
 from umakit.checkpoint.gguf.reader import GGUFFile, open_gguf, sha256_file
 from umakit.checkpoint.gguf.vocab import TokenizerFiles, build_tokenizer, dumps
+
+Progress = Callable[[int, int], None]  # (bytes done, bytes in all)
 
 
 
@@ -183,9 +186,11 @@ class _Groups16:
             self.file.abort()
 
 
-def _convert(plan: ImportPlan, arrays: StreamedSafetensors, groups16_file: _Groups16) -> _Converted:
+def _convert(plan: ImportPlan, arrays: StreamedSafetensors, groups16_file: _Groups16,
+             progress: Progress | None = None) -> _Converted:
     """Convert ``plan.gf`` tensor by tensor into ``arrays`` (and ``groups16_file``), each written as it is made,
-    its GGUF pages let go of, so memory holds one tensor and its temporaries."""
+    its GGUF pages let go of, so memory holds one tensor and its temporaries; ``progress(done, total)`` hears
+    the GGUF's tensor bytes converted after each."""
     import mlx.core as mx
 
     gf, spec, config = plan.gf, plan.spec, plan.config
@@ -197,10 +202,15 @@ def _convert(plan: ImportPlan, arrays: StreamedSafetensors, groups16_file: _Grou
         grouped = spec.expert_arrays(gf)
         arrays.update({k: mx.array(v) for k, v in grouped.items()})
         exact += len(grouped)
-    for hf, group in _targets(plan).items():
+    targets = _targets(plan)
+    done, total = 0, sum(gf.tensors[n].n_bytes for group in targets.values() for n in group)
+    for hf, group in targets.items():
         name, t = group[0], _joined(gf, group)
         exact += _one(plan, hf, t, name, arrays, groups16_file, quantized, lossy, groups16)
         gf.release(group)
+        done += sum(gf.tensors[n].n_bytes for n in group)
+        if progress:
+            progress(done, total)
     files = {
         "tokenizer_config.json": dumps(plan.tokenizer.tokenizer_config),
         "generation_config.json": dumps(plan.tokenizer.generation_config),
@@ -261,21 +271,22 @@ def _report(plan: ImportPlan, converted: _Converted, out_dir: Path, written: int
     )
 
 
-def write_import(plan: ImportPlan, dest: Path) -> ImportReport:
-    """Convert ``plan.gf`` into the existing, empty directory ``dest``."""
+def write_import(plan: ImportPlan, dest: Path, progress: Progress | None = None) -> ImportReport:
+    """Convert ``plan.gf`` into the existing, empty directory ``dest``; ``progress(done, total)``: the GGUF's
+    tensor bytes converted, after each tensor."""
     start = time.perf_counter()
-    c, written = _fill(dest, plan)
+    c, written = _fill(dest, plan, progress)
     return _report(plan, c, dest, written, start)
 
 
-def _fill(dest: Path, plan: ImportPlan) -> tuple[_Converted, int]:
+def _fill(dest: Path, plan: ImportPlan, progress: Progress | None = None) -> tuple[_Converted, int]:
     """Convert ``plan.gf`` into the empty directory ``dest``: the weights as they are made, then the files beside
     them (config.json last); returns what was converted and the bytes written."""
     reserve = (1 << 16) + 768 * len(plan.gf.tensors)  # the header's room: about 3 entries a GGUF tensor
     weights = StreamedSafetensors(Path(dest) / WEIGHTS_FILE, reserve, metadata={"format": "mlx"})
     groups16 = _Groups16(Path(dest) / EXACT16_FILE)
     try:
-        c = _convert(plan, weights, groups16)
+        c = _convert(plan, weights, groups16, progress)
     except BaseException:
         weights.abort()
         groups16.abort()
@@ -329,14 +340,16 @@ def _full_config(plan: ImportPlan, quantized: dict, lossy: list[LossyTensor]) ->
     return config
 
 
-def import_gguf(path: str | os.PathLike, out_dir: str | os.PathLike, force: bool = False) -> ImportReport:
+def import_gguf(path: str | os.PathLike, out_dir: str | os.PathLike, force: bool = False,
+                progress: Progress | None = None) -> ImportReport:
     """Convert the GGUF at ``path`` into a model directory at ``out_dir``.
 
     Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q5_K tensors convert exactly to MLX
     affine groups; F32/F16/BF16 stay as they are; any other type is
     dequantized and re-quantized, and listed in the report with its error.
     An existing ``out_dir`` is replaced only with ``force``, and only once the
-    new one is complete; a failed import leaves nothing behind.
+    new one is complete; a failed import leaves nothing behind. ``progress(done, total)`` hears the GGUF's
+    tensor bytes converted, after each tensor.
     """
     start = time.perf_counter()  # parsing and checking included
     plan = plan_import(open_gguf(path))
@@ -344,5 +357,5 @@ def import_gguf(path: str | os.PathLike, out_dir: str | os.PathLike, force: bool
     check_not_inside(path, out_dir)  # with --force, replacing a folder that holds the GGUF would destroy it
     check_writable(out_dir)
     with atomic_dir(out_dir, force=force) as tmp:
-        c, written = _fill(Path(tmp), plan)
+        c, written = _fill(Path(tmp), plan, progress)
     return _report(plan, c, Path(out_dir), written, start)

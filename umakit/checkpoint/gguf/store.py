@@ -11,6 +11,7 @@ import contextlib
 import hashlib
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 from umakit.errors import ModelNotFoundError
@@ -19,8 +20,9 @@ from umakit.core.home import umakit_home
 from umakit.checkpoint.gguf.finished import is_complete
 
 
-def import_once(gguf_path: Path, target: Path) -> Path:
-    """Return ``target``, importing ``gguf_path`` into it first unless it holds a finished import."""
+def import_once(gguf_path: Path, target: Path, progress: Callable[[int, int], None] | None = None) -> Path:
+    """Return ``target``, importing ``gguf_path`` into it first unless it holds a finished import (``progress``:
+    `convert.write_import`'s, called only when it imports)."""
     if is_complete(target):
         return target
     from umakit.checkpoint.gguf.convert import plan_import, write_import
@@ -29,7 +31,7 @@ def import_once(gguf_path: Path, target: Path) -> Path:
     plan = plan_import(open_gguf(gguf_path))
     tmp = new_temp_dir(target)
     try:
-        write_import(plan, tmp)
+        write_import(plan, tmp, progress)
         install_dir(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # gone already unless another process won
@@ -57,12 +59,13 @@ def install_dir(tmp: Path, target: Path, complete=is_complete) -> None:
 IMPORTER = 3  # bump when an import's output changes (2: Q6_K and Q3_K re-quantized symmetric; 3: Q6_K exact too)
 
 
-def cached_import(gguf_path: str | os.PathLike) -> Path:
+def cached_import(gguf_path: str | os.PathLike, progress: Callable[[int, int], None] | None = None) -> Path:
     """The imported directory for ``gguf_path`` under ``$UMAKIT_HOME/models/gguf``.
 
     The cache key is the file's resolved path, size and modification time, and
     `IMPORTER`, so a changed file (or importer) is imported again and an unchanged
-    one is not even parsed.
+    one is not even parsed. ``progress(done, total)`` hears the GGUF's tensor bytes converted, only where this
+    call imports.
     """
     given = Path(gguf_path).expanduser()
     path = given.resolve()  # a Hub cache's snapshot file is a link to a blob named by its hash
@@ -70,4 +73,4 @@ def cached_import(gguf_path: str | os.PathLike) -> Path:
         raise ModelNotFoundError(f"{path} does not exist or is not a file")
     stat = path.stat()
     key = hashlib.sha256(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}\0{IMPORTER}".encode()).hexdigest()[:12]
-    return import_once(path, umakit_home() / "models" / "gguf" / f"{given.stem}-{key}")
+    return import_once(path, umakit_home() / "models" / "gguf" / f"{given.stem}-{key}", progress)

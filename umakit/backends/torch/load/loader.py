@@ -10,7 +10,7 @@ checkpoint's tensor sizes, with umakit/plan/placement.py's arithmetic.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -136,7 +136,8 @@ def stream_checkpoint(ckpt: Checkpoint, device: str, progress=None, skip=frozens
 
 def build_model(args: ModelArgs, config: dict, shapes: dict, source, device: torch.device,
                 dtype: torch.dtype, weights: torch.dtype | None = None, offloaded: Sequence[int] = (),
-                host_experts: Sequence[int] = (), packed: PackedCache | None = None) -> Transformer:
+                host_experts: Sequence[int] = (), packed: PackedCache | None = None,
+                packing: Callable[[int], None] | None = None) -> Transformer:
     """Build the model on the meta device, then fill it from ``source`` one tensor at a time.
 
     ``dtype`` is that of activations and float tensors, ``weights`` that of the
@@ -145,7 +146,8 @@ def build_model(args: ModelArgs, config: dict, shapes: dict, source, device: tor
     it never holds two of them), in a form made of plain tensors that can be
     streamed; the engine then hands them to a `LayerStreamer`. The routed experts of the ``host_experts``
     layers are read into host memory, for an `ExpertStreamer`. ``packed``: the CPU int4 packing of
-    an earlier load, read instead of repacking, and written when this load made it.
+    an earlier load, read instead of repacking, and written when this load made it; ``packing(bytes)`` hears the
+    source bytes of the layers packed so far as it is written.
     """
     weights = weights or dtype
     with torch.device("meta"):
@@ -201,10 +203,15 @@ def build_model(args: ModelArgs, config: dict, shapes: dict, source, device: tor
         else None
     pages = SourcePages() if stream is not None else None
 
+    packed_bytes = [0]
+
     def made(path: str, layer: nn.Module, source: nn.Module) -> None:
         if stream is not None:
             stream.add(path, layer)
             pages.let_go(source)
+            if packing is not None:
+                packed_bytes[0] += sum(t.nbytes for t in (*source.parameters(), *source.buffers()))
+                packing(packed_bytes[0])
 
     convert_model(model, device, weights,
                   tensors_only=lambda path: layer_of(path) in streamed or (layer_of(path) in hosted and
