@@ -801,6 +801,26 @@ Tensor affine_planes(const Tensor& weight, int64_t bits) {
     int32_t c[ROWS][BLOCK];
     for (int64_t t = a; t < b; ++t)
       for (int64_t k = 0; k < K; k += BLOCK) {
+        const uint8_t* s0 = src + t * ROWS * row_bytes + k / BLOCK * step;  // row r's 32 codes at s0 + r * row_bytes
+        if (bits == 4 || bits == 8) {  // whole nibbles and bytes: moved, never unpacked (a first load's most layers)
+          uint8_t* o = dst + t * ROWS * row_bytes + k / BLOCK * ROWS * step;
+          for (int r = 0; r < ROWS; ++r) {
+            const uint8_t* s = s0 + r * row_bytes;
+            for (int ch = 0; ch < (bits == 8 ? 8 : 4); ++ch) {
+              if (bits == 8) {  // chunk ch's lanes 4r..4r+3: row r's codes 4ch..4ch+3
+                std::memcpy(o + 32 * ch + 4 * r, s + 4 * ch, 4);
+                continue;
+              }
+              // low nibbles: codes 4ch + i (bytes 2ch, 2ch + 1); high: codes 4ch + 16 + i (bytes 8 + 2ch, ...)
+              for (int i = 0; i < 4; i += 2) {
+                const uint8_t lo = s[2 * ch + i / 2], hi = s[8 + 2 * ch + i / 2];
+                o[32 * ch + 4 * r + i] = static_cast<uint8_t>((lo & 15) | (hi << 4));
+                o[32 * ch + 4 * r + i + 1] = static_cast<uint8_t>((lo >> 4) | (hi & 0xF0));
+              }
+            }
+          }
+          continue;
+        }
         for (int r = 0; r < ROWS; ++r) {
           std::memset(buf, 0, sizeof(buf));
           std::memcpy(buf, src + (t * ROWS + r) * row_bytes + k / BLOCK * step, step);
