@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import gguf
@@ -284,6 +285,29 @@ def test_failed_write_leaves_nothing(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="disk full"):
         import_gguf(src, tmp_path / "out")
     assert_nothing_left(tmp_path, tmp_path / "out")
+    hashing = [t for t in threading.enumerate() if t.name == "umakit-sha256"]
+    for t in hashing:  # told to stop with the import: gone at its next chunk
+        t.join(timeout=5)
+    assert not any(t.is_alive() for t in hashing)
+
+
+def test_the_file_is_hashed_beside_the_conversion(tmp_path, monkeypatch):
+    """The GGUF's SHA-256 (its provenance in config.json) is read in a thread while the tensors convert: it is
+    the file's, and a digest stopped at its first chunk says so by None."""
+    import hashlib
+
+    from umakit.checkpoint.gguf import reader
+
+    src = write_gguf(tmp_path / "m.gguf", layers=LOSSY_LAYERS)
+    import_gguf(src, tmp_path / "out")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["umakit"]["sha256"] == hashlib.sha256(src.read_bytes()).hexdigest()
+    stop = threading.Event()
+    stop.set()
+    assert reader.sha256_file(src, chunk=64, stop=stop) is None
+    digest = reader.Digest(src)
+    digest.cancel()  # stopped or done: its result is the file's either way
+    assert digest.result(src) == hashlib.sha256(src.read_bytes()).hexdigest()
 
 
 # -- CLI ----------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from umakit.errors import UnsupportedModelError
 from umakit.checkpoint.gguf import quants, tensors
 from umakit.checkpoint.gguf.arch import ArchSpec, map_names, qk_row_order, spec_for
 from umakit.checkpoint.gguf.finished import EXACT16_FILE, IMPORT_FORMAT, is_complete  # noqa: F401 (is_complete: part of this module's API)
-from umakit.checkpoint.gguf.reader import GGUFFile, open_gguf, sha256_file
+from umakit.checkpoint.gguf.reader import Digest, GGUFFile, open_gguf
 from umakit.checkpoint.gguf.vocab import TokenizerFiles, build_tokenizer, dumps
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes in all)
@@ -186,11 +186,11 @@ class _Groups16:
             self.file.abort()
 
 
-def _convert(plan: ImportPlan, arrays: StreamedSafetensors, groups16_file: _Groups16,
+def _convert(plan: ImportPlan, arrays: StreamedSafetensors, groups16_file: _Groups16, digest: Digest,
              progress: Progress | None = None) -> _Converted:
     """Convert ``plan.gf`` tensor by tensor into ``arrays`` (and ``groups16_file``), each written as it is made,
     its GGUF pages let go of, so memory holds one tensor and its temporaries; ``progress(done, total)`` hears
-    the GGUF's tensor bytes converted after each."""
+    the GGUF's tensor bytes converted after each. ``digest``: the file's, for its provenance."""
     import mlx.core as mx
 
     gf, spec, config = plan.gf, plan.spec, plan.config
@@ -216,7 +216,7 @@ def _convert(plan: ImportPlan, arrays: StreamedSafetensors, groups16_file: _Grou
         "generation_config.json": dumps(plan.tokenizer.generation_config),
         "tokenizer.json": plan.tokenizer.tokenizer_json,
     }
-    config = _full_config(plan, quantized, lossy)
+    config = _full_config(plan, quantized, lossy, digest.result(gf.path))
     if groups16:
         config["umakit"]["exact_groups"] = {"file": EXACT16_FILE, "layers": groups16}
     return _Converted(dumps(config), files, exact, lossy, groups16_file.modules)
@@ -285,9 +285,11 @@ def _fill(dest: Path, plan: ImportPlan, progress: Progress | None = None) -> tup
     reserve = (1 << 16) + 768 * len(plan.gf.tensors)  # the header's room: about 3 entries a GGUF tensor
     weights = StreamedSafetensors(Path(dest) / WEIGHTS_FILE, reserve, metadata={"format": "mlx"})
     groups16 = _Groups16(Path(dest) / EXACT16_FILE)
+    digest = Digest(plan.gf.path)  # hashed beside the conversion
     try:
-        c = _convert(plan, weights, groups16, progress)
+        c = _convert(plan, weights, groups16, digest, progress)
     except BaseException:
+        digest.cancel()
         weights.abort()
         groups16.abort()
         raise
@@ -324,14 +326,14 @@ def import_config(plan: ImportPlan, quantized: dict | None = None) -> dict:
     return config
 
 
-def _full_config(plan: ImportPlan, quantized: dict, lossy: list[LossyTensor]) -> dict:
+def _full_config(plan: ImportPlan, quantized: dict, lossy: list[LossyTensor], sha256: str) -> dict:
     gf = plan.gf
     config = import_config(plan, quantized)
     config["umakit"] = {
         "source": "gguf",
         "import_format": IMPORT_FORMAT,
         "file": gf.path.name,
-        "sha256": sha256_file(gf.path),
+        "sha256": sha256,
         "gguf_version": gf.version,
         "lossy_tensors": {
             t.name: {"from": t.from_type, "bits": t.to_bits, "max_abs_err": t.max_abs_err} for t in lossy

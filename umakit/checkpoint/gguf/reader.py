@@ -10,12 +10,14 @@ mapped file, shaped as the `gguf` package shapes them.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import mmap
 import os
 import struct
 import sys
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -208,10 +210,34 @@ def open_gguf(path: str | os.PathLike) -> GGUFFile:
     return GGUFFile(path=path, version=version, metadata=metadata, tensors=tensors, mapped=mapped)
 
 
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    """Hex SHA-256 of a file, read in 4 MiB chunks."""
+def sha256_file(path: Path, chunk: int = 1 << 22, stop: threading.Event | None = None) -> str | None:
+    """Hex SHA-256 of a file, read in 4 MiB chunks; None once ``stop`` is set."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(chunk):
-            h.update(block)
+            if stop is not None and stop.is_set():
+                return None
+            h.update(block)  # lets go of the GIL
     return h.hexdigest()
+
+
+class Digest:
+    """`sha256_file` of ``path`` in a thread of its own, read while the caller converts the file (a 40 GB GGUF
+    takes seconds to hash: on a machine of many cores they are no longer added to an import's). `result` waits
+    for it; `cancel` stops it at its next chunk, and it never keeps a process from exiting."""
+
+    def __init__(self, path: Path):
+        self._stop, self._value = threading.Event(), None
+        self._thread = threading.Thread(target=self._run, args=(path,), name="umakit-sha256", daemon=True)
+        self._thread.start()
+
+    def _run(self, path: Path) -> None:
+        with contextlib.suppress(OSError):  # `result` reads it again and raises
+            self._value = sha256_file(path, stop=self._stop)
+
+    def result(self, path: Path) -> str:
+        self._thread.join()
+        return self._value if self._value is not None else sha256_file(path)
+
+    def cancel(self) -> None:
+        self._stop.set()
