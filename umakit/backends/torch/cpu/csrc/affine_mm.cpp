@@ -798,12 +798,13 @@ Tensor affine_planes(const Tensor& weight, int64_t bits) {
   const int64_t step = 4 * bits;  // bytes of a row's 32 codes in MLX's packing
   at::parallel_for(0, rows / ROWS, 8, [&](int64_t a, int64_t b) {
     uint8_t buf[40];
-    int32_t c[ROWS][BLOCK];
+    uint8_t c[ROWS][BLOCK];  // row r's codes
+    uint8_t lane[8][32];     // lane[ch][l]: chunk ch's weight lane l, row l / 4's code 4 ch + l % 4
     for (int64_t t = a; t < b; ++t)
       for (int64_t k = 0; k < K; k += BLOCK) {
         const uint8_t* s0 = src + t * ROWS * row_bytes + k / BLOCK * step;  // row r's 32 codes at s0 + r * row_bytes
+        uint8_t* o = dst + t * ROWS * row_bytes + k / BLOCK * ROWS * step;
         if (bits == 4 || bits == 8) {  // whole nibbles and bytes: moved, never unpacked (a first load's most layers)
-          uint8_t* o = dst + t * ROWS * row_bytes + k / BLOCK * ROWS * step;
           for (int r = 0; r < ROWS; ++r) {
             const uint8_t* s = s0 + r * row_bytes;
             for (int ch = 0; ch < (bits == 8 ? 8 : 4); ++ch) {
@@ -822,30 +823,31 @@ Tensor affine_planes(const Tensor& weight, int64_t bits) {
           continue;
         }
         for (int r = 0; r < ROWS; ++r) {
-          std::memset(buf, 0, sizeof(buf));
-          std::memcpy(buf, src + (t * ROWS + r) * row_bytes + k / BLOCK * step, step);
-          for (int j = 0; j < BLOCK; ++j) {
-            uint64_t word;
-            std::memcpy(&word, buf + j * bits / 8, 8);
-            c[r][j] = static_cast<int32_t>((word >> (j * bits % 8)) & ((1u << bits) - 1));
+          const uint8_t* s = s0 + r * row_bytes;
+          if (bits == 6) {  // 4 codes in each 3 bytes
+            for (int q = 0; q < BLOCK / 4; ++q, s += 3) {
+              c[r][4 * q] = s[0] & 63;
+              c[r][4 * q + 1] = static_cast<uint8_t>((s[0] >> 6) | ((s[1] & 15) << 2));
+              c[r][4 * q + 2] = static_cast<uint8_t>((s[1] >> 4) | ((s[2] & 3) << 4));
+              c[r][4 * q + 3] = s[2] >> 2;
+            }
+          } else {
+            std::memset(buf, 0, sizeof(buf));
+            std::memcpy(buf, s, step);
+            for (int j = 0; j < BLOCK; ++j) {
+              uint64_t word;
+              std::memcpy(&word, buf + j * bits / 8, 8);
+              c[r][j] = static_cast<uint8_t>((word >> (j * bits % 8)) & ((1u << bits) - 1));
+            }
           }
+          for (int ch = 0; ch < 8; ++ch) std::memcpy(&lane[ch][4 * r], &c[r][4 * ch], 4);
         }
-        uint8_t* o = dst + t * ROWS * row_bytes + k / BLOCK * ROWS * step;
-        if (bits == 8) {
-          for (int ch = 0; ch < 8; ++ch)
-            for (int r = 0; r < ROWS; ++r)
-              for (int i = 0; i < 4; ++i) o[32 * ch + 4 * r + i] = static_cast<uint8_t>(c[r][4 * ch + i]);
-          continue;
-        }
-        // chunk ch's weight lane l (row l / 4, weight 4 ch + l % 4), bits [shift, shift + n)
-        const auto field = [&](int ch, int l, int shift, int n) {
-          return (c[l / 4][4 * ch + l % 4] >> shift) & ((1 << n) - 1);
-        };
+        // each plane's bytes from 32 lanes at once (the loops over l vectorise)
         int shift = 0;
         if (bits >= 4) {
           for (int ch = 0; ch < 4; ++ch)
             for (int l = 0; l < 32; ++l)
-              o[32 * ch + l] = static_cast<uint8_t>(field(ch, l, 0, 4) | (field(ch + 4, l, 0, 4) << 4));
+              o[32 * ch + l] = static_cast<uint8_t>((lane[ch][l] & 15) | ((lane[ch + 4][l] & 15) << 4));
           o += 128;
           shift = 4;
         }
@@ -853,7 +855,7 @@ Tensor affine_planes(const Tensor& weight, int64_t bits) {
           for (int h = 0; h < 2; ++h)
             for (int l = 0; l < 32; ++l) {
               int byte = 0;
-              for (int i = 0; i < 4; ++i) byte |= field(4 * h + i, l, shift, 2) << (2 * i);
+              for (int i = 0; i < 4; ++i) byte |= ((lane[4 * h + i][l] >> shift) & 3) << (2 * i);
               o[32 * h + l] = static_cast<uint8_t>(byte);
             }
           o += 64;
@@ -862,7 +864,7 @@ Tensor affine_planes(const Tensor& weight, int64_t bits) {
         if (bits - shift == 1) {  // one bit: byte l holds chunk ch's at bit ch
           for (int l = 0; l < 32; ++l) {
             int byte = 0;
-            for (int ch = 0; ch < 8; ++ch) byte |= field(ch, l, shift, 1) << ch;
+            for (int ch = 0; ch < 8; ++ch) byte |= ((lane[ch][l] >> shift) & 1) << ch;
             o[l] = static_cast<uint8_t>(byte);
           }
         }
