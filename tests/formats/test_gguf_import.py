@@ -307,7 +307,7 @@ def test_the_file_is_hashed_beside_the_conversion(tmp_path, monkeypatch):
     assert reader.sha256_file(src, chunk=64, stop=stop) is None
     digest = reader.Digest(src)
     digest.cancel()  # stopped or done: its result is the file's either way
-    assert digest.result(src) == hashlib.sha256(src.read_bytes()).hexdigest()
+    assert digest.result() == hashlib.sha256(src.read_bytes()).hexdigest()
 
 
 # -- CLI ----------------------------------------------------------------------------

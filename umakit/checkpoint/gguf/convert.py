@@ -32,7 +32,6 @@ from umakit.checkpoint.gguf.vocab import TokenizerFiles, build_tokenizer, dumps
 Progress = Callable[[int, int], None]  # (bytes done, bytes in all)
 
 
-
 class LossyTensor(NamedTuple):
     """A tensor with no exact MLX form, re-quantized."""
 
@@ -216,7 +215,7 @@ def _convert(plan: ImportPlan, arrays: StreamedSafetensors, groups16_file: _Grou
         "generation_config.json": dumps(plan.tokenizer.generation_config),
         "tokenizer.json": plan.tokenizer.tokenizer_json,
     }
-    config = _full_config(plan, quantized, lossy, digest.result(gf.path))
+    config = _full_config(plan, quantized, lossy, digest.result())
     if groups16:
         config["umakit"]["exact_groups"] = {"file": EXACT16_FILE, "layers": groups16}
     return _Converted(dumps(config), files, exact, lossy, groups16_file.modules)

@@ -227,17 +227,17 @@ class Digest:
     for it; `cancel` stops it at its next chunk, and it never keeps a process from exiting."""
 
     def __init__(self, path: Path):
-        self._stop, self._value = threading.Event(), None
-        self._thread = threading.Thread(target=self._run, args=(path,), name="umakit-sha256", daemon=True)
+        self.path, self._stop, self._value = path, threading.Event(), None
+        self._thread = threading.Thread(target=self._run, name="umakit-sha256", daemon=True)
         self._thread.start()
 
-    def _run(self, path: Path) -> None:
+    def _run(self) -> None:
         with contextlib.suppress(OSError):  # `result` reads it again and raises
-            self._value = sha256_file(path, stop=self._stop)
+            self._value = sha256_file(self.path, stop=self._stop)
 
-    def result(self, path: Path) -> str:
+    def result(self) -> str:
         self._thread.join()
-        return self._value if self._value is not None else sha256_file(path)
+        return self._value if self._value is not None else sha256_file(self.path)
 
     def cancel(self) -> None:
         self._stop.set()
