@@ -271,8 +271,8 @@ def load(
     quantizes a float checkpoint in memory, without writing files (mlx backend).
     ``needs`` names features the caller will use (``{"kv_bits", "batch"}``), so
     that "auto" picks an engine that has them. ``progress(bytes_done, bytes_total)``
-    is called as the weights are read; ``import_progress(bytes_done, bytes_total)`` as a
-    GGUF's tensors are imported, on its first run only. ``gpu_layers`` (keep the first N layers
+    is called as the weights are read; ``import_progress(bytes_done, bytes_total)`` as a GGUF's (or
+    GPTQ, AWQ, compressed-tensors) tensors are imported, on its first run only. ``gpu_layers`` (keep the first N layers
     in device memory) or ``vram_budget`` (bytes or "24GB": keep as many as fit)
     stream the remaining layers from host memory on every step (torch backend;
     on a CPU the copies are host copies, see umakit/plan/placement.py). ``parallel`` ("tensor" or "pipeline"), under

@@ -224,6 +224,23 @@ def test_umakit_import_writes_the_directory(tmp_path):
     assert again.exit_code != 0 and again.output.startswith("Error:") and "--force" in again.output
 
 
+@pytest.mark.parametrize("method", ["gptq", "compressed-tensors"])
+def test_a_first_use_reports_the_imports_progress(tmp_path, monkeypatch, method):
+    """A packed checkpoint given by its path hears its import as a GGUF's does: to the checkpoint's tensor bytes,
+    on its first use only."""
+    import umakit
+    from umakit.checkpoint.files import read_safetensors_header, weight_files
+
+    monkeypatch.setenv("UMAKIT_HOME", str(tmp_path / "home"))
+    packed, _, _ = foreign(tmp_path, method)
+    total = sum(t.nbytes for f in weight_files(packed) for t in read_safetensors_header(f).values())
+    seen = []
+    first = umakit.resolve_model(packed, progress=lambda done, all_: seen.append((done, all_)))
+    done = [d for d, _ in seen]
+    assert len(seen) > 2 and done == sorted(done) and {t for _, t in seen} == {total} and done[-1] == total
+    assert umakit.resolve_model(packed, progress=lambda *a: pytest.fail("reported again")) == first
+
+
 def test_bit_streams_round_trip_at_every_width():
     rng = np.random.default_rng(0)
     for bits in (2, 3, 4, 5, 6, 8):

@@ -70,8 +70,9 @@ def resolve(model: str | os.PathLike | None, progress: Callable[[int, int], None
     a ``.gguf`` file, or a directory of GPTQ, AWQ or compressed-tensors weights, is
     imported once into umakit's cache; ``org/name`` is a
     Hugging Face Hub repo id (downloaded, or taken from the local Hub cache when
-    ``HF_HUB_OFFLINE`` is set). ``progress(done, total)`` hears a GGUF's import, in tensor bytes converted,
-    where this call makes it (a first run: later ones find the import).
+    ``HF_HUB_OFFLINE`` is set). ``progress(done, total)`` hears the import of a GGUF or of GPTQ, AWQ or
+    compressed-tensors weights, in tensor bytes converted, where this call makes it (a first run: later ones find
+    the import).
     """
     if model is None:
         from umakit.checkpoint.default import default_model_dir
@@ -80,7 +81,7 @@ def resolve(model: str | os.PathLike | None, progress: Callable[[int, int], None
     text = os.fspath(model)
     path = Path(text).expanduser()
     if path.is_dir():
-        return _imported(path)
+        return _imported(path, progress)
     if path.is_file():
         if path.suffix == ".gguf":
             from umakit.core.fsutil import writing
@@ -94,7 +95,7 @@ def resolve(model: str | os.PathLike | None, progress: Callable[[int, int], None
             f"{path} is a file; give the model's directory (with config.json) or a .gguf file"
         )
     if _HUB_ID.match(text) and not text.startswith((".", "/", "~")):
-        return _imported(_from_hub(text))
+        return _imported(_from_hub(text), progress)
     if os.sep not in text and "/" not in text:
         from umakit.checkpoint.inventory import find
 
@@ -106,9 +107,9 @@ def resolve(model: str | os.PathLike | None, progress: Callable[[int, int], None
     raise ModelNotFoundError(f"model not found: {text} (no such directory, file or Hub repo id)")
 
 
-def _imported(path: Path) -> Path:
+def _imported(path: Path, progress: Callable[[int, int], None] | None = None) -> Path:
     """``path``, or where it holds a GPTQ, AWQ or compressed-tensors checkpoint, its MLX-layout import in
-    umakit's cache (made on first use)."""
+    umakit's cache (made on first use, ``progress`` hearing it)."""
     try:
         config = json.loads((path / "config.json").read_text())
     except (OSError, ValueError):
@@ -119,7 +120,7 @@ def _imported(path: Path) -> Path:
         return path
     from umakit.checkpoint.hfquant import cached_import
 
-    return cached_import(path)
+    return cached_import(path, progress)
 
 
 def _from_hub(repo_id: str) -> Path:

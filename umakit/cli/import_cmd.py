@@ -19,18 +19,22 @@ NAMES = {"gptq": "GPTQ", "awq": "AWQ", "compressed-tensors": "compressed-tensors
 def import_cmd(source, out_dir, force):
     """Convert a GGUF file, or a GPTQ, AWQ or compressed-tensors checkpoint directory, into a directory every
     engine loads (a model given by its path is imported this way on first use, into umakit's cache)."""
+    from umakit.cli.flags import ImportBar
+
+    bar = ImportBar(source, note="")
     if Path(source).is_dir():
         from umakit.checkpoint.hfquant import import_checkpoint
 
-        r = import_checkpoint(source, out_dir, force=force)
+        try:
+            r = import_checkpoint(source, out_dir, force=force, progress=bar)
+        finally:
+            bar.close()
         click.echo(f"Wrote {r.out_dir} ({size(r.bytes_written)}) in {r.seconds:.1f} s")
         click.echo(f"  {r.layers} layers converted exactly from {NAMES[r.method]} {r.bits}-bit groups "
                    f"(MLX groups of {r.group})")
         return
     from umakit.checkpoint.gguf import import_gguf
-    from umakit.cli.flags import ImportBar
 
-    bar = ImportBar(source, note="")
     try:
         report = import_gguf(source, out_dir, force=force, progress=bar)
     finally:

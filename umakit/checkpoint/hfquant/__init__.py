@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 from umakit.checkpoint.hfquant.detect import METHODS, is_complete, method_of
@@ -15,9 +16,11 @@ __all__ = ["METHODS", "cached_import", "import_checkpoint", "is_complete", "meth
 IMPORTS = ("models", "imported")  # under $UMAKIT_HOME
 
 
-def import_checkpoint(path: str | os.PathLike, out_dir: str | os.PathLike, force: bool = False):
+def import_checkpoint(path: str | os.PathLike, out_dir: str | os.PathLike, force: bool = False,
+                      progress: Callable[[int, int], None] | None = None):
     """Write ``path``'s checkpoint as an MLX-layout directory at ``out_dir``, atomically; an existing
-    ``out_dir`` is replaced only with ``force``, once the new one is complete; returns importer.ImportReport."""
+    ``out_dir`` is replaced only with ``force``, once the new one is complete; returns importer.ImportReport.
+    ``progress(done, total)`` hears the checkpoint's tensor bytes converted."""
     from umakit.checkpoint.hfquant.importer import plan_import, write
     from umakit.core.fsutil import atomic_dir, check_destination, check_not_inside, check_writable
 
@@ -26,14 +29,15 @@ def import_checkpoint(path: str | os.PathLike, out_dir: str | os.PathLike, force
     check_not_inside(path, out_dir)
     check_writable(out_dir)
     with atomic_dir(out_dir, force=force) as tmp:
-        report = write(plan, tmp)
+        report = write(plan, tmp, progress)
     report.out_dir = Path(out_dir)
     return report
 
 
-def cached_import(path: Path) -> Path:
+def cached_import(path: Path, progress: Callable[[int, int], None] | None = None) -> Path:
     """The import of the checkpoint directory ``path`` under ``$UMAKIT_HOME/models/imported``, made first unless
-    a finished one is there; keyed by the directory, its files' sizes and times, and the import's format."""
+    a finished one is there (``progress``: `importer.tensors`', only then); keyed by the directory, its files'
+    sizes and times, and the import's format."""
     from umakit.checkpoint.gguf.store import install_dir
     from umakit.checkpoint.hfquant.detect import IMPORT_FORMAT
     from umakit.checkpoint.hfquant.importer import plan_import, write
@@ -53,7 +57,7 @@ def cached_import(path: Path) -> Path:
     with writing(cache):
         tmp = new_temp_dir(target)
         try:
-            write(plan, tmp)
+            write(plan, tmp, progress)
             install_dir(tmp, target, is_complete)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)

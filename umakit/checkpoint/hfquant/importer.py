@@ -11,7 +11,7 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -162,13 +162,22 @@ class ImportReport:
     seconds: float = 0.0
 
 
-def tensors(plan: ImportPlan, layers: dict) -> Iterator[tuple[str, object]]:
+def tensors(plan: ImportPlan, layers: dict, progress: Callable[[int, int], None] | None = None
+            ) -> Iterator[tuple[str, object]]:
     """The import's tensors as mx arrays, one layer at a time (a whole model is never held); ``layers`` gets each
-    quantized module's (group size, bits) as it goes."""
+    quantized module's (group size, bits) as it goes; ``progress(done, total)`` the checkpoint's tensor bytes
+    taken so far, after each layer and as each other tensor is read."""
     import mlx.core as mx
 
     suffixes = TENSORS[plan.scheme.method]
     quantized = set(plan.modules)
+    done, total = [0], sum(info.nbytes for info in plan.tensors.values())
+
+    def read(nbytes: int) -> None:
+        done[0] += nbytes
+        if progress:
+            progress(min(done[0], total), total)
+
     for module in plan.modules:
         layer = _layer(plan, module)
         dtype = _scale_dtype(layer.scales, layer.biases)
@@ -176,10 +185,12 @@ def tensors(plan: ImportPlan, layers: dict) -> Iterator[tuple[str, object]]:
         yield f"{module}.scales", mx.array(layer.scales).astype(dtype)
         yield f"{module}.biases", mx.array(layer.biases).astype(dtype)
         layers[module] = (layer.group, layer.bits)
+        read(sum(plan.tensors[f"{module}.{x}"].nbytes for x in suffixes if f"{module}.{x}" in plan.tensors))
     for name, info in plan.tensors.items():
         module, _, leaf = name.rpartition(".")
         if module in quantized and leaf in suffixes:
             continue
+        read(info.nbytes)
         a = _read(info).reshape(info.shape)
         if module in quantized and leaf == "bias" and not a.any():
             continue  # AutoGPTQ writes a zero bias for every layer, architectures without biases included
@@ -197,10 +208,10 @@ def config_of(plan: ImportPlan, layers: dict) -> dict:
     return config
 
 
-def write(plan: ImportPlan, dest: Path) -> ImportReport:
-    """The import written into the existing, empty directory ``dest``."""
+def write(plan: ImportPlan, dest: Path, progress: Callable[[int, int], None] | None = None) -> ImportReport:
+    """The import written into the existing, empty directory ``dest`` (``progress``: `tensors`')."""
     start, layers = time.perf_counter(), {}
-    written = fill_model_dir_streamed(dest, tensors(plan, layers), lambda: config_of(plan, layers),
+    written = fill_model_dir_streamed(dest, tensors(plan, layers, progress), lambda: config_of(plan, layers),
                                       copy_from=plan.path, shard_bytes=SHARD_BYTES)
     group = quantization_block(layers, layer_mode=False)["group_size"]  # the most common
     return ImportReport(dest, plan.scheme.method, len(layers), plan.scheme.bits, group, written,
