@@ -131,9 +131,9 @@ def echo_warnings(warnings) -> None:
 
 
 class ImportBar:
-    """A GGUF import's progress (``bar(done, total)``) as a bar on stderr, drawn from its first report and gone
-    at its last: a first run shows what it is doing; a later run, which imports nothing, and output that is no
-    terminal show nothing."""
+    """An import's progress (a GGUF's, or GPTQ, AWQ or compressed-tensors weights': ``bar(done, total)``) as a
+    bar on stderr, drawn from its first report and gone at its last: a first run shows what it is doing; a later
+    run, which imports nothing, and output that is no terminal show nothing."""
 
     def __init__(self, source, note: str = " (first run only)"):
         self.label = f"Importing {Path(os.fspath(source)).name}{note}"
