@@ -25,8 +25,7 @@ from umakit.backends import trim_heap
 from umakit.backends.torch.load import exact
 from umakit.backends.torch.load.loader import quant_spec
 from umakit.backends.torch.load.packed import PackedCache
-from umakit.backends.torch.load.packing_stream import PackingStream
-from umakit.backends.torch.load.pages import SourcePages
+from umakit.backends.torch.load.packing_stream import first_packing
 from umakit.backends.torch.cpu import affine_kernel as affine
 from umakit.backends.torch.quant import forms
 from umakit.backends.torch.quant.layout import QuantizedEmbedding, QuantizedLinear
@@ -105,15 +104,7 @@ def _swap_in_forms(model: nn.Module, c) -> None:
     dtype = c.dtype
     kept = c.kept.get if c.kept is not None else lambda path: {}
     # a first packing written as it is made, each layer's checkpoint pages let go of (as the torch engine's load)
-    stream = PackingStream(c.kept.path, len(c.packed) + _experts(c.stacks)) \
-        if c.kept is not None and c.kept.file is None else None
-    pages = SourcePages() if stream is not None else None
-
-    def made(path: str, layer: nn.Module, source: nn.Module) -> None:
-        if stream is not None:
-            stream.add(path, layer)
-            pages.let_go(source)
-
+    stream, made = first_packing(c.kept, lambda: len(c.packed) + _experts(c.stacks))
     switch.finish(model, c.stacks, device, dtype, kept, made)
     mlx_layout.after(model, c.convs)
     form = torch.bfloat16 if device.type == "cpu" else dtype  # "bfloat16" names the packed CPU forms

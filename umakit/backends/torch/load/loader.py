@@ -31,8 +31,7 @@ from umakit.backends.torch.model.rope import rope_inv_freq
 from umakit.backends.torch.model.moe import Experts, expert_slot, stacked_shapes
 from umakit.backends.torch.cpu.affine_kernel import AffineEmbedding, AffineLinear
 from umakit.backends.torch.load.packed import PackedCache
-from umakit.backends.torch.load.packing_stream import PackingStream, count_quantized
-from umakit.backends.torch.load.pages import SourcePages
+from umakit.backends.torch.load.packing_stream import count_quantized, first_packing
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 SAFETENSORS_FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -197,22 +196,8 @@ def build_model(args: ModelArgs, config: dict, shapes: dict, source, device: tor
         convert_model(block, device, weights, tensors_only=lambda path: True)
         block.to(host)
     hosted = frozenset(host_experts)  # their experts stay stacked tensors, for the ExpertStreamer
-    # a first CPU packing is written as it is made (load/packing_stream.py), and each packed layer's source pages
-    # let go of (load/pages.py)
-    stream = PackingStream(packed.path, count_quantized(model)) if packed is not None and packed.file is None \
-        else None
-    pages = SourcePages() if stream is not None else None
-
-    packed_bytes = [0]
-
-    def made(path: str, layer: nn.Module, source: nn.Module) -> None:
-        if stream is not None:
-            stream.add(path, layer)
-            pages.let_go(source)
-            if packing is not None:
-                packed_bytes[0] += sum(t.nbytes for t in (*source.parameters(), *source.buffers()))
-                packing(packed_bytes[0])
-
+    # a first CPU packing is written as it is made, each packed layer's source pages let go of
+    stream, made = first_packing(packed, lambda: count_quantized(model), packing)
     convert_model(model, device, weights,
                   tensors_only=lambda path: layer_of(path) in streamed or (layer_of(path) in hosted and
                                                                            ".switch_mlp." in path),

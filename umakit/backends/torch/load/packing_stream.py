@@ -13,11 +13,13 @@ from __future__ import annotations
 import contextlib
 import json
 import mmap
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from umakit.backends.torch.load.packed import ALIGNMENT, DTYPES
+from umakit.backends.torch.load.packed import ALIGNMENT, DTYPES, PackedCache
+from umakit.backends.torch.load.pages import SourcePages
 from umakit.backends.torch.model.moe import Experts
 from umakit.backends.torch.quant.layout import QuantizedLinear
 from umakit.core.fsutil import atomic_file
@@ -121,3 +123,26 @@ def count_quantized(model: nn.Module) -> int:
     """The layers a packing may hold a header entry for: every quantized one, and every expert of a stack."""
     return sum(1 if isinstance(m, QuantizedLinear) else getattr(m, "n", 0) for m in model.modules()
                if isinstance(m, (QuantizedLinear, Experts)))
+
+
+Made = Callable[[str, nn.Module, nn.Module], None]  # (path, the layer made, the module it was made from)
+
+
+def first_packing(packed: PackedCache | None, layers: Callable[[], int],
+                  packing: Callable[[int], None] | None = None) -> tuple[PackingStream | None, Made]:
+    """For a load whose cache holds no packing yet (``packed.file`` None): a `PackingStream` to its path, for at
+    most ``layers()`` layers, and the hook `forms.convert_model` calls with each packed layer, which writes it,
+    lets go of its source's pages in the checkpoint's map (`SourcePages`) and tells ``packing`` the source bytes
+    packed so far. Elsewhere: no stream, and a hook that does nothing."""
+    if packed is None or packed.file is not None:
+        return None, lambda path, layer, source: None
+    stream, pages, done = PackingStream(packed.path, layers()), SourcePages(), [0]
+
+    def made(path: str, layer: nn.Module, source: nn.Module) -> None:
+        stream.add(path, layer)
+        pages.let_go(source)
+        if packing is not None:
+            done[0] += sum(t.nbytes for t in (*source.parameters(), *source.buffers()))
+            packing(done[0])
+
+    return stream, made
