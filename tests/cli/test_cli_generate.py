@@ -46,6 +46,32 @@ def test_generate_prompt_from_stdin_matches_argument(tiny_dir):
     assert a["tokens"] == b["tokens"]
 
 
+def test_prompt_as_argument_and_model_as_either(tiny_dir):
+    """generate's PROMPT is -p's prompt; the other commands take -m/--model as their MODEL argument."""
+    model = str(tiny_dir("llama"))
+    args = ["generate", "-m", model, "--temp", "0", "--max-tokens", "5", "--json"]
+    a = json.loads(run(*args, "-p", "The quick").stdout)
+    b = json.loads(run(*args, "The quick").stdout)
+    assert a["tokens"] == b["tokens"] and len(a["tokens"]) == 5
+    plans = [run("plan", *how, "--json") for how in ([model], ["-m", model], ["--model", model], [model, "-m", model])]
+    assert all(r.exit_code == 0 for r in plans), [r.output for r in plans]
+    assert len({r.stdout for r in plans}) == 1 and json.loads(plans[0].stdout)
+    r = run("eval", "-m", model, "--text", __file__, "--max-tokens", "64")
+    assert r.exit_code == 0, r.output
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["generate", "-m", "x", "one", "-p", "two"], "Error: two prompts given, PROMPT and -p/--prompt: give one"),
+    (["generate", "-m", "x"], "Error: no prompt: give it as PROMPT or with -p/--prompt ('-' reads it from stdin)"),
+    (["run", "a", "-m", "b"], "Error: two models given, 'a' and -m 'b': give one"),
+    (["bench", "a", "--model", "b"], "Error: two models given, 'a' and -m 'b': give one"),
+    (["batch", "a", "-m", "b", "-i", __file__, "-o", "out.jsonl"], "Error: two models given, 'a' and -m 'b': give one"),
+])
+def test_a_model_or_prompt_given_twice_is_refused(argv, said):
+    r = run(*argv)
+    assert r.exit_code == 2 and r.output.strip().splitlines()[-1] == said, r.output
+
+
 def test_user_mistakes_are_one_line_errors(tiny_dir, tmp_path):
     r = run("generate", "-m", str(tmp_path / "missing"), "-p", "x")
     assert r.exit_code == 1

@@ -12,8 +12,8 @@ from umakit.backends.base import BATCH
 from umakit.generate.batch import DEFAULT_BATCH_SIZE
 
 from umakit.cli.flags import (SAMPLING_KEYS, batch_kv_needs, constraint_options, follow_unless_leader, kv_bits_option,
-                              load_draft, load_model, lookup_needs, lookup_options, model_options, offload_options,
-                              parallel_option, read_constraint, sampling_options)
+                              load_draft, load_model, lookup_needs, lookup_options, model_argument, model_options,
+                              offload_options, parallel_option, read_constraint, sampling_options)
 
 
 class Progress:
@@ -63,7 +63,7 @@ class Progress:
 
 
 @click.command("batch")
-@click.argument("model", required=False)
+@model_argument
 @click.option("--input", "-i", "input_path", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help='JSON Lines: {"id": ..., "prompt": "..."} or {"id": ..., "messages": [...]}, plus per-item settings '
                    '(max_tokens, stop, seed, system, sampling fields, schema, regex, choices, grammar).')

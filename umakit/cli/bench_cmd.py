@@ -22,6 +22,7 @@ from umakit.cli.flags import (
     kv_bits_option,
     load_draft,
     load_model,
+    model_argument,
     model_options,
     offload_options,
     parallel_option,
@@ -37,7 +38,7 @@ def _contexts(ctx, param, value):
 
 
 @click.command("bench")
-@click.argument("model", required=False)
+@model_argument
 @click.option("--prompt-tokens", type=click.IntRange(min=1), default=DEFAULT_PROMPT_TOKENS, show_default=True)
 @click.option("--gen-tokens", type=click.IntRange(min=2), default=DEFAULT_GEN_TOKENS, show_default=True)
 @click.option("--repeat", type=click.IntRange(min=1), default=DEFAULT_REPEAT, show_default=True)

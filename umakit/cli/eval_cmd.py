@@ -11,13 +11,13 @@ from umakit.core.affine import KV_BITS
 from umakit.evaluate.corpora import CORPORA, DEFAULT_TOKENS, FETCH_COMMAND
 from umakit.evaluate.perplexity import DEFAULT_CHUNK, DEFAULT_WINDOW
 
-from umakit.cli.flags import kv_needs, load_model, model_options
+from umakit.cli.flags import kv_needs, load_model, model_argument, model_options
 
 FLOAT_CACHE = "float"  # --kv-bits: one cache in the compute dtype, unquantized
 
 
 @click.command("eval")
-@click.argument("model", required=False)
+@model_argument
 @click.option("--text", "text_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Text file to score.")
 @click.option("--corpus", type=click.Choice(list(CORPORA)), help=f"A cached corpus ({FETCH_COMMAND}).")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from pathlib import Path
@@ -67,6 +68,19 @@ def offload_options(f):
     f = click.option("--gpu-layers", type=click.IntRange(min=0), default=None, metavar="N",
                      help="Keep the first N layers in device memory; stream the rest from host memory each step.")(f)
     return f
+
+
+def model_argument(f):
+    """MODEL as the command's argument, or with -m/--model as `umakit generate` takes it: either names it."""
+    @functools.wraps(f)
+    def merged(*args, model=None, model_flag=None, **kwargs):
+        if model is not None and model_flag is not None and model != model_flag:
+            raise click.UsageError(f"two models given, {model!r} and -m {model_flag!r}: give one")
+        return f(*args, model=model if model is not None else model_flag, **kwargs)
+
+    merged = click.option("--model", "-m", "model_flag", default=None, metavar="MODEL",
+                          help="MODEL, as an option (as `umakit generate` takes it).")(merged)
+    return click.argument("model", required=False)(merged)
 
 
 def model_options(f):

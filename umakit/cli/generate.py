@@ -29,7 +29,8 @@ from umakit.cli.flags import (
 
 @click.command()
 @click.option("--model", "-m", default=None, help="Model directory, .gguf file or Hub repo id (default: built-in SmolLM2-135M).")
-@click.option("--prompt", "-p", required=True, help="The prompt; '-' reads it from stdin.")
+@click.argument("prompt_arg", metavar="[PROMPT]", required=False)
+@click.option("--prompt", "-p", default=None, help="The prompt (or PROMPT); '-' reads it from stdin.")
 @click.option("--system", "-s", default=None, help="System prompt.")
 @click.option("--raw", is_flag=True, help="Send the prompt as plain text, without the chat template.")
 @click.option("--stop", multiple=True, help="Stop string (repeatable); it is not printed.")
@@ -44,7 +45,7 @@ from umakit.cli.flags import (
 @quantize_option
 @speculative_options
 @parallel_option
-def generate(model, prompt, system, raw, stop, kv_bits, json_schema, regex, choices, grammar, as_json, server_url,
+def generate(model, prompt_arg, prompt, system, raw, stop, kv_bits, json_schema, regex, choices, grammar, as_json, server_url,
              no_server, max_tokens, seed, backend, device, dtype, peak_bandwidth, gpu_layers, vram_budget, quantize,
              draft, draft_tokens, prompt_lookup, ngram, parallel, **sampling):
     """Generate a reply to one prompt.
@@ -54,6 +55,7 @@ def generate(model, prompt, system, raw, stop, kv_bits, json_schema, regex, choi
     model may be loaded already; else, or with --no-server, the model loads here."""
     from umakit.core import validate
 
+    prompt = _one_prompt(prompt_arg, prompt)
     load = dict(backend=backend, device=device, dtype=dtype, peak_bandwidth=peak_bandwidth, quantize=quantize,
                 needs=kv_needs(kv_bits), gpu_layers=gpu_layers, vram_budget=vram_budget)
     follow_unless_leader(parallel, model, **load)  # a follower reads no input
@@ -104,3 +106,12 @@ def _attached(url, model, prompt, system, raw, max_tokens, stop, seed, sampling,
     click.echo(f"[{reply.finish}] " + attach.stats_line(reply), err=True)
     return True
 
+
+
+def _one_prompt(argument: str | None, option: str | None) -> str:
+    """The prompt, given as PROMPT or with -p/--prompt, exactly once."""
+    if argument is not None and option is not None:
+        raise click.UsageError("two prompts given, PROMPT and -p/--prompt: give one")
+    if argument is None and option is None:
+        raise click.UsageError("no prompt: give it as PROMPT or with -p/--prompt ('-' reads it from stdin)")
+    return argument if argument is not None else option

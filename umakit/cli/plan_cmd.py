@@ -11,11 +11,12 @@ from umakit.core.affine import DEFAULT_GROUP_SIZE, FLOAT_BITS
 from umakit.plan.placement import WHOLE_LAYERS, parse_size
 from umakit.quantize.recipes import DEFAULT_RECIPE, RECIPES
 
+from umakit.cli.flags import model_argument
 from umakit.cli.parallel_plan import parallel_dict, parallel_lines, parallel_plans
 
 
 @click.command("plan")
-@click.argument("model", required=False)
+@model_argument
 @click.option("--preset", help=f"A built-in config shape (default {P.DEFAULT_PRESET}); a wrong name lists them.")
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), help="A Hugging Face config.json.")
 # Bits are checked by the library (plan_model), whose one-line errors list the accepted values.

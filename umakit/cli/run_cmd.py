@@ -15,6 +15,7 @@ from umakit.cli.flags import (
     kv_needs,
     load_draft,
     load_model,
+    model_argument,
     model_options,
     offload_options,
     parallel_option,
@@ -26,7 +27,7 @@ from umakit.cli.flags import (
 
 
 @click.command("run")
-@click.argument("model", required=False)
+@model_argument
 @click.option("--system", "-s", default=None, help="System prompt.")
 @click.option("--max-context", type=click.IntRange(min=16), default=None,
               help="Context limit in tokens (default: the model's); oldest turns are dropped beyond it.")
