@@ -52,6 +52,25 @@ def test_ls_lists_imports_and_hub_models(populated):
     assert "qwen3" in names["tiny-qwen3-0123456789ab"] and "hub cache" in names["org/tiny"]
 
 
+def test_names_a_server_lists_are_the_built_in_model_then_what_ls_lists(populated, monkeypatch):
+    from umakit.checkpoint import default, inventory
+
+    local = [m.name for m in inventory.local_models()]
+    assert set(local) == {"tiny-llama", "tiny-qwen3-0123456789ab", "org/tiny"}
+    try:
+        default.packaged_gguf()
+        built_in = [default.DEFAULT_MODEL_NAME]
+    except default.ModelNotFoundError:
+        built_in = []
+    assert inventory.names() == built_in + local  # the built-in model's name before its first import too
+
+    def absent():
+        raise default.ModelNotFoundError("not installed")
+
+    monkeypatch.setattr(default, "packaged_gguf", absent)
+    assert inventory.names() == local
+
+
 def test_an_import_is_loaded_by_its_short_name(populated):
     import umakit
 

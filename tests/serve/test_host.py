@@ -144,6 +144,7 @@ def test_the_built_in_model_by_its_name(host):
     import umakit
 
     want = umakit.load(backend="torch").generate("Hello!", max_tokens=8, temperature=0).text
+    assert "SmolLM2-135M-Instruct" in models(host)  # listed before any request loads it, for a client to pick
     r = client(host).chat.completions.create(model="SmolLM2-135M-Instruct", max_tokens=8, temperature=0,
                                              messages=[{"role": "user", "content": "Hello!"}])
     assert r.choices[0].message.content == want and r.model == "SmolLM2-135M-Instruct"
@@ -191,3 +192,35 @@ def test_an_unloaded_models_memory_falls_back(tmp_path_factory):
             assert _rss(srv.proc.pid) <= runtime_rss + weights, (turn, _rss(srv.proc.pid), runtime_rss)
     finally:
         srv.stop()
+
+
+def test_the_list_holds_this_machines_models_beside_the_loaded_ones():
+    """`ModelHost.cards`: the models it has held, then those ``available()`` names (once each, unloaded); a name
+    that fails gets close matches among both; a disk that cannot be read lists nothing more."""
+    from umakit.errors import ModelNotFoundError
+    from umakit.serve.api_errors import APIError
+    from umakit.serve.host import ModelHost
+    from umakit.serve.types import SchedulerSettings
+
+    def size(name):
+        raise ModelNotFoundError(f"model not found: {name}")
+
+    disks = [["qwen2.5-0.5b.Q4_K_M-0123", "tiny", "tiny"]]
+
+    def available():
+        if isinstance(disks[0], Exception):
+            raise disks[0]
+        return disks[0]
+
+    host = ModelHost(lambda name: None, size, SchedulerSettings(), budget_bytes=1 << 30, available=available)
+    try:
+        cards = host.cards()
+        assert [c["id"] for c in cards] == ["qwen2.5-0.5b.Q4_K_M-0123", "tiny"]
+        assert all(not c["loaded"] and c["bytes"] == 0 and c["unloads_in_s"] is None for c in cards)
+        with pytest.raises(APIError, match="did you mean 'qwen2.5-0.5b.Q4_K_M-0123'") as e:
+            host._bytes_of("qwen2.5-0.5b.Q4_K_M")
+        assert e.value.status == 404
+        disks[0] = PermissionError("unreadable")
+        assert host.cards() == []
+    finally:
+        host.close()

@@ -112,6 +112,19 @@ def local_models() -> list[LocalModel]:
     return _imports() + _hub()
 
 
+def names() -> list[str]:
+    """Every name a request's "model" or `umakit run NAME` may give for a model on this machine: the built-in
+    model's where it is installed (imported or not yet), then `local_models`'."""
+    from umakit.checkpoint.default import DEFAULT_MODEL_NAME, packaged_gguf
+
+    found = [m.name for m in local_models()]
+    try:
+        packaged_gguf()
+    except ModelNotFoundError:
+        return found
+    return [DEFAULT_MODEL_NAME] + [n for n in found if n != DEFAULT_MODEL_NAME]
+
+
 def find(name: str) -> LocalModel | None:
     """The local model ``name`` names: an import's directory name, or (with a slash) a cached Hub repo id."""
     for m in _imports() + (_hub() if "/" in name else []):

@@ -174,6 +174,7 @@ def _serve_by_name(listed, keep_alive, memory_budget, host, port, settings, web,
 
     import umakit
     from umakit import backends
+    from umakit.checkpoint import inventory
     from umakit.checkpoint.default import DEFAULT_MODEL_NAME
     from umakit.errors import UmakitError
     from umakit.hardware import memory_budget as device_budget
@@ -197,7 +198,8 @@ def _serve_by_name(listed, keep_alive, memory_budget, host, port, settings, web,
 
     models = ModelHost(lambda name: load_model(source(name), **load),
                        lambda name: umakit.checkpoint_size(umakit.resolve_model(source(name))),
-                       settings, budget_bytes=budget, keep_alive_s=keep, release_memory=backends.release_memory)
+                       settings, budget_bytes=budget, keep_alive_s=keep, release_memory=backends.release_memory,
+                       available=inventory.names)
     sock = _bind(host, port)
     app = make_app(models, **web)
     _log_to_stderr()

@@ -23,6 +23,7 @@ back (`umakit.backends.release_memory`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import difflib
 import gc
 import logging
@@ -135,13 +136,16 @@ class ModelHost:
 
     ``load(name)`` loads a model (`umakit.load` with the server's engine options); ``size(name)`` gives its
     bytes before loading, raising for a name no model answers to; ``release_memory(device)`` hands an
-    unloaded model's cached memory back.
+    unloaded model's cached memory back; ``available()`` names the models on this machine, which the host lists
+    beside those it has loaded (a client picks from the list before any is loaded).
     """
 
     def __init__(self, load: Callable, size: Callable[[str], int], settings: SchedulerSettings, *,
                  budget_bytes: int, keep_alive_s: float = DEFAULT_KEEP_ALIVE_S,
-                 release_memory: Callable[[str], None] = lambda device: None):
+                 release_memory: Callable[[str], None] = lambda device: None,
+                 available: Callable[[], list[str]] = list):
         self._load, self._size, self._release_memory = load, size, release_memory
+        self._available = available
         self.settings, self.budget_bytes, self.keep_alive_s = settings, budget_bytes, keep_alive_s
         self._slots: dict[str, Slot] = {}
         self._lock = threading.RLock()
@@ -234,8 +238,7 @@ class ModelHost:
         try:
             return self._size(name)
         except UmakitError as e:
-            with self._lock:
-                known = [s for s in self._slots if s != name]
+            known = [c["id"] for c in self.cards() if c["id"] != name]
             close = difflib.get_close_matches(name, known, n=3)
             hint = f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else ""
             raise APIError(404, f"the model '{name}' does not exist: {e}{hint}", param="model") from e
@@ -350,15 +353,25 @@ class ModelHost:
 
     # -- what it says about itself -------------------------------------------------------------------
     def cards(self) -> list[dict]:
-        """Each model the host knows: whether it is loaded, its bytes, requests holding it, and in how many
-        seconds it unloads if none comes (None: not while idle)."""
+        """Each model the host knows (those it has held, then the rest of this machine's): whether it is loaded,
+        its bytes, requests holding it, and in how many seconds it unloads if none comes (None: not while idle)."""
         now = time.monotonic()
+        on_disk = self._on_disk()
         with self._lock:
-            return [{"id": s.name, "loaded": s.state == "ready", "bytes": s.bytes if s.state == "ready" else 0,
-                     "active_requests": s.active,
-                     "unloads_in_s": None if s.keep_alive_s == math.inf or s.state != "ready"
-                     else s.keep_alive_s if s.active else max(s.keep_alive_s - (now - s.last_used), 0.0)}
-                    for s in self._slots.values()]
+            cards = [{"id": s.name, "loaded": s.state == "ready", "bytes": s.bytes if s.state == "ready" else 0,
+                      "active_requests": s.active,
+                      "unloads_in_s": None if s.keep_alive_s == math.inf or s.state != "ready"
+                      else s.keep_alive_s if s.active else max(s.keep_alive_s - (now - s.last_used), 0.0)}
+                     for s in self._slots.values()]
+        held = {c["id"] for c in cards}
+        return cards + [{"id": n, "loaded": False, "bytes": 0, "active_requests": 0, "unloads_in_s": None}
+                        for n in on_disk if n not in held]
+
+    def _on_disk(self) -> list[str]:
+        """``available()``'s names; none where the disks cannot be read now (the list is a convenience)."""
+        with contextlib.suppress(OSError, UmakitError):
+            return list(dict.fromkeys(self._available()))
+        return []
 
     def metrics(self) -> tuple[dict[str, float], list[tuple[str, dict[str, float]]]]:
         """Every loaded model's scheduler figures summed (rates and gauges too), and each model's own state."""
