@@ -284,7 +284,7 @@ def load(
     backend = backends.parallel_backend(backend, parallel)
     backends.resolve(backend, device, needs)  # refuse the user's words before fetching or importing a model
     path = checkpoint.resolve(model, import_progress)
-    ckpt = checkpoint.open_checkpoint(path)
+    ckpt = checkpoint.open_checkpoint(path, import_progress)  # each engine completes what it reads (its docstring)
     kind, asked = (config_compat.architecture(ckpt.config), config_compat.rope_kind(ckpt.config)), device
     engine_name, device, choice_note = backends.choose(backend, device, needs, *kind)
     tokenizer = Tokenizer(path, ckpt.config, extra_eos_ids=checkpoint.generation_eos_ids(path, ckpt.config))

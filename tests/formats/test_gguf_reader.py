@@ -141,8 +141,9 @@ def test_pack_across_chunks(bits):
 
 
 def test_q6_k_in_8_bits_is_symmetric8_of_its_values(monkeypatch):
-    """The 8-bit copy of a Q6_K tensor (its groups' largest |value| from the codes, not the values) is
-    `symmetric8` of the gguf package's values, bit for bit, in chunks of a few rows on every core."""
+    """The 8-bit copy of a Q6_K tensor, made from its exact groups as the import holds them (codes unpacked, its
+    groups' largest |value| from the codes, not the values), is `symmetric8` of the gguf package's values, bit
+    for bit, in chunks of a few rows on every core."""
     from types import SimpleNamespace
 
     from gguf import quants as gguf_quants
@@ -153,8 +154,8 @@ def test_q6_k_in_8_bits_is_symmetric8_of_its_values(monkeypatch):
     rows, cols = 40, 512
     data = tensor_data(T.Q6_K, rows, cols, np.random.default_rng(5))
     monkeypatch.setattr(quants, "CHUNK_VALUES", 3 * cols)
-    _, (w, s, b), bits, err = tensors.exact16(SimpleNamespace(data=data, tensor_type=T.Q6_K, shape=(cols, rows)),
-                                              None)
+    held = tensors.exact16(SimpleNamespace(data=data, tensor_type=T.Q6_K, shape=(cols, rows)), None)
+    (w, s, b), bits, err = tensors.requantized16(held["weight"], held["scales"], 6)
     values = gguf_quants.dequantize(data, T.Q6_K)
     (w2, s2, b2), bits2, err2 = quants.symmetric8(lambda lo, hi: values[lo:hi], rows, cols)
     assert (bits, err) == (bits2, err2) == (8, err) and err > 0

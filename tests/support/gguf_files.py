@@ -184,8 +184,13 @@ def hf_forward(gguf_path, ids):
 
 
 def stored_values(model_dir):
-    """Every stored weight as float32 values, dequantized by MLX for quantized ones."""
-    arrays = mx.load(str(model_dir / "model.safetensors"))
+    """Every stored weight as float32 values, dequantized by MLX for quantized ones; the 8-bit copies of Q6_K
+    layers as the first load that reads them makes them (`Checkpoint.complete`)."""
+    from umakit.checkpoint.files import open_checkpoint
+
+    arrays = {}
+    for f in open_checkpoint(model_dir).complete().files:
+        arrays.update(mx.load(str(f)))
     config = json.loads((model_dir / "config.json").read_text())
     q = config.get("quantization", {})
     out = {}

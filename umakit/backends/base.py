@@ -301,7 +301,9 @@ class Engine(Protocol):
         gpu_layers: int | None = None,
         vram_budget: int | str | None = None,
     ) -> Engine:
-        """Load ``ckpt``; options of features the engine lacks raise `InvalidArgumentError`."""
+        """Load ``ckpt``; options of features the engine lacks raise `InvalidArgumentError`. What ``ckpt`` leaves
+        to be made on first use (a GGUF import's 8-bit copies of its Q6_K layers) is not there until
+        ``ckpt.complete()``, which an engine calls before it reads those tensors."""
 
     @classmethod
     def synthetic(

@@ -14,7 +14,7 @@ import os
 import re
 import struct
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from umakit.checkpoint import config as config_compat
@@ -49,6 +49,25 @@ class Checkpoint:
     config: dict
     files: list[Path]
     tensors: dict[str, TensorInfo] = field(default_factory=dict)
+    # hears what `complete` writes, (bytes done, bytes in all), as an import's progress does
+    progress: Callable[[int, int], None] | None = field(default=None, compare=False, repr=False)
+
+    def complete(self) -> "Checkpoint":
+        """This checkpoint with every tensor its config names. A GGUF import holds its Q6_K layers exactly in
+        groups of 16 and leaves their 8-bit copies for MLX's groups to the first load that reads them
+        (`gguf.requantized`): an engine that reads those layers in MLX's layout calls this first."""
+        from umakit.checkpoint.gguf.finished import deferred_file
+
+        extra = deferred_file(self.path, self.config)
+        if extra is None or extra in self.files:
+            return self
+        if not extra.is_file():
+            from umakit.checkpoint.gguf.requantized import write
+
+            write(self.path, self.config, self.progress)
+        done = replace(self, files=[*self.files, extra],
+                                   tensors={**self.tensors, **read_safetensors_header(extra)})
+        return validate_checkpoint(done)
 
     @property
     def model_type(self) -> str:
@@ -221,8 +240,9 @@ def read_safetensors_header(file: Path) -> dict[str, TensorInfo]:
     return tensors
 
 
-def open_checkpoint(path: Path) -> Checkpoint:
-    """Validate a model directory: config, weight files and every tensor header."""
+def open_checkpoint(path: Path, progress: Callable[[int, int], None] | None = None) -> Checkpoint:
+    """Validate a model directory: config, weight files and every tensor header; ``progress``: `Checkpoint`'s.
+    What it leaves to be made on first use is not there yet: `Checkpoint.complete` makes it."""
     if not path.is_dir():
         raise ModelNotFoundError(f"model directory not found: {path}")
     config = read_config(path)
@@ -230,7 +250,7 @@ def open_checkpoint(path: Path) -> Checkpoint:
     tensors: dict[str, TensorInfo] = {}
     for f in files:
         tensors.update(read_safetensors_header(f))
-    return validate_checkpoint(Checkpoint(path=path, config=config, files=files, tensors=tensors))
+    return validate_checkpoint(Checkpoint(path=path, config=config, files=files, tensors=tensors, progress=progress))
 
 
 # Config fields every engine reads as sizes: positive integers when present (None means "derive it").

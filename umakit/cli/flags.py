@@ -145,9 +145,10 @@ def echo_warnings(warnings) -> None:
 
 
 class ImportBar:
-    """An import's progress (a GGUF's, or GPTQ, AWQ or compressed-tensors weights': ``bar(done, total)``) as a
-    bar on stderr, drawn from its first report and gone at its last: a first run shows what it is doing; a later
-    run, which imports nothing, and output that is no terminal show nothing."""
+    """An import's progress (a GGUF's, and the 8-bit copies of its Q6_K layers the first load that needs them
+    makes; or GPTQ, AWQ or compressed-tensors weights': ``bar(done, total)``) as a bar on stderr, drawn from its
+    first report and gone at its last: a first run shows what it is doing; a later run, which imports nothing, and
+    output that is no terminal show nothing."""
 
     def __init__(self, source, note: str = " (first run only)"):
         self.label = f"Importing {Path(os.fspath(source)).name}{note}"

@@ -117,7 +117,7 @@ def quantize(
         raise InvalidArgumentError(f"{dst} is the source checkpoint; write the quantized model elsewhere")
     check_not_inside(src_path, dst)  # with --force, replacing a folder that holds the source would destroy it
     check_writable(dst)
-    ckpt = checkpoint.open_checkpoint(src_path)
+    ckpt = checkpoint.open_checkpoint(src_path).complete()
     _check_float(ckpt)
     before = None
     if eval_text is not None:  # measured first: a bad text fails before anything is written

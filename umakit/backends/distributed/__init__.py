@@ -52,6 +52,7 @@ def check_mode(parallel: str) -> None:
 def load(engine_name: str, parallel: str, ckpt, **options):
     """The sharded engine of ``ckpt`` on this rank (rank 0), or follow rank 0 and exit (other ranks)."""
     check_mode(parallel)
+    ckpt = ckpt.complete()  # shards of MLX's layout: a GGUF's Q6_K layers as their 8-bit copies
     want = "torchrun" if engine_name == "torch" else "mlx.launch"
     if launcher() != ("torch" if engine_name == "torch" else "mlx"):
         example = ("torchrun --nproc_per_node 2 $(which umakit)" if engine_name == "torch"

@@ -144,6 +144,7 @@ class MLXEngine:
                         quantize: int | dict | None = None, gpu_layers: int | None = None,
                         vram_budget: int | str | None = None) -> "MLXEngine":
         refuse_options(SPEC, gpu_layers=gpu_layers, vram_budget=vram_budget)
+        ckpt = ckpt.complete()  # MLX's layout throughout: a GGUF's Q6_K layers as their 8-bit copies
         validate_checkpoint(ckpt)  # the same checks, and messages, as the torch engine's
         self = cls(device)
         self.config = ckpt.config

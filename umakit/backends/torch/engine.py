@@ -92,6 +92,9 @@ class TorchEngine:
         """``gpu_layers`` (keep the first N layers resident) or ``vram_budget`` (bytes, or "24GB") stream the
         other layers from host memory on every forward pass (see umakit/plan/placement.py)."""
         refuse_options(SPEC, quantize=quantize)
+        if not (_packs(device, compute_dtype(dtype, [], device, ckpt.config.get("quantization")), ckpt.config)
+                and affine_kernel.available()):
+            ckpt = ckpt.complete()  # a GGUF's Q6_K layers, read re-quantized to 8 bits, not exactly (load/exact.py)
         shapes = {k: t.shape for k, t in ckpt.tensors.items()}
         floats = [SAFETENSORS_FLOATS[t.dtype] for t in ckpt.tensors.values() if t.dtype in SAFETENSORS_FLOATS]
         staging = "cpu" if gpu_layers is not None or vram_budget is not None else device
@@ -100,7 +103,7 @@ class TorchEngine:
         shapes = gemma4_experts.layout(config, shapes)  # transformers' fused gate_up_proj: two stacked projections
         target = compute_dtype(dtype, floats, device, config.get("quantization"))
         # CPU packed kernels: the packing of a quantized checkpoint, kept from its first load (load/packed.py)
-        packs = device == "cpu" and target == torch.bfloat16 and config.get("quantization")
+        packs = _packs(device, target, config)
         packed = PackedCache.for_checkpoint(ckpt.path, ckpt.files) if packs else None
         packing = progress if packed is not None and packed.file is None else None  # a first load packs
         reads = None if packing else progress  # then its layers as packed tell the progress, not a map's reads
@@ -389,3 +392,8 @@ class TorchEngine:
         return peak.measured(self.device)
 
 
+
+
+def _packs(device: str, target: torch.dtype, config: dict) -> bool:
+    """Whether a load packs the checkpoint's quantized layers for umakit's CPU kernels (kept in load/packed.py)."""
+    return device == "cpu" and target == torch.bfloat16 and bool(config.get("quantization"))

@@ -59,6 +59,7 @@ class TransformersEngine:
                         quantize: int | dict | None = None, gpu_layers: int | None = None,
                         vram_budget: int | str | None = None) -> TransformersEngine:
         refuse_options(SPEC, quantize=quantize, gpu_layers=gpu_layers, vram_budget=vram_budget)
+        ckpt = ckpt.complete()  # its maps take a GGUF's Q6_K layers' shapes from their 8-bit copies (mapped.py)
         target, half = _dtype(dtype, device), _half_weights(dtype, device)
         stacked = any(common.ROUTED_EXPERTS in name for name in ckpt.tensors or ())
         if isinstance(ckpt.config.get("quantization"), dict) or stacked:  # MLX's layout: mapped.py

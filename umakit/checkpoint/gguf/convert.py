@@ -25,7 +25,8 @@ from umakit.core.fsutil import atomic_dir, check_destination, check_not_inside, 
 from umakit.errors import UnsupportedModelError
 from umakit.checkpoint.gguf import quants, tensors
 from umakit.checkpoint.gguf.arch import ArchSpec, map_names, qk_row_order, spec_for
-from umakit.checkpoint.gguf.finished import EXACT16_FILE, IMPORT_FORMAT, is_complete  # noqa: F401 (is_complete: part of this module's API)
+from umakit.checkpoint.gguf.finished import EXACT16_FILE, IMPORT_FORMAT, REQUANTIZED_FILE
+from umakit.checkpoint.gguf.finished import is_complete  # noqa: F401 (part of this module's API)
 from umakit.checkpoint.gguf.reader import Digest, GGUFFile, open_gguf
 from umakit.checkpoint.gguf.vocab import TokenizerFiles, build_tokenizer, dumps
 
@@ -217,7 +218,7 @@ def _convert(plan: ImportPlan, arrays: StreamedSafetensors, groups16_file: _Grou
     }
     config = _full_config(plan, quantized, lossy, digest.result())
     if groups16:
-        config["umakit"]["exact_groups"] = {"file": EXACT16_FILE, "layers": groups16}
+        config["umakit"]["exact_groups"] = {"file": EXACT16_FILE, "layers": groups16, "requantized": REQUANTIZED_FILE}
     return _Converted(dumps(config), files, exact, lossy, groups16_file.modules)
 
 
@@ -239,14 +240,14 @@ def _one(plan: ImportPlan, hf: str, t, name: str, arrays: StreamedSafetensors, g
         return 1
     module = hf.removesuffix(".weight")
     try:
-        if t.tensor_type in quants.EXACT16:
-            held, packed, bits, err = tensors.exact16(t, order, cols)
-            groups16_file.add(module, held)
+        if t.tensor_type in quants.EXACT16:  # held exactly; its 8-bit copy is made where a load needs it
+            groups16_file.add(module, tensors.exact16(t, order, cols))
             groups16[module] = {"bits": quants.EXACT16[t.tensor_type][1], "group_size": quants.EXACT16_GROUP,
                                 "from": t.tensor_type.name}
-        else:
-            convert = tensors.exact if t.tensor_type in quants.EXACT else tensors.requantize
-            packed, bits, err = convert(t, order, cols)
+            quantized[module] = (quants.GROUP_SIZE, quants.lossy_bits(t.tensor_type))
+            return 1
+        convert = tensors.exact if t.tensor_type in quants.EXACT else tensors.requantize
+        packed, bits, err = convert(t, order, cols)
     except ValueError as e:  # a column order the quantized groups cannot follow (Affine.take_cols)
         raise UnsupportedModelError(
             f"{gf.path.name}: {name} ({t.tensor_type.name}) cannot be reordered: {e}") from None

@@ -11,8 +11,18 @@ from umakit.checkpoint.writer import WEIGHTS_FILE
 # Bump when the output layout changes: cached imports of an older format are then redone.
 IMPORT_FORMAT = 1
 # Beside the weights: the tensors a GGUF holds exactly in groups of 16 (its Q6_K), which MLX's groups (32, 64,
-# 128) cannot hold, so the weights have them re-quantized; config.json's umakit.exact_groups names them.
+# 128) cannot hold; config.json's umakit.exact_groups names them.
 EXACT16_FILE = "exact/groups16.safetensors"
+# Their 8-bit copies for the engines that read MLX's layout, written from the exact groups when the first such load
+# needs them (`requantized.write`), not by the import: config.json's umakit.exact_groups.requantized names this
+# file where an import left them to then (imports before it hold them in the weights).
+REQUANTIZED_FILE = "exact/requantized8.safetensors"
+
+
+def deferred_file(model_dir: Path, config: dict) -> Path | None:
+    """Where the 8-bit copies of an import's exact layers go once made, if the import left them to be made."""
+    groups = (config.get("umakit") or {}).get("exact_groups") or {}
+    return Path(model_dir) / REQUANTIZED_FILE if groups.get("requantized") == REQUANTIZED_FILE else None
 
 
 def is_complete(model_dir: Path) -> bool:

@@ -156,7 +156,8 @@ def _q6_k(b: np.ndarray):
 
 
 # Block types exact as affine groups of 16, which MLX does not take (its groups are 32, 64 or 128): imported
-# re-quantized for every engine, and exactly besides for umakit's CPU kernel (`Affine` with group_size 16).
+# exactly for umakit's CPU kernel (`Affine` with group_size 16), re-quantized for the others on first use
+# (requantized.py).
 EXACT16: dict[T, tuple[Callable, int]] = {T.Q6_K: (_q6_k, 6)}
 EXACT16_GROUP = 16
 
@@ -247,6 +248,20 @@ def pack(q: np.ndarray, bits: int) -> np.ndarray:
 
     each_chunk(chunk, rows, (1 << 18) // cols)  # rows a chunk: its uint64 words stay in a core's cache
     return out
+
+
+def unpack(words: np.ndarray, bits: int, cols: int) -> np.ndarray:
+    """`pack`'s inverse for a chunk of rows, on the calling thread: (rows, cols * bits / 32) words -> (rows, cols)
+    uint8 codes."""
+    rows = words.shape[0]
+    raw = np.ascontiguousarray(words).view(np.uint8).reshape(rows, cols // 8, bits)
+    if bits == 8:
+        return raw.reshape(rows, cols)
+    lanes = np.zeros((rows, cols // 8, 8), dtype=np.uint8)  # 8 codes in the low `bits` bytes of a uint64
+    lanes[..., :bits] = raw
+    shifts = np.arange(8, dtype=np.uint64) * np.uint64(bits)
+    codes = (lanes.view("<u8") >> shifts) & np.uint64((1 << bits) - 1)  # (rows, cols / 8, 8)
+    return codes.astype(np.uint8).reshape(rows, cols)
 
 
 def pick_dtype(scales: np.ndarray, biases: np.ndarray) -> np.dtype:

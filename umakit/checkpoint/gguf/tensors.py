@@ -78,29 +78,36 @@ def requantize(t, order: np.ndarray | None, cols: np.ndarray | None = None) -> t
     return (w, scales, biases), bits, float(errors[1] if half else errors[0])
 
 
-def exact16(t, order: np.ndarray | None, cols: np.ndarray | None = None) -> tuple[dict[str, np.ndarray], tuple, int,
-                                                                                   float]:
+def exact16(t, order: np.ndarray | None, cols: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """A `quants.EXACT16` tensor's codes and scales in groups of 16, exactly (MLX's packing, float32 scales; the
-    biases are -2^(bits-1) times them), which the torch engine's CPU kernel reads (backends/torch/load/exact.py);
-    and, from the same decoding, its symmetric 8-bit re-quantization for MLX's groups, as `requantize` makes it."""
+    biases are -2^(bits-1) times them), which the torch engine's CPU kernel reads (backends/torch/load/exact.py)."""
     aff = quants.to_affine16(np.asarray(t.data), t.tensor_type, cols=int(t.shape[0])).reorder(order, cols)
-    exact = {"weight": quants.pack(aff.q, aff.bits), "scales": np.ascontiguousarray(aff.scales, dtype=np.float32)}
-    rows, cols = aff.q.shape
+    return {"weight": quants.pack(aff.q, aff.bits), "scales": np.ascontiguousarray(aff.scales, dtype=np.float32)}
 
-    centre = 2 ** (aff.bits - 1)
 
-    def values(lo: int, hi: int) -> np.ndarray:  # the gguf package's products, bit for bit
-        centred = aff.q[lo:hi].reshape(hi - lo, -1, aff.group_size).astype(np.float32)
+def requantized16(weight: np.ndarray, scales: np.ndarray, bits: int) -> tuple[tuple, int, float]:
+    """The 8-bit copy for MLX's groups of a layer `exact16` holds (its packed codes, float32 scales): arrays, bits
+    and the largest error, as `requantize` makes a symmetric type's, from the same values (scale x (code -
+    2^(bits-1)), the gguf package's products bit for bit)."""
+    rows, groups = scales.shape
+    cols, group = groups * quants.EXACT16_GROUP, quants.EXACT16_GROUP
+    centre = 2 ** (bits - 1)
+
+    def codes(lo: int, hi: int) -> np.ndarray:
+        return quants.unpack(weight[lo:hi], bits, cols).reshape(hi - lo, groups, group)
+
+    def values(lo: int, hi: int) -> np.ndarray:
+        centred = codes(lo, hi).astype(np.float32)
         centred -= centre
-        centred *= aff.scales[lo:hi, :, None]
+        centred *= scales[lo:hi, :, None]
         return centred.reshape(hi - lo, cols)
 
     def amax(lo: int, hi: int) -> np.ndarray:  # max |scale * code| = |scale| * max |code|: rounding is monotone
-        codes = aff.q[lo:hi].reshape(hi - lo, -1, aff.group_size).view(np.int8) - np.int8(centre)
-        most = np.abs(codes).max(axis=-1).astype(np.float32) * np.abs(aff.scales[lo:hi])
-        return most.reshape(hi - lo, -1, quants.GROUP_SIZE // aff.group_size).max(axis=-1)
+        centred = codes(lo, hi).view(np.int8) - np.int8(centre)
+        most = np.abs(centred).max(axis=-1).astype(np.float32) * np.abs(scales[lo:hi])
+        return most.reshape(hi - lo, -1, quants.GROUP_SIZE // group).max(axis=-1)
 
-    return (exact, *quants.symmetric8(values, rows, cols, amax))
+    return quants.symmetric8(values, rows, cols, amax)
 
 
 def dequantized(t):

@@ -1,10 +1,10 @@
 """A GGUF import's exact groups of 16 (checkpoint/gguf: its Q6_K tensors), read by umakit's CPU kernel.
 
-MLX's groups are 32, 64 or 128 weights, so the import holds a Q6_K tensor (a scale per 16 weights) re-quantized
-to 8 bits, 8.5 bits a weight, for every engine; and beside the weights, exactly, its 6-bit codes and scales in
-groups of 16 (`EXACT16_FILE`). Where the torch engine runs umakit's affine kernel (CPU, packed), those layers
-load from there instead: 6.5625 bits a weight with the scales held as codes (cpu/scale_codes.py), the GGUF's
-own size and values. Elsewhere (CUDA, dequantized forms) the 8-bit tensors load, as before.
+The import holds a Q6_K tensor (a scale per 16 weights) exactly: its 6-bit codes and scales in groups of 16
+(`EXACT16_FILE`). Where the torch engine runs umakit's affine kernel (CPU, packed), those layers load from there:
+6.5625 bits a weight with the scales held as codes (cpu/scale_codes.py), the GGUF's own size and values.
+Elsewhere (CUDA, dequantized forms) the engine loads their 8-bit copies for MLX's groups of 32 or more, 8.5 bits a
+weight, which `Checkpoint.complete` makes on that first load (checkpoint/gguf/requantized.py).
 """
 
 from __future__ import annotations

@@ -1,0 +1,92 @@
+"""A GGUF import's Q6_K layers: held exactly in groups of 16, their 8-bit copies for MLX's groups made by the
+first load that reads them (`checkpoint/gguf/requantized.py`), whole or not at all, and never by a load that
+reads the exact groups."""
+
+import json
+import os
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+
+import umakit
+from support.gguf_files import EXACT_LAYERS, IDS, hf_forward, write_gguf
+from umakit.backends.torch.cpu import affine_kernel as affine
+from umakit.checkpoint.files import open_checkpoint
+from umakit.checkpoint.gguf import import_gguf, requantized, tensors
+from umakit.checkpoint.gguf.finished import REQUANTIZED_FILE
+
+Q6K_LAYERS = [dict(EXACT_LAYERS[0], attn_v=T.Q6_K, ffn_down=T.Q6_K), EXACT_LAYERS[1]]
+
+
+@pytest.fixture
+def imported(tmp_path, monkeypatch):
+    from umakit import backends
+
+    monkeypatch.setattr(backends, "is_apple_silicon", lambda: False)
+    monkeypatch.setattr(backends, "_cuda_available", lambda: False)
+    src = write_gguf(tmp_path / "q6k.gguf", "llama", layers=Q6K_LAYERS, tied=False, output=T.Q6_K)
+    import_gguf(src, tmp_path / "out")
+    return src, tmp_path / "out"
+
+
+@pytest.mark.skipif(not affine.available(), reason="umakit's CPU kernel is not built here")
+def test_the_copies_are_made_by_the_first_load_that_reads_them_and_only_then(imported):
+    src, out = imported
+    copies = out / REQUANTIZED_FILE
+    kernel = umakit.load(out)  # the CPU default: the exact groups on umakit's kernel
+    assert kernel.info.backend == "torch" and not copies.exists()
+    heard = []
+    float32 = umakit.load(out, dtype="float32", import_progress=lambda done, total: heard.append((done, total)))
+    assert copies.is_file() and heard and heard[-1][0] == heard[-1][1] > 0  # the import's bar hears it
+    assert [d for d, _ in heard] == sorted(d for d, _ in heard)
+    mlx = umakit.load(out, backend="mlx", dtype="float32")  # finds them made: nothing heard again
+    ref = hf_forward(src, IDS)
+    for model, tolerance in ((float32, 0.02), (mlx, 0.02), (kernel, 0.04)):  # 8-bit copies: an eighth of a step
+        ours = model.logits(IDS)
+        assert np.abs(ours - ref).max() <= tolerance * np.abs(ref).max(), model.info.backend
+    assert float32.generate("x", max_tokens=6, temperature=0, raw=True).tokens == \
+        mlx.generate("x", max_tokens=6, temperature=0, raw=True).tokens
+
+
+def test_a_failed_or_interrupted_making_leaves_nothing(imported, monkeypatch):
+    _, out = imported
+    real, calls = tensors.requantized16, []
+
+    def second_fails(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        return real(*args)
+
+    monkeypatch.setattr(tensors, "requantized16", second_fails)
+    with pytest.raises(OSError, match="No space left on device"):
+        open_checkpoint(out).complete()
+    assert sorted(os.listdir(out / "exact")) == ["groups16.safetensors"]
+    calls.clear()
+    monkeypatch.setattr(tensors, "requantized16", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt):
+        open_checkpoint(out).complete()
+    assert sorted(os.listdir(out / "exact")) == ["groups16.safetensors"]
+    monkeypatch.setattr(tensors, "requantized16", real)
+    done = open_checkpoint(out).complete()
+    assert done.files == [out / "model.safetensors", out / REQUANTIZED_FILE]
+    assert done.complete() is done
+
+
+def test_an_import_holding_its_copies_in_the_weights_loads_as_before(imported):
+    """Imports made before the copies were left to first use hold them in model.safetensors: nothing to make."""
+    _, out = imported
+    made = mx.load(str(requantized.write(out, json.loads((out / "config.json").read_text()))))
+    merged = {**mx.load(str(out / "model.safetensors")), **made}
+    mx.eval(merged)
+    mx.save_safetensors(str(out / "model.safetensors"), merged, metadata={"format": "mlx"})
+    (out / REQUANTIZED_FILE).unlink()
+    config = json.loads((out / "config.json").read_text())
+    del config["umakit"]["exact_groups"]["requantized"]
+    (out / "config.json").write_text(json.dumps(config))
+    ckpt = open_checkpoint(out)
+    assert ckpt.complete() is ckpt and set(made) <= set(ckpt.tensors)
+    umakit.load(out, backend="mlx", dtype="float32").generate("x", max_tokens=2, temperature=0, raw=True)
+    assert not (out / REQUANTIZED_FILE).exists()
