@@ -128,30 +128,18 @@ def test_rope_scaling_from_metadata_and_rope_freqs(tmp_path):
 
 
 def test_lossy_types_are_requantized_and_reported(tmp_path):
-    """Types with no exact MLX form are re-quantized at import, each reported with its largest error; Q6_K is held
-    exactly in groups of 16, and its 8-bit copies are made on the first load that reads MLX's layout."""
-    from safetensors import safe_open
-
-    from umakit.checkpoint.gguf.finished import REQUANTIZED_FILE
-
     src = write_gguf(tmp_path / "lossy.gguf", "llama", layers=LOSSY_LAYERS, tied=False, output=T.Q6_K)
     report = import_gguf(src, tmp_path / "out")
-    lossy = {t.name: (t.from_type, t.to_bits, t.max_abs_err) for t in report.lossy_tensors}
-    assert {n: t[:2] for n, t in lossy.items()} == {
+    lossy = {t.name: t for t in report.lossy_tensors}
+    assert {n: (t.from_type, t.to_bits) for n, t in lossy.items()} == {
+        "model.layers.0.self_attn.q_proj.weight": ("Q6_K", 8),
         "model.layers.0.self_attn.k_proj.weight": ("Q2_K", 3),
         "model.layers.0.self_attn.v_proj.weight": ("Q3_K", 4),
         "model.layers.0.self_attn.o_proj.weight": ("IQ4_NL", 5),
+        "model.layers.0.mlp.down_proj.weight": ("Q6_K", 8),
+        "lm_head.weight": ("Q6_K", 8),
     }
-    q6k = ["lm_head", "model.layers.0.mlp.down_proj", "model.layers.0.self_attn.q_proj"]
-    assert report.exact16 == q6k and not (tmp_path / "out" / REQUANTIZED_FILE).exists()
-    config = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert set(config["umakit"]["lossy_tensors"]) == set(lossy)
-    assert config["quantization"]["model.layers.0.self_attn.k_proj"] == {"group_size": 32, "bits": 3}
-    stored = stored_values(tmp_path / "out")  # makes the copies, as MLX's load does
-    with safe_open(str(tmp_path / "out" / REQUANTIZED_FILE), framework="numpy") as f:
-        copies = json.loads(f.metadata()["max_abs_err"])
-    assert sorted(copies) == q6k
-    lossy.update({f"{m}.weight": ("Q6_K", 8, err) for m, err in copies.items()})
+    stored = stored_values(tmp_path / "out")
     reader = gguf.GGUFReader(src)
     heads, kv, _ = SHAPES["llama"]
     for t in reader.tensors:
@@ -161,13 +149,16 @@ def test_lossy_types_are_requantized_and_reported(tmp_path):
             want = reverse_permute(want, heads if ".attn_q." in t.name else kv)
         err = float(np.abs(stored[hf] - want).max())
         if hf in lossy:
-            assert err == pytest.approx(lossy[hf][2], rel=1e-6, abs=1e-12)
-            assert 0 < err < 0.5 * np.abs(want).max() / 2 ** (lossy[hf][1] - 2)
+            assert err == pytest.approx(lossy[hf].max_abs_err, rel=1e-6, abs=1e-12)
+            assert 0 < err < 0.5 * np.abs(want).max() / 2 ** (lossy[hf].to_bits - 2)
         else:
             assert err == 0, t.name
-    assert report.exact_tensors + 3 == len(reader.tensors)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert set(config["umakit"]["lossy_tensors"]) == set(lossy)
+    assert config["quantization"]["model.layers.0.self_attn.k_proj"] == {"group_size": 32, "bits": 3}
+    assert report.exact_tensors + len(lossy) == len(reader.tensors)
     # Q6_K's codes are centred on zero: re-quantized symmetric, so the torch engine reads its scales alone
-    arrays = mx.load(str(tmp_path / "out" / REQUANTIZED_FILE))
+    arrays = mx.load(str(tmp_path / "out" / "model.safetensors"))
     for name in ("model.layers.0.mlp.down_proj", "lm_head"):
         scales, biases = (np.array(arrays[f"{name}.{k}"].astype(mx.float32)) for k in ("scales", "biases"))
         assert np.array_equal(biases, scales * -128), name
@@ -335,12 +326,10 @@ def test_cli_import_prints_summary(cli, tmp_path):
     result = cli("import", src, "-o", tmp_path / "out")
     assert result.exit_code == 0, result.output
     assert "tensors converted exactly" in result.output
-    assert "Q2_K -> 3-bit, max abs error" in result.output and "Q6_K ->" not in result.output
-    assert ("2 of them in groups of 16 (Q6_K), as the torch engine's CPU kernel reads them; 8-bit copies for MLX's "
-            "groups are made on the first load that needs them") in result.output
+    assert "Q6_K -> 8-bit, max abs error" in result.output
+    assert "2 of them also kept exactly, in groups of 16, for the torch engine's CPU kernel" in result.output
     assert (tmp_path / "out" / "model.safetensors").is_file()
     assert (tmp_path / "out" / "exact" / "groups16.safetensors").is_file()
-    assert not (tmp_path / "out" / "exact" / "requantized8.safetensors").exists()
     again = cli("import", src, "-o", tmp_path / "out")
     assert again.exit_code == 1 and "already exists" in again.output
     assert cli("import", src, "-o", tmp_path / "out", "--force").exit_code == 0

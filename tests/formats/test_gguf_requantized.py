@@ -1,6 +1,6 @@
-"""A GGUF import's Q6_K layers: held exactly in groups of 16, their 8-bit copies for MLX's groups made by the
-first load that reads them (`checkpoint/gguf/requantized.py`), whole or not at all, and never by a load that
-reads the exact groups."""
+"""A GGUF's Q6_K layers in the cache's import (a first run's): held exactly in groups of 16, their 8-bit copies for
+MLX's groups made by the first load that reads them (`checkpoint/gguf/requantized.py`), whole or not at all, the
+same bytes `umakit import` writes, and never made by a load that reads the exact groups."""
 
 import json
 import os
@@ -26,9 +26,9 @@ def imported(tmp_path, monkeypatch):
 
     monkeypatch.setattr(backends, "is_apple_silicon", lambda: False)
     monkeypatch.setattr(backends, "_cuda_available", lambda: False)
+    monkeypatch.setenv("UMAKIT_HOME", str(tmp_path / "home"))
     src = write_gguf(tmp_path / "q6k.gguf", "llama", layers=Q6K_LAYERS, tied=False, output=T.Q6_K)
-    import_gguf(src, tmp_path / "out")
-    return src, tmp_path / "out"
+    return src, umakit.resolve_model(src)
 
 
 @pytest.mark.skipif(not affine.available(), reason="umakit's CPU kernel is not built here")
@@ -75,18 +75,16 @@ def test_a_failed_or_interrupted_making_leaves_nothing(imported, monkeypatch):
     assert done.complete() is done
 
 
-def test_an_import_holding_its_copies_in_the_weights_loads_as_before(imported):
-    """Imports made before the copies were left to first use hold them in model.safetensors: nothing to make."""
-    _, out = imported
+def test_the_copies_are_those_umakit_import_writes_into_the_weights(imported, tmp_path):
+    """`umakit import` writes a directory mlx-lm serves as it is: the copies in model.safetensors, nothing left
+    to make; a first run's import makes the same bytes on first use."""
+    src, out = imported
+    import_gguf(src, tmp_path / "exported")
+    exported = open_checkpoint(tmp_path / "exported")
+    assert exported.complete() is exported and not (tmp_path / "exported" / REQUANTIZED_FILE).exists()
     made = mx.load(str(requantized.write(out, json.loads((out / "config.json").read_text()))))
-    merged = {**mx.load(str(out / "model.safetensors")), **made}
-    mx.eval(merged)
-    mx.save_safetensors(str(out / "model.safetensors"), merged, metadata={"format": "mlx"})
-    (out / REQUANTIZED_FILE).unlink()
-    config = json.loads((out / "config.json").read_text())
-    del config["umakit"]["exact_groups"]["requantized"]
-    (out / "config.json").write_text(json.dumps(config))
-    ckpt = open_checkpoint(out)
-    assert ckpt.complete() is ckpt and set(made) <= set(ckpt.tensors)
-    umakit.load(out, backend="mlx", dtype="float32").generate("x", max_tokens=2, temperature=0, raw=True)
-    assert not (out / REQUANTIZED_FILE).exists()
+    written = mx.load(str(tmp_path / "exported" / "model.safetensors"))
+    assert made and all(np.array_equal(np.array(a), np.array(written[k])) and a.dtype == written[k].dtype
+                        for k, a in made.items())
+    umakit.load(tmp_path / "exported", backend="mlx", dtype="float32").generate("x", max_tokens=2, raw=True)
+    assert not (tmp_path / "exported" / REQUANTIZED_FILE).exists()

@@ -46,7 +46,7 @@ def import_cmd(source, out_dir, force):
         for t in report.lossy_tensors:
             click.echo(f"    {t.name}: {t.from_type} -> {t.to_bits}-bit, max abs error {t.max_abs_err:.3g}")
     if report.exact16:
-        click.echo(f"  {len(report.exact16)} of them in groups of 16 (Q6_K), as the torch engine's CPU kernel reads "
-                   "them; 8-bit copies for MLX's groups are made on the first load that needs them")
+        click.echo(f"  {len(report.exact16)} of them also kept exactly, in groups of 16, for the torch engine's "
+                   "CPU kernel")
     for warning in report.warnings:
         click.echo(f"Warning: {warning}", err=True)

@@ -166,10 +166,11 @@ class _Converted:
 
 
 class _Groups16:
-    """`EXACT16_FILE`, made when the first tensor kept exactly in groups of 16 comes, and written as they come."""
+    """`EXACT16_FILE`, made when the first tensor kept exactly in groups of 16 comes, and written as they come;
+    ``defers``: their 8-bit copies are left to the first load that reads them (requantized.py), not written."""
 
-    def __init__(self, path: Path):
-        self.path, self.file, self.modules = path, None, []
+    def __init__(self, path: Path, defers: bool):
+        self.path, self.file, self.modules, self.defers = path, None, [], defers
 
     def add(self, module: str, held: dict[str, np.ndarray]) -> None:
         if self.file is None:
@@ -218,7 +219,9 @@ def _convert(plan: ImportPlan, arrays: StreamedSafetensors, groups16_file: _Grou
     }
     config = _full_config(plan, quantized, lossy, digest.result())
     if groups16:
-        config["umakit"]["exact_groups"] = {"file": EXACT16_FILE, "layers": groups16, "requantized": REQUANTIZED_FILE}
+        config["umakit"]["exact_groups"] = {"file": EXACT16_FILE, "layers": groups16}
+        if groups16_file.defers:
+            config["umakit"]["exact_groups"]["requantized"] = REQUANTIZED_FILE
     return _Converted(dumps(config), files, exact, lossy, groups16_file.modules)
 
 
@@ -240,14 +243,17 @@ def _one(plan: ImportPlan, hf: str, t, name: str, arrays: StreamedSafetensors, g
         return 1
     module = hf.removesuffix(".weight")
     try:
-        if t.tensor_type in quants.EXACT16:  # held exactly; its 8-bit copy is made where a load needs it
-            groups16_file.add(module, tensors.exact16(t, order, cols))
-            groups16[module] = {"bits": quants.EXACT16[t.tensor_type][1], "group_size": quants.EXACT16_GROUP,
-                                "from": t.tensor_type.name}
-            quantized[module] = (quants.GROUP_SIZE, quants.lossy_bits(t.tensor_type))
-            return 1
-        convert = tensors.exact if t.tensor_type in quants.EXACT else tensors.requantize
-        packed, bits, err = convert(t, order, cols)
+        if t.tensor_type in quants.EXACT16:  # held exactly, and its 8-bit copy now or on first use
+            held, bits = tensors.exact16(t, order, cols), quants.EXACT16[t.tensor_type][1]
+            groups16_file.add(module, held)
+            groups16[module] = {"bits": bits, "group_size": quants.EXACT16_GROUP, "from": t.tensor_type.name}
+            if groups16_file.defers:
+                quantized[module] = (quants.GROUP_SIZE, quants.lossy_bits(t.tensor_type))
+                return 1
+            packed, bits, err = tensors.requantized16(held["weight"], held["scales"], bits)
+        else:
+            convert = tensors.exact if t.tensor_type in quants.EXACT else tensors.requantize
+            packed, bits, err = convert(t, order, cols)
     except ValueError as e:  # a column order the quantized groups cannot follow (Affine.take_cols)
         raise UnsupportedModelError(
             f"{gf.path.name}: {name} ({t.tensor_type.name}) cannot be reordered: {e}") from None
@@ -272,19 +278,21 @@ def _report(plan: ImportPlan, converted: _Converted, out_dir: Path, written: int
 
 
 def write_import(plan: ImportPlan, dest: Path, progress: Progress | None = None) -> ImportReport:
-    """Convert ``plan.gf`` into the existing, empty directory ``dest``; ``progress(done, total)``: the GGUF's
+    """Convert ``plan.gf`` into the existing, empty directory ``dest`` (the cache's import, store.py: the 8-bit
+    copies of Q6_K layers are left to the first load that reads them); ``progress(done, total)``: the GGUF's
     tensor bytes converted, after each tensor."""
     start = time.perf_counter()
-    c, written = _fill(dest, plan, progress)
+    c, written = _fill(dest, plan, progress, defer_copies=True)
     return _report(plan, c, dest, written, start)
 
 
-def _fill(dest: Path, plan: ImportPlan, progress: Progress | None = None) -> tuple[_Converted, int]:
+def _fill(dest: Path, plan: ImportPlan, progress: Progress | None = None,
+          defer_copies: bool = False) -> tuple[_Converted, int]:
     """Convert ``plan.gf`` into the empty directory ``dest``: the weights as they are made, then the files beside
-    them (config.json last); returns what was converted and the bytes written."""
+    them (config.json last); returns what was converted and the bytes written. ``defer_copies``: `_Groups16`'s."""
     reserve = (1 << 16) + 768 * len(plan.gf.tensors)  # the header's room: about 3 entries a GGUF tensor
     weights = StreamedSafetensors(Path(dest) / WEIGHTS_FILE, reserve, metadata={"format": "mlx"})
-    groups16 = _Groups16(Path(dest) / EXACT16_FILE)
+    groups16 = _Groups16(Path(dest) / EXACT16_FILE, defer_copies)
     digest = Digest(plan.gf.path)  # hashed beside the conversion
     try:
         c = _convert(plan, weights, groups16, digest, progress)
@@ -348,7 +356,8 @@ def import_gguf(path: str | os.PathLike, out_dir: str | os.PathLike, force: bool
 
     Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q5_K tensors convert exactly to MLX
     affine groups; F32/F16/BF16 stay as they are; any other type is
-    dequantized and re-quantized, and listed in the report with its error.
+    dequantized and re-quantized, and listed in the report with its error (Q6_K is kept exactly too, in groups
+    of 16; the directory holds its 8-bit copies as well, so that mlx-lm serves it as it is).
     An existing ``out_dir`` is replaced only with ``force``, and only once the
     new one is complete; a failed import leaves nothing behind. ``progress(done, total)`` hears the GGUF's
     tensor bytes converted, after each tensor.
