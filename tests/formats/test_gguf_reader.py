@@ -138,6 +138,7 @@ def test_pack_across_chunks(bits):
     assert np.array_equal((row_bits << np.arange(bits, dtype=np.uint8)).sum(axis=-1), q)
     # codes in column order, as reordering a tensor's rows leaves them, pack the same
     assert np.array_equal(quants.pack(np.asfortranarray(q), bits).view(np.uint8), packed)
+    assert np.array_equal(quants.unpack(packed.view("<u4"), bits, cols), q)  # and `unpack` gives them back
 
 
 def test_q6_k_in_8_bits_is_symmetric8_of_its_values(monkeypatch):
@@ -154,8 +155,9 @@ def test_q6_k_in_8_bits_is_symmetric8_of_its_values(monkeypatch):
     rows, cols = 40, 512
     data = tensor_data(T.Q6_K, rows, cols, np.random.default_rng(5))
     monkeypatch.setattr(quants, "CHUNK_VALUES", 3 * cols)
-    held = tensors.exact16(SimpleNamespace(data=data, tensor_type=T.Q6_K, shape=(cols, rows)), None)
-    (w, s, b), bits, err = tensors.requantized16(held["weight"], held["scales"], 6)
+    held, codes = tensors.exact16(SimpleNamespace(data=data, tensor_type=T.Q6_K, shape=(cols, rows)), None)
+    assert np.array_equal(quants.unpack(held["weight"], 6, cols), codes)  # as a first load finds them
+    (w, s, b), bits, err = tensors.requantized16(codes, held["scales"], 6)
     values = gguf_quants.dequantize(data, T.Q6_K)
     (w2, s2, b2), bits2, err2 = quants.symmetric8(lambda lo, hi: values[lo:hi], rows, cols)
     assert (bits, err) == (bits2, err2) == (8, err) and err > 0

@@ -28,7 +28,7 @@ def imported(tmp_path, monkeypatch):
     monkeypatch.setattr(backends, "_cuda_available", lambda: False)
     monkeypatch.setenv("UMAKIT_HOME", str(tmp_path / "home"))
     src = write_gguf(tmp_path / "q6k.gguf", "llama", layers=Q6K_LAYERS, tied=False, output=T.Q6_K)
-    return src, umakit.resolve_model(src)
+    return src, umakit.resolve_model(src, defer_copies=True)
 
 
 @pytest.mark.skipif(not affine.available(), reason="umakit's CPU kernel is not built here")
@@ -88,3 +88,23 @@ def test_the_copies_are_those_umakit_import_writes_into_the_weights(imported, tm
                         for k, a in made.items())
     umakit.load(tmp_path / "exported", backend="mlx", dtype="float32").generate("x", max_tokens=2, raw=True)
     assert not (tmp_path / "exported" / REQUANTIZED_FILE).exists()
+
+
+@pytest.mark.parametrize("backend, dtype, deferred", [("auto", "auto", True), ("torch", "float32", False),
+                                                      ("mlx", "float32", False)])
+def test_a_first_run_leaves_the_copies_out_only_where_its_engine_reads_the_exact_groups(tmp_path, monkeypatch,
+                                                                                        backend, dtype, deferred):
+    """The import a GGUF's first use makes leaves them out for the torch engine on a CPU (the default there); for
+    an engine that reads them it writes them at once, as `umakit import` does, since that load would make them."""
+    from umakit import backends
+
+    if deferred and not affine.available():
+        pytest.skip("umakit's CPU kernel is not built here: the default load makes the copies")
+    monkeypatch.setattr(backends, "is_apple_silicon", lambda: False)
+    monkeypatch.setattr(backends, "_cuda_available", lambda: False)
+    monkeypatch.setenv("UMAKIT_HOME", str(tmp_path / "home"))
+    src = write_gguf(tmp_path / "q6k.gguf", "llama", layers=Q6K_LAYERS, tied=False, output=T.Q6_K)
+    model = umakit.load(src, backend=backend, dtype=dtype)
+    config = json.loads((model.info.path / "config.json").read_text())
+    assert ("requantized" in config["umakit"]["exact_groups"]) == deferred
+    assert not (model.info.path / REQUANTIZED_FILE).exists()  # made by neither: written at import, or not needed

@@ -65,6 +65,9 @@ class EngineSpec:
     # The RoPE scaling kinds (config.json's rope_type) it applies; empty: whatever the model's own code applies.
     rope_kinds: tuple[str, ...] = ()
     requires: tuple[str, ...] = ()  # packages it needs beside ``dependency`` (the transformers engine: torch)
+    # Whether a load on (device, dtype) reads a GGUF's Q6_K layers exactly, in groups of 16, and not their 8-bit
+    # copies for MLX's groups: a first run's import then leaves those copies out (`Checkpoint.complete`)
+    exact_groups: Callable[[str, str], bool] | None = None
 
     def runs(self, model_type: str | None) -> bool:
         """Whether the engine has code for ``model_type`` (None, not known yet: assume so)."""

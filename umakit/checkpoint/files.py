@@ -82,7 +82,8 @@ class Checkpoint:
         return self.path.name
 
 
-def resolve(model: str | os.PathLike | None, progress: Callable[[int, int], None] | None = None) -> Path:
+def resolve(model: str | os.PathLike | None, progress: Callable[[int, int], None] | None = None,
+            defer_copies: bool = False) -> Path:
     """Turn a model argument into a local directory.
 
     None means the built-in default model; an existing directory is used as is;
@@ -91,7 +92,8 @@ def resolve(model: str | os.PathLike | None, progress: Callable[[int, int], None
     Hugging Face Hub repo id (downloaded, or taken from the local Hub cache when
     ``HF_HUB_OFFLINE`` is set). ``progress(done, total)`` hears the import of a GGUF or of GPTQ, AWQ or
     compressed-tensors weights, in tensor bytes converted, where this call makes it (a first run: later ones find
-    the import).
+    the import). ``defer_copies``: a GGUF's import leaves the 8-bit copies of its Q6_K layers to the first load
+    that reads them (`Checkpoint.complete`), for a caller whose load reads the layers exactly.
     """
     if model is None:
         from umakit.checkpoint.default import default_model_dir
@@ -109,7 +111,7 @@ def resolve(model: str | os.PathLike | None, progress: Callable[[int, int], None
 
             cache = home_dir("models", "gguf")  # an unusable $UMAKIT_HOME is one clear error
             with writing(cache):  # so is a full disk or a read-only cache mid-import
-                return cached_import(path, progress)
+                return cached_import(path, progress, defer_copies)
         raise ModelNotFoundError(
             f"{path} is a file; give the model's directory (with config.json) or a .gguf file"
         )

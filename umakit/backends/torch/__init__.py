@@ -15,7 +15,8 @@ ROPE_KINDS = ("default", "linear", "llama3", "yarn", "dynamic", "longrope", "pro
 SPEC = EngineSpec(name="torch", module="umakit.backends.torch.engine", cls="TorchEngine", dependency="torch",
                   extra="umakit[cuda]", devices=("cuda", "cpu"),
                   features=frozenset({QUANTIZED_KV, BATCH, BATCH_KV_BITS, OFFLOAD, CONSTRAIN, LOOKUP, MIXED}),
-                  architectures=ARCHITECTURES, rope_kinds=ROPE_KINDS)
+                  architectures=ARCHITECTURES, rope_kinds=ROPE_KINDS,
+                  exact_groups=lambda device, dtype: device == "cpu" and dtype in ("auto", "bfloat16"))
 
 
 def __getattr__(name):

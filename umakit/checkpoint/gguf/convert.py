@@ -244,13 +244,13 @@ def _one(plan: ImportPlan, hf: str, t, name: str, arrays: StreamedSafetensors, g
     module = hf.removesuffix(".weight")
     try:
         if t.tensor_type in quants.EXACT16:  # held exactly, and its 8-bit copy now or on first use
-            held, bits = tensors.exact16(t, order, cols), quants.EXACT16[t.tensor_type][1]
+            (held, codes), bits = tensors.exact16(t, order, cols), quants.EXACT16[t.tensor_type][1]
             groups16_file.add(module, held)
             groups16[module] = {"bits": bits, "group_size": quants.EXACT16_GROUP, "from": t.tensor_type.name}
             if groups16_file.defers:
                 quantized[module] = (quants.GROUP_SIZE, quants.lossy_bits(t.tensor_type))
                 return 1
-            packed, bits, err = tensors.requantized16(held["weight"], held["scales"], bits)
+            packed, bits, err = tensors.requantized16(codes, held["scales"], bits)
         else:
             convert = tensors.exact if t.tensor_type in quants.EXACT else tensors.requantize
             packed, bits, err = convert(t, order, cols)
@@ -277,12 +277,13 @@ def _report(plan: ImportPlan, converted: _Converted, out_dir: Path, written: int
     )
 
 
-def write_import(plan: ImportPlan, dest: Path, progress: Progress | None = None) -> ImportReport:
-    """Convert ``plan.gf`` into the existing, empty directory ``dest`` (the cache's import, store.py: the 8-bit
-    copies of Q6_K layers are left to the first load that reads them); ``progress(done, total)``: the GGUF's
-    tensor bytes converted, after each tensor."""
+def write_import(plan: ImportPlan, dest: Path, progress: Progress | None = None,
+                 defer_copies: bool = False) -> ImportReport:
+    """Convert ``plan.gf`` into the existing, empty directory ``dest``; ``progress(done, total)``: the GGUF's
+    tensor bytes converted, after each tensor; ``defer_copies``: the 8-bit copies of Q6_K layers are left to the
+    first load that reads them (requantized.py), not written."""
     start = time.perf_counter()
-    c, written = _fill(dest, plan, progress, defer_copies=True)
+    c, written = _fill(dest, plan, progress, defer_copies)
     return _report(plan, c, dest, written, start)
 
 

@@ -251,17 +251,32 @@ def pack(q: np.ndarray, bits: int) -> np.ndarray:
 
 
 def unpack(words: np.ndarray, bits: int, cols: int) -> np.ndarray:
-    """`pack`'s inverse for a chunk of rows, on the calling thread: (rows, cols * bits / 32) words -> (rows, cols)
-    uint8 codes."""
+    """`pack`'s inverse: (rows, cols * bits / 32) MLX words -> (rows, cols) uint8 codes, on every core."""
     rows = words.shape[0]
-    raw = np.ascontiguousarray(words).view(np.uint8).reshape(rows, cols // 8, bits)
-    if bits == 8:
-        return raw.reshape(rows, cols)
-    lanes = np.zeros((rows, cols // 8, 8), dtype=np.uint8)  # 8 codes in the low `bits` bytes of a uint64
-    lanes[..., :bits] = raw
-    shifts = np.arange(8, dtype=np.uint64) * np.uint64(bits)
-    codes = (lanes.view("<u8") >> shifts) & np.uint64((1 << bits) - 1)  # (rows, cols / 8, 8)
-    return codes.astype(np.uint8).reshape(rows, cols)
+    raw = np.ascontiguousarray(words).view(np.uint8).reshape(rows, -1)
+    out = np.empty((rows, cols), dtype=np.uint8)
+
+    def chunk(lo: int, hi: int) -> None:
+        b, q = raw[lo:hi], out[lo:hi]
+        if bits == 8:
+            q[:] = b
+        elif bits == 4:  # two codes a byte, the first in the low nibble
+            np.bitwise_and(b, 0x0F, out=q[:, 0::2])
+            np.right_shift(b, 4, out=q[:, 1::2])
+        elif bits == 6:  # four codes in three bytes: 6 + 2|4 + 4|2 + 6 bits
+            b0, b1, b2 = b[:, 0::3], b[:, 1::3], b[:, 2::3]
+            q[:, 0::4] = b0 & 0x3F
+            q[:, 1::4] = (b0 >> 6) | ((b1 & 0x0F) << 2)
+            q[:, 2::4] = (b1 >> 4) | ((b2 & 0x03) << 4)
+            q[:, 3::4] = b2 >> 2
+        else:  # 8 codes in the low `bits` bytes of a little-endian uint64
+            lanes = np.zeros((hi - lo, cols // 8, 8), dtype=np.uint8)
+            lanes[..., :bits] = b.reshape(hi - lo, cols // 8, bits)
+            shifts = np.arange(8, dtype=np.uint64) * np.uint64(bits)
+            q[:] = ((lanes.view("<u8") >> shifts) & np.uint64((1 << bits) - 1)).reshape(hi - lo, cols)
+
+    each_chunk(chunk, rows, max(1, (1 << 18) // cols))
+    return out
 
 
 def pick_dtype(scales: np.ndarray, biases: np.ndarray) -> np.dtype:

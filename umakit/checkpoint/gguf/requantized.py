@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from umakit.checkpoint.gguf import tensors
+from umakit.checkpoint.gguf import quants, tensors
 from umakit.checkpoint.gguf.finished import EXACT16_FILE, REQUANTIZED_FILE
 from umakit.checkpoint.writer import StreamedSafetensors
 from umakit.core.fsutil import locked, new_temp_dir, writing
@@ -54,7 +54,8 @@ def _write(dest: Path, model_dir: Path, layers: dict, progress) -> Path:
                 try:
                     for module, spec in layers.items():
                         weight, scales = f.get_tensor(f"{module}.weight"), f.get_tensor(f"{module}.scales")
-                        arrays, _, errors[module] = tensors.requantized16(weight, scales, spec["bits"])
+                        codes = quants.unpack(weight, spec["bits"], scales.shape[1] * quants.EXACT16_GROUP)
+                        arrays, _, errors[module] = tensors.requantized16(codes, scales, spec["bits"])
                         out.update(dict(zip((f"{module}.weight", f"{module}.scales", f"{module}.biases"), arrays)))
                         done += weight.nbytes
                         if progress:

@@ -78,32 +78,31 @@ def requantize(t, order: np.ndarray | None, cols: np.ndarray | None = None) -> t
     return (w, scales, biases), bits, float(errors[1] if half else errors[0])
 
 
-def exact16(t, order: np.ndarray | None, cols: np.ndarray | None = None) -> dict[str, np.ndarray]:
+def exact16(t, order: np.ndarray | None,
+            cols: np.ndarray | None = None) -> tuple[dict[str, np.ndarray], np.ndarray]:
     """A `quants.EXACT16` tensor's codes and scales in groups of 16, exactly (MLX's packing, float32 scales; the
-    biases are -2^(bits-1) times them), which the torch engine's CPU kernel reads (backends/torch/load/exact.py)."""
+    biases are -2^(bits-1) times them), which the torch engine's CPU kernel reads (backends/torch/load/exact.py);
+    and its codes unpacked, (rows, cols) uint8, for `requantized16`."""
     aff = quants.to_affine16(np.asarray(t.data), t.tensor_type, cols=int(t.shape[0])).reorder(order, cols)
-    return {"weight": quants.pack(aff.q, aff.bits), "scales": np.ascontiguousarray(aff.scales, dtype=np.float32)}
+    held = {"weight": quants.pack(aff.q, aff.bits), "scales": np.ascontiguousarray(aff.scales, dtype=np.float32)}
+    return held, aff.q
 
 
-def requantized16(weight: np.ndarray, scales: np.ndarray, bits: int) -> tuple[tuple, int, float]:
-    """The 8-bit copy for MLX's groups of a layer `exact16` holds (its packed codes, float32 scales): arrays, bits
-    and the largest error, as `requantize` makes a symmetric type's, from the same values (scale x (code -
-    2^(bits-1)), the gguf package's products bit for bit)."""
-    rows, groups = scales.shape
-    cols, group = groups * quants.EXACT16_GROUP, quants.EXACT16_GROUP
+def requantized16(codes: np.ndarray, scales: np.ndarray, bits: int) -> tuple[tuple, int, float]:
+    """The 8-bit copy for MLX's groups of a layer `exact16` holds (its codes, (rows, cols) uint8, and float32
+    scales): arrays, bits and the largest error, as `requantize` makes a symmetric type's, from the same values
+    (scale x (code - 2^(bits-1)), the gguf package's products bit for bit)."""
+    (rows, cols), group = codes.shape, quants.EXACT16_GROUP
     centre = 2 ** (bits - 1)
 
-    def codes(lo: int, hi: int) -> np.ndarray:
-        return quants.unpack(weight[lo:hi], bits, cols).reshape(hi - lo, groups, group)
-
     def values(lo: int, hi: int) -> np.ndarray:
-        centred = codes(lo, hi).astype(np.float32)
+        centred = codes[lo:hi].reshape(hi - lo, -1, group).astype(np.float32)
         centred -= centre
         centred *= scales[lo:hi, :, None]
         return centred.reshape(hi - lo, cols)
 
     def amax(lo: int, hi: int) -> np.ndarray:  # max |scale * code| = |scale| * max |code|: rounding is monotone
-        centred = codes(lo, hi).view(np.int8) - np.int8(centre)
+        centred = codes[lo:hi].reshape(hi - lo, -1, group).view(np.int8) - np.int8(centre)
         most = np.abs(centred).max(axis=-1).astype(np.float32) * np.abs(scales[lo:hi])
         return most.reshape(hi - lo, -1, quants.GROUP_SIZE // group).max(axis=-1)
 
