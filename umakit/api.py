@@ -282,9 +282,9 @@ def load(
     offload = gpu_layers is not None or vram_budget is not None
     needs = frozenset(needs) | ({QUANTIZE} if quantize is not None else set()) | ({OFFLOAD} if offload else set())
     backend = backends.parallel_backend(backend, parallel)
-    likely = backends.resolve(backend, device, needs)  # refuse the user's words before fetching or importing a model
-    reads = backends.ENGINES[likely[0]].exact_groups  # then a GGUF's first use writes only what that engine reads
-    path = checkpoint.resolve(model, import_progress, defer_copies=reads is not None and reads(likely[1], dtype))
+    backends.resolve(backend, device, needs)  # refuse the user's words before fetching or importing a model
+    defer = backends.reads_exact_groups(backend, device, dtype, needs)  # a GGUF's first use writes what is read
+    path = checkpoint.resolve(model, import_progress, defer_copies=defer)
     ckpt = checkpoint.open_checkpoint(path, import_progress)  # each engine completes what it reads (its docstring)
     kind, asked = (config_compat.architecture(ckpt.config), config_compat.rope_kind(ckpt.config)), device
     engine_name, device, choice_note = backends.choose(backend, device, needs, *kind)

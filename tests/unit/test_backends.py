@@ -32,6 +32,20 @@ def test_auto_prefers_metal_then_cuda_then_the_faster_cpu_engine(monkeypatch):
     assert backends.resolve("auto") == ("mlx", "cpu")
 
 
+def test_which_loads_read_a_ggufs_q6_k_layers_exactly(monkeypatch):
+    """Only the torch engine on a CPU in its packed form: a first use's import leaves the 8-bit copies out there."""
+    monkeypatch.setattr(backends, "_installed", lambda m: True)
+    monkeypatch.setattr(backends, "is_apple_silicon", lambda: False)
+    monkeypatch.setattr(backends, "_cuda_available", lambda: False)
+    assert backends.reads_exact_groups() and backends.reads_exact_groups("torch", "cpu", "bfloat16")
+    assert not backends.reads_exact_groups("torch", "cpu", "float32")
+    assert not backends.reads_exact_groups("mlx") and not backends.reads_exact_groups("transformers")
+    monkeypatch.setattr(backends, "_cuda_available", lambda: True)
+    assert not backends.reads_exact_groups()  # torch on CUDA: the copies
+    monkeypatch.setattr(backends, "is_apple_silicon", lambda: True)
+    assert not backends.reads_exact_groups()  # MLX on Metal
+
+
 def test_missing_torch_gives_the_install_command(monkeypatch):
     monkeypatch.setattr(backends, "_installed", lambda m: m != "torch")
     with pytest.raises(BackendUnavailableError, match=r"the torch backend needs torch: pip install 'umakit\[cuda\]'"):

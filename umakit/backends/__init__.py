@@ -64,6 +64,15 @@ def resolve(backend: str = "auto", device: str | None = None, needs: frozenset[s
     return choose(backend, device, needs, model_type, rope_kind)[:2]
 
 
+def reads_exact_groups(backend: str = "auto", device: str | None = None, dtype: str = "auto",
+                       needs: frozenset[str] = frozenset()) -> bool:
+    """Whether the engine these words choose reads a GGUF's Q6_K layers exactly, in groups of 16
+    (`EngineSpec.exact_groups`), so that a first use's import may leave their 8-bit copies out."""
+    engine, where = resolve(backend, device, needs)
+    reads = ENGINES[engine].exact_groups
+    return reads is not None and reads(where, dtype)
+
+
 def choose(backend: str = "auto", device: str | None = None, needs: frozenset[str] = frozenset(),
            model_type: str | None = None, rope_kind: str | None = None) -> Choice:
     """Choose the engine and device from the user's words, the features asked for and the architecture.

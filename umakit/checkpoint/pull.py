@@ -7,10 +7,10 @@ from pathlib import Path
 from umakit.errors import InvalidArgumentError, ModelNotFoundError
 
 
-def pull(repo_id: str, filename: str | None = None) -> Path:
+def pull(repo_id: str, filename: str | None = None, defer_copies: bool = False) -> Path:
     """Download a Hub repo's model (config, tokenizer, safetensors) or, with ``filename``, one GGUF file of it and
-    import it; returns the directory umakit loads. An interrupted download resumes where it stopped (the Hub
-    library keeps the partial file), and nothing is listed until it is whole."""
+    import it (``defer_copies``: `files.resolve`'s); returns the directory umakit loads. An interrupted download
+    resumes where it stopped (the Hub library keeps the partial file), and nothing is listed until it is whole."""
     from huggingface_hub import hf_hub_download
 
     from umakit.checkpoint import files
@@ -23,7 +23,7 @@ def pull(repo_id: str, filename: str | None = None) -> Path:
         path = hf_hub_download(repo_id, filename)
     except Exception as e:  # the Hub library raises many unrelated types here
         raise ModelNotFoundError(f"could not download {repo_id}:{filename} ({type(e).__name__}: {e})") from e
-    return files.resolve(path)
+    return files.resolve(path, defer_copies=defer_copies)
 
 
 def _not_a_repo(name: str):

@@ -92,11 +92,12 @@ def ps_cmd(server_url):
 def pull_cmd(source):
     """Download a Hugging Face Hub model (its safetensors, config and tokenizer), or one GGUF file of a repo
     (org/name:file.gguf) and import it; an interrupted download resumes on the next pull."""
+    from umakit import backends
     from umakit.checkpoint.pull import pull
     from umakit.checkpoint.files import size_on_disk
 
     repo, _, filename = source.partition(":")
-    path = pull(repo, filename or None)
+    path = pull(repo, filename or None, defer_copies=backends.reads_exact_groups())  # as `umakit run` would load it
     name = path.name if filename else repo
     click.echo(f"Pulled {source}: {size(size_on_disk(path))}; run it with: umakit run {name}")
 
