@@ -45,9 +45,9 @@ from umakit.cli.flags import (
 @quantize_option
 @speculative_options
 @parallel_option
-def generate(model, prompt_arg, prompt, system, raw, stop, kv_bits, json_schema, regex, choices, grammar, as_json, server_url,
-             no_server, max_tokens, seed, backend, device, dtype, peak_bandwidth, gpu_layers, vram_budget, quantize,
-             draft, draft_tokens, prompt_lookup, ngram, parallel, **sampling):
+def generate(model, prompt_arg, prompt, system, raw, stop, kv_bits, json_schema, regex, choices, grammar, as_json,
+             server_url, no_server, max_tokens, seed, backend, device, dtype, peak_bandwidth, gpu_layers, vram_budget,
+             quantize, draft, draft_tokens, prompt_lookup, ngram, parallel, **sampling):
     """Generate a reply to one prompt.
 
     When a umakit server answers at --server (and no flag asks for how this process loads or runs the model:
