@@ -107,7 +107,6 @@ def _attached(url, model, prompt, system, raw, max_tokens, stop, seed, sampling,
     return True
 
 
-
 def _one_prompt(argument: str | None, option: str | None) -> str:
     """The prompt, given as PROMPT or with -p/--prompt, exactly once."""
     if argument is not None and option is not None:

@@ -123,13 +123,16 @@ class _Server:
                                         status_code=200 if ok else 503))
 
     async def list_models(self, request: Request) -> Response:
+        cards = await asyncio.to_thread(self.models.cards)  # may list the disks' models: off the event loop
         return await self._guarded(request, lambda: JSONResponse(
-            {"object": "list", "data": [self._card(c) for c in self.models.cards()]}))
+            {"object": "list", "data": [self._card(c) for c in cards]}))
 
     async def model_card(self, request: Request) -> Response:
+        cards = await asyncio.to_thread(self.models.cards)
+
         def card():
             wanted = request.path_params["model_id"]
-            for c in self.models.cards():
+            for c in cards:
                 if c["id"] == wanted:
                     return JSONResponse(self._card(c))
             raise APIError(404, f"the model '{wanted}' is not loaded or known here", param="model")

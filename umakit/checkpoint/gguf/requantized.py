@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Callable
@@ -67,6 +68,5 @@ def _write(dest: Path, model_dir: Path, layers: dict, progress) -> Path:
                 out.close()
                 os.replace(part, dest)
         finally:
-            part.unlink(missing_ok=True)
-            tmp.rmdir()
+            shutil.rmtree(tmp, ignore_errors=True)  # the part, where it was not installed
     return dest
