@@ -65,8 +65,7 @@ class Checkpoint:
             from umakit.checkpoint.gguf.requantized import write
 
             write(self.path, self.config, self.progress)
-        done = replace(self, files=[*self.files, extra],
-                                   tensors={**self.tensors, **read_safetensors_header(extra)})
+        done = replace(self, files=[*self.files, extra], tensors={**self.tensors, **read_safetensors_header(extra)})
         return validate_checkpoint(done)
 
     @property

@@ -392,8 +392,6 @@ class TorchEngine:
         return peak.measured(self.device)
 
 
-
-
 def _packs(device: str, target: torch.dtype, config: dict) -> bool:
     """Whether a load packs the checkpoint's quantized layers for umakit's CPU kernels (kept in load/packed.py)."""
     return device == "cpu" and target == torch.bfloat16 and bool(config.get("quantization"))
