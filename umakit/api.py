@@ -283,8 +283,9 @@ def load(
     needs = frozenset(needs) | ({QUANTIZE} if quantize is not None else set()) | ({OFFLOAD} if offload else set())
     backend = backends.parallel_backend(backend, parallel)
     backends.resolve(backend, device, needs)  # refuse the user's words before fetching or importing a model
-    defer = backends.reads_exact_groups(backend, device, dtype, needs)  # a GGUF's first use writes what is read
-    path = checkpoint.resolve(model, import_progress, defer_copies=defer)
+    # a GGUF's first use writes what the engine that loads it reads (chosen by the model's architecture)
+    path = checkpoint.resolve(model, import_progress, defer_copies=lambda model_type: backends.reads_exact_groups(
+        backend, device, dtype, needs, model_type))
     ckpt = checkpoint.open_checkpoint(path, import_progress)  # each engine completes what it reads (its docstring)
     kind, asked = (config_compat.architecture(ckpt.config), config_compat.rope_kind(ckpt.config)), device
     engine_name, device, choice_note = backends.choose(backend, device, needs, *kind)

@@ -91,7 +91,7 @@ def test_the_copies_are_those_umakit_import_writes_into_the_weights(imported, tm
 
 
 @pytest.mark.parametrize("backend, dtype, deferred", [("auto", "auto", True), ("torch", "float32", False),
-                                                      ("mlx", "float32", False)])
+                                                      ("mlx", "float32", False), ("transformers", "auto", False)])
 def test_a_first_run_leaves_the_copies_out_only_where_its_engine_reads_the_exact_groups(tmp_path, monkeypatch,
                                                                                         backend, dtype, deferred):
     """The import a GGUF's first use makes leaves them out for the torch engine on a CPU (the default there); for
@@ -108,3 +108,14 @@ def test_a_first_run_leaves_the_copies_out_only_where_its_engine_reads_the_exact
     config = json.loads((model.info.path / "config.json").read_text())
     assert ("requantized" in config["umakit"]["exact_groups"]) == deferred
     assert not (model.info.path / REQUANTIZED_FILE).exists()  # made by neither: written at import, or not needed
+
+
+def test_the_import_asks_about_its_own_architecture(tmp_path, monkeypatch):
+    """`defer_copies` as a test of the model type: the engine that loads it is chosen by it (the transformers
+    engine, for the families without compact code, makes the copies at once)."""
+    monkeypatch.setenv("UMAKIT_HOME", str(tmp_path / "home"))
+    src = write_gguf(tmp_path / "q6k.gguf", "qwen2", layers=Q6K_LAYERS, tied=False, output=T.Q6_K)
+    asked = []
+    out = umakit.resolve_model(src, defer_copies=lambda model_type: asked.append(model_type) or False)
+    assert asked == ["qwen2"]
+    assert "requantized" not in json.loads((out / "config.json").read_text())["umakit"]["exact_groups"]

@@ -40,6 +40,8 @@ def test_which_loads_read_a_ggufs_q6_k_layers_exactly(monkeypatch):
     assert backends.reads_exact_groups() and backends.reads_exact_groups("torch", "cpu", "bfloat16")
     assert not backends.reads_exact_groups("torch", "cpu", "float32")
     assert not backends.reads_exact_groups("mlx") and not backends.reads_exact_groups("transformers")
+    assert not backends.reads_exact_groups(model_type="qwen3_5_moe_text")  # auto: the transformers engine's
+    assert not backends.reads_exact_groups("mlx", "cuda")  # no such engine: the load says why
     monkeypatch.setattr(backends, "_cuda_available", lambda: True)
     assert not backends.reads_exact_groups()  # torch on CUDA: the copies
     monkeypatch.setattr(backends, "is_apple_silicon", lambda: True)

@@ -14,7 +14,7 @@ import shutil
 import sys
 from typing import NamedTuple
 
-from umakit.errors import BackendUnavailableError, InvalidArgumentError, UnsupportedModelError
+from umakit.errors import BackendUnavailableError, InvalidArgumentError, UmakitError, UnsupportedModelError
 
 from umakit.backends.base import EngineSpec
 from umakit.backends.mlx import SPEC as _MLX
@@ -65,10 +65,14 @@ def resolve(backend: str = "auto", device: str | None = None, needs: frozenset[s
 
 
 def reads_exact_groups(backend: str = "auto", device: str | None = None, dtype: str = "auto",
-                       needs: frozenset[str] = frozenset()) -> bool:
-    """Whether the engine these words choose reads a GGUF's Q6_K layers exactly, in groups of 16
-    (`EngineSpec.exact_groups`), so that a first use's import may leave their 8-bit copies out."""
-    engine, where = resolve(backend, device, needs)
+                       needs: frozenset[str] = frozenset(), model_type: str | None = None) -> bool:
+    """Whether the engine these words choose (for ``model_type``, where known) reads a GGUF's Q6_K layers exactly,
+    in groups of 16 (`EngineSpec.exact_groups`), so that a first use's import may leave their 8-bit copies out;
+    False where they choose none (the load says why)."""
+    try:
+        engine, where = resolve(backend, device, needs, model_type)
+    except UmakitError:
+        return False
     reads = ENGINES[engine].exact_groups
     return reads is not None and reads(where, dtype)
 

@@ -82,7 +82,7 @@ class Checkpoint:
 
 
 def resolve(model: str | os.PathLike | None, progress: Callable[[int, int], None] | None = None,
-            defer_copies: bool = False) -> Path:
+            defer_copies: bool | Callable[[str | None], bool] = False) -> Path:
     """Turn a model argument into a local directory.
 
     None means the built-in default model; an existing directory is used as is;
@@ -92,7 +92,8 @@ def resolve(model: str | os.PathLike | None, progress: Callable[[int, int], None
     ``HF_HUB_OFFLINE`` is set). ``progress(done, total)`` hears the import of a GGUF or of GPTQ, AWQ or
     compressed-tensors weights, in tensor bytes converted, where this call makes it (a first run: later ones find
     the import). ``defer_copies``: a GGUF's import leaves the 8-bit copies of its Q6_K layers to the first load
-    that reads them (`Checkpoint.complete`), for a caller whose load reads the layers exactly.
+    that reads them (`Checkpoint.complete`), for a caller whose load reads the layers exactly (True, or a test of
+    the model's architecture: `gguf.convert.write_import`'s).
     """
     if model is None:
         from umakit.checkpoint.default import default_model_dir

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 from umakit.errors import InvalidArgumentError, ModelNotFoundError
 
 
-def pull(repo_id: str, filename: str | None = None, defer_copies: bool = False) -> Path:
+def pull(repo_id: str, filename: str | None = None,
+         defer_copies: bool | Callable[[str | None], bool] = False) -> Path:
     """Download a Hub repo's model (config, tokenizer, safetensors) or, with ``filename``, one GGUF file of it and
     import it (``defer_copies``: `files.resolve`'s); returns the directory umakit loads. An interrupted download
     resumes where it stopped (the Hub library keeps the partial file), and nothing is listed until it is whole."""

@@ -97,7 +97,8 @@ def pull_cmd(source):
     from umakit.checkpoint.files import size_on_disk
 
     repo, _, filename = source.partition(":")
-    path = pull(repo, filename or None, defer_copies=backends.reads_exact_groups())  # as `umakit run` would load it
+    # as `umakit run` would load it
+    path = pull(repo, filename or None, defer_copies=lambda model_type: backends.reads_exact_groups(model_type=model_type))
     name = path.name if filename else repo
     click.echo(f"Pulled {source}: {size(size_on_disk(path))}; run it with: umakit run {name}")
 

@@ -20,6 +20,7 @@ from typing import NamedTuple
 import numpy as np
 
 from umakit.core.affine import quantization_block
+from umakit.checkpoint.config import architecture
 from umakit.checkpoint.writer import WEIGHTS_FILE, StreamedSafetensors, finish_model_dir
 from umakit.core.fsutil import atomic_dir, check_destination, check_not_inside, check_writable
 from umakit.errors import UnsupportedModelError
@@ -31,6 +32,7 @@ from umakit.checkpoint.gguf.reader import Digest, GGUFFile, open_gguf
 from umakit.checkpoint.gguf.vocab import TokenizerFiles, build_tokenizer, dumps
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes in all)
+DeferCopies = bool | Callable[[str | None], bool]  # `write_import`'s
 
 
 class LossyTensor(NamedTuple):
@@ -278,11 +280,14 @@ def _report(plan: ImportPlan, converted: _Converted, out_dir: Path, written: int
 
 
 def write_import(plan: ImportPlan, dest: Path, progress: Progress | None = None,
-                 defer_copies: bool = False) -> ImportReport:
+                 defer_copies: DeferCopies = False) -> ImportReport:
     """Convert ``plan.gf`` into the existing, empty directory ``dest``; ``progress(done, total)``: the GGUF's
     tensor bytes converted, after each tensor; ``defer_copies``: the 8-bit copies of Q6_K layers are left to the
-    first load that reads them (requantized.py), not written."""
+    first load that reads them (requantized.py), not written (True, or a test of the model's architecture, the
+    language model's model_type, as the engine that will load it is chosen by it)."""
     start = time.perf_counter()
+    if callable(defer_copies):
+        defer_copies = defer_copies(architecture({"model_type": plan.spec.model_type, **plan.config}))
     c, written = _fill(dest, plan, progress, defer_copies)
     return _report(plan, c, dest, written, start)
 

@@ -21,7 +21,7 @@ from umakit.checkpoint.gguf.finished import is_complete
 
 
 def import_once(gguf_path: Path, target: Path, progress: Callable[[int, int], None] | None = None,
-                defer_copies: bool = False) -> Path:
+                defer_copies: bool | Callable[[str | None], bool] = False) -> Path:
     """Return ``target``, importing ``gguf_path`` into it first unless it holds a finished import (``progress``
     and ``defer_copies``: `convert.write_import`'s, heard only when it imports)."""
     if is_complete(target):
@@ -61,7 +61,7 @@ IMPORTER = 3  # bump when an import's output changes (2: Q6_K and Q3_K re-quanti
 
 
 def cached_import(gguf_path: str | os.PathLike, progress: Callable[[int, int], None] | None = None,
-                  defer_copies: bool = False) -> Path:
+                  defer_copies: bool | Callable[[str | None], bool] = False) -> Path:
     """The imported directory for ``gguf_path`` under ``$UMAKIT_HOME/models/gguf``.
 
     The cache key is the file's resolved path, size and modification time, and
