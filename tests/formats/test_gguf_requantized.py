@@ -4,6 +4,8 @@ same bytes `umakit import` writes, and never made by a load that reads the exact
 
 import json
 import os
+import shutil
+import subprocess
 
 import mlx.core as mx
 import numpy as np
@@ -119,3 +121,31 @@ def test_the_import_asks_about_its_own_architecture(tmp_path, monkeypatch):
     out = umakit.resolve_model(src, defer_copies=lambda model_type: asked.append(model_type) or False)
     assert asked == ["qwen2"]
     assert "requantized" not in json.loads((out / "config.json").read_text())["umakit"]["exact_groups"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("mount"), reason="needs a tmpfs mount (root, as in CI)")
+def test_a_full_disk_while_making_them_is_one_clear_error_and_leaves_nothing(tmp_path, monkeypatch):
+    """On a real full filesystem: the import fits, the copies do not; the load that needs them fails with the
+    disk's reason, and the import is as it was (no part of the copies, no temporary folder)."""
+    from umakit.errors import WriteError
+
+    src = write_gguf(tmp_path / "q6k.gguf", "llama", layers=Q6K_LAYERS, tied=False, output=T.Q6_K)
+    monkeypatch.setenv("UMAKIT_HOME", str(tmp_path / "sized"))
+    sized = umakit.resolve_model(src, defer_copies=True)
+    need = sum(f.stat().st_size for f in sized.rglob("*") if f.is_file())
+    copies = requantized.write(sized, json.loads((sized / "config.json").read_text())).stat().st_size
+    home = tmp_path / "home"
+    home.mkdir()
+    size = need + copies // 2 + (1 << 16)  # room for the import and its folders, not for the copies
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(home)]).returncode:
+        pytest.skip("tmpfs could not be mounted here")
+    try:
+        monkeypatch.setenv("UMAKIT_HOME", str(home))
+        out = umakit.resolve_model(src, defer_copies=True)
+        with pytest.raises(WriteError, match="No space left on device") as e:
+            umakit.load(src, backend="mlx", dtype="float32")
+        assert str(e.value).startswith(f"cannot write {out / REQUANTIZED_FILE}: No space left on device")
+        assert sorted(os.listdir(out / "exact")) == ["groups16.safetensors"]
+        assert not (out / REQUANTIZED_FILE).exists()
+    finally:
+        subprocess.run(["umount", str(home)])
