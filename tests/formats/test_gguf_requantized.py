@@ -149,3 +149,15 @@ def test_a_full_disk_while_making_them_is_one_clear_error_and_leaves_nothing(tmp
         assert not (out / REQUANTIZED_FILE).exists()
     finally:
         subprocess.run(["umount", str(home)])
+
+
+@pytest.mark.skipif(not affine.available(), reason="umakit's CPU kernel is not built here")
+def test_a_scaled_table_held_exactly_loads_on_the_transformers_engine(tmp_path, monkeypatch):
+    """Gemma's table (scaled by sqrt(hidden)), Q6_K and tied: the transformers engine reads its 8-bit copy, which
+    transformers fills (it once overwrote it with the exact groups and failed), as the float32 torch engine does."""
+    monkeypatch.setenv("UMAKIT_HOME", str(tmp_path / "home"))
+    src = write_gguf(tmp_path / "g.gguf", "gemma3", layers=EXACT_LAYERS * 3, tied=True, embed=T.Q6_K)
+    ours = umakit.load(src, backend="transformers").logits(IDS)
+    ref = umakit.load(src, backend="torch", dtype="float32").logits(IDS)
+    tolerance = {affine.FLOAT32: 2e-3, affine.INT8: 0.04, affine.INT8X2: 2e-3}[affine.inputs()]
+    assert np.abs(ours - ref).max() <= tolerance * np.abs(ref).max()

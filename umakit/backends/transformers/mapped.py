@@ -108,7 +108,9 @@ def _swap_in_forms(model: nn.Module, c) -> None:
     switch.finish(model, c.stacks, device, dtype, kept, made)
     mlx_layout.after(model, c.convs)
     form = torch.bfloat16 if device.type == "cpu" else dtype  # "bfloat16" names the packed CPU forms
-    unkept = [path for path in c.exact if path in c.packed and not _kept_whole(c.packed[path], kept(path))]
+    # a scaled table (Gemma's) reads its 8-bit copy, which transformers filled: only the others are read here
+    unkept = [path for path in c.exact if path in c.packed and path not in c.scales
+              and not _kept_whole(c.packed[path], kept(path))]
     if unkept:  # read once, each layer in its place
         with exact.opened(c.ckpt) as f:
             for path in unkept:
