@@ -18,6 +18,7 @@ from umakit.backends.torch.cpu import affine_kernel as affine
 from umakit.checkpoint.files import open_checkpoint
 from umakit.checkpoint.gguf import import_gguf, requantized, tensors
 from umakit.checkpoint.gguf.finished import REQUANTIZED_FILE
+from umakit.errors import CheckpointError
 
 Q6K_LAYERS = [dict(EXACT_LAYERS[0], attn_v=T.Q6_K, ffn_down=T.Q6_K), EXACT_LAYERS[1]]
 
@@ -54,6 +55,10 @@ def test_the_copies_are_made_by_the_first_load_that_reads_them_and_only_then(imp
 
 def test_a_failed_or_interrupted_making_leaves_nothing(imported, monkeypatch):
     _, out = imported
+    (out / "exact" / "groups16.safetensors").rename(out / "exact" / "moved")
+    with pytest.raises(CheckpointError, match="lacks the exact groups its config names"):
+        open_checkpoint(out).complete()
+    (out / "exact" / "moved").rename(out / "exact" / "groups16.safetensors")
     real, calls = tensors.requantized16, []
 
     def second_fails(*args):

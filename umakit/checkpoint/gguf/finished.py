@@ -21,8 +21,10 @@ REQUANTIZED_FILE = "exact/requantized8.safetensors"
 
 def deferred_file(model_dir: Path, config: dict) -> Path | None:
     """Where the 8-bit copies of an import's exact layers go once made, if the import left them to be made."""
-    groups = (config.get("umakit") or {}).get("exact_groups") or {}
-    return Path(model_dir) / REQUANTIZED_FILE if groups.get("requantized") == REQUANTIZED_FILE else None
+    meta = config.get("umakit")
+    groups = meta.get("exact_groups") if isinstance(meta, dict) else None
+    deferred = isinstance(groups, dict) and groups.get("requantized") == REQUANTIZED_FILE
+    return Path(model_dir) / REQUANTIZED_FILE if deferred else None
 
 
 def is_complete(model_dir: Path) -> bool:

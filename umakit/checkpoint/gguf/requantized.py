@@ -22,7 +22,7 @@ from umakit.checkpoint.gguf import quants, tensors
 from umakit.checkpoint.gguf.finished import EXACT16_FILE, REQUANTIZED_FILE
 from umakit.checkpoint.writer import StreamedSafetensors
 from umakit.core.fsutil import locked, new_temp_dir, writing
-from umakit.errors import BusyError
+from umakit.errors import BusyError, CheckpointError
 
 WAIT_S = 0.2  # between looks at another process's writing
 
@@ -31,9 +31,13 @@ def write(model_dir: Path, config: dict, progress: Callable[[int, int], None] | 
     """Write the 8-bit copies of ``model_dir``'s exact layers (config.json's umakit.exact_groups) into
     `REQUANTIZED_FILE`, whole or not at all; ``progress(done, total)`` hears the exact groups' bytes done."""
     dest = Path(model_dir) / REQUANTIZED_FILE
+    layers = config["umakit"]["exact_groups"].get("layers")
+    if not isinstance(layers, dict) or not (Path(model_dir) / EXACT16_FILE).is_file():
+        raise CheckpointError(f"{model_dir} lacks the exact groups its config names ({EXACT16_FILE}, "
+                              "umakit.exact_groups.layers): import the GGUF again")
     while True:  # ranks of one run (mlx.launch, torchrun) load at once: one writes, the others wait for it
         try:
-            return _write(dest, model_dir, config["umakit"]["exact_groups"]["layers"], progress)
+            return _write(dest, model_dir, layers, progress)
         except BusyError:
             time.sleep(WAIT_S)
 
