@@ -95,6 +95,37 @@ def test_rm_removes_an_import_and_a_hub_repo(populated):
     assert r.exit_code == 1 and r.output.strip() == "Error: no local model named 'nope'; `umakit ls` lists them"
 
 
+def test_an_imports_size_counts_what_removing_it_frees_and_rm_frees_it(populated):
+    """The exact groups beside an import's weights, their 8-bit copies, and the CPU packings kept for it under
+    $UMAKIT_HOME/packed (named by the import's path, as a load names them) are its; `rm` takes them too."""
+    import torch
+
+    from umakit.backends.torch.load.packed import packed_path
+
+    home, _ = populated
+    path = home / "models" / "gguf" / "tiny-qwen3-0123456789ab"
+    before = {m.name: m.bytes for m in inventory_models()}
+    (path / "exact").mkdir()
+    (path / "exact" / "groups16.safetensors").write_bytes(b"x" * 3000)
+    packing = packed_path(path, [path / "model.safetensors"], torch.__version__)
+    packing.write_bytes(b"x" * 5000)
+    other = packed_path(home / "models" / "tiny-llama", [home / "models" / "tiny-llama" / "model.safetensors"],
+                        torch.__version__)
+    other.write_bytes(b"x" * 7000)
+    after = {m.name: m.bytes for m in inventory_models()}
+    assert after["tiny-qwen3-0123456789ab"] == before["tiny-qwen3-0123456789ab"] + 8000
+    assert after["tiny-llama"] == before["tiny-llama"] + 7000
+    r = cli("rm", "tiny-qwen3-0123456789ab", "--server", "http://127.0.0.1:9")
+    assert r.exit_code == 0, r.output
+    assert not packing.exists() and other.exists()  # another model's packing stays
+
+
+def inventory_models():
+    from umakit.checkpoint.inventory import local_models
+
+    return local_models()
+
+
 @pytest.mark.slow
 def test_ps_and_rm_of_a_model_a_server_holds(populated, tmp_path):
     home, _ = populated

@@ -12,13 +12,14 @@ its repo id.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from umakit.core.home import umakit_home
+from umakit.core.home import packings, umakit_home
 from umakit.core import affine
 from umakit.checkpoint.hfquant.detect import foreign_block, native_block
 from umakit.errors import ModelNotFoundError
@@ -55,7 +56,10 @@ def _describe(path: Path) -> tuple[str, str]:
 
 
 def _weights_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    """The bytes an import holds on disk: its weights, the exact groups beside them and their 8-bit copies, and
+    the CPU packings kept for it (all of which `remove` frees)."""
+    files = [*path.glob("*.safetensors"), *path.glob("exact/*.safetensors"), *packings(path)]
+    return sum(f.stat().st_size for f in files)
 
 
 def _imports() -> list[LocalModel]:
@@ -87,7 +91,8 @@ def _hub() -> list[LocalModel]:
         if latest is None or not _complete(Path(latest.snapshot_path)):
             continue
         path = Path(latest.snapshot_path)
-        found.append(LocalModel(repo.repo_id, HUB, path, repo.size_on_disk, *_describe(path),
+        packed = sum(f.stat().st_size for r in repo.revisions for f in packings(r.snapshot_path))
+        found.append(LocalModel(repo.repo_id, HUB, path, repo.size_on_disk + packed, *_describe(path),
                                 tuple(r.commit_hash for r in repo.revisions)))
     return found
 
@@ -139,12 +144,17 @@ def remove(name: str) -> LocalModel:
     model = find(name)
     if model is None:
         raise ModelNotFoundError(f"no local model named {name!r}; `umakit ls` lists them")
+    held = [model.path] if model.kind == IMPORTS else [model.path.parent / r for r in model.revisions]
+    kept = [f for path in held for f in packings(path)]  # named by the paths: found before they go
     if model.kind == IMPORTS:
         doomed = model.path.with_name(f".{model.path.name}.removing-{os.getpid()}")
         os.replace(model.path, doomed)
         shutil.rmtree(doomed)
     else:
         _scan().delete_revisions(*model.revisions).execute()
+    for f in kept:
+        with contextlib.suppress(FileNotFoundError):
+            f.unlink()
     return model
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
@@ -26,3 +27,17 @@ def home_dir(*parts: str) -> Path:
         raise WriteError(f"cannot use {path} (UMAKIT_HOME={umakit_home()}): {reason}{where}; "
                          "set UMAKIT_HOME to a writable directory") from e
     return path
+
+
+PACKED = "packed"  # the CPU packings of checkpoints (backends/torch/load/packed.py), named by checkpoint_key
+
+
+def checkpoint_key(checkpoint_dir: str | os.PathLike) -> str:
+    """What a packing kept under ``$UMAKIT_HOME/packed`` is named by, first: the checkpoint's resolved path."""
+    return hashlib.sha256(str(Path(checkpoint_dir).resolve()).encode()).hexdigest()[:12]
+
+
+def packings(checkpoint_dir: str | os.PathLike) -> list[Path]:
+    """The CPU packings kept for the checkpoint at ``checkpoint_dir``, which go with it."""
+    folder = umakit_home() / PACKED
+    return sorted(folder.glob(f"{checkpoint_key(checkpoint_dir)}-*.safetensors")) if folder.is_dir() else []

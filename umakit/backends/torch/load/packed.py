@@ -25,7 +25,7 @@ from safetensors import SafetensorError, safe_open
 
 from umakit.errors import WriteError
 from umakit.core.fsutil import atomic_file
-from umakit.core.home import home_dir
+from umakit.core.home import PACKED, checkpoint_key, home_dir
 
 ALIGNMENT = 64  # bytes: torch's CPU allocator's, and AVX-512's loads
 # bump when a packed form or the file layout changes (2: 64-byte aligned data; 3: affine planes; 4: affine tiles;
@@ -37,13 +37,13 @@ SUFFIX = ".safetensors"
 def packed_path(checkpoint_dir: Path, files: list[Path], torch_version: str) -> Path | None:
     """The packing's file for the checkpoint at ``checkpoint_dir`` as its ``files`` are now; None where none can be
     kept."""
-    where = hashlib.sha256(str(Path(checkpoint_dir).resolve()).encode()).hexdigest()[:12]
+    where = checkpoint_key(checkpoint_dir)
     key = hashlib.sha256(f"{FORMAT_VERSION} {torch_version}".encode())
     try:
         for f in sorted(files):
             stat = f.stat()
             key.update(f"{f.name} {stat.st_size} {stat.st_mtime_ns}".encode())
-        folder = home_dir("packed")
+        folder = home_dir(PACKED)
     except (OSError, WriteError):
         return None
     return folder / f"{where}-{key.hexdigest()[:16]}{SUFFIX}"
