@@ -260,10 +260,7 @@ def unpack(words: np.ndarray, bits: int, cols: int) -> np.ndarray:
         b, q = raw[lo:hi], out[lo:hi]
         if bits == 8:
             q[:] = b
-        elif bits == 4:  # two codes a byte, the first in the low nibble
-            np.bitwise_and(b, 0x0F, out=q[:, 0::2])
-            np.right_shift(b, 4, out=q[:, 1::2])
-        elif bits == 6:  # four codes in three bytes: 6 + 2|4 + 4|2 + 6 bits
+        elif bits == 6:  # a Q6_K's (the only width a load unpacks): four codes in three bytes, 6 + 2|4 + 4|2 + 6 bits
             b0, b1, b2 = b[:, 0::3], b[:, 1::3], b[:, 2::3]
             q[:, 0::4] = b0 & 0x3F
             q[:, 1::4] = (b0 >> 6) | ((b1 & 0x0F) << 2)
