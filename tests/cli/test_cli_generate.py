@@ -52,7 +52,9 @@ def test_prompt_as_argument_and_model_as_either(tiny_dir):
     args = ["generate", "-m", model, "--temp", "0", "--max-tokens", "5", "--json"]
     a = json.loads(run(*args, "-p", "The quick").stdout)
     b = json.loads(run(*args, "The quick").stdout)
-    assert a["tokens"] == b["tokens"] and len(a["tokens"]) == 5
+    c = json.loads(run("generate", model, "The quick", *args[3:]).stdout)  # `generate MODEL PROMPT`
+    d = json.loads(run("generate", model, "-m", model, "The quick", *args[3:]).stdout)
+    assert a["tokens"] == b["tokens"] == c["tokens"] == d["tokens"] and len(a["tokens"]) == 5
     plans = [run("plan", *how, "--json") for how in ([model], ["-m", model], ["--model", model], [model, "-m", model])]
     assert all(r.exit_code == 0 for r in plans), [r.output for r in plans]
     assert len({r.stdout for r in plans}) == 1 and json.loads(plans[0].stdout)
@@ -62,6 +64,10 @@ def test_prompt_as_argument_and_model_as_either(tiny_dir):
 
 @pytest.mark.parametrize("argv, said", [
     (["generate", "-m", "x", "one", "-p", "two"], "Error: two prompts given, PROMPT and -p/--prompt: give one"),
+    (["generate", "x", "one", "-p", "two"], "Error: two prompts given, PROMPT and -p/--prompt: give one"),
+    (["generate", "a", "one", "-m", "b"], "Error: two models given, 'a' and -m 'b': give one"),
+    (["generate", "a", "one", "two"], "Error: 3 arguments given: generate takes [MODEL] PROMPT (quote a prompt of "
+                                      "several words)"),
     (["generate", "-m", "x"], "Error: no prompt: give it as PROMPT or with -p/--prompt ('-' reads it from stdin)"),
     (["run", "a", "-m", "b"], "Error: two models given, 'a' and -m 'b': give one"),
     (["bench", "a", "--model", "b"], "Error: two models given, 'a' and -m 'b': give one"),

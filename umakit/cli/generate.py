@@ -29,7 +29,7 @@ from umakit.cli.flags import (
 
 @click.command()
 @click.option("--model", "-m", default=None, help="Model directory, .gguf file or Hub repo id (default: built-in SmolLM2-135M).")
-@click.argument("prompt_arg", metavar="[PROMPT]", required=False)
+@click.argument("words", metavar="[MODEL] [PROMPT]", nargs=-1)
 @click.option("--prompt", "-p", default=None, help="The prompt (or PROMPT); '-' reads it from stdin.")
 @click.option("--system", "-s", default=None, help="System prompt.")
 @click.option("--raw", is_flag=True, help="Send the prompt as plain text, without the chat template.")
@@ -45,17 +45,17 @@ from umakit.cli.flags import (
 @quantize_option
 @speculative_options
 @parallel_option
-def generate(model, prompt_arg, prompt, system, raw, stop, kv_bits, json_schema, regex, choices, grammar, as_json,
+def generate(model, words, prompt, system, raw, stop, kv_bits, json_schema, regex, choices, grammar, as_json,
              server_url, no_server, max_tokens, seed, backend, device, dtype, peak_bandwidth, gpu_layers, vram_budget,
              quantize, draft, draft_tokens, prompt_lookup, ngram, parallel, **sampling):
-    """Generate a reply to one prompt.
+    """Generate a reply to one prompt: `umakit generate [MODEL] PROMPT`, or with -m and -p.
 
     When a umakit server answers at --server (and no flag asks for how this process loads or runs the model:
     an engine option, --kv-bits, --quantize, offload, speculation, --json), the prompt goes there, where the
     model may be loaded already; else, or with --no-server, the model loads here."""
     from umakit.core import validate
 
-    prompt = _one_prompt(prompt_arg, prompt)
+    model, prompt = _model_and_prompt(words, model, prompt)
     load = dict(backend=backend, device=device, dtype=dtype, peak_bandwidth=peak_bandwidth, quantize=quantize,
                 needs=kv_needs(kv_bits), gpu_layers=gpu_layers, vram_budget=vram_budget)
     follow_unless_leader(parallel, model, **load)  # a follower reads no input
@@ -107,10 +107,18 @@ def _attached(url, model, prompt, system, raw, max_tokens, stop, seed, sampling,
     return True
 
 
-def _one_prompt(argument: str | None, option: str | None) -> str:
-    """The prompt, given as PROMPT or with -p/--prompt, exactly once."""
-    if argument is not None and option is not None:
+def _model_and_prompt(words: tuple[str, ...], model: str | None, prompt: str | None) -> tuple[str | None, str]:
+    """MODEL and PROMPT as arguments (one argument is the prompt), or with -m and -p, each exactly once."""
+    if len(words) > 2:
+        raise click.UsageError(f"{len(words)} arguments given: generate takes [MODEL] PROMPT "
+                               "(quote a prompt of several words)")
+    if len(words) == 2:
+        if model is not None and model != words[0]:
+            raise click.UsageError(f"two models given, {words[0]!r} and -m {model!r}: give one")
+        model = words[0]
+    argument = words[-1] if words else None
+    if argument is not None and prompt is not None:
         raise click.UsageError("two prompts given, PROMPT and -p/--prompt: give one")
-    if argument is None and option is None:
+    if argument is None and prompt is None:
         raise click.UsageError("no prompt: give it as PROMPT or with -p/--prompt ('-' reads it from stdin)")
-    return argument if argument is not None else option
+    return model, argument if argument is not None else prompt
