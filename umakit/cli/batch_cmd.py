@@ -66,7 +66,8 @@ class Progress:
 @model_argument
 @click.option("--input", "-i", "input_path", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help='JSON Lines: {"id": ..., "prompt": "..."} or {"id": ..., "messages": [...]}, plus per-item settings '
-                   '(max_tokens, stop, seed, system, sampling fields, schema, regex, choices, grammar).')
+                   '(max_tokens, stop, seed, system, sampling fields, schema, regex, choices, grammar); or OpenAI\'s '
+                   'batch file ({"custom_id": ..., "method": "POST", "url": "/v1/chat/completions", "body": {...}}).')
 @click.option("--output", "-o", "output_path", required=True, type=click.Path(dir_okay=False, path_type=Path),
               help="Results are appended here as they finish; ids already in it are skipped (resume).")
 @click.option("--batch-size", "-b", type=click.IntRange(min=1), default=DEFAULT_BATCH_SIZE, show_default=True,
@@ -85,6 +86,7 @@ def batch_cmd(model, input_path, output_path, batch_size, system, raw, stop, kv_
               ngram, json_schema, regex, choices, grammar, max_tokens, seed, backend, device, dtype, peak_bandwidth,
               gpu_layers, vram_budget, parallel, **sampling):
     """Generate a reply to every prompt of a JSON Lines file, in batches."""
+    from umakit.cli import batch_openai
     from umakit.generate import batch_io
     from umakit.core import fsutil, validate
     from umakit.generate.sampling import SamplingParams
@@ -97,13 +99,18 @@ def batch_cmd(model, input_path, output_path, batch_size, system, raw, stop, kv_
                 vram_budget=vram_budget)
     follow_unless_leader(parallel, model, **load)  # a follower reads no input and writes no output
     batch_io.check_paths(input_path, output_path)
+    lookup = dict(prompt_lookup=prompt_lookup, draft=draft, draft_tokens=draft_tokens, ngram=ngram)
+    load["parallel"] = parallel
+    if batch_openai.is_openai_file(input_path):  # OpenAI's batch lines: each body is a whole request
+        batch_openai.refuse_body_flags(click.get_current_context())
+        with fsutil.locked(output_path):
+            batch_openai.run(model, input_path, output_path, batch_size, kv_bits, lookup, load)
+        return
     system = None if system is None else validate.text(system, "--system")
     stop = tuple(validate.text(s, "--stop") for s in stop)
     params = SamplingParams().with_overrides(**{k: sampling[k] for k in SAMPLING_KEYS})
     settings = dict(max_tokens=max_tokens, stop=stop, seed=seed, system=system, sampling=params,
                     **read_constraint(json_schema, regex, choices, grammar))
-    lookup = dict(prompt_lookup=prompt_lookup, draft=draft, draft_tokens=draft_tokens, ngram=ngram)
-    load["parallel"] = parallel
     with fsutil.locked(output_path):  # a second batch onto the same output is refused, not interleaved
         _run(model, input_path, output_path, batch_size, raw, kv_bits, settings, load, lookup)
 

@@ -93,8 +93,9 @@ def read_items(path: str | os.PathLike) -> tuple[list[InputItem], list[LineError
     return items, errors
 
 
-def prepare_output(path: str | os.PathLike) -> set[str]:
-    """Keys (`id_key`) of the ids already in an output file.
+def prepare_output(path: str | os.PathLike, key: str = "id") -> set[str]:
+    """Keys (`id_key`) of the ids already in an output file (each line's ``key``: ``custom_id`` in OpenAI's
+    batch output).
 
     A last line without its newline was torn by a crash mid-write: it is cut
     off, so its id runs again and the file stays valid JSON Lines.
@@ -113,8 +114,8 @@ def prepare_output(path: str | os.PathLike) -> set[str]:
             record = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError):
             continue  # not ours to judge; the id runs again
-        if isinstance(record, dict) and "id" in record:
-            done.add(id_key(record["id"]))
+        if isinstance(record, dict) and key in record:
+            done.add(id_key(record[key]))
     return done
 
 
