@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-import time
 from pathlib import Path
 
 import click
@@ -14,52 +12,7 @@ from umakit.generate.batch import DEFAULT_BATCH_SIZE
 from umakit.cli.flags import (SAMPLING_KEYS, batch_kv_needs, constraint_options, follow_unless_leader, kv_bits_option,
                               load_draft, load_model, lookup_needs, lookup_options, model_argument, model_options,
                               offload_options, parallel_option, read_constraint, sampling_options)
-
-
-class Progress:
-    """'[#####-----] 12/40 · 3456 tok · 45.6 tok/s · ETA 1m23s' on stderr.
-
-    Redrawn in place on a terminal; elsewhere (a log file) one line at most
-    every `LOG_EVERY_S` seconds, and always at the end.
-    """
-
-    LOG_EVERY_S = 10.0
-    WIDTH = 20
-
-    def __init__(self, total: int):
-        self.total, self.done, self.tokens = total, 0, 0
-        self.t0 = self.t_logged = time.perf_counter()
-        self.tty = sys.stderr.isatty()
-        if self.tty and total:
-            self._draw()
-
-    def line(self) -> str:
-        elapsed = time.perf_counter() - self.t0
-        filled = self.WIDTH * self.done // self.total if self.total else self.WIDTH
-        parts = [f"[{'#' * filled}{'-' * (self.WIDTH - filled)}] {self.done}/{self.total}", f"{self.tokens} tok"]
-        parts.append(f"{self.tokens / elapsed:.1f} tok/s" if elapsed > 0 else "- tok/s")
-        if 0 < self.done < self.total:
-            eta = elapsed / self.done * (self.total - self.done)
-            parts.append(f"ETA {int(eta // 60)}m{int(eta % 60):02d}s")
-        return " · ".join(parts)
-
-    def _draw(self) -> None:
-        click.echo("\r" + self.line() + "\x1b[K", err=True, nl=False)
-
-    def update(self, tokens: int) -> None:
-        self.done += 1
-        self.tokens += tokens
-        if self.tty:
-            self._draw()
-        elif time.perf_counter() - self.t_logged >= self.LOG_EVERY_S:
-            self.t_logged = time.perf_counter()
-            click.echo(self.line(), err=True)
-
-    def close(self) -> None:
-        if self.tty:
-            click.echo(err=True)
-        else:
-            click.echo(self.line(), err=True)
+from umakit.cli.format import Progress
 
 
 @click.command("batch")

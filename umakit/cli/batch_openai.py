@@ -33,7 +33,7 @@ def refuse_body_flags(ctx: click.Context) -> None:
 
 def run(model, input_path: Path, output_path: Path, batch_size: int, kv_bits, lookup: dict, load: dict) -> None:
     """Answer every request line not yet in ``output_path``; failed ones go to the errors file beside it."""
-    from umakit.cli.batch_cmd import Progress
+    from umakit.cli.format import Progress
     from umakit.cli.flags import load_draft, load_model
     from umakit.core.fsutil import atomic_file, writing
     from umakit.generate import batch_io
