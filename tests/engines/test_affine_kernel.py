@@ -296,15 +296,13 @@ def test_k_quant_scales_are_held_as_codes_exactly(bits, group):
 
 
 def test_k_quant_scales_found_past_the_first_code_tried():
-    """The search tries first the code the sample's blocks fit most; a block past the sample whose largest code
-    is another (either sign; none the sample saw) is still held exactly, not sent to float16."""
-    from umakit.backends.torch.cpu import scale_codes
-
-    rows, cols, group = 48, 512, 16  # 96 super-blocks: the last 32 past the sample of 64
+    """Each block tries first the code the block before it took; blocks whose largest code is another (either
+    sign, a new one each) are still held exactly, not sent to float16."""
+    rows, cols, group = 48, 512, 16  # 96 super-blocks: the last 32 each of their own largest code
     m = k_quant_layer(rows, cols, 6, group, seed=3)
     blocks = m.scales.view(-1, 256 // group)
     g = torch.Generator().manual_seed(4)
-    for b in range(scale_codes.SAMPLE, len(blocks)):
+    for b in range(64, len(blocks)):
         largest = int(torch.randint(1, 100, (), generator=g))
         codes = torch.randint(-largest, largest + 1, (256 // group,), generator=g).float()
         codes[0] = largest if b % 2 else -largest

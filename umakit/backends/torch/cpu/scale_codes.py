@@ -11,6 +11,8 @@ whose scales are not all such products (an MLX quantization) keeps its float16 f
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 SUPER = 256  # weights of a super-block along the input
@@ -18,7 +20,6 @@ ROWS = 8  # rows in a tile (csrc/affine.h)
 # the codes a K-quant's largest scale takes, either sign: 63 (Q4_K/Q5_K's 6 bits), 127 and 128 (Q6_K's int8)
 CANDIDATES = tuple(sign * n for n in (63, 127, 128, *(n for n in range(1, 129) if n not in (63, 127, 128)))
                    for sign in (1.0, -1.0))
-SAMPLE = 64  # super-blocks of a layer tried with every code at once first: a layer of other scales fails there
 
 
 def coded(planes: list[torch.Tensor], group: int, rows: int) -> torch.Tensor | None:
@@ -50,53 +51,12 @@ def coded(planes: list[torch.Tensor], group: int, rows: int) -> torch.Tensor | N
 
 def _factor_codes(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``v`` (super-blocks, per) float32 as float16 factors (super-blocks,) times int8 codes (super-blocks, per),
-    exactly; None where some super-block has none. A layer of other scales (an MLX quantization) is turned down
-    on a sample, every code tried at once (searched code by code, that took 0.1 s a layer of 1536 x 1536); the
-    sample also orders the codes the search tries, so most blocks fit on its first pass (a Q6_K's largest scale
-    is -128 times its factor, a Q4_K's 63 times it)."""
-    order = _sample_order(v[:SAMPLE])
-    if order is None:
-        return None
-    factor, codes, left = _search(v, order)
-    return None if len(left) else (factor, codes)
+    exactly; None where some super-block has none (csrc/scale_codes.cpp: each block tries first the code the
+    block before it took, then `CANDIDATES` in order)."""
+    factors, codes = torch.ops.umakit.scale_codes(v.contiguous(), _candidates())
+    return (factors, codes) if factors.numel() else None
 
 
-def _sample_order(v: torch.Tensor) -> list[float] | None:
-    """`CANDIDATES`, those that fit most of ``v``'s super-blocks first; None where some block has none."""
-    n = torch.tensor(CANDIDATES, dtype=torch.float32)
-    d = (v.abs().amax(dim=-1, keepdim=True) / n).to(torch.float16).float()  # (blocks, candidates)
-    c = torch.round(v[:, None, :] / d[..., None])
-    ok = ((c >= -128) & (c <= 127) & (c * d[..., None] == v[:, None, :])).all(-1) & (d != 0)
-    if not bool((ok.any(-1) | (v == 0).all(-1)).all()):
-        return None
-    hits = ok.sum(0).tolist()
-    return [CANDIDATES[i] for i in sorted(range(len(CANDIDATES)), key=lambda i: -hits[i])]  # stable: ties in order
-
-
-def _fit(v: torch.Tensor, amax: torch.Tensor, code: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Each block's factor as its largest |scale| over ``code``, the codes that makes, and which blocks they fit
-    exactly (every scale an int8 code times the factor)."""
-    d = (amax / code).to(torch.float16)  # divided: exact where the factor is a float16
-    df = d.float()[:, None]
-    c = torch.round(v / df)
-    ok = torch.isfinite(df[:, 0]) & (df[:, 0] != 0) & ((c >= -128) & (c <= 127) & (c * df == v)).all(-1)
-    return d, c, ok
-
-
-def _search(v: torch.Tensor, order) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Each super-block's factor as its largest |scale| over a code in ``order`` (signed): the first that makes
-    every scale of the block an int8 code times it, exactly; with the indices of the blocks none fits. The first
-    code is tried on every block at once, the rest only on the blocks left."""
-    amax = v.abs().amax(dim=-1)
-    d, c, ok = _fit(v, amax, order[0])
-    factor = torch.where(ok, d, torch.zeros((), dtype=torch.float16))
-    codes = torch.where(ok[:, None], c, 0).to(torch.int8)
-    left = (~ok & (amax > 0)).nonzero().squeeze(1)  # all-zero blocks: factor 0, codes 0
-    for code in order[1:]:
-        if len(left) == 0:
-            break
-        d, c, ok = _fit(v[left], amax[left], code)
-        hit = left[ok]
-        factor[hit], codes[hit] = d[ok], c[ok].to(torch.int8)
-        left = left[~ok]
-    return factor, codes, left
+@functools.cache
+def _candidates() -> torch.Tensor:
+    return torch.tensor(CANDIDATES, dtype=torch.float32)

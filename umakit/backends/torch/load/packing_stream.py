@@ -22,7 +22,7 @@ from umakit.backends.torch.load.packed import ALIGNMENT, DTYPES, PackedCache
 from umakit.backends.torch.load.pages import SourcePages
 from umakit.backends.torch.model.moe import Experts
 from umakit.backends.torch.quant.layout import QuantizedLinear
-from umakit.core.fsutil import atomic_file
+from umakit.core.fsutil import atomic_file, start_writeback
 from umakit.errors import WriteError
 
 BATCH = 64 << 20  # bytes of packings made before they are read back from the file's map
@@ -77,6 +77,7 @@ class PackingStream:
         base = start // mmap.ALLOCATIONGRANULARITY * mmap.ALLOCATIONGRANULARITY
         try:
             self._f.flush()
+            start_writeback(self._f.fileno(), start, self.size - self.mapped)  # the final fsync waits less
             view = mmap.mmap(self._f.fileno(), 8 + self.room + self.size - base, offset=base,
                              access=mmap.ACCESS_COPY)
         except (OSError, ValueError):  # no map: the layers keep the tensors they made
