@@ -113,9 +113,19 @@ def test_a_first_packing_written_as_it_is_made(checkpoint, home, tmp_path, form,
     finish, finished = packing_stream.PackingStream.finish, []
     monkeypatch.setattr(packing_stream.PackingStream, "finish", lambda self: finished.append(finish(self)) or
                         finished[-1])
+    started = []
+
+    def start_writeback(fd, offset, length):
+        os.fstat(fd)  # still open: every call ends before the file is synced and closed
+        started.append((offset, length))
+
+    monkeypatch.setattr(packing_stream, "start_writeback", start_writeback)
     first = load(checkpoint)
     assert finished == {"a-layer-a-batch": [True], "header-outgrown": [False], "abandoned": []}[how]
     [file] = packings(home)
+    if how == "a-layer-a-batch":  # each batch's pages started for the disk as written: the data, end to end
+        assert len(started) > 1 and all(a + n == b for (a, n), (b, _) in zip(started, started[1:]))
+        assert started[-1][0] + started[-1][1] == file.stat().st_size
     layers = [m for m in first.engine.model.modules() if isinstance(m, form)]
     assert layers and all(mapped_from(t, file) for m in layers for t in m.packing().values())
     np.testing.assert_array_equal(first.logits(ids(PROMPT)), unkept)
@@ -246,3 +256,18 @@ def test_a_layer_gets_its_own_names_only(tmp_path):
     assert sorted(cache.get("layers.1")) == ["codes0", "sb0"]
     assert list(cache.get("layers.1.forms.0")) == ["codes0"] and list(cache.get("layers")) == ["codes0"]
     assert cache.get("layers.2") == {}
+
+
+def test_starting_the_writeback_is_best_effort(tmp_path):
+    """Linux's sync_file_range on a file being written; on a closed descriptor (or off Linux) nothing happens:
+    the final fsync does the work and reports any failure."""
+    from umakit.core.fsutil import start_writeback
+
+    path = tmp_path / "f.bin"
+    with open(path, "wb") as f:
+        f.write(b"x" * (1 << 20))
+        f.flush()
+        start_writeback(f.fileno(), 0, 1 << 20)
+        fd = f.fileno()
+    start_writeback(fd, 0, 1 << 20)  # closed now
+    assert path.read_bytes() == b"x" * (1 << 20)

@@ -14,6 +14,7 @@ import contextlib
 import json
 import mmap
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch import nn
@@ -41,6 +42,9 @@ class PackingStream:
         try:
             self._f = self._stack.enter_context(atomic_file(path, "wb"))
             self._f.seek(8 + self.room)
+            # the pages written start for the disk on a thread of their own (the call may wait on the disk's
+            # queue), and its calls end before the file is synced and closed (the stack unwinds in reverse)
+            self._writeback = self._stack.enter_context(ThreadPoolExecutor(1, "umakit-writeback"))
         except WriteError:
             self._f = None
 
@@ -77,7 +81,7 @@ class PackingStream:
         base = start // mmap.ALLOCATIONGRANULARITY * mmap.ALLOCATIONGRANULARITY
         try:
             self._f.flush()
-            start_writeback(self._f.fileno(), start, self.size - self.mapped)  # the final fsync waits less
+            self._writeback.submit(start_writeback, self._f.fileno(), start, self.size - self.mapped)
             view = mmap.mmap(self._f.fileno(), 8 + self.room + self.size - base, offset=base,
                              access=mmap.ACCESS_COPY)
         except (OSError, ValueError):  # no map: the layers keep the tensors they made
