@@ -85,10 +85,14 @@ def test_empty_arrays_and_no_tensors(tmp_path):
     (_header(_key(b"general.architecture") + struct.pack("<I", 99)), "unknown metadata value type 99"),
     (_header(_key(b"a") + struct.pack("<IIQ", 9, 4, 1 << 40)), "truncated"),
     (_header(_key(b"a") + struct.pack("<IIQ", 9, 8, 3) + _key(b"x")), "truncated"),
+    (_header(_key(b"a") + struct.pack("<IIQ", 9, 8, 2) + _key(b"x") + struct.pack("<Q", 9) + b"ab"), "truncated"),
+    (_header(_key(b"a") + struct.pack("<IIQ", 9, 8, 2) + _key(b"x") + _key(b"\xff\xfe")),
+     r"a string at byte 66 is not UTF-8"),
     (_header(n_kv=2), "truncated"),
     (_header(_key(b"a") + struct.pack("<II", 4, 1), _key(b"a") + struct.pack("<II", 4, 2)), "appears twice"),
     (_header(_key(b"general.alignment") + struct.pack("<II", 4, 3)), "not a power of two"),
-], ids=["utf8", "value-type", "array-past-end", "strings-past-end", "kv-past-end", "duplicate", "alignment"])
+], ids=["utf8", "value-type", "array-past-end", "strings-past-end", "string-bytes-past-end",
+                              "utf8-in-array", "kv-past-end", "duplicate", "alignment"])
 def test_malformed_header_is_one_clear_error(tmp_path, body, message):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(body)

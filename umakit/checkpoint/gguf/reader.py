@@ -100,6 +100,7 @@ def read_header(path: Path) -> int:
 # GGUF's value types (gguf's GGUFValueType numbering): the scalars' struct formats, and the two others.
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
+_LENGTH = struct.Struct("<Q")  # a string's byte count
 _DEFAULT_ALIGNMENT = 32
 _ITEMS = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np.int8, "I16": np.int16,
           "I32": np.int32, "I64": np.int64}  # types whose data is typed values; any other is blocks of bytes
@@ -127,6 +128,27 @@ class _Cursor:
         except UnicodeDecodeError as e:
             raise CheckpointError(f"{self.path}: a string at byte {self.at - len(raw)} is not UTF-8 ({e})") from e
 
+    def strings(self, count: int) -> list[str]:
+        """``count`` strings in a row (a vocabulary, its merges): `string`'s reads in one loop, a third of the
+        time for Qwen's 151,936 tokens."""
+        buf, at, end, out = self.buf, self.at, len(self.buf), []
+        length = _LENGTH.unpack_from
+        for _ in range(count):
+            if at + 8 > end:
+                self.at = at
+                self.take(8)  # raises: truncated
+            n = length(buf, at)[0]
+            if at + 8 + n > end:
+                self.at = at + 8
+                self.take(n)
+            try:
+                out.append(str(buf[at + 8:at + 8 + n], "utf-8"))
+            except UnicodeDecodeError as e:
+                raise CheckpointError(f"{self.path}: a string at byte {at + 8} is not UTF-8 ({e})") from e
+            at += 8 + n
+        self.at = at
+        return out
+
     def value(self, kind: int):
         if kind == _STRING:
             return self.string()
@@ -138,6 +160,8 @@ class _Cursor:
         if item in _SCALARS:  # numbers: one read, not one a value
             fmt = "<" + _SCALARS[item]
             return np.frombuffer(self.take(count * struct.calcsize(fmt)), dtype=fmt).tolist()
+        if item == _STRING:
+            return self.strings(count)
         values = [self.value(item) for _ in range(count)]
         return [v for sub in values for v in sub] if item == _ARRAY else values  # nested arrays flattened, as gguf
 
