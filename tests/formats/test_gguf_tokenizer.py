@@ -161,3 +161,18 @@ def test_unknown_pre_tokenizer_warns(tmp_path):
                                 pre="some-new-model")
     _, files = ours(path, tmp_path)
     assert files.warnings == ["pre-tokenizer 'some-new-model' is not known; splitting text as GPT-2 does"]
+
+
+def test_added_tokens_spelled_as_raw_utf8_or_in_the_byte_alphabet(tmp_path):
+    """A byte-level vocabulary's added token stored as raw UTF-8 is spelled in the byte alphabet, as BPE needs
+    (its id decodes to the text); a USER_DEFINED token in the alphabet becomes an added token, one id."""
+    from umakit.checkpoint.gguf.vocab import _byte_alphabet
+
+    _, tokens, types, merges = byte_level_vocab(r"\s+|\S+")
+    tokens, types = [*tokens, "€uro", "<|tool|>"], [*types, 4, 4]
+    path = write_tokenizer_gguf(tmp_path / "t.gguf", "qwen2", "gpt2", tokens, types, merges=merges, pre="qwen2")
+    tok, _ = ours(path, tmp_path)
+    spelled = "".join(_byte_alphabet()[b] for b in "€uro".encode())
+    assert tok.token_to_id(spelled) == len(tokens) - 2 and tok.token_to_id("€uro") is None
+    assert tok.decode([len(tokens) - 2]) == "€uro"
+    assert tok.encode("a <|tool|> b").ids.count(len(tokens) - 1) == 1

@@ -18,6 +18,8 @@ plain added tokens, so both are matched whole in text as llama.cpp does.
 
 from __future__ import annotations
 
+import re
+
 import json
 from dataclasses import dataclass, field
 
@@ -71,10 +73,14 @@ def _byte_level(tokens: list[str], merges: list[str], pre: str | None, warnings:
 
     alphabet = set(pre_tokenizers.ByteLevel.alphabet())
     spell = dict(zip(range(256), _byte_alphabet()))
-    vocab = {}
-    for i, t in enumerate(tokens):
-        # A few files store added tokens as raw UTF-8; BPE needs them in the byte alphabet.
-        vocab[t if set(t) <= alphabet else "".join(spell[b] for b in t.encode("utf-8"))] = i
+    # A few files store added tokens as raw UTF-8; BPE needs them in the byte alphabet. One search over all the
+    # tokens finds whether any is (a test a token took 0.2 s of 151,936).
+    outside = re.compile(f"[^{re.escape(''.join(sorted(alphabet)))}]")
+    if outside.search("".join(tokens)) is None:
+        vocab = dict(zip(tokens, range(len(tokens))))
+    else:
+        vocab = {t if outside.search(t) is None else "".join(spell[b] for b in t.encode("utf-8")): i
+                 for i, t in enumerate(tokens)}
     pairs = [tuple(m.split(" ", 1)) for m in merges]
     tok = Tokenizer(models.BPE(vocab, pairs, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False))
     if pre in _REGEX_PRE:
@@ -206,7 +212,7 @@ def _add_special_tokens(tok, tokens: list[str], types: list[int], alphabet: set[
     """
     from tokenizers import AddedToken
 
-    vocab = tok.get_vocab()
+    known = {t for t, ty in zip(tokens, types) if ty == USER_DEFINED and tok.token_to_id(t) is not None}
     tok.add_special_tokens([
         AddedToken(t, special=True, normalized=False)
         for t, ty in zip(tokens, types)
@@ -215,7 +221,7 @@ def _add_special_tokens(tok, tokens: list[str], types: list[int], alphabet: set[
     tok.add_tokens([
         AddedToken(t, special=False, normalized=False)
         for t, ty in zip(tokens, types)
-        if ty == USER_DEFINED and t in vocab
+        if ty == USER_DEFINED and t in known
     ])
 
 
