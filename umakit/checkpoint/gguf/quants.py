@@ -146,13 +146,22 @@ EXACT: dict[T, tuple[Callable, int]] = {
 def _q6_k(b: np.ndarray):
     """Q6_K (ql[128], qh[64], int8 scales[16], d): w = d * sc_j * (q - 32), one scale per 16 weights. Of each
     half (128 weights), quarter j's weight l is ql's nibble and qh's 2-bit field: low nibbles of ql[l] (j = 0)
-    and ql[32 + l] (j = 1), high nibbles of both (j = 2, 3), qh[l] bits 2j, 2j + 1 above them."""
-    ql, qh = b[:, :128].reshape(-1, 2, 1, 64), b[:, 128:192].reshape(-1, 2, 1, 32)
-    nib = np.concatenate([ql[..., :32] & 0x0F, ql[..., 32:] & 0x0F, ql[..., :32] >> 4, ql[..., 32:] >> 4], axis=2)
-    high = (qh >> (2 * np.arange(4, dtype=np.uint8)).reshape(1, 1, 4, 1)) & 3  # (n, half, j, l)
-    q = (nib.reshape(-1, 2, 4, 32) | (high << 4)).reshape(-1, 256)
+    and ql[32 + l] (j = 1), high nibbles of both (j = 2, 3), qh[l] bits 2j, 2j + 1 above them. Written in place
+    into one array (a concatenation and a shift per quarter took 1.6x as long)."""
+    n = len(b)
+    ql, qh = b[:, :128].reshape(n, 2, 2, 32), b[:, 128:192].reshape(n, 2, 1, 32)
+    q = np.empty((n, 2, 4, 32), dtype=np.uint8)  # (n, half, j, l)
+    np.bitwise_and(ql, 0x0F, out=q[:, :, 0:2])
+    np.right_shift(ql, 4, out=q[:, :, 2:4])
+    high = np.empty_like(q)  # qh's field j moved to bits 4-5
+    np.left_shift(qh, 4, out=high[:, :, 0:1])
+    np.left_shift(qh, 2, out=high[:, :, 1:2])
+    high[:, :, 2:3] = qh
+    np.right_shift(qh, 2, out=high[:, :, 3:4])
+    high &= 0x30
+    q |= high
     scales = _f16(b[:, 208:210]) * b[:, 192:208].view(np.int8).astype(np.float32)  # (n, 16)
-    return q, scales, -32 * scales
+    return q.reshape(n, 256), scales, -32 * scales
 
 
 # Block types exact as affine groups of 16, which MLX does not take (its groups are 32, 64 or 128): imported
