@@ -54,7 +54,11 @@ def test_prompt_as_argument_and_model_as_either(tiny_dir):
     b = json.loads(run(*args, "The quick").stdout)
     c = json.loads(run("generate", model, "The quick", *args[3:]).stdout)  # `generate MODEL PROMPT`
     d = json.loads(run("generate", model, "-m", model, "The quick", *args[3:]).stdout)
-    assert a["tokens"] == b["tokens"] == c["tokens"] == d["tokens"] and len(a["tokens"]) == 5
+    e = json.loads(run("generate", model, "-p", "The quick", *args[3:]).stdout)  # `generate MODEL -p PROMPT`
+    assert a["tokens"] == b["tokens"] == c["tokens"] == d["tokens"] == e["tokens"] and len(a["tokens"]) == 5
+    r = run("generate", model, *args[3:])  # a model on disk is no prompt
+    assert r.exit_code == 2 and r.output.strip().splitlines()[-1] == (
+        f"Error: {model!r} is a model on disk, not a prompt: give the prompt too (umakit generate {model} PROMPT)")
     plans = [run("plan", *how, "--json") for how in ([model], ["-m", model], ["--model", model], [model, "-m", model])]
     assert all(r.exit_code == 0 for r in plans), [r.output for r in plans]
     assert len({r.stdout for r in plans}) == 1 and json.loads(plans[0].stdout)

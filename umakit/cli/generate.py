@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import click
@@ -108,17 +109,23 @@ def _attached(url, model, prompt, system, raw, max_tokens, stop, seed, sampling,
 
 
 def _model_and_prompt(words: tuple[str, ...], model: str | None, prompt: str | None) -> tuple[str | None, str]:
-    """MODEL and PROMPT as arguments (one argument is the prompt), or with -m and -p, each exactly once."""
+    """MODEL and PROMPT as arguments, or with -m and -p, each exactly once. One argument is the prompt, or the
+    model where -p gives the prompt; a lone argument that is a path on disk is a model missing its prompt."""
     if len(words) > 2:
         raise click.UsageError(f"{len(words)} arguments given: generate takes [MODEL] PROMPT "
                                "(quote a prompt of several words)")
+    if len(words) == 1 and prompt is not None and model is None:  # `generate MODEL -p PROMPT`
+        words = (words[0], None)
     if len(words) == 2:
         if model is not None and model != words[0]:
             raise click.UsageError(f"two models given, {words[0]!r} and -m {model!r}: give one")
-        model = words[0]
-    argument = words[-1] if words else None
+        model, words = words[0], words[1:] if words[1] is not None else ()
+    argument = words[0] if words else None
     if argument is not None and prompt is not None:
         raise click.UsageError("two prompts given, PROMPT and -p/--prompt: give one")
     if argument is None and prompt is None:
         raise click.UsageError("no prompt: give it as PROMPT or with -p/--prompt ('-' reads it from stdin)")
+    if argument is not None and model is None and os.path.exists(argument):
+        raise click.UsageError(f"{argument!r} is a model on disk, not a prompt: give the prompt too "
+                               f"(umakit generate {argument} PROMPT)")
     return model, argument if argument is not None else prompt
