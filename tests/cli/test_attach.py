@@ -3,6 +3,7 @@ server's figures, Ctrl-C in a chat, and one `Error:` line when the server goes a
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -83,6 +84,27 @@ def test_attached_chat_gives_the_in_process_replies(server, tiny_dir):
     before = _requests(server)
     local = run_piped(*args, "--max-context", "256", "--server", server.url, lines=lines)
     assert local.stdout == here.stdout and _requests(server) == before
+
+
+def test_a_prompt_argument_is_answered_once_with_the_piped_text_after_it(server, tiny_dir):
+    """`umakit run MODEL PROMPT`: one reply, generate's, and the process ends; text piped in joins the prompt
+    after a blank line; attached to a server, the same reply."""
+    model = str(tiny_dir("llama"))
+
+    def generated(prompt):
+        out = subprocess.run([sys.executable, "-m", "umakit.cli.main", "generate", model, prompt, "--temp", "0",
+                              "--max-tokens", "10", "--no-server", "--json"], capture_output=True, text=True,
+                             timeout=180)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)["text"]
+
+    once = run_piped(model, "The quick brown fox", "--max-tokens", "10", "--no-server", lines="")
+    assert once.returncode == 0, once.stderr
+    assert once.stdout == generated("The quick brown fox") + "\n"
+    piped = run_piped(model, "Go on:", "--max-tokens", "10", "--no-server", lines="the lazy dog\n")
+    assert piped.stdout == generated("Go on:\n\nthe lazy dog") + "\n"
+    there = run_piped(model, "Go on:", "--max-tokens", "10", "--server", server.url, lines="the lazy dog\n")
+    assert there.returncode == 0 and there.stdout == piped.stdout, there.stderr
 
 
 def test_attached_chat_drops_the_oldest_turns_as_in_process(server, tiny_dir):

@@ -28,6 +28,7 @@ from umakit.cli.flags import (
 
 @click.command("run")
 @model_argument
+@click.argument("prompt", required=False)
 @click.option("--system", "-s", default=None, help="System prompt.")
 @click.option("--max-context", type=click.IntRange(min=16), default=None,
               help="Context limit in tokens (default: the model's); oldest turns are dropped beyond it.")
@@ -41,10 +42,11 @@ from umakit.cli.flags import (
 @quantize_option
 @speculative_options
 @parallel_option
-def run(model, system, max_context, kv_bits, stats, server_url, no_server, max_tokens, seed, backend, device, dtype,
+def run(model, prompt, system, max_context, kv_bits, stats, server_url, no_server, max_tokens, seed, backend, device, dtype,
         peak_bandwidth, gpu_layers, vram_budget, quantize, draft, draft_tokens, prompt_lookup, ngram, parallel,
         **sampling):
-    """Chat with MODEL (default: the built-in SmolLM2-135M-Instruct).
+    """Chat with MODEL (default: the built-in SmolLM2-135M-Instruct); with PROMPT, answer it once and exit
+    (text piped in is added to it after a blank line: `cat notes.txt | umakit run MODEL "Summarize this"`).
 
     When a umakit server answers at --server (and no flag asks for how this process loads or runs the model:
     an engine option, --max-context, --kv-bits, --quantize, offload, speculation), the chat runs there, where
@@ -55,6 +57,7 @@ def run(model, system, max_context, kv_bits, stats, server_url, no_server, max_t
     load = dict(backend=backend, device=device, dtype=dtype, peak_bandwidth=peak_bandwidth, quantize=quantize,
                 needs=kv_needs(kv_bits), gpu_layers=gpu_layers, vram_budget=vram_budget)
     follow_unless_leader(parallel, model, **load)  # a follower reads no input
+    once = None if prompt is None else _one_message(prompt)  # read and checked before the model loads
     tty = sys.stdin.isatty() and sys.stdout.isatty()
     settings = ChatSettings(system=system, max_tokens=max_tokens, max_context=max_context, kv_bits=kv_bits, seed=seed,
                             sampling=SamplingParams(**{k: sampling[k] for k in SAMPLING_KEYS}))
@@ -64,7 +67,7 @@ def run(model, system, max_context, kv_bits, stats, server_url, no_server, max_t
         remote = _attached(server_url, model, settings)
         if remote is not None:
             return _chat(Repl(remote, color=tty, show_stats=tty if stats is None else stats),
-                         f"{remote.model_name} · served by {remote.url} · /help for commands")
+                         f"{remote.model_name} · served by {remote.url} · /help for commands", once)
     from umakit.generate.chat import ChatSession
 
     m = load_model(model, show_progress=tty, parallel=parallel, **load)
@@ -80,11 +83,27 @@ def run(model, system, max_context, kv_bits, stats, server_url, no_server, max_t
     with m.engine.wired():
         _chat(repl, f"{i.name} · {i.backend}/{i.device} {i.dtype} · {w.quantization} · context "
                     f"{session.settings.max_context} · weights {size(w.total_bytes)} · {offload}loaded in "
-                    f"{i.load_s:.1f} s · /help for commands")
+                    f"{i.load_s:.1f} s · /help for commands", once)
 
 
-def _chat(repl: Repl, banner: str) -> None:
-    """Piped input: one message a line; a terminal: the banner, then the chat."""
+def _one_message(prompt: str) -> str:
+    """PROMPT, and after a blank line whatever text is piped in."""
+    from umakit.core import validate
+
+    text = validate.text(prompt, "PROMPT")
+    if not sys.stdin.isatty():
+        piped = validate.decode_utf8(sys.stdin.buffer.read(), "stdin")
+        if piped.strip():
+            text = f"{text}\n\n{piped.rstrip()}"
+    return text
+
+
+def _chat(repl: Repl, banner: str, once: str | None = None) -> None:
+    """A PROMPT: its one reply; piped input: one message a line; a terminal: the banner, then the chat."""
+    if once is not None:
+        with repl.rescuing():
+            repl.reply(once)
+        return
     if not sys.stdin.isatty():
         if not repl.piped(sys.stdin.buffer):
             sys.exit(1)  # each failed line has had its Error: line
