@@ -200,3 +200,26 @@ def test_pull_a_repo_and_a_gguf_file_resuming_a_cut_transfer(hub, tmp_path):
     assert name.startswith("tiny.Q8_0-") and name in pull(hub, tmp_path, "ls").stdout
     missing = pull(hub, tmp_path, "pull", "org/nope")
     assert missing.returncode == 1 and len(missing.stderr.strip().splitlines()) == 1
+
+
+def test_a_failed_gguf_pull_is_one_error_without_the_hub_librarys_retry_warnings(monkeypatch):
+    """The Hub library warns on each retry (`'[Errno 111] Connection refused' thrown while requesting HEAD ...`,
+    `Retrying in 1s`); a pull keeps those off the terminal while it downloads, and leaves the level as it was."""
+    import logging
+
+    import huggingface_hub
+
+    from umakit.checkpoint.pull import pull as pull_file
+    from umakit.errors import ModelNotFoundError
+
+    hub_logger = logging.getLogger("huggingface_hub")
+    before, seen = hub_logger.getEffectiveLevel(), []
+
+    def offline(repo_id, filename):
+        seen.append(hub_logger.getEffectiveLevel())
+        raise OSError("[Errno 111] Connection refused")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", offline)
+    with pytest.raises(ModelNotFoundError, match=r"could not download org/x:y.gguf \(OSError: "):
+        pull_file("org/x", "y.gguf")
+    assert seen == [logging.ERROR] and hub_logger.getEffectiveLevel() == before

@@ -21,10 +21,16 @@ def pull(repo_id: str, filename: str | None = None,
         return files.resolve(repo_id) if "/" in repo_id else _not_a_repo(repo_id)
     if not filename.endswith(".gguf"):
         raise InvalidArgumentError(f"{filename}: umakit pulls one file of a repo only when it is a .gguf")
+    from huggingface_hub.utils import logging as hub_logging
+
+    level = hub_logging.get_verbosity()
+    hub_logging.set_verbosity_error()  # its retries' warnings are not the error (the library never prints)
     try:
         path = hf_hub_download(repo_id, filename)
     except Exception as e:  # the Hub library raises many unrelated types here
         raise ModelNotFoundError(f"could not download {repo_id}:{filename} ({type(e).__name__}: {e})") from e
+    finally:
+        hub_logging.set_verbosity(level)
     return files.resolve(path, defer_copies=defer_copies)
 
 
