@@ -132,3 +132,27 @@ def test_a_repeated_custom_id_stops_the_batch_before_it_runs(tmp_path):
     assert r.output.strip().splitlines() == [f'Error: {inp}: custom_id "a" appears on lines 1, 3; custom_ids must '
                                              'be unique']
     assert not (tmp_path / "out.jsonl").exists() and not (tmp_path / "out.errors.jsonl").exists()
+
+
+def test_a_failure_of_ours_is_that_lines_500_and_the_rest_still_run(tiny_dir, torch_models, tmp_path, monkeypatch):
+    import dataclasses
+
+    from umakit.serve import batch_file
+
+    def broken(*args):
+        raise RuntimeError("a bug")
+
+    api = batch_file.ROUTES["/v1/completions"]
+    monkeypatch.setitem(batch_file.ROUTES, "/v1/completions", dataclasses.replace(api, read=broken))
+    name = torch_models("llama").info.name
+    inp = write_jsonl(tmp_path / "in.jsonl", [
+        line("text", {"model": name, "prompt": "Paris is", "max_tokens": 3}, "/v1/completions"),
+        line("chat", {"model": name, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}),
+    ])
+    out = tmp_path / "out.jsonl"
+    r = run(tiny_dir("llama"), "-i", inp, "-o", out, *ENGINE)
+    assert r.exit_code == 1 and "Traceback" not in r.output
+    assert [row["custom_id"] for row in read_jsonl(out)] == ["chat"]
+    [failed] = read_jsonl(tmp_path / "out.errors.jsonl")
+    assert failed["custom_id"] == "text" and failed["response"]["status_code"] == 500
+    assert failed["response"]["body"]["error"]["message"] == "internal error: RuntimeError: a bug"

@@ -97,6 +97,9 @@ async def run(model, scheduler, lines: Iterable[BatchLine], done: Callable[[Batc
                 body, status = await _answer(model, scheduler, api, line, rid), 200
             except APIError as e:
                 body, status = api.error_body(e), e.status
+            except Exception as e:  # a bug of ours: this line's 500, as the server answers one; the rest still run
+                failure = APIError(500, f"internal error: {type(e).__name__}: {e}")
+                body, status = api.error_body(failure), failure.status
             done(line, record(line.custom_id, rid, status, body))
 
     await asyncio.gather(*(one(line) for line in lines))
