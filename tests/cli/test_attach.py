@@ -4,7 +4,6 @@ server's figures, Ctrl-C in a chat, and one `Error:` line when the server goes a
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 

@@ -155,7 +155,8 @@ def test_installed_command_in_a_subprocess(tiny_dir):
     # `python -m umakit` is the same command, for an environment whose scripts are not on PATH
     p = subprocess.run([sys.executable, "-m", "umakit", "generate", "/definitely/not/here", "x"], capture_output=True,
                        text=True, timeout=60)
-    assert p.returncode == 1 and p.stderr.strip() == "Error: model not found: /definitely/not/here (no such directory, file or Hub repo id)"
+    assert p.returncode == 1 and p.stderr.strip() == ("Error: model not found: /definitely/not/here (no such "
+                                                      "directory, file or Hub repo id)")
     p = subprocess.run([sys.executable, "-m", "umakit", "--help"], capture_output=True, text=True, timeout=60)
     assert p.returncode == 0 and p.stdout.startswith("Usage: umakit [OPTIONS] COMMAND")
 

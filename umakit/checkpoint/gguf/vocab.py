@@ -18,9 +18,8 @@ plain added tokens, so both are matched whole in text as llama.cpp does.
 
 from __future__ import annotations
 
-import re
-
 import json
+import re
 from dataclasses import dataclass, field
 
 from umakit.errors import TokenizerError, UnsupportedModelError
@@ -74,7 +73,7 @@ def _byte_level(tokens: list[str], merges: list[str], pre: str | None, warnings:
     alphabet = set(pre_tokenizers.ByteLevel.alphabet())
     spell = dict(zip(range(256), _byte_alphabet()))
     # A few files store added tokens as raw UTF-8; BPE needs them in the byte alphabet. One search over all the
-    # tokens finds whether any is (a test a token took 0.2 s of 151,936).
+    # tokens finds whether any is (testing each token took 0.2 s for 151,936).
     outside = re.compile(f"[^{re.escape(''.join(sorted(alphabet)))}]")
     if outside.search("".join(tokens)) is None:
         vocab = dict(zip(tokens, range(len(tokens))))
