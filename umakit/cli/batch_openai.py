@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 from pathlib import Path
 
 import click
@@ -35,7 +34,6 @@ def run(model, input_path: Path, output_path: Path, batch_size: int, kv_bits, lo
     """Answer every request line not yet in ``output_path``; failed ones go to the errors file beside it."""
     from umakit.cli.format import Progress
     from umakit.cli.flags import load_draft, load_model
-    from umakit.core.fsutil import atomic_file, writing
     from umakit.generate import batch_io
     from umakit.generate.speculative import batch_lookup
     from umakit.serve import batch_file
@@ -60,15 +58,8 @@ def run(model, input_path: Path, output_path: Path, batch_size: int, kv_bits, lo
             settings = SchedulerSettings(max_concurrency=batch_size, max_queue=2 * batch_size, request_timeout_s=None,
                                          kv_bits=kv_bits, lookup=lookup, step_tokens=SchedulerSettings.prefill_chunk)
             _answer(m, Scheduler(m, settings), todo, output_path, batch_size, failed, Progress(len(todo)))
-    finally:
-        errors = batch_io.errors_path(output_path)
-        if failed:
-            with atomic_file(errors, encoding="utf-8") as f:
-                for _, rec in sorted(failed, key=lambda x: x[0]):
-                    f.write(json.dumps(rec, ensure_ascii=False) + "\n")
-        else:
-            with writing(errors):
-                errors.unlink(missing_ok=True)
+    finally:  # in input order
+        batch_io.write_errors(batch_io.errors_path(output_path), [rec for _, rec in sorted(failed, key=lambda x: x[0])])
     if failed:
         raise click.ClickException(f"{len(failed)} request(s) failed; see {batch_io.errors_path(output_path)}")
 

@@ -126,8 +126,9 @@ def errors_path(output: str | os.PathLike) -> Path:
     return output.with_name(stem + ".errors.jsonl")
 
 
-def write_errors(path: str | os.PathLike, errors: list[LineError]) -> None:
-    """Write the errors file whole (or remove a stale one when there are none)."""
+def write_errors(path: str | os.PathLike, errors: list[LineError | dict]) -> None:
+    """Write the errors file whole, a line each (a `LineError`, or a record already made: an OpenAI batch
+    file's), or remove a stale one when there are none."""
     path = Path(path)
     if not errors:
         with writing(path):
@@ -135,7 +136,7 @@ def write_errors(path: str | os.PathLike, errors: list[LineError]) -> None:
         return
     with atomic_file(path, encoding="utf-8") as f:
         for e in errors:
-            f.write(json.dumps(e.to_dict(), ensure_ascii=False) + "\n")
+            f.write(json.dumps(e if isinstance(e, dict) else e.to_dict(), ensure_ascii=False) + "\n")
 
 
 def result_record(item_id, result: GenerationResult) -> dict:

@@ -10,6 +10,7 @@ error, whatever raised it, is answered by `_error_response` in OpenAI's shape.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
@@ -206,7 +207,7 @@ class _Server:
             name = _model_name(data)
             keep_alive = _keep_alive(data.pop("keep_alive", None))
             lease = await self.models.acquire(name, self.timeout_s)
-            try:
+            with scheduler_refusals():
                 lease.scheduler.check_room()  # before any work for the request
                 # rendering the template, tokenizing and checking take milliseconds to seconds (a long
                 # conversation): on a thread, so the streams in flight on this loop never wait for them
@@ -215,12 +216,8 @@ class _Server:
                 if namespace:  # each key's prompts apart from the others' (guard.py `Keys`)
                     sub.request.cache_salt = f"{namespace}/{sub.request.cache_salt}"
                 handle = lease.scheduler.submit(sub.request, asyncio.get_running_loop())
-            except QueueFull as e:
-                raise APIError(429, str(e), headers={"Retry-After": str(max(1, math.ceil(e.retry_after_s)))}) from e
-            except NeverFits as e:
-                raise APIError(400, str(e), param="max_tokens", code="kv_cache_exceeded") from e
             watcher = asyncio.create_task(_watch_disconnect(request, handle))
-            events = _events(handle, None if self.timeout_s is None else self.timeout_s + TIMEOUT_GRACE_S)
+            events = request_events(handle, None if self.timeout_s is None else self.timeout_s + TIMEOUT_GRACE_S)
             try:
                 first = await anext(events)  # before any byte is sent, so an early failure keeps its status
             except BaseException:
@@ -353,7 +350,19 @@ async def _watch_disconnect(request: Request, handle) -> None:
     handle.queue.put_nowait(_GONE)
 
 
-async def _events(handle, timeout_s: float | None):
+@contextlib.contextmanager
+def scheduler_refusals():
+    """A scheduler's refusals as the API's errors: a full queue is a 429 with its Retry-After, a request whose KV
+    cache can never fit a 400."""
+    try:
+        yield
+    except QueueFull as e:
+        raise APIError(429, str(e), headers={"Retry-After": str(max(1, math.ceil(e.retry_after_s)))}) from e
+    except NeverFits as e:
+        raise APIError(400, str(e), param="max_tokens", code="kv_cache_exceeded") from e
+
+
+async def request_events(handle, timeout_s: float | None):
     """The request's events up to and including its last one; an `ErrorEvent` raises its `APIError`."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:

@@ -17,10 +17,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from umakit.serve.api_errors import APIError
-from umakit.serve.app import OPENAI_CHAT, OPENAI_COMPLETIONS, OPENAI_RESPONSES, API
-from umakit.serve.jobs import NeverFits
+from umakit.serve.app import (OPENAI_CHAT, OPENAI_COMPLETIONS, OPENAI_RESPONSES, API, request_events,
+                              scheduler_refusals)
 from umakit.serve.outputs import request_id
-from umakit.serve.types import ErrorEvent, FinalEvent
 
 ROUTES = {"/v1/chat/completions": OPENAI_CHAT, "/v1/completions": OPENAI_COMPLETIONS,
           "/v1/responses": OPENAI_RESPONSES}
@@ -113,18 +112,10 @@ async def _answer(model, scheduler, api: API, line: BatchLine, rid: str) -> dict
                        param="model")
     sub = await asyncio.to_thread(api.read, model, line.body, rid, None)
     sub.output.name = name
-    try:
+    with scheduler_refusals():
         handle = scheduler.submit(sub.request, asyncio.get_running_loop())
-    except NeverFits as e:
-        raise APIError(400, str(e), param="max_tokens", code="kv_cache_exceeded") from e
-    tokens = []
-    while True:
-        event = await handle.get()
-        if isinstance(event, ErrorEvent):
-            raise APIError(event.status, event.message, code=event.code)
-        if isinstance(event, FinalEvent):
-            return sub.output.full(tokens, event)
-        tokens.append(event)
+    events = [event async for event in request_events(handle, None)]  # an error event raises its APIError
+    return sub.output.full(events[:-1], events[-1])
 
 
 def read(path) -> tuple[list[BatchLine], list[tuple[int, str | None, str]]]:
