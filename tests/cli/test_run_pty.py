@@ -112,6 +112,24 @@ def test_piped_mode_is_deterministic_and_plain():
     assert "\x1b[" not in outs[0].stdout and outs[0].stderr == ""  # no colours, no footers
 
 
+def test_ctrl_c_during_a_one_shot_reply_ends_the_process_as_generate_does():
+    """`umakit run PROMPT`'s Ctrl-C is generate's: "Interrupted." and exit code 130, not a chat's stopped turn."""
+    import signal
+    import time
+
+    from umakit.checkpoint.default import packaged_gguf
+
+    proc = subprocess.Popen([EXE, "run", str(packaged_gguf()), "Write a long story about the sea.", "--max-tokens",
+                             "2000", "--no-server"], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    time.sleep(6)  # loaded and replying
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and err.strip().splitlines()[-1] == "Interrupted.", err
+    assert out and "reply stopped" not in err and "Traceback" not in err
+
+
 def first_reply(line: str) -> str:
     """What `umakit generate` answers ``line`` greedily: a chat's first reply, as the chat renders it.
 

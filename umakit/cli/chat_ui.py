@@ -168,6 +168,10 @@ class Repl:
         with Interrupt() as stop:
             self._reply(text, stop)
 
+    def reply_once(self, text: str) -> None:
+        """`umakit run MODEL PROMPT`'s one reply: Ctrl-C ends the process, as it ends `generate`, not the reply."""
+        self._reply(text, Interrupt())  # never entered: its flag stays down, and Ctrl-C raises KeyboardInterrupt
+
     def _reply(self, text: str, stop: Interrupt) -> None:
         self._info = TurnInfo()
 

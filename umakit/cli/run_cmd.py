@@ -102,7 +102,7 @@ def _chat(repl: Repl, banner: str, once: str | None = None) -> None:
     """A PROMPT: its one reply; piped input: one message a line; a terminal: the banner, then the chat."""
     if once is not None:
         with repl.rescuing():
-            repl.reply(once)
+            repl.reply_once(once)
         return
     if not sys.stdin.isatty():
         if not repl.piped(sys.stdin.buffer):
