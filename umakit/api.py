@@ -15,7 +15,7 @@ from umakit.plan import roofline
 from umakit.generate import speculative
 from umakit.core import validate
 from umakit.core.affine import DEFAULT_GROUP_SIZE
-from umakit.backends.base import OFFLOAD, QUANTIZE, Engine, KVCache, TokenConstraint, WeightInfo, refuse_options
+from umakit.backends.base import DETERMINISTIC, OFFLOAD, QUANTIZE, Engine, KVCache, TokenConstraint, WeightInfo, refuse_options
 from umakit.errors import InvalidArgumentError, UnsupportedModelError
 from umakit.generate.batch import BatchRun, BatchStream, generate_batch, stream_batch
 from umakit.generate.constrain import from_options
@@ -45,6 +45,7 @@ class LoadInfo:
     context_length: int
     warnings: list[str] = field(default_factory=list)  # e.g. weights near the memory limit
     offload: OffloadPlan | None = None  # the layer split when layers stream from host memory
+    deterministic: bool = False  # every token on its own decode step's arithmetic (`Engine.make_deterministic`)
 
 
 def load_info(engine: Engine, name: str, path: Path | None, load_s: float, size_on_disk: int) -> LoadInfo:
@@ -262,6 +263,7 @@ def load(
     vram_budget: int | str | None = None,
     parallel: str | None = None,
     import_progress: Callable[[int, int], None] | None = None,
+    deterministic: bool = False,
 ) -> Model:
     """Load a model directory, Hub repo id, .gguf file, or (None) the built-in default.
 
@@ -277,10 +279,13 @@ def load(
     stream the remaining layers from host memory on every step (torch backend;
     on a CPU the copies are host copies, see umakit/plan/placement.py). ``parallel`` ("tensor" or "pipeline"), under
     mlx.launch: this rank's shard of the model; rank 0 gets the Model, the other ranks follow it, then exit.
+    ``deterministic``: every token the model computes gets its own decode step's bits, so a greedy or seeded
+    reply does not depend on how its prompt was split or what ran beside it (`Engine.make_deterministic`).
     """
     t0 = time.perf_counter()
     offload = gpu_layers is not None or vram_budget is not None
-    needs = frozenset(needs) | ({QUANTIZE} if quantize is not None else set()) | ({OFFLOAD} if offload else set())
+    needs = frozenset(needs) | ({QUANTIZE} if quantize is not None else set()) | ({OFFLOAD} if offload else set()) \
+        | ({DETERMINISTIC} if deterministic else set())
     backend = backends.parallel_backend(backend, parallel)
     backends.resolve(backend, device, needs)  # refuse the user's words before fetching or importing a model
     # a GGUF's first use writes what the engine that loads it reads (chosen by the model's architecture)
@@ -304,10 +309,13 @@ def load(
             raise e from None  # the first engine's reason: the checkpoint is what neither holds
         choice_note = f"running on {fallback[0]} ({fallback[1]}): {engine_name} cannot load it ({e})"
         engine_name, device = fallback
+    if deterministic:
+        engine.make_deterministic()
     info = load_info(engine, checkpoint.display_name(ckpt.path), path, time.perf_counter() - t0,
                       sum(f.stat().st_size for f in ckpt.files))
     if choice_note:  # why "auto" passed over its first engine, shown with the load's warnings
         info.warnings.insert(0, choice_note)
+    info.deterministic = deterministic
     return Model(engine, tokenizer, info, peak_bandwidth=peak_bandwidth)
 
 

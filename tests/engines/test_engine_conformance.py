@@ -259,6 +259,25 @@ def test_lookup_feature_is_declared_honestly(engine):
     tokens.close()
 
 
+def test_deterministic_feature_is_declared_honestly(engine, tiny_dir):
+    """Without ``deterministic`` the mode is refused by name; with it, an engine that cannot hold this load to
+    it (the torch engine off its fused CPU step: float32 layers, CUDA) says why, and one that can gives a prompt
+    split in two passes the bits of one (tests/engines/test_deterministic.py has the rest)."""
+    fresh = type(engine).from_checkpoint(checkpoint.open_checkpoint(tiny_dir("llama")), device=engine.device,
+                                         dtype="float32")  # the module's engine stays as it is
+    try:
+        fresh.make_deterministic()
+    except InvalidArgumentError as e:
+        assert "--deterministic" in str(e)
+        return
+    assert base.DETERMINISTIC in engine.features
+    whole, split = fresh.make_cache(), fresh.make_cache()
+    fresh.prefill(PROMPT[:-1], whole)
+    fresh.prefill(PROMPT[:3], split)
+    fresh.prefill(PROMPT[3:-1], split)
+    assert np.array_equal(fresh.logits(PROMPT[-1:], whole), fresh.logits(PROMPT[-1:], split))
+
+
 @pytest.mark.parametrize("bits", [None, 4])
 def test_synthetic_engine_runs_the_protocol(engine, tiny_dir, bits):
     config = checkpoint.open_checkpoint(tiny_dir("llama")).config

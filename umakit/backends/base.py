@@ -23,8 +23,8 @@ if TYPE_CHECKING:
     import numpy as np
 
 __all__ = ["PREFILL_CHUNK", "MAX_LOGPROBS", "QUANTIZED_KV", "BATCH", "BATCH_KV_BITS", "CONSTRAIN", "QUANTIZE",
-           "OFFLOAD", "EXPORT", "LOOKUP", "MIXED", "FEATURES", "FEATURE_NAMES", "EngineSpec", "KVCache", "WeightInfo",
-           "TokenConstraint", "BatchRow", "Lookup", "BatchDecoder", "Engine", "refuse_options"]
+           "OFFLOAD", "EXPORT", "LOOKUP", "MIXED", "DETERMINISTIC", "FEATURES", "FEATURE_NAMES", "EngineSpec",
+           "KVCache", "WeightInfo", "TokenConstraint", "BatchRow", "Lookup", "BatchDecoder", "Engine", "refuse_options"]
 
 # Optional features an engine declares (its spec's ``features``):
 QUANTIZED_KV = "kv_bits"  # a quantized KV cache (make_cache(kv_bits=4|8))
@@ -36,12 +36,14 @@ OFFLOAD = "offload"  # stream layers from host memory (from_checkpoint(gpu_layer
 EXPORT = "export"  # hand its loaded weights back in checkpoint layout (export_weights())
 LOOKUP = "batch_lookup"  # batch rows that speculate by prompt lookup (batch_decoder(lookup=Lookup(...)))
 MIXED = "mixed_steps"  # a prompt slice in the rows' own forward pass (batch_decoder(mixed=True))
-FEATURES = (QUANTIZED_KV, BATCH, BATCH_KV_BITS, CONSTRAIN, QUANTIZE, OFFLOAD, EXPORT, LOOKUP, MIXED)
+DETERMINISTIC = "deterministic"  # every token on its own decode step's arithmetic (make_deterministic())
+FEATURES = (QUANTIZED_KV, BATCH, BATCH_KV_BITS, CONSTRAIN, QUANTIZE, OFFLOAD, EXPORT, LOOKUP, MIXED, DETERMINISTIC)
 # How an error names a feature to the user: the flag or option that asks for it.
 FEATURE_NAMES = {QUANTIZED_KV: "--kv-bits", BATCH: "batched decoding", BATCH_KV_BITS: "--kv-bits in a batch",
                  CONSTRAIN: "constrained decoding (a schema, regex, grammar or forced tool call)",
                  QUANTIZE: "--quantize", OFFLOAD: "--gpu-layers and --vram-budget", EXPORT: "exporting its weights",
-                 LOOKUP: "--prompt-lookup or --draft in batch and serve", MIXED: "--mixed-steps"}
+                 LOOKUP: "--prompt-lookup or --draft in batch and serve", MIXED: "--mixed-steps",
+                 DETERMINISTIC: "--deterministic"}
 
 MAX_LOGPROBS = 20  # most alternatives a batch row may ask for (OpenAI's top_logprobs limit)
 
@@ -352,6 +354,14 @@ class Engine(Protocol):
         slice in the rows' pass with ``mixed`` True (feature ``mixed_steps``; `InvalidArgumentError` where the
         model cannot), never with False, and where the engine finds it pays with None."""
 
+    def make_deterministic(self) -> None:
+        """From now on (feature ``deterministic``) every token this engine computes gets the bits of its own
+        one-token decode step, whatever pass it rides in: a prompt's tokens however it is split (a prompt
+        cache's prefix, slices, chunks), a batch's rows whatever rows run beside them, a verification's. So a
+        greedy reply, and a seeded one, is the same wherever a prompt came from. `InvalidArgumentError` where
+        this model or device cannot; afterwards, for what would leave it (``make_cache(kv_bits)``,
+        ``batch_decoder(kv_bits=..., mixed=True)``)."""
+
     def weight_info(self) -> WeightInfo: ...
 
     def kv_bytes_per_token(self, kv_bits: int | None = None) -> int:
@@ -372,9 +382,10 @@ def refuse_options(spec: EngineSpec, **options) -> None:
     from umakit.errors import InvalidArgumentError
 
     needs = {"quantize": QUANTIZE, "gpu_layers": OFFLOAD, "vram_budget": OFFLOAD, "batch_kv_bits": BATCH_KV_BITS,
-             "constrain": CONSTRAIN, "lookup": LOOKUP, "mixed": MIXED}
+             "constrain": CONSTRAIN, "lookup": LOOKUP, "mixed": MIXED, "deterministic": DETERMINISTIC}
     for key, value in options.items():
         if value is not None and value is not False and needs[key] not in spec.features:
-            name = FEATURE_NAMES[needs[key]] if needs[key] in (BATCH_KV_BITS, CONSTRAIN, LOOKUP, MIXED) else \
+            name = FEATURE_NAMES[needs[key]] if needs[key] in (BATCH_KV_BITS, CONSTRAIN, LOOKUP, MIXED,
+                                                                DETERMINISTIC) else \
                 key.replace("_", "-")
             raise InvalidArgumentError(f"the {spec.name} backend does not support {name}")

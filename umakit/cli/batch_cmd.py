@@ -9,9 +9,10 @@ import click
 from umakit.backends.base import BATCH
 from umakit.generate.batch import DEFAULT_BATCH_SIZE
 
-from umakit.cli.flags import (SAMPLING_KEYS, batch_kv_needs, constraint_options, follow_unless_leader, kv_bits_option,
-                              load_draft, load_model, lookup_needs, lookup_options, model_argument, model_options,
-                              offload_options, parallel_option, read_constraint, sampling_options)
+from umakit.cli.flags import (SAMPLING_KEYS, batch_kv_needs, check_deterministic, constraint_options,
+                              deterministic_option, follow_unless_leader, kv_bits_option, load_draft, load_model,
+                              lookup_needs, lookup_options, model_argument, model_options, offload_options,
+                              parallel_option, read_constraint, sampling_options)
 from umakit.cli.format import Progress
 
 
@@ -33,11 +34,12 @@ from umakit.cli.format import Progress
 @constraint_options(for_items=True)
 @sampling_options
 @model_options
+@deterministic_option
 @offload_options
 @parallel_option
 def batch_cmd(model, input_path, output_path, batch_size, system, raw, stop, kv_bits, prompt_lookup, draft, draft_tokens,
               ngram, json_schema, regex, choices, grammar, max_tokens, seed, backend, device, dtype, peak_bandwidth,
-              gpu_layers, vram_budget, parallel, **sampling):
+              deterministic, gpu_layers, vram_budget, parallel, **sampling):
     """Generate a reply to every prompt of a JSON Lines file, in batches."""
     from umakit.cli import batch_openai
     from umakit.generate import batch_io
@@ -46,10 +48,10 @@ def batch_cmd(model, input_path, output_path, batch_size, system, raw, stop, kv_
     from umakit.generate.speculative import batch_lookup
 
     batch_lookup(prompt_lookup, draft_tokens, ngram, draft)  # checked before anything loads
+    check_deterministic(deterministic, kv_bits)
     load = dict(backend=backend, device=device, dtype=dtype, peak_bandwidth=peak_bandwidth,
                 needs={BATCH} | batch_kv_needs(kv_bits) | lookup_needs(prompt_lookup or draft is not None),
-                gpu_layers=gpu_layers,
-                vram_budget=vram_budget)
+                gpu_layers=gpu_layers, vram_budget=vram_budget, deterministic=deterministic)
     follow_unless_leader(parallel, model, **load)  # a follower reads no input and writes no output
     batch_io.check_paths(input_path, output_path)
     lookup = dict(prompt_lookup=prompt_lookup, draft=draft, draft_tokens=draft_tokens, ngram=ngram)

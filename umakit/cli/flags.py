@@ -255,8 +255,28 @@ def _speculation(f, per: str, draft: str, lookup: str):
 
 
 def load_draft(m, draft):
-    """The --draft model, loaded on the target's engine and device (None without --draft)."""
-    return None if draft is None else load_model(draft, backend=m.info.backend, device=m.info.device)
+    """The --draft model, loaded on the target's engine and device, deterministic where it is (None without
+    --draft)."""
+    return None if draft is None else load_model(draft, backend=m.info.backend, device=m.info.device,
+                                                 deterministic=m.info.deterministic)
+
+
+def deterministic_option(f):
+    """--deterministic: every token on its own decode step's arithmetic (`umakit.load(deterministic=True)`)."""
+    return click.option(
+        "--deterministic", is_flag=True,
+        help="Give every token the bits of its own decode step: a greedy or seeded reply then does not depend "
+             "on the prompt cache, on how its prompt was split, or on what ran beside it (torch engine on a "
+             "CPU, Llama family; long prompts prefill 2-4x slower).")(f)
+
+
+def check_deterministic(deterministic: bool, kv_bits: int | None = None, mixed_steps: bool | None = None) -> None:
+    """Refuse, before anything loads, what --deterministic cannot run with."""
+    why = {"--kv-bits": "the fused CPU step, which gives every token its decode step's bits, reads float caches",
+           "--mixed-steps": "a prompt slice in the rows' pass would give them that pass's bits"}
+    for flag, value in (("--kv-bits", kv_bits), ("--mixed-steps", mixed_steps)):
+        if deterministic and value:
+            raise click.UsageError(f"--deterministic does not take {flag}: {why[flag]}")
 
 
 def constraint_options(for_items: bool = False):

@@ -11,7 +11,9 @@ import click
 from umakit.cli.format import stats_line
 from umakit.cli.flags import (
     SAMPLING_KEYS,
+    check_deterministic,
     constraint_options,
+    deterministic_option,
     follow_unless_leader,
     kv_bits_option,
     kv_needs,
@@ -42,30 +44,33 @@ from umakit.cli.flags import (
 @click.option("--no-server", is_flag=True, help="Load the model in this process even when a server answers.")
 @sampling_options
 @model_options
+@deterministic_option
 @offload_options
 @quantize_option
 @speculative_options
 @parallel_option
 def generate(model, words, prompt, system, raw, stop, kv_bits, json_schema, regex, choices, grammar, as_json,
-             server_url, no_server, max_tokens, seed, backend, device, dtype, peak_bandwidth, gpu_layers, vram_budget,
-             quantize, draft, draft_tokens, prompt_lookup, ngram, parallel, **sampling):
+             server_url, no_server, max_tokens, seed, backend, device, dtype, peak_bandwidth, deterministic, gpu_layers,
+             vram_budget, quantize, draft, draft_tokens, prompt_lookup, ngram, parallel, **sampling):
     """Generate a reply to one prompt: `umakit generate [MODEL] PROMPT`, or with -m and -p.
 
     When a umakit server answers at --server (and no flag asks for how this process loads or runs the model:
-    an engine option, --kv-bits, --quantize, offload, speculation, --json), the prompt goes there, where the
-    model may be loaded already; else, or with --no-server, the model loads here."""
+    an engine option, --kv-bits, --quantize, offload, speculation, --deterministic, --json), the prompt goes
+    there, where the model may be loaded already; else, or with --no-server, the model loads here."""
     from umakit.core import validate
 
     model, prompt = _model_and_prompt(words, model, prompt)
+    check_deterministic(deterministic, kv_bits)
     load = dict(backend=backend, device=device, dtype=dtype, peak_bandwidth=peak_bandwidth, quantize=quantize,
-                needs=kv_needs(kv_bits), gpu_layers=gpu_layers, vram_budget=vram_budget)
+                needs=kv_needs(kv_bits), gpu_layers=gpu_layers, vram_budget=vram_budget, deterministic=deterministic)
     follow_unless_leader(parallel, model, **load)  # a follower reads no input
     # Everything the user typed is checked before the model loads: no error after a reply.
     prompt = validate.decode_utf8(sys.stdin.buffer.read(), "stdin") if prompt == "-" else validate.text(prompt, "--prompt")
     system = None if system is None else validate.text(system, "--system")
     stop = tuple(validate.text(s, "--stop") for s in stop)
     constraint = read_constraint(json_schema, regex, choices, grammar)
-    local_only = (kv_bits, quantize, gpu_layers, vram_budget, draft, parallel, device, peak_bandwidth)
+    local_only = (kv_bits, quantize, gpu_layers, vram_budget, draft, parallel, device, peak_bandwidth,
+                  deterministic or None)
     if not no_server and not as_json and not prompt_lookup and all(v is None for v in local_only) \
             and backend == "auto" and dtype == "auto" and _attached(server_url, model, prompt, system, raw, max_tokens,
                                                                     stop, seed, sampling, constraint):

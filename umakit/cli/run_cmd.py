@@ -10,6 +10,8 @@ from umakit.cli.chat_ui import Repl
 from umakit.cli.format import size
 from umakit.cli.flags import (
     SAMPLING_KEYS,
+    check_deterministic,
+    deterministic_option,
     follow_unless_leader,
     kv_bits_option,
     kv_needs,
@@ -38,30 +40,33 @@ from umakit.cli.flags import (
 @click.option("--no-server", is_flag=True, help="Load the model in this process even when a server answers.")
 @sampling_options
 @model_options
+@deterministic_option
 @offload_options
 @quantize_option
 @speculative_options
 @parallel_option
 def run(model, prompt, system, max_context, kv_bits, stats, server_url, no_server, max_tokens, seed, backend, device,
-        dtype, peak_bandwidth, gpu_layers, vram_budget, quantize, draft, draft_tokens, prompt_lookup, ngram, parallel,
-        **sampling):
+        dtype, peak_bandwidth, deterministic, gpu_layers, vram_budget, quantize, draft, draft_tokens, prompt_lookup, ngram,
+        parallel, **sampling):
     """Chat with MODEL (default: the built-in SmolLM2-135M-Instruct); with PROMPT, answer it once and exit
     (text piped in is added to it after a blank line: `cat notes.txt | umakit run MODEL "Summarize this"`).
 
     When a umakit server answers at --server (and no flag asks for how this process loads or runs the model:
-    an engine option, --max-context, --kv-bits, --quantize, offload, speculation), the chat runs there, where
-    the model may be loaded already; else, or with --no-server, the model loads here."""
+    an engine option, --max-context, --kv-bits, --quantize, offload, speculation, --deterministic), the chat runs
+    there, where the model may be loaded already; else, or with --no-server, the model loads here."""
     from umakit.generate.sampling import SamplingParams
     from umakit.generate.transcript import ChatSettings
 
+    check_deterministic(deterministic, kv_bits)
     load = dict(backend=backend, device=device, dtype=dtype, peak_bandwidth=peak_bandwidth, quantize=quantize,
-                needs=kv_needs(kv_bits), gpu_layers=gpu_layers, vram_budget=vram_budget)
+                needs=kv_needs(kv_bits), gpu_layers=gpu_layers, vram_budget=vram_budget, deterministic=deterministic)
     follow_unless_leader(parallel, model, **load)  # a follower reads no input
     once = None if prompt is None else _one_message(prompt)  # read and checked before the model loads
     tty = sys.stdin.isatty() and sys.stdout.isatty()
     settings = ChatSettings(system=system, max_tokens=max_tokens, max_context=max_context, kv_bits=kv_bits, seed=seed,
                             sampling=SamplingParams(**{k: sampling[k] for k in SAMPLING_KEYS}))
-    local_only = (max_context, kv_bits, quantize, gpu_layers, vram_budget, draft, parallel, device, peak_bandwidth)
+    local_only = (max_context, kv_bits, quantize, gpu_layers, vram_budget, draft, parallel, device, peak_bandwidth,
+                  deterministic or None)
     if not no_server and not prompt_lookup and all(v is None for v in local_only) and backend == "auto" \
             and dtype == "auto":
         remote = _attached(server_url, model, settings)

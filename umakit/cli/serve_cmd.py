@@ -20,8 +20,9 @@ from umakit.serve import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S, DEFA
 from umakit.serve.types import SchedulerSettings
 
 from umakit.cli.format import size
-from umakit.cli.flags import (batch_kv_needs, follow_unless_leader, kv_bits_option, load_draft, load_model,
-                              lookup_needs, lookup_options, model_options, offload_options, parallel_option)
+from umakit.cli.flags import (batch_kv_needs, check_deterministic, deterministic_option, follow_unless_leader,
+                              kv_bits_option, load_draft, load_model, lookup_needs, lookup_options, model_options,
+                              offload_options, parallel_option)
 
 API_KEY_ENV = "UMAKIT_API_KEY"
 CONNECTIONS_SPARE = 64  # connections beyond the rows and the queue: /health, /metrics, requests refused with 429
@@ -94,12 +95,13 @@ def _size_or_zero(ctx, param, value):
 @kv_bits_option
 @lookup_options
 @model_options
+@deterministic_option
 @offload_options
 @parallel_option
 def serve_cmd(models, models_file, keep_alive, memory_budget, host, port, api_key, api_keys_file, max_concurrency,
               max_queue, prompt_cache_bytes, step_tokens, mixed_steps, max_body_bytes, request_timeout, body_timeout,
               header_timeout, send_timeout, allowed_origins, allowed_hosts, kv_bits, prompt_lookup, draft, draft_tokens,
-              ngram, backend, device, dtype, peak_bandwidth, gpu_layers, vram_budget, parallel):
+              ngram, backend, device, dtype, peak_bandwidth, deterministic, gpu_layers, vram_budget, parallel):
     """Serve models over OpenAI's and Anthropic's HTTP APIs: chat completions, completions, responses and
     messages, streamed or not, with tool calls and structured outputs.
 
@@ -113,10 +115,11 @@ def serve_cmd(models, models_file, keep_alive, memory_budget, host, port, api_ke
     from umakit.serve.scheduler import Scheduler
 
     lookup = batch_lookup(prompt_lookup, draft_tokens, ngram, draft)  # with --draft: checked, made once loaded
+    check_deterministic(deterministic, kv_bits, mixed_steps)
     load = dict(backend=backend, device=device, dtype=dtype, peak_bandwidth=peak_bandwidth,
                 needs={BATCH} | batch_kv_needs(kv_bits) | lookup_needs(prompt_lookup or draft is not None)
                 | ({MIXED} if mixed_steps else set()),
-                gpu_layers=gpu_layers, vram_budget=vram_budget)
+                gpu_layers=gpu_layers, vram_budget=vram_budget, deterministic=deterministic)
     origins = tuple(o.strip().rstrip("/") for o in allowed_origins.split(",") if o.strip())
     settings = SchedulerSettings(max_concurrency=max_concurrency, max_queue=max_queue,
                                  prompt_cache_bytes=prompt_cache_bytes, request_timeout_s=request_timeout,

@@ -255,6 +255,9 @@ class LeaderEngine:
         self.send("batch", batch=did)
         return LeaderBatch(self, did)
 
+    def make_deterministic(self) -> None:
+        refuse_options(self.spec, deterministic=True)
+
     def weight_info(self) -> WeightInfo:
         """This rank's weights, and the link time a decode step waits on."""
         return dataclasses.replace(self.local.weight_info(), comm_s_per_token=self.comm_s_per_token)

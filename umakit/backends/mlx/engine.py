@@ -305,6 +305,9 @@ class MLXEngine:
         refuse_options(SPEC, batch_kv_bits=kv_bits, mixed=mixed)
         return MLXBatchDecoder(self, lookup)
 
+    def make_deterministic(self) -> None:
+        refuse_options(SPEC, deterministic=True)
+
     def weight_info(self) -> WeightInfo:
         params = dict(tree_flatten(self.model.parameters()))
         by_cat: dict[str, int] = {}

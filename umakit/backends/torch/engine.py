@@ -48,7 +48,7 @@ from umakit.backends.base import PREFILL_CHUNK, Lookup, WeightInfo, refuse_optio
 from umakit.backends.torch import SPEC
 from umakit.backends.torch.cpu import build
 from umakit.backends.torch import crossover
-from umakit.backends.torch import peak, quant
+from umakit.backends.torch import held, peak
 from umakit.backends.torch.batch_decoder import TorchBatchDecoder
 from umakit.backends.torch.cache import GROW_STEP, StaticKVCache
 from umakit.backends.torch.ragged_cache import kv_cache
@@ -62,7 +62,6 @@ from umakit.backends.torch.load.loader import (
     check_fits,
     compute_dtype,
     layer_of,
-    named_tensors,
     plan_offload,
     stream_checkpoint,
 )
@@ -179,7 +178,7 @@ class TorchEngine:
         if plan is not None:
             streamer = self.model.streamer
             streamed = streamer.streamed_bytes if streamer else plan.streamed_bytes
-            resident = list(self._resident_tensor_bytes())
+            resident = list(held.resident_tensor_bytes(self.model, self.experts_streamer))
             fixed = plan.fixed_bytes if moe else sum(n for name, n in resident if layer_of(name) is None)
             self.offload = dataclasses.replace(
                 plan, fixed_bytes=fixed, resident_bytes=sum(n for _, n in resident), streamed_bytes=streamed,
@@ -191,6 +190,7 @@ class TorchEngine:
         # CPU: the layers of a decode step in one C++ call, where the model is one it covers (cpu/fused.py)
         # and the library builds (once per machine) and loads (cpu/build.py).
         self._fused = None
+        self._deterministic = False  # make_deterministic: every token through the fused step, row by row
         if device == "cpu" and covers(self.model):
             if build.ensure():
                 self._fused = FusedDecoder(self.model)
@@ -203,6 +203,7 @@ class TorchEngine:
     # -- engine interface -----------------------------------------------------
     def make_cache(self, kv_bits: int | None = None) -> StaticKVCache | QuantizedKVCache:
         """A float cache in the activation dtype, or with ``kv_bits`` (4 or 8) one that quantizes K and V."""
+        self._exact(None, kv_bits)
         a = self.args
         start = CUDA_CACHE_TOKENS if self.device == "cuda" else GROW_STEP
 
@@ -224,6 +225,10 @@ class TorchEngine:
         cache = cache if cache is not None else self.make_cache()
         with torch.inference_mode():
             ids = torch.tensor(list(tokens), device=self.torch_device)
+            exact = self._exact(cache)
+            if exact is not None:
+                return np.concatenate([exact(ids[i:i + PREFILL_CHUNK], cache).float().numpy()
+                                       for i in range(0, len(ids), PREFILL_CHUNK)])
             fused = self._fusing(cache)
             if fused is not None and len(ids) < crossover.FUSED_ROWS:
                 # Each row the bits of its own decode step, the one generation runs: a speculative
@@ -235,8 +240,12 @@ class TorchEngine:
         """Run ``tokens`` into ``cache``; the head is skipped."""
         ids = torch.tensor(list(tokens), dtype=torch.long, device=self.torch_device)
         with torch.inference_mode():
+            exact = self._exact(cache)
             for i in range(0, len(ids), PREFILL_CHUNK):
                 chunk = ids[i:i + PREFILL_CHUNK]
+                if exact is not None:  # as that many decode steps write them
+                    exact.prefill(chunk, cache)
+                    continue
                 positions = torch.arange(cache.offset, cache.offset + len(chunk), device=self.torch_device)
                 self.model(chunk[None], positions, cache, head=False)
 
@@ -302,6 +311,27 @@ class TorchEngine:
         where = torch.tensor(positions, dtype=torch.long, device=self.torch_device)
         return self.model.mixed(tokens, where, cache, span, ids, prompt_cache)
 
+    def make_deterministic(self) -> None:
+        if self.device != "cpu" or self._fused is None:
+            why = ("on CUDA a token's bits depend on the GEMM rows beside it; use --device cpu" if self.device != "cpu"
+                   else f"the fused CPU decode step it needs {build.reason()}" if covers(self.model) else
+                   f"the fused CPU decode step it needs does not cover {self.args.model_type} as loaded here "
+                   f"({describe_execution(self.model)}): it covers the Llama family on the CPU's quantized kernels")
+            raise InvalidArgumentError(f"--deterministic: {why}")
+        self._deterministic = True
+
+    def _exact(self, cache, kv_bits: int | None = None) -> FusedDecoder | None:
+        """Once the engine is deterministic (the fused step gives each row the bits of its own decode step,
+        whatever rows run beside it), the step every token of ``cache`` takes; ``kv_bits`` refused. Else None."""
+        if not self._deterministic:
+            return None
+        if kv_bits is not None or cache is not None and cache.kv_bits is not None:
+            raise InvalidArgumentError("--deterministic does not take --kv-bits: the fused CPU step, which gives "
+                                       "every token its decode step's bits, reads float caches")
+        if self._fusing(cache) is None:  # a layer hooked since, or inside `eager()`
+            raise InvalidArgumentError("--deterministic: the fused CPU step does not apply now")
+        return self._fused
+
     def _fusing(self, cache=None) -> FusedDecoder | None:
         """The fused CPU step where it is on and applies now (no hook on a layer it would bypass), and ``cache``,
         if given, is a float one: the step reads and writes its buffers in place."""
@@ -313,53 +343,24 @@ class TorchEngine:
         """The CUDA graphs where they are on and ``cache`` is a float one (a graph writes its buffers in place)."""
         return self._graphs if cache.kv_bits is None else None
 
-    def _resident_tensor_bytes(self) -> Iterator[tuple[str, int]]:
-        """(name, bytes) of every weight held on the device for good (streamed layers excluded)."""
-        seen: set[int] = set()
-        streamer = self.model.streamer
-        experts = self.experts_streamer
-        for name, t in named_tensors(self.model):
-            if streamer is not None and layer_of(name) in streamer.position:
-                continue  # views into the streaming ring
-            if experts is not None and layer_of(name) in experts.position and ".switch_mlp." in name:
-                continue  # routed experts held in host memory
-            if t.data_ptr() in seen:
-                continue  # a tied head shares the embedding's storage
-            seen.add(t.data_ptr())
-            yield name, t.numel() * t.element_size()
-        for name, m in self.model.named_modules():
-            if isinstance(m, quant.Fp16Linear):  # FBGEMM's packed weights are not tensors
-                yield name, m.packed_nbytes
-
     def batch_decoder(self, kv_bits: int | None = None, lookup: Lookup | None = None,
                       mixed: bool | None = None) -> TorchBatchDecoder:
+        self._exact(None, kv_bits)
+        if mixed and self._deterministic:
+            raise InvalidArgumentError("--mixed-steps and --deterministic: a prompt slice in the rows' pass gives "
+                                       "them that pass's bits; --deterministic keeps each row's own")
         if mixed and not self.model.mixes:
             raise InvalidArgumentError(f"--mixed-steps: {self.args.model_type}'s layers on the torch engine prefill a "
                                        "prompt in a pass of its own")
         # None: mixed on CUDA, where a decode step's rows are GEMM rows anyway and the weights' one read is the
         # gain; not on a CPU, where each row takes the affine kernel's bits of its lone step (docs/performance.md)
-        return TorchBatchDecoder(self, kv_bits, lookup, self.device == "cuda" if mixed is None else mixed)
+        mixed = self.device == "cuda" and not self._deterministic if mixed is None else mixed
+        return TorchBatchDecoder(self, kv_bits, lookup, mixed)
 
     def weight_info(self) -> WeightInfo:
-        by_cat: dict[str, int] = {}
-        for name, n in self._resident_tensor_bytes():
-            by_cat[common.category(name)] = by_cat.get(common.category(name), 0) + n
-        streamer = self.model.streamer
-        if streamer is not None:  # the host copies of the streamed layers
-            for cat, n in streamer.bytes_by_category.items():
-                by_cat[cat] = by_cat.get(cat, 0) + n
-        routed = sum(n for name, n in self._resident_tensor_bytes() if common.is_routed_expert(name))
-        if self.experts_streamer is not None:
-            by_cat["mlp"] = by_cat.get("mlp", 0) + self.experts_streamer.host_bytes
-            routed += self.experts_streamer.host_bytes
-        a = self.args
-        execution = describe_execution(self.model)
-        if self._fusing() is not None:
-            execution += "; fused decode step"
-        return common.weight_info(by_cat, self._params, a.vocab_size, self.kv_bytes_per_token(),
-                                  self.quantization, execution,
-                                  self.offload.streamed_bytes if self.offload is not None else 0,
-                                  routed, a.num_experts_per_tok / a.num_experts if a.num_experts else 1.0)
+        execution = describe_execution(self.model) + ("; fused decode step" if self._fusing() is not None else "")
+        return held.weight_info(self.model, self.experts_streamer, self._params, self.kv_bytes_per_token(),
+                                self.quantization, execution, self.offload)
 
     def export_weights(self):
         raise InvalidArgumentError("the torch backend holds weights in execution form and cannot export them; "

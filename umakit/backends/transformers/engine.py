@@ -193,6 +193,9 @@ class TransformersEngine:
             with torch.inference_mode():
                 logits = self.step_logits(token, cache)
 
+    def make_deterministic(self) -> None:
+        refuse_options(SPEC, deterministic=True)
+
     def batch_decoder(self, kv_bits: int | None = None, lookup: Lookup | None = None,
                       mixed: bool | None = None) -> TransformersBatchDecoder:
         refuse_options(SPEC, mixed=mixed)
