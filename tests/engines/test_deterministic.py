@@ -13,7 +13,7 @@ from click.testing import CliRunner
 
 import umakit
 from umakit.backends import base
-from umakit.backends.torch.cpu import affine_kernel, fused
+from umakit.backends.torch.cpu import affine_kernel
 from umakit.cli.main import main
 from umakit.errors import InvalidArgumentError
 from umakit.generate.sampling import SamplingParams
