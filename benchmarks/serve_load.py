@@ -2,7 +2,7 @@
 
     python benchmarks/serve_load.py [--levels 1,2,4,8,16] [--max-tokens 48] [--prompt-tokens 256]
         [--shared-prefix 1000] [--requests 2] [--llama-server PATH] [--llama-python PATH] [--skip-mlx]
-        [--step-tokens 32,48] [--steps separate,mixed]
+        [--step-tokens 32,48] [--steps separate,mixed,deterministic]
 
 Starts each server in turn on 127.0.0.1 (umakit serve; mlx-lm's server on the
 same imported weights; llama.cpp's own llama-server on the same GGUF, built
@@ -233,8 +233,9 @@ def main() -> None:
     ap.add_argument("--skip-umakit", action="store_true")
     ap.add_argument("--model", type=Path, help="a GGUF to serve instead of the built-in model (both servers)")
     ap.add_argument("--step-tokens", default="", help="comma-separated --step-tokens values: umakit once with each")
-    ap.add_argument("--steps", default="", help="comma-separated 'separate' and 'mixed': umakit once with each of "
-                                                "--separate-steps and --mixed-steps (default: neither flag)")
+    ap.add_argument("--steps", default="", help="comma-separated 'separate', 'mixed' and 'deterministic': umakit "
+                                                "once with each of --separate-steps, --mixed-steps and "
+                                                "--deterministic (default: none of them)")
     args = ap.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
     prompts = Prompts(args.prompt_tokens, args.shared_prefix)
@@ -245,7 +246,8 @@ def main() -> None:
     runs = [(step, how) for step in (args.step_tokens.split(",") if args.step_tokens else [""])
             for how in (args.steps.split(",") if args.steps else [""])]
     for step, how in ([] if args.skip_umakit else runs):
-        flags = (["--step-tokens", step] if step else []) + ([f"--{how}-steps"] if how else [])
+        flags = (["--step-tokens", step] if step else []) + (
+            ["--deterministic"] if how == "deterministic" else [f"--{how}-steps"] if how else [])
         rows += run_server(" ".join(["umakit serve (torch-CPU)" + ("," if flags else ""), *flags]),
                            [sys.executable, "-m", "umakit.cli.main", "serve", path, "--port", "{port}",
                             "--max-concurrency", str(max(top, 16)), *flags],
