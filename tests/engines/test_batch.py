@@ -9,6 +9,7 @@ from umakit.backends.base import BatchDecoder, BatchRow
 from umakit.generate.batch import BatchRequest, generate_batch, plan_batch_size, stream_batch
 from umakit.errors import InvalidArgumentError, UnsupportedModelError
 from umakit.generate.sampling import SamplingParams
+from support.markers import requires_default_model
 from support.oracle import ENGINES, MAX_TOKENS, PROMPTS, batched_prompts, sequential
 
 GREEDY = SamplingParams(temperature=0)
@@ -324,3 +325,16 @@ def test_every_way_in_checks_a_value_alike(models):
         flag = {"temperature": "--temp", "seed": "--seed"}[field]
         r = CliRunner().invoke(main, ["generate", "-p", "x", flag, str(value)])
         assert r.exit_code == 2 and message in r.output
+
+
+@requires_default_model
+def test_sixteen_rows_of_the_cpu_default_are_their_lone_runs():
+    """The built-in model's default (the fused CPU step): 16 rows in one batch, each its lone greedy run. The
+    step's output head once took the GEMMs from 16 rows, whose rows' bits depend on their neighbours: 2 of 8
+    such rows then matched their lone runs."""
+    model = umakit.load(backend="torch", device="cpu")
+    prompts = [f"Write a long story about a lighthouse keeper named {name}." for name in
+               ("Ann", "Bo", "Cy", "Di", "Ed", "Flo", "Gus", "Hal")] * 2
+    rows = model.generate_batch(prompts, max_tokens=48, temperature=0, batch_size=16)
+    for prompt, row in zip(prompts[:8], rows[:8]):
+        assert row.tokens == model.generate(prompt, max_tokens=48, temperature=0).tokens, prompt
