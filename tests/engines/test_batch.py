@@ -338,3 +338,28 @@ def test_sixteen_rows_of_the_cpu_default_are_their_lone_runs():
     rows = model.generate_batch(prompts, max_tokens=48, temperature=0, batch_size=16)
     for prompt, row in zip(prompts[:8], rows[:8]):
         assert row.tokens == model.generate(prompt, max_tokens=48, temperature=0).tokens, prompt
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gemma3"])
+def test_rows_on_the_eager_cpu_layers_are_their_lone_runs_past_the_gemm_crossover(quantized, family, monkeypatch):
+    """Families the fused step does not cover decode a batch's rows in one eager pass: 18 rows, past the
+    kernel's GEMM crossover (lowered to 4 rows here, so on every CPU), each still its lone greedy run. Before,
+    the projections and experts of such a pass took the GEMMs: 4 of 18 qwen3_moe rows parted from their lone
+    runs."""
+    from umakit.backends.torch.cpu import affine_kernel
+
+    monkeypatch.setattr(affine_kernel, "dense_rows", lambda: 4)
+    model = umakit.load(quantized(family, 4), backend="torch", device="cpu", dtype="bfloat16")
+    engine = model.engine
+    assert engine._fused is None
+    ids = model.tokenizer.encode("It is a truth universally acknowledged, that a single man in possession of a good")
+    prompts = [ids[:4 + i] for i in range(18)]
+    decoder = engine.batch_decoder()
+    decoder.add([BatchRow(i, p, GREEDY) for i, p in enumerate(prompts)])
+    got: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+    for _ in range(10):
+        for rid, token in decoder.step():
+            got[rid].append(token)
+    for i, p in enumerate(prompts):
+        stream = engine.generate_tokens(p, engine.make_cache(), GREEDY)
+        assert got[i] == [next(stream) for _ in got[i]], i

@@ -301,7 +301,8 @@ class TorchEngine:
         if fused is not None:
             return fused.rows(tokens, positions, cache, slots)
         where = torch.tensor(positions, dtype=torch.long, device=self.torch_device)
-        return self.model.decode_rows(tokens, where, cache if slots is None else cache.slotted(slots), span)
+        with affine_kernel.rows_alone():  # each row the kernel's bits of its lone step, however many rows
+            return self.model.decode_rows(tokens, where, cache if slots is None else cache.slotted(slots), span)
 
     def _mixed_rows(self, tokens: torch.Tensor, positions: list[int], cache, span: int, prompt: Sequence[int],
                     prompt_cache) -> torch.Tensor:

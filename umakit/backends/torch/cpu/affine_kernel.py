@@ -13,8 +13,10 @@ and F16C, or AVX-512 (`available`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -73,6 +75,27 @@ def dense_rows() -> int:
         return crossover.AFFINE_INT8X2_DENSE_ROWS
     return crossover.AFFINE_INT8X2_BF16_DENSE_ROWS if prefill_gemm() == "bfloat16" else \
         crossover.AFFINE_INT8X2_ONEDNN_DENSE_ROWS
+
+
+ALONE = 1 << 62  # as `dense_rows`: never, each row its own dot products
+_rows = threading.local()
+
+
+@contextlib.contextmanager
+def rows_alone():
+    """Within it (on this thread), every layer on the kernel gives each input row the bits it gives that row
+    alone, however many rows come: the eager layers' batch decode step, whose rows are each a sequence's own step
+    (from `dense_rows` rows on, a GEMM's rows take bits that depend on their neighbours')."""
+    before = getattr(_rows, "alone", False)
+    _rows.alone = True
+    try:
+        yield
+    finally:
+        _rows.alone = before
+
+
+def _dense_rows_now() -> int:
+    return ALONE if getattr(_rows, "alone", False) else dense_rows()
 
 
 def prefill_gemm() -> str:
@@ -223,7 +246,7 @@ class AffineLinear(nn.Module):
         shape, dtype = x.shape[:-1], x.dtype
         codes, sb = self.parts
         y = torch.ops.umakit.affine_mm(x.reshape(-1, self.in_features).float(), codes, sb, self.bits, self.groups,
-                                       dense_rows(), gemm_form())
+                                       _dense_rows_now(), gemm_form())
         if y.shape[1] > self.out_features:  # a lone part's padding rows
             y = y[:, : self.out_features]
         if self.bias is not None:
@@ -273,4 +296,4 @@ def expert_rows(forms: tuple, act: int, x: torch.Tensor, idx: torch.Tensor) -> t
     first = layers[:3]
     return torch.ops.umakit.expert_rows(x, idx, picked, planes, [m.bits[0] for m in first],
                                         [m.groups[0] for m in first], [m.out_features for m in first], act,
-                                        dense_rows(), gemm_form())
+                                        _dense_rows_now(), gemm_form())
