@@ -215,3 +215,13 @@ def test_auto_takes_the_next_engine_when_its_pick_cannot_load_the_checkpoint(tin
     monkeypatch.setattr(MLXEngine, "from_checkpoint", classmethod(refuse_too))
     with pytest.raises(UnsupportedModelError, match="stacked where transformers fuses them"):  # the first reason
         umakit.load(path, dtype="float32")
+
+
+def test_a_model_some_engine_runs_but_not_with_the_features_asked_is_not_called_unsupported(monkeypatch):
+    """qwen3_5_moe_text with --deterministic: transformers runs it, without the feature; the error says that,
+    where it once said no engine supports the model at all."""
+    _cpu_only(monkeypatch)
+    with pytest.raises(InvalidArgumentError, match=r"no backend here runs qwen3_5_moe_text with --deterministic: "
+                                                   r"torch does not run qwen3_5_moe_text; transformers does not "
+                                                   r"support --deterministic"):
+        backends.choose("auto", needs=frozenset({"deterministic"}), model_type="qwen3_5_moe_text")

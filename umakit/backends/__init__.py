@@ -162,14 +162,17 @@ def _auto(device: str | None, needs: frozenset[str], model_type: str | None, rop
     able = [(e, d) for e, d in candidates if _why_not(e, needs, model_type, rope_kind) is None]
     if not able:
         engines = dict.fromkeys(e for e, _ in candidates)
-        if any(not ENGINES[e].runs(model_type) for e in engines):
+        if not any(ENGINES[e].runs(model_type) for e in engines):
             names = "; ".join(f"{e} runs {ENGINES[e].named_architectures()}" for e in engines)
             raise UnsupportedModelError(f"model_type {model_type!r} is not supported by any engine: {names}")
-        if any(not ENGINES[e].applies(rope_kind) for e in engines):
+        if not any(ENGINES[e].applies(rope_kind) for e in engines if ENGINES[e].runs(model_type)):
             why = "; ".join(filter(None, (_why_not(e, needs, model_type, rope_kind) for e in engines)))
             raise UnsupportedModelError(f"no engine here applies {rope_kind!r} RoPE scaling, which this checkpoint "
                                         f"sets: {why}")
-        raise InvalidArgumentError(f"no backend supports {_named(needs)} on {candidates[0][1]}")
+        why = "; ".join(filter(None, (_why_not(e, needs, model_type, rope_kind) for e in engines)))
+        what = f"no backend supports {_named(needs)} on {candidates[0][1]}" if model_type is None else \
+            f"no backend here runs {model_type} with {_named(needs)}"
+        raise InvalidArgumentError(f"{what}: {why}")
     engine, where = next(((e, d) for e, d in able if _usable(e)), able[0])
     skipped = dict.fromkeys(r for e, _ in candidates[:candidates.index((engine, where))]
                             if (r := _why_not(e, needs, model_type, rope_kind)))
