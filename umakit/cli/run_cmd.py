@@ -86,7 +86,8 @@ def run(model, prompt, system, max_context, kv_bits, stats, server_url, no_serve
         offload = (f"{i.offload.gpu_layers}/{i.offload.layers} layers on {i.device}, "
                    f"{size(i.offload.streamed_bytes)} streamed per token · ")
     with m.engine.wired():
-        _chat(repl, f"{i.name} · {i.backend}/{i.device} {i.dtype} · {w.quantization} · context "
+        _chat(repl, f"{i.name} · {i.backend}/{i.device} {i.dtype}{' (deterministic)' if i.deterministic else ''} · "
+                    f"{w.quantization} · context "
                     f"{session.settings.max_context} · weights {size(w.total_bytes)} · {offload}loaded in "
                     f"{i.load_s:.1f} s · /help for commands", once)
 

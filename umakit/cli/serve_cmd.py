@@ -329,7 +329,8 @@ def _banner(m, port: int, host: str, api_key: list[str]) -> None:
     auth = f' \\\n      -H "Authorization: Bearer ${API_KEY_ENV}"' if api_key else ""
     key = f'os.environ["{API_KEY_ENV}"]' if api_key else '"none"'
     lines = [
-        f"Serving {m.info.name} ({m.info.backend}/{m.info.device}, {m.info.dtype}) at {base} · Ctrl-C stops",
+        f"Serving {m.info.name} ({m.info.backend}/{m.info.device}, {m.info.dtype}"
+        f"{', deterministic' if m.info.deterministic else ''}) at {base} · Ctrl-C stops",
         "",
         f"    curl {base}/chat/completions -H 'Content-Type: application/json'{auth} \\",
         f"      -d '{body}'",
