@@ -95,8 +95,8 @@ def main() -> None:
                 rates[name].append(decode_tps(m.engine, prompts, args.tokens))
         rows.append((f"batch decode, {b} rows, tok/s", {k: statistics.median(v) for k, v in rates.items()}, "{:.1f}"))
     splits = {name: changed_splits(m.engine, chats[:args.prompts], args.greedy) for name, m in models.items()}
-    print(f"{first.info.name} on {first.info.weights.quantization} ({first.info.device}), {time.strftime('%Y-%m-%d')}; median of "
-          f"{args.repeat}, the two loads alternating\n")
+    print(f"{first.info.name} on {first.info.weights.quantization} ({first.info.device}), "
+          f"{time.strftime('%Y-%m-%d')}; median of {args.repeat}, the two loads alternating\n")
     print("| measure | default | --deterministic | ratio |")
     print("|---|---:|---:|---:|")
     for label, values, form in rows:

@@ -15,7 +15,8 @@ from umakit.plan import roofline
 from umakit.generate import speculative
 from umakit.core import validate
 from umakit.core.affine import DEFAULT_GROUP_SIZE
-from umakit.backends.base import DETERMINISTIC, OFFLOAD, QUANTIZE, Engine, KVCache, TokenConstraint, WeightInfo, refuse_options
+from umakit.backends.base import (DETERMINISTIC, OFFLOAD, QUANTIZE, Engine, KVCache, TokenConstraint, WeightInfo,
+                                  refuse_options)
 from umakit.errors import InvalidArgumentError, UnsupportedModelError
 from umakit.generate.batch import BatchRun, BatchStream, generate_batch, stream_batch
 from umakit.generate.constrain import from_options

@@ -46,8 +46,8 @@ from umakit.cli.flags import (
 @speculative_options
 @parallel_option
 def run(model, prompt, system, max_context, kv_bits, stats, server_url, no_server, max_tokens, seed, backend, device,
-        dtype, peak_bandwidth, deterministic, gpu_layers, vram_budget, quantize, draft, draft_tokens, prompt_lookup, ngram,
-        parallel, **sampling):
+        dtype, peak_bandwidth, deterministic, gpu_layers, vram_budget, quantize, draft, draft_tokens, prompt_lookup,
+        ngram, parallel, **sampling):
     """Chat with MODEL (default: the built-in SmolLM2-135M-Instruct); with PROMPT, answer it once and exit
     (text piped in is added to it after a blank line: `cat notes.txt | umakit run MODEL "Summarize this"`).
 
