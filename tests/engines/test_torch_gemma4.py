@@ -319,3 +319,22 @@ def test_the_servers_prompt_cache_reuses_a_gemma4_conversation_part_way(gemma4):
     finally:
         s.stop()
         loop.close()
+
+
+def test_deterministic_gives_every_token_its_decode_steps_bits(gemma4, tmp_path, monkeypatch):
+    """--deterministic on gemma4's eager layers (each variant: per-layer inputs of 16 floats, whose activation a
+    row at a time keeps the scalar tail a lone step's loop takes; shared KV layers; two cache shapes), past the
+    GEMM crossover (lowered to 4 rows)."""
+    from click.testing import CliRunner
+
+    from support import exact
+    from umakit.backends.torch.cpu import affine_kernel
+    from umakit.cli.main import main
+
+    _, path = gemma4
+    out = tmp_path / "q4"
+    result = CliRunner().invoke(main, ["quantize", str(path), "-o", str(out), "--bits", "4", "--group-size", "32"])
+    assert result.exit_code == 0, result.output
+    monkeypatch.setattr(affine_kernel, "dense_rows", lambda: 4)
+    model = umakit.load(out, backend="torch", device="cpu", deterministic=True)
+    exact.assert_exact(model.engine, PROMPT[:30])

@@ -197,3 +197,14 @@ def test_a_kept_packing_that_does_not_fit_is_refused_not_run(tmp_path, monkeypat
     monkeypatch.setattr(affine_kernel.AffineLinear, "_fits", staticmethod(lambda *a: False))
     with pytest.raises(umakit.errors.CheckpointError, match="does not fit this load"):
         umakit.load(path, backend="torch", device="cpu")
+
+
+def test_deterministic_gives_every_token_its_decode_steps_bits(packed_checkpoint, monkeypatch):
+    """--deterministic on gpt-oss's eager layers: sinks, a sliding window, MXFP4 experts, past the GEMM crossover
+    (lowered to 4 rows)."""
+    from support import exact
+    from umakit.backends.torch.cpu import affine_kernel
+
+    monkeypatch.setattr(affine_kernel, "dense_rows", lambda: 4)
+    model = umakit.load(packed_checkpoint[0], backend="torch", device="cpu", deterministic=True)
+    exact.assert_exact(model.engine, PROMPT[:30])

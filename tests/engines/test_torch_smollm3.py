@@ -84,7 +84,7 @@ def test_the_fused_step_leaves_rope_out_where_the_eager_step_does(smollm3, tmp_p
 
 
 def test_a_config_without_the_list_takes_every_interval_th_layer_as_transformers_does():
-    from umakit.backends.torch.model.llama import nope_layers
+    from umakit.backends.torch.model.rope import nope_layers
 
     assert nope_layers({"num_hidden_layers": 8, "no_rope_layers": None}) == (3, 7)
     assert nope_layers({"num_hidden_layers": 6, "no_rope_layer_interval": 3}) == (2, 5)

@@ -9,8 +9,8 @@ import click
 from umakit.backends.base import BATCH
 from umakit.generate.batch import DEFAULT_BATCH_SIZE
 
-from umakit.cli.flags import (SAMPLING_KEYS, batch_kv_needs, check_deterministic, constraint_options,
-                              deterministic_option, follow_unless_leader, kv_bits_option, load_draft, load_model,
+from umakit.cli.flags import (SAMPLING_KEYS, batch_kv_needs, constraint_options, deterministic_option,
+                              follow_unless_leader, kv_bits_option, load_draft, load_model,
                               lookup_needs, lookup_options, model_argument, model_options, offload_options,
                               parallel_option, read_constraint, sampling_options)
 from umakit.cli.format import Progress
@@ -48,7 +48,6 @@ def batch_cmd(model, input_path, output_path, batch_size, system, raw, stop, kv_
     from umakit.generate.speculative import batch_lookup
 
     batch_lookup(prompt_lookup, draft_tokens, ngram, draft)  # checked before anything loads
-    check_deterministic(deterministic, kv_bits)
     load = dict(backend=backend, device=device, dtype=dtype, peak_bandwidth=peak_bandwidth,
                 needs={BATCH} | batch_kv_needs(kv_bits) | lookup_needs(prompt_lookup or draft is not None),
                 gpu_layers=gpu_layers, vram_budget=vram_budget, deterministic=deterministic)

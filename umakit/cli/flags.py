@@ -267,16 +267,7 @@ def deterministic_option(f):
         "--deterministic", is_flag=True,
         help="Give every token the bits of its own decode step: a greedy or seeded reply then does not depend "
              "on the prompt cache, on how its prompt was split, or on what ran beside it (torch engine on a "
-             "CPU, Llama family; long prompts prefill 2-4x slower).")(f)
-
-
-def check_deterministic(deterministic: bool, kv_bits: int | None = None, mixed_steps: bool | None = None) -> None:
-    """Refuse, before anything loads, what --deterministic cannot run with."""
-    why = {"--kv-bits": "the fused CPU step, which gives every token its decode step's bits, reads float caches",
-           "--mixed-steps": "a prompt slice in the rows' pass would give them that pass's bits"}
-    for flag, value in (("--kv-bits", kv_bits), ("--mixed-steps", mixed_steps)):
-        if deterministic and value:
-            raise click.UsageError(f"--deterministic does not take {flag}: {why[flag]}")
+             "CPU, quantized models; long prompts prefill 2-4x slower).")(f)
 
 
 def constraint_options(for_items: bool = False):

@@ -11,7 +11,6 @@ import click
 from umakit.cli.format import stats_line
 from umakit.cli.flags import (
     SAMPLING_KEYS,
-    check_deterministic,
     constraint_options,
     deterministic_option,
     follow_unless_leader,
@@ -60,7 +59,6 @@ def generate(model, words, prompt, system, raw, stop, kv_bits, json_schema, rege
     from umakit.core import validate
 
     model, prompt = _model_and_prompt(words, model, prompt)
-    check_deterministic(deterministic, kv_bits)
     load = dict(backend=backend, device=device, dtype=dtype, peak_bandwidth=peak_bandwidth, quantize=quantize,
                 needs=kv_needs(kv_bits), gpu_layers=gpu_layers, vram_budget=vram_budget, deterministic=deterministic)
     follow_unless_leader(parallel, model, **load)  # a follower reads no input

@@ -10,7 +10,6 @@ from umakit.cli.chat_ui import Repl
 from umakit.cli.format import size
 from umakit.cli.flags import (
     SAMPLING_KEYS,
-    check_deterministic,
     deterministic_option,
     follow_unless_leader,
     kv_bits_option,
@@ -57,7 +56,6 @@ def run(model, prompt, system, max_context, kv_bits, stats, server_url, no_serve
     from umakit.generate.sampling import SamplingParams
     from umakit.generate.transcript import ChatSettings
 
-    check_deterministic(deterministic, kv_bits)
     load = dict(backend=backend, device=device, dtype=dtype, peak_bandwidth=peak_bandwidth, quantize=quantize,
                 needs=kv_needs(kv_bits), gpu_layers=gpu_layers, vram_budget=vram_budget, deterministic=deterministic)
     follow_unless_leader(parallel, model, **load)  # a follower reads no input

@@ -20,7 +20,7 @@ from umakit.serve import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S, DEFA
 from umakit.serve.types import SchedulerSettings
 
 from umakit.cli.format import size
-from umakit.cli.flags import (batch_kv_needs, check_deterministic, deterministic_option, follow_unless_leader,
+from umakit.cli.flags import (batch_kv_needs, deterministic_option, follow_unless_leader,
                               kv_bits_option, load_draft, load_model, lookup_needs, lookup_options, model_options,
                               offload_options, parallel_option)
 
@@ -115,7 +115,9 @@ def serve_cmd(models, models_file, keep_alive, memory_budget, host, port, api_ke
     from umakit.serve.scheduler import Scheduler
 
     lookup = batch_lookup(prompt_lookup, draft_tokens, ngram, draft)  # with --draft: checked, made once loaded
-    check_deterministic(deterministic, kv_bits, mixed_steps)
+    if deterministic and mixed_steps:
+        raise click.UsageError("--deterministic does not take --mixed-steps: a prompt slice in the rows' pass would "
+                               "give them that pass's bits")
     load = dict(backend=backend, device=device, dtype=dtype, peak_bandwidth=peak_bandwidth,
                 needs={BATCH} | batch_kv_needs(kv_bits) | lookup_needs(prompt_lookup or draft is not None)
                 | ({MIXED} if mixed_steps else set()),

@@ -110,11 +110,12 @@ class BatchKVCache:
             mine[:, slot, :, :n] = theirs[:, 0, :, :n]
 
     def get(self, slot: int, n: int, single) -> None:
-        """Copy row ``slot``'s first ``n`` positions into an empty single-sequence cache."""
-        single.reserve(n)
+        """Copy row ``slot``'s positions up to ``n`` into a single-sequence cache, after the ones it holds."""
+        at = single.offset
+        single.reserve(n - at)
         for mine, theirs in zip(self.buffers, self._single(single), strict=True):
-            theirs[:, 0, :, :n] = mine[:, slot, :, :n]
-        single.advance(n)
+            theirs[:, 0, :, at:n] = mine[:, slot, :, at:n]
+        single.advance(n - at)
 
     def keep(self, slots: list[int], span: int) -> None:
         """Make slot i hold what slot ``slots[i]`` held (its first ``span`` positions), copying only the rows that

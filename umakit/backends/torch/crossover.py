@@ -46,6 +46,12 @@ the fused decode step where it applies (cpu/fused.py), each row exactly its own 
 verification accepts what plain decoding would pick.
 """
 
+from __future__ import annotations
+
+import contextlib
+import threading
+
+
 DENSE_ROWS = 192  # input rows from which a CPU int4 layer dequantizes and runs one GEMM
 DENSE_BLOCK = 4096  # output rows dequantized at a time: a float32 block of a 49152-row head stays ~20 MB
 FUSED_ROWS = 32  # logits of fewer tokens than this come from the fused step, row by row
@@ -54,3 +60,37 @@ AFFINE_INT8_DENSE_ROWS = 1 << 62  # on int8 inputs in one pass: never (faster at
 AFFINE_INT8X2_DENSE_ROWS = 32  # on int8 inputs in two passes (the VNNI default), the GEMMs torch's BLAS
 AFFINE_INT8X2_ONEDNN_DENSE_ROWS = 32  # the same, the GEMMs on oneDNN in float32
 AFFINE_INT8X2_BF16_DENSE_ROWS = 16  # in bfloat16
+
+ALONE = 1 << 62  # as a layer's dense rows: never, each row its own dot products
+_rows = threading.local()
+
+
+@contextlib.contextmanager
+def rows_alone():
+    """Within it (on this thread), every quantized CPU layer gives each input row the bits it gives that row alone,
+    however many rows come, skipping the crossovers above: a batch's rows on the eager layers, each a sequence's
+    own decode step, and --deterministic's prompt tokens (from a crossover on, a GEMM's rows take bits that depend
+    on their neighbours')."""
+    before = alone()
+    _rows.alone = True
+    try:
+        yield
+    finally:
+        _rows.alone = before
+
+
+def alone() -> bool:
+    """Whether this thread is within `rows_alone`."""
+    return getattr(_rows, "alone", False)
+
+
+def each_row(fn, x):
+    """``fn(x)``, an elementwise op over rows along x's first dimension; within `rows_alone`, a row at a time where
+    a row is not a whole number of vector loops (32 floats): torch's loops compute what is left past their last
+    whole pair of vectors with the op's scalar form, whose transcendental functions round otherwise, and rows
+    side by side move that boundary."""
+    if not alone() or x.shape[-1] % 32 == 0 or x.shape[0] == 1:
+        return fn(x)
+    import torch
+
+    return torch.cat([fn(row) for row in x.split(1)])

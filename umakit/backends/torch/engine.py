@@ -48,7 +48,7 @@ from umakit.backends.base import PREFILL_CHUNK, Lookup, WeightInfo, refuse_optio
 from umakit.backends.torch import SPEC
 from umakit.backends.torch.cpu import build
 from umakit.backends.torch import crossover
-from umakit.backends.torch import held, peak
+from umakit.backends.torch import exact_rows, held, peak
 from umakit.backends.torch.batch_decoder import TorchBatchDecoder
 from umakit.backends.torch.cache import GROW_STEP, StaticKVCache
 from umakit.backends.torch.ragged_cache import kv_cache
@@ -190,7 +190,7 @@ class TorchEngine:
         # CPU: the layers of a decode step in one C++ call, where the model is one it covers (cpu/fused.py)
         # and the library builds (once per machine) and loads (cpu/build.py).
         self._fused = None
-        self._deterministic = False  # make_deterministic: every token through the fused step, row by row
+        self._rows = None  # make_deterministic's eager path (exact_rows.py), where the fused step does not run
         if device == "cpu" and covers(self.model):
             if build.ensure():
                 self._fused = FusedDecoder(self.model)
@@ -203,7 +203,6 @@ class TorchEngine:
     # -- engine interface -----------------------------------------------------
     def make_cache(self, kv_bits: int | None = None) -> StaticKVCache | QuantizedKVCache:
         """A float cache in the activation dtype, or with ``kv_bits`` (4 or 8) one that quantizes K and V."""
-        self._exact(None, kv_bits)
         a = self.args
         start = CUDA_CACHE_TOKENS if self.device == "cuda" else GROW_STEP
 
@@ -301,7 +300,7 @@ class TorchEngine:
         if fused is not None:
             return fused.rows(tokens, positions, cache, slots)
         where = torch.tensor(positions, dtype=torch.long, device=self.torch_device)
-        with affine_kernel.rows_alone():  # each row the kernel's bits of its lone step, however many rows
+        with crossover.rows_alone():  # each row the kernel's bits of its lone step, however many rows
             return self.model.decode_rows(tokens, where, cache if slots is None else cache.slotted(slots), span)
 
     def _mixed_rows(self, tokens: torch.Tensor, positions: list[int], cache, span: int, prompt: Sequence[int],
@@ -313,25 +312,17 @@ class TorchEngine:
         return self.model.mixed(tokens, where, cache, span, ids, prompt_cache)
 
     def make_deterministic(self) -> None:
-        if self.device != "cpu" or self._fused is None:
-            why = ("on CUDA a token's bits depend on the GEMM rows beside it; use --device cpu" if self.device != "cpu"
-                   else f"the fused CPU decode step it needs {build.reason()}" if covers(self.model) else
-                   f"the fused CPU decode step it needs does not cover {self.args.model_type} as loaded here "
-                   f"({describe_execution(self.model)}): it covers the Llama family on the CPU's quantized kernels")
+        why = ("on CUDA a token's bits depend on the GEMM rows beside it; use --device cpu" if self.device != "cpu"
+               else exact_rows.refusal(self.model))
+        if why:
             raise InvalidArgumentError(f"--deterministic: {why}")
-        self._deterministic = True
+        self._rows = exact_rows.ExactRows(self)
 
-    def _exact(self, cache, kv_bits: int | None = None) -> FusedDecoder | None:
-        """Once the engine is deterministic (the fused step gives each row the bits of its own decode step,
-        whatever rows run beside it), the step every token of ``cache`` takes; ``kv_bits`` refused. Else None."""
-        if not self._deterministic:
-            return None
-        if kv_bits is not None or cache is not None and cache.kv_bits is not None:
-            raise InvalidArgumentError("--deterministic does not take --kv-bits: the fused CPU step, which gives "
-                                       "every token its decode step's bits, reads float caches")
-        if self._fusing(cache) is None:  # a layer hooked since, or inside `eager()`
-            raise InvalidArgumentError("--deterministic: the fused CPU step does not apply now")
-        return self._fused
+    def _exact(self, cache) -> FusedDecoder | exact_rows.ExactRows | None:
+        """Once the engine is deterministic, the path every token of ``cache`` takes, each row its own decode
+        step's bits whatever rows run beside it: the fused CPU step where it runs, else the eager layers' rows.
+        Else None."""
+        return None if self._rows is None else self._fusing(cache) or self._rows
 
     def _fusing(self, cache=None) -> FusedDecoder | None:
         """The fused CPU step where it is on and applies now (no hook on a layer it would bypass), and ``cache``,
@@ -346,8 +337,7 @@ class TorchEngine:
 
     def batch_decoder(self, kv_bits: int | None = None, lookup: Lookup | None = None,
                       mixed: bool | None = None) -> TorchBatchDecoder:
-        self._exact(None, kv_bits)
-        if mixed and self._deterministic:
+        if mixed and self._rows is not None:
             raise InvalidArgumentError("--mixed-steps and --deterministic: a prompt slice in the rows' pass gives "
                                        "them that pass's bits; --deterministic keeps each row's own")
         if mixed and not self.model.mixes:
@@ -355,7 +345,7 @@ class TorchEngine:
                                        "prompt in a pass of its own")
         # None: mixed on CUDA, where a decode step's rows are GEMM rows anyway and the weights' one read is the
         # gain; not on a CPU, where each row takes the affine kernel's bits of its lone step (docs/performance.md)
-        mixed = self.device == "cuda" and not self._deterministic if mixed is None else mixed
+        mixed = self.device == "cuda" and self._rows is None if mixed is None else mixed
         return TorchBatchDecoder(self, kv_bits, lookup, mixed)
 
     def weight_info(self) -> WeightInfo:

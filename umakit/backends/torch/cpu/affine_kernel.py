@@ -13,10 +13,8 @@ and F16C, or AVX-512 (`available`).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
-import threading
 
 import torch
 import torch.nn.functional as F
@@ -77,25 +75,8 @@ def dense_rows() -> int:
         crossover.AFFINE_INT8X2_ONEDNN_DENSE_ROWS
 
 
-ALONE = 1 << 62  # as `dense_rows`: never, each row its own dot products
-_rows = threading.local()
-
-
-@contextlib.contextmanager
-def rows_alone():
-    """Within it (on this thread), every layer on the kernel gives each input row the bits it gives that row
-    alone, however many rows come: the eager layers' batch decode step, whose rows are each a sequence's own step
-    (from `dense_rows` rows on, a GEMM's rows take bits that depend on their neighbours')."""
-    before = getattr(_rows, "alone", False)
-    _rows.alone = True
-    try:
-        yield
-    finally:
-        _rows.alone = before
-
-
 def _dense_rows_now() -> int:
-    return ALONE if getattr(_rows, "alone", False) else dense_rows()
+    return crossover.ALONE if crossover.alone() else dense_rows()
 
 
 def prefill_gemm() -> str:

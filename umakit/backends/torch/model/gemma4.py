@@ -17,10 +17,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from umakit.backends.torch import crossover
 from umakit.backends.torch.model.llama import ACTIVATIONS, MLP, ModelArgs, RMSNorm, Step, Transformer
 from umakit.backends.torch.model.moe import SwitchMLP, mix
 from umakit.backends.torch.model.norm import ScalelessNorm
 from umakit.backends.torch.model.rope import apply_rope
+from umakit.backends.torch.model.step import each_row
 
 
 class Gemma4Attention(nn.Module):
@@ -64,12 +66,18 @@ class Gemma4Attention(nn.Module):
             k = apply_rope(self.k_norm(raw).transpose(1, 2), cos, sin)
             k, v = cache.update(self.slot, k, v.transpose(1, 2), step.positions, step.static)  # (B, nkv, S, hd)
             shared[self.slot] = k, v
+        rows = each_row(q, k, v, mask, step.positions, self._scores)
+        return self.o_proj(rows if rows is not None else self._scores(q, k, v, mask))
+
+    def _scores(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        B, nh, T, hd = q.shape
         if T == 1:  # each kv group's queries folded into the time axis, as model/llama.py does
-            out = F.scaled_dot_product_attention(q.reshape(B, nkv, nh // nkv, hd), k, v, attn_mask=mask, scale=1.0)
+            out = F.scaled_dot_product_attention(q.reshape(B, self.n_kv, nh // self.n_kv, hd), k, v, attn_mask=mask,
+                                                 scale=1.0)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0, enable_gqa=nh != nkv)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0, enable_gqa=nh != self.n_kv)
             out = out.transpose(1, 2)
-        return self.o_proj(out.reshape(B, T, nh * hd))
+        return out.reshape(B, T, nh * hd)
 
 
 class Gemma4Router(nn.Module):
@@ -141,7 +149,7 @@ class Gemma4Block(nn.Module):
             ffn = self.post_feedforward_layernorm_1(ffn) + self.post_feedforward_layernorm_2(routed)
         h = h + self.post_feedforward_layernorm(ffn)
         if extra is not None:
-            gate = self.act(self.per_layer_input_gate(h)) * extra
+            gate = crossover.each_row(self.act, self.per_layer_input_gate(h)) * extra
             h = h + self.post_per_layer_input_norm(self.per_layer_projection(gate))
         return h * self.layer_scalar
 

@@ -16,16 +16,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from umakit.checkpoint.config import SLIDING, context_length, normalized, rope_kind, text_config
-from umakit.backends.torch.model.rope import (apply_rope, dynamic_inv_freq, is_dynamic, rope_attention_factor,
-                                              rope_cos_sin, rope_inv_freq, rope_original)
+from umakit.backends.torch.model.rope import (apply_rope, dynamic_inv_freq, is_dynamic, nope_layers,
+                                              rope_attention_factor, rope_cos_sin, rope_inv_freq, rope_original)
 from umakit.errors import UnsupportedModelError
-from umakit.backends.torch import ARCHITECTURES as SUPPORTED
+from umakit.backends.torch import ARCHITECTURES as SUPPORTED, crossover
 from umakit.core.gemma4_layers import Gemma4Layers
 from umakit.backends.torch.model.gemma import gemma4_fields, gemma_fields, softcap
 from umakit.backends.torch.model.moe import SparseMoE, moe_fields
 from umakit.backends.torch.model.norm import GemmaRMSNorm, RMSNorm
 from umakit.backends.torch.model.openai_moe import GptOssMoE, gpt_oss_fields, sink_attention
-from umakit.backends.torch.model.step import Mixed, MixedCache, Step, attention_mask
+from umakit.backends.torch.model.step import Mixed, MixedCache, Step, attention_mask, each_row
 
 ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh")}
 
@@ -147,20 +147,6 @@ class ModelArgs:
         return made
 
 
-# -- masks: pure functions ----------------------------------------------------------
-
-def nope_layers(c: dict) -> tuple[int, ...]:
-    """smollm3's layers without RoPE: its ``no_rope_layers`` (1: RoPE, 0: none), or, where a config leaves that
-    out, every ``no_rope_layer_interval``-th layer (default 4), as transformers derives it."""
-    flags = c.get("no_rope_layers")
-    if flags is None:
-        interval = c.get("no_rope_layer_interval") or 4
-        flags = [int((i + 1) % interval != 0) for i in range(c["num_hidden_layers"])]
-    if len(flags) < c["num_hidden_layers"]:
-        raise UnsupportedModelError(f"no_rope_layers names {len(flags)} layers of {c['num_hidden_layers']}")
-    return tuple(i for i in range(c["num_hidden_layers"]) if not flags[i])
-
-
 # -- blocks -----------------------------------------------------------------------
 class Attention(nn.Module):
     def __init__(self, a: ModelArgs, layer: int):
@@ -209,6 +195,12 @@ class Attention(nn.Module):
             qk = apply_rope(qk, cos, sin)
         q, k = qk.split([nh, nkv], dim=1)
         k, v = cache.update(layer, k, v.transpose(1, 2), step.positions, step.static)  # (B, nkv, S, hd)
+        rows = each_row(q, k, v, mask, step.positions, self._scores)
+        return rows if rows is not None else self._scores(q, k, v, mask)
+
+    def _scores(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        B, nh, T = q.shape[:3]
+        nkv = self.n_kv
         if hasattr(self, "sinks"):
             out = sink_attention(q, k, v, mask, self.scale or self.head_dim ** -0.5, self.sinks)
         elif T == 1:
@@ -233,7 +225,7 @@ class MLP(nn.Module):
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return self.down_proj(crossover.each_row(self.act, gate) * up)
 
 
 def make_norm(a: ModelArgs, dim: int) -> nn.Module:
@@ -312,8 +304,10 @@ class Transformer(nn.Module):
             cache.advance(T)
         return self._head(x) if head else x
 
-    def decode_rows(self, tokens: torch.Tensor, positions: torch.Tensor, cache, span: int) -> torch.Tensor:
-        """Logits (B, V) for one token per row, ``tokens`` (B, 1), each at its own position (B,).
+    def decode_rows(self, tokens: torch.Tensor, positions: torch.Tensor, cache, span: int,
+                    head: bool = True) -> torch.Tensor | None:
+        """Logits (B, V) for one token per row, ``tokens`` (B, 1), each at its own position (B,); without
+        ``head``, None (the rows only written into the cache).
 
         ``cache`` is a batch cache that writes row b's key at ``positions[b]`` and
         returns its first ``span`` slots; each row sees its keys up to its position.
@@ -321,7 +315,7 @@ class Transformer(nn.Module):
         x = self._embed(tokens)
         step = self._step(positions, span, x.dtype, True, span, rows=True)
         x = self._blocks(x, step, cache, self._layer_inputs(tokens, x))
-        return self._head(x)[:, -1]
+        return self._head(x)[:, -1] if head else None
 
     def mixed(self, tokens: torch.Tensor, positions: torch.Tensor, cache, span: int, prompt: torch.Tensor,
               prompt_cache) -> torch.Tensor:

@@ -191,3 +191,15 @@ def rope_original(c: dict, max_positions: int) -> int:
             raise UnsupportedModelError(f"longrope RoPE scaling without {', '.join(missing)} is not supported")
         return int(original)
     return 0
+
+
+def nope_layers(c: dict) -> tuple[int, ...]:
+    """smollm3's layers without RoPE: its ``no_rope_layers`` (1: RoPE, 0: none), or, where a config leaves that
+    out, every ``no_rope_layer_interval``-th layer (default 4), as transformers derives it."""
+    flags = c.get("no_rope_layers")
+    if flags is None:
+        interval = c.get("no_rope_layer_interval") or 4
+        flags = [int((i + 1) % interval != 0) for i in range(c["num_hidden_layers"])]
+    if len(flags) < c["num_hidden_layers"]:
+        raise UnsupportedModelError(f"no_rope_layers names {len(flags)} layers of {c['num_hidden_layers']}")
+    return tuple(i for i in range(c["num_hidden_layers"]) if not flags[i])

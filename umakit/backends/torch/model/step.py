@@ -7,6 +7,8 @@ from typing import NamedTuple
 
 import torch
 
+from umakit.backends.torch import crossover
+
 
 def attention_mask(positions: torch.Tensor, key_len: int, window: int | None) -> torch.Tensor:
     """Boolean (T, key_len) mask: query at position p sees keys 0..p (and only the last ``window``)."""
@@ -15,6 +17,21 @@ def attention_mask(positions: torch.Tensor, key_len: int, window: int | None) ->
     if window:
         mask &= keys > positions[:, None] - window
     return mask
+
+
+def each_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor,
+             attend) -> torch.Tensor | None:
+    """Under `crossover.rows_alone`, rows of one query each (B > 1; a batch's decode step, --deterministic's prompt
+    rows): ``attend(q, k, v, mask)`` a row at a time, each over exactly its own keys with the mask its lone step
+    has (none where it masks nothing), since a masked tail of keys can move a row's bits. None elsewhere."""
+    if q.shape[0] == 1 or q.shape[2] != 1 or mask is None or not crossover.alone():
+        return None
+    rows = []
+    for b, n in enumerate((positions + 1).tolist()):
+        m = mask[b:b + 1, ..., :n]
+        lone = None if bool(m.all() if m.dtype == torch.bool else (m == 0).all()) else m
+        rows.append(attend(q[b:b + 1], k[b:b + 1, :, :n], v[b:b + 1, :, :n], lone))
+    return torch.cat(rows)
 
 
 class Step(NamedTuple):

@@ -86,7 +86,7 @@ class Int4PackLinear(nn.Module):
         x = x.reshape(-1, self.in_features)  # (M, K)
         if dtype != torch.bfloat16:
             x = x.to(torch.bfloat16)
-        if self.dense_prefill and x.shape[0] >= crossover.DENSE_ROWS:
+        if self.dense_prefill and x.shape[0] >= crossover.DENSE_ROWS and not crossover.alone():
             block = crossover.DENSE_BLOCK
             y = torch.cat([F.linear(x, self.dequantized(r, r + block)) for r in range(0, self.out_features, block)],
                           dim=-1)
@@ -168,6 +168,11 @@ class Fp16Linear(nn.Module):
         return self._packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if crossover.alone() and x.dim() > 1 and x.numel() > x.shape[-1]:  # each row as alone: one call a row
+            lone = [1] * (x.dim() - 1)  # each row shaped as a lone step's input
+            rows = x.reshape(-1, x.shape[-1])
+            y = torch.cat([torch.ops.quantized.linear_dynamic_fp16(r.view(*lone, -1), self.packed) for r in rows])
+            return y.view(*x.shape[:-1], -1)
         return torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
 
 
