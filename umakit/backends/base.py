@@ -359,8 +359,7 @@ class Engine(Protocol):
         one-token decode step, whatever pass it rides in: a prompt's tokens however it is split (a prompt
         cache's prefix, slices, chunks), a batch's rows whatever rows run beside them, a verification's. So a
         greedy reply, and a seeded one, is the same wherever a prompt came from. `InvalidArgumentError` where
-        this model or device cannot; afterwards, for what would leave it (``make_cache(kv_bits)``,
-        ``batch_decoder(kv_bits=..., mixed=True)``)."""
+        this model or device cannot; afterwards, for what would leave it (``batch_decoder(mixed=True)``)."""
 
     def weight_info(self) -> WeightInfo: ...
 

@@ -267,7 +267,7 @@ def deterministic_option(f):
         "--deterministic", is_flag=True,
         help="Give every token the bits of its own decode step: a greedy or seeded reply then does not depend "
              "on the prompt cache, on how its prompt was split, or on what ran beside it (torch engine on a "
-             "CPU, quantized models; long prompts prefill 2-4x slower).")(f)
+             "CPU, quantized models; long prompts prefill 2-6x slower).")(f)
 
 
 def constraint_options(for_items: bool = False):
