@@ -12,9 +12,10 @@ from umakit.errors import InvalidArgumentError
 from umakit.generate.batch import generate_batch
 from umakit.generate.sampling import SamplingParams
 from umakit.serve.scheduler import Scheduler
-from umakit.serve.types import FinalEvent, GenerationRequest, SchedulerSettings, TokenEvent
+from umakit.serve.types import GenerationRequest, SchedulerSettings
 from support.markers import requires_default_model
 from support.oracle import PROMPTS
+from support.serve_helpers import answers
 
 GREEDY = SamplingParams(temperature=0)
 # text that repeats, so that lookups find candidates; and the oracle's mixed prompts
@@ -236,21 +237,7 @@ def serve_all(model, lookup, rows):
     loop = asyncio.new_event_loop()
     s.start()
     try:
-        handles = [s.submit(GenerationRequest(model.encode(p, raw=True), 30, GREEDY), loop) for p in REPEATS]
-
-        async def collect(h):
-            tokens = []
-            while True:
-                e = await asyncio.wait_for(h.queue.get(), 60)
-                if isinstance(e, TokenEvent):
-                    tokens.append(e.token)
-                if isinstance(e, FinalEvent):
-                    return tokens, e
-
-        async def all_of():
-            return await asyncio.gather(*(collect(h) for h in handles))
-
-        results = loop.run_until_complete(all_of())
+        results = answers(s, loop, [GenerationRequest(model.encode(p, raw=True), 30, GREEDY) for p in REPEATS], 60)
         m = s.metrics()
     finally:
         s.stop()

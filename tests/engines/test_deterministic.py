@@ -16,11 +16,12 @@ from umakit.cli.main import main
 from umakit.errors import InvalidArgumentError
 from umakit.generate.sampling import SamplingParams
 from umakit.serve.scheduler import Scheduler
-from umakit.serve.types import ErrorEvent, FinalEvent, GenerationRequest, SchedulerSettings, TokenEvent
+from umakit.serve.types import GenerationRequest, SchedulerSettings
 
 from support import exact
 from support.exact import greedy
 from support.markers import requires_default_model
+from support.serve_helpers import answers
 
 GREEDY = SamplingParams(temperature=0)
 TEXT = "It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in want"
@@ -70,23 +71,6 @@ def test_serve_refuses_mixed_steps_with_it_before_loading():
     assert r.exit_code == 2 and "--deterministic does not take --mixed-steps" in r.output, r.output
 
 
-def _answers(scheduler, loop, requests):
-    async def collect(handle):
-        tokens = []
-        while True:
-            event = await asyncio.wait_for(handle.queue.get(), 120)
-            if isinstance(event, TokenEvent):
-                tokens.append(event.token)
-            if isinstance(event, (FinalEvent, ErrorEvent)):
-                assert isinstance(event, FinalEvent), event
-                return tokens, event
-
-    async def all_of(handles):
-        return await asyncio.gather(*(collect(h) for h in handles))
-
-    return loop.run_until_complete(all_of([scheduler.submit(r, loop) for r in requests]))
-
-
 @requires_default_model
 def test_served_turns_are_lone_runs_of_their_whole_text():
     """The built-in model behind the server's scheduler: first turns sent together, then each conversation's
@@ -101,11 +85,11 @@ def test_served_turns_are_lone_runs_of_their_whole_text():
     scheduler.start()
     try:
         prompts = [model.encode(None, c, None, False) for c in convos]
-        firsts = _answers(scheduler, loop, [GenerationRequest(p, 24, GREEDY) for p in prompts])
+        firsts = answers(scheduler, loop, [GenerationRequest(p, 24, GREEDY) for p in prompts])
         for convo, (tokens, _) in zip(convos, firsts):
             convo += [{"role": "assistant", "content": model.tokenizer.decode(tokens)},
                       {"role": "user", "content": "Tell me more about it in two sentences."}]
-        seconds = _answers(scheduler, loop, [GenerationRequest(model.encode(None, c, None, False), 32, GREEDY)
+        seconds = answers(scheduler, loop, [GenerationRequest(model.encode(None, c, None, False), 32, GREEDY)
                                              for c in convos])
     finally:
         scheduler.stop()

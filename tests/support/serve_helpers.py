@@ -141,3 +141,27 @@ def concurrent_chats(path, backend: str, tmp_path_factory, name: str, rounds: in
     finally:
         srv.stop()
     return got, want
+
+
+def answers(scheduler, loop, requests, timeout_s: float = 120) -> list[tuple[list[int], object]]:
+    """Submit ``requests`` to a started `Scheduler` on ``loop``; each one's tokens and final event, in order (an
+    error event fails the test)."""
+    import asyncio
+
+    from umakit.serve.types import FinalEvent, TokenEvent
+
+    async def collect(handle):
+        tokens = []
+        while True:
+            event = await asyncio.wait_for(handle.queue.get(), timeout_s)
+            if isinstance(event, TokenEvent):
+                tokens.append(event.token)
+            elif isinstance(event, FinalEvent):
+                return tokens, event
+            else:
+                raise AssertionError(f"the request failed: {event}")
+
+    async def all_of(handles):
+        return await asyncio.gather(*(collect(h) for h in handles))
+
+    return loop.run_until_complete(all_of([scheduler.submit(r, loop) for r in requests]))
