@@ -18,7 +18,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from umakit.backends.torch import crossover
 from umakit.errors import UnsupportedModelError
 from umakit.backends.torch.cpu import affine_kernel
 from umakit.backends.torch.quant.layout import dequantize
@@ -176,8 +175,7 @@ class SwitchMLP(nn.Module):
             y = affine_kernel.expert_rows(forms, self.native_act, x, idx)
             if y is not None:
                 return y
-        gate = crossover.each_row(self.act, self.gate_proj.apply(x, idx))
-        return self.down_proj.apply(gate * self.up_proj.apply(x, idx), idx)
+        return self.down_proj.apply(self.act(self.gate_proj.apply(x, idx)) * self.up_proj.apply(x, idx), idx)
 
     def one(self, x: torch.Tensor, e: int) -> torch.Tensor:
         """Every row of ``x`` (M, H) through expert ``e``."""

@@ -17,7 +17,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from umakit.backends.torch import crossover
 from umakit.checkpoint.config import FULL, SLIDING
 from umakit.errors import UnsupportedModelError
 from umakit.backends.torch.model.moe import Experts, SparseMoE
@@ -72,7 +71,7 @@ class GptOssExperts(nn.Module):
 
     def gathered(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """Row i of ``x`` (M, H) through expert ``idx[i]``: (M, H)."""
-        return self.down_proj.apply(crossover.each_row(self.act, self.gate_up_proj.apply(x, idx)), idx)
+        return self.down_proj.apply(self.act(self.gate_up_proj.apply(x, idx)), idx)
 
     def one(self, x: torch.Tensor, e: int) -> torch.Tensor:
         """Every row of ``x`` (M, H) through expert ``e``."""
