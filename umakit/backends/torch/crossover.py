@@ -89,7 +89,7 @@ def each_row(fn, x):
     a row is not a whole number of vector loops (32 floats): torch's loops compute what is left past their last
     whole pair of vectors with the op's scalar form, whose transcendental functions round otherwise, and rows
     side by side move that boundary. For rows that are tokens (an MLP's, gemma4's per-layer inputs), not the
-    experts' rows, which a lone step computes a token's top k of together (widths of 32 floats or more there)."""
+    experts' rows, which a lone step computes a token's top k of together."""
     if not alone() or x.shape[-1] % 32 == 0 or x.shape[0] == 1:
         return fn(x)
     import torch
