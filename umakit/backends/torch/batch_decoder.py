@@ -251,8 +251,8 @@ class TorchBatchDecoder:
 
     def _speculate(self, plans: list[list[int]]) -> list[tuple[int, int]]:
         """One step over every row's token and its proposals; a row keeps the proposals its own argmax confirms,
-        then its pick after them. On the fused CPU step each position's logits are those of its own decode step;
-        off it (CUDA, a quantized cache, a model it does not cover) a row's positions are rows of one eager
+        then its pick after them. On a CPU each position's logits are those of its own decode step (the fused
+        step's rows, or the eager layers' under `crossover.rows_alone`); on CUDA a row's positions are rows of one
         forward pass, as a batch's rows are, so their last bits may differ from a lone step's."""
         feed, positions, slots, first = [], [], [], []
         for i, plan in enumerate(plans):
