@@ -51,6 +51,8 @@ from __future__ import annotations
 import contextlib
 import threading
 
+import torch
+
 
 DENSE_ROWS = 192  # input rows from which a CPU int4 layer dequantizes and runs one GEMM
 DENSE_BLOCK = 4096  # output rows dequantized at a time: a float32 block of a 49152-row head stays ~20 MB
@@ -92,6 +94,4 @@ def each_row(fn, x):
     experts' rows, which a lone step computes a token's top k of together."""
     if not alone() or x.shape[-1] % 32 == 0 or x.shape[0] == 1:
         return fn(x)
-    import torch
-
     return torch.cat([fn(row) for row in x.split(1)])

@@ -32,7 +32,7 @@ def refusal(model: nn.Module) -> str | None:
     for name, m in model.named_modules():
         if isinstance(m, quant.QuantizedEmbedding):
             continue  # a table's rows are looked up, each alone
-        if (isinstance(m, nn.Linear) or isinstance(m, quant.QuantizedLinear)) and not isinstance(m, rowwise):
+        if isinstance(m, (nn.Linear, quant.QuantizedLinear)) and not isinstance(m, rowwise):
             return f"its layer {name} runs as {type(m).__name__}, whose rows share a GEMM (load it quantized)"
     return None
 
