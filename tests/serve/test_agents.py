@@ -259,6 +259,21 @@ def test_anthropic_tool_round_trip(server):
     assert follow.content and follow.content[0].type == "text"
 
 
+def test_anthropic_prefill_continues_as_a_raw_completion_of_the_same_text(server):
+    """The reply to a prefilled request is, token for token, the completion of the prompt transformers renders
+    with the final message continued (each request in its own prompt-cache namespace, so both prefill alike)."""
+    from transformers import AutoTokenizer
+
+    a, name = aclient(server), name_of(server)
+    turns = [*user("Name a fruit."), {"role": "assistant", "content": "Striped bananas are"}]
+    m = a.messages.create(model=name, max_tokens=6, messages=turns, extra_body={"temperature": 0, "cache_salt": "a"})
+    text = AutoTokenizer.from_pretrained(str(server.model_path)).apply_chat_template(
+        turns, continue_final_message=True, tokenize=False)
+    raw = client(server).completions.create(model=name, prompt=text, max_tokens=6, temperature=0,
+                                            extra_body={"cache_salt": "b"})
+    assert m.content[0].text == raw.choices[0].text and m.usage.input_tokens == raw.usage.prompt_tokens
+
+
 def test_anthropic_token_count_and_model_list(server):
     a, name = aclient(server), name_of(server)
     tools = [{"name": "weather", "description": "The forecast.", "input_schema": WEATHER}]

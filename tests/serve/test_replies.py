@@ -119,7 +119,7 @@ def scripted_app(tmp_path_factory, name: str, template: str, specials: tuple[str
     write_tokenizer(path, template, extra_specials=specials)
     model = umakit.load(path, backend="torch", dtype="float32")
     scripted = Scripted()
-    scripted.tokenizer = model.tokenizer
+    scripted.tokenizer, scripted.path = model.tokenizer, path
     return make_app(model, scripted), scripted, model.info.name
 
 
@@ -352,3 +352,97 @@ def test_harmony_constraints_start_where_gpt_oss_writes_what_they_govern(tmp_pat
     assert "commentary to=functions.weather " in forced.constraint.value
     free = prepare(model, ChatCall(asked, tools=[WEATHER_TOOL]))
     assert free.constraint is None  # auto: the model chooses, and the reply is parsed
+
+
+# -- a final assistant message continued (Anthropic's prefill, vLLM's continue_final_message) ------------------
+QWEN25_TEMPLATE = (Path(__file__).resolve().parent.parent / "support" / "fixtures" / "templates" /
+                   "Qwen-Qwen2.5-7B-Instruct.jinja").read_text()
+PREFILLED = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a fruit."},
+             {"role": "assistant", "content": "Striped bananas are"}]
+
+
+@pytest.fixture(scope="module", params=["thinking", "qwen25", "gpt_oss"])
+def any_app(request, tmp_path_factory):
+    template, specials, config = {"thinking": (TEMPLATE, SPECIALS, {}),
+                                  "qwen25": (QWEN25_TEMPLATE, ("<tool_call>", "</tool_call>"), {}),
+                                  "gpt_oss": (GPT_OSS_TEMPLATE, GPT_OSS_SPECIALS, {"max_position_embeddings": 4096})
+                                  }[request.param]
+    app, scripted, name = scripted_app(tmp_path_factory, f"prefill_{request.param}", template, specials, **config)
+    from transformers import AutoTokenizer  # the oracle: transformers' own rendering of a continued message
+
+    return app, scripted, name, AutoTokenizer.from_pretrained(str(scripted.path))
+
+
+def test_a_prefill_is_continued_as_transformers_renders_it_and_the_reply_is_what_follows(any_app):
+    app, scripted, name, oracle = any_app
+    scripted.text = " yellow."
+    want = oracle.apply_chat_template(PREFILLED, continue_final_message=True, tokenize=False)
+    assert want.endswith("Striped bananas are")
+    system, *turns = PREFILLED
+    reply = _post(app, "/v1/messages", {"model": name, "max_tokens": 8, "system": system["content"],
+                                        "messages": turns})
+    assert reply["content"] == [{"type": "text", "text": " yellow."}]  # only what follows the prefill
+    assert scripted.tokenizer.decode(scripted.requests[-1].prompt) == want
+    streamed = _post(app, "/v1/messages", {"model": name, "max_tokens": 8, "system": system["content"],
+                                           "messages": turns, "stream": True}, stream=True)
+    assert "".join(e["delta"]["text"] for e in streamed if e.get("type") == "content_block_delta") == " yellow."
+    chat = _post(app, "/v1/chat/completions", {"model": name, "messages": PREFILLED,
+                                               "continue_final_message": True, "add_generation_prompt": False})
+    assert chat["choices"][0]["message"]["content"] == " yellow."
+    assert scripted.tokenizer.decode(scripted.requests[-1].prompt) == want
+    # OpenAI's own meaning without the flag: the assistant message is a past turn, and a new one is opened
+    _post(app, "/v1/chat/completions", {"model": name, "messages": PREFILLED})
+    assert scripted.tokenizer.decode(scripted.requests[-1].prompt) == oracle.apply_chat_template(
+        PREFILLED, add_generation_prompt=True, tokenize=False)
+    # an empty prefill starts the reply where no prefill would
+    _post(app, "/v1/messages", {"model": name, "max_tokens": 8, "messages": [*turns[:1],
+                                                                             {"role": "assistant", "content": ""}]})
+    assert scripted.tokenizer.decode(scripted.requests[-1].prompt) == oracle.apply_chat_template(
+        turns[:1], add_generation_prompt=True, tokenize=False)
+    if not any(switch in scripted.tokenizer.chat_template for switch in ("enable_thinking", "reasoning_effort")):
+        # reasoning asked of a template without a switch: the refusal names the field the request used
+        assert _refused(app, "/v1/messages", {"model": name, "max_tokens": 8, "messages": turns[:1], "thinking": {
+            "type": "enabled", "budget_tokens": 1024}}).startswith("thinking: ")
+        assert _refused(app, "/v1/responses", {"model": name, "input": "Hi", "reasoning": {"effort": "low"}}
+                        ).startswith("reasoning.effort: ")
+
+
+def test_add_generation_prompt_false_ends_the_prompt_after_the_messages(app):
+    from transformers import AutoTokenizer
+
+    app, scripted, name = app
+    _post(app, "/v1/chat/completions", {"model": name, "messages": PREFILLED[:2], "add_generation_prompt": False})
+    oracle = AutoTokenizer.from_pretrained(str(scripted.path))
+    assert scripted.tokenizer.decode(scripted.requests[-1].prompt) == oracle.apply_chat_template(
+        PREFILLED[:2], add_generation_prompt=False, tokenize=False)
+
+
+def _refused(app, path, body) -> str:
+    import asyncio
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://localhost") as c:
+            return await c.post(path, json=body)
+
+    r = asyncio.run(go())
+    assert r.status_code == 400, r.text
+    return r.json()["error"]["message"]
+
+
+def test_what_a_continued_message_cannot_be_combined_with_is_refused_by_name(app):
+    app, scripted, name = app
+    asked = {"model": name, "max_tokens": 8, "messages": PREFILLED[1:]}
+    assert "may not end in whitespace" in _refused(app, "/v1/messages", {**asked, "messages": [
+        PREFILLED[1], {"role": "assistant", "content": "Striped "}]})
+    assert "combined with reasoning" in _refused(app, "/v1/messages", {**asked, "thinking": {
+        "type": "enabled", "budget_tokens": 1024}})
+    assert "response format" in _refused(app, "/v1/messages", {**asked, "output_config": {
+        "format": {"type": "json_schema", "schema": {"type": "object"}}}})
+    tools = [{"name": "weather", "input_schema": WEATHER_TOOL["function"]["parameters"]}]
+    assert "constrained tool call" in _refused(app, "/v1/messages", {**asked, "tools": tools,
+                                                                     "tool_choice": {"type": "any"}})
+    chat = {"model": name, "messages": PREFILLED, "continue_final_message": True}
+    assert "add_generation_prompt must not be true" in _refused(app, "/v1/chat/completions", {
+        **chat, "add_generation_prompt": True})
+    assert "must be the last one, an assistant's text" in _refused(app, "/v1/chat/completions", {
+        **chat, "messages": PREFILLED[:2]})

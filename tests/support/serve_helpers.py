@@ -23,7 +23,7 @@ class ServerProcess:
     Without a model (None), the server serves models by name."""
 
     def __init__(self, model: Path | None, args: list[str], log: Path, env: dict[str, str] | None = None):
-        self.port = free_port()
+        self.port, self.model_path = free_port(), model
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
         cmd = [sys.executable, "-m", "umakit.cli.main", "serve", *([str(model)] if model is not None else []),

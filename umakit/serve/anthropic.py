@@ -5,6 +5,7 @@ chat: content blocks to messages (``tool_use`` to an assistant's tool calls,
 ``tool_result`` to tool messages, ``thinking`` to its reasoning), ``system``
 first, ``input_schema`` tools to functions, ``tool_choice`` any/tool/none to
 required/named/none. It runs on the same scheduler, prompt cache and limits.
+A final assistant message is a prefill: the reply continues its text.
 The reply comes back as content blocks (thinking, text, tool_use) with
 Anthropic's stop reasons, or streamed as its event types (``message_start``,
 ``content_block_*``, ``message_delta``, ``message_stop``); errors have its
@@ -174,8 +175,25 @@ def _call(req: MessagesRequest) -> ChatCall:
     elif req.thinking is not None:
         kwargs["enable_thinking"] = False
     response = None if config.format is None else Constraint.json_schema(config.format.json_schema)
-    return ChatCall(messages=_messages(req), tools=tools, tool_choice=choice, parallel_tool_calls=parallel,
-                    response=response, template_kwargs=kwargs, reasoning_effort=effort)
+    messages, prefill = _prefill(_messages(req), len(req.messages) - 1)
+    asked = "thinking" if req.thinking is not None and config.effort is None else "output_config.effort"
+    return ChatCall(messages=messages, tools=tools, tool_choice=choice, parallel_tool_calls=parallel,
+                    response=response, template_kwargs=kwargs, reasoning_effort=effort, effort_field=asked,
+                    continue_final=prefill)
+
+
+def _prefill(messages: list[dict], index: int) -> tuple[list[dict], bool]:
+    """The messages, and whether the last is an assistant's text that the reply continues (a prefill); an
+    empty one is dropped, since the reply starts where it would."""
+    last = messages[-1]
+    if last["role"] != "assistant" or last.get("tool_calls"):
+        return messages, False
+    if not last["content"]:
+        return messages[:-1], False
+    if last["content"] != last["content"].rstrip():
+        raise APIError(400, "messages: a final assistant message (a prefill) may not end in whitespace",
+                       param=f"messages[{index}].content")
+    return messages, True
 
 
 def read(model, data, rid: str, timeout_s: float | None):

@@ -15,7 +15,10 @@ tools), and `prepare` does the rest once:
   template's end-of-thinking marker, and `ReplyParser` returns the thinking
   apart from the content;
 - ``chat_template_kwargs`` go to the template; ``reasoning_effort`` is mapped
-  where the template has a switch for it, and refused where it has none.
+  where the template has a switch for it, and refused where it has none;
+- a final assistant message may be continued (Anthropic's prefill, vLLM's
+  ``continue_final_message``): the prompt ends with its text, and the reply is
+  what follows it.
 """
 
 from __future__ import annotations
@@ -50,6 +53,9 @@ class ChatCall:
     response: Constraint | None = None  # response_format's
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     reasoning_effort: str | None = None
+    effort_field: str = "reasoning_effort"  # the request's field that asked for it, as errors name it
+    generation_prompt: bool | None = None  # the template's opening of the assistant's turn (None: unless continued)
+    continue_final: bool = False  # the last message is an assistant's text, which the reply continues
 
 
 @dataclass
@@ -94,14 +100,38 @@ def _template_kwargs(template: str, call: ChatCall) -> dict:
     if effort is None:
         return kwargs
     if effort not in EFFORTS:
-        raise InvalidArgumentError(f"reasoning_effort must be one of {', '.join(EFFORTS)}, got {effort!r}")
+        raise InvalidArgumentError(f"{call.effort_field} must be one of {', '.join(EFFORTS)}, got {effort!r}")
     if "reasoning_effort" in template:  # the template reads it itself (gpt-oss's)
         kwargs.setdefault("reasoning_effort", effort)
     elif "enable_thinking" in template:  # an on/off switch (Qwen3's)
         kwargs.setdefault("enable_thinking", effort not in ("none", "minimal"))
     else:
-        raise InvalidArgumentError("reasoning_effort: this model's chat template has no reasoning switch")
+        raise InvalidArgumentError(f"{call.effort_field}: this model's chat template has no reasoning switch")
     return kwargs
+
+
+def _continued(call: ChatCall) -> None:
+    """Refuse what a continued final message cannot be combined with: the reply starts inside its text."""
+    last = call.messages[-1] if call.messages else {}
+    if last.get("role") != "assistant" or not isinstance(last.get("content"), str) or last.get("tool_calls"):
+        raise InvalidArgumentError("the message to continue must be the last one, an assistant's text")
+    if call.generation_prompt:
+        raise InvalidArgumentError("a continued message is not followed by the template's generation prompt: "
+                                   "add_generation_prompt must not be true")
+    if call.reasoning_effort not in (None, "none", "minimal"):
+        raise InvalidArgumentError("a continued assistant message cannot be combined with reasoning: the reply "
+                                   "continues the message's text")
+
+
+def _cut_after_final(text: str, content: str) -> str:
+    """``text`` (the template's rendering) up to the end of the final message's ``content``, as the model
+    would have written it; transformers' ``continue_final_message`` finds it the same way."""
+    for wanted in (content, content.strip()):
+        at = text.rfind(wanted) if wanted else -1
+        if at >= 0:
+            return text[:at + len(wanted)]
+    raise InvalidArgumentError("this model's chat template does not keep the final assistant message's text as "
+                               "given, so the reply cannot continue it")
 
 
 def _thinking(template: str, prompt_text: str) -> Thinking | None:
@@ -120,8 +150,14 @@ def prepare(model, call: ChatCall) -> Prepared:
     tools = check_tools(call.tools, call.tool_choice)
     offered = tools if call.tool_choice != "none" else None
     fmt = detect(tok.chat_template)
+    if call.continue_final:
+        _continued(call)
     messages, template_tools = fmt.template_messages(call.messages, offered)
-    text = tok.render_chat(messages, tools=template_tools, **_template_kwargs(template, call))
+    opens = not call.continue_final if call.generation_prompt is None else call.generation_prompt
+    text = tok.render_chat(messages, add_generation_prompt=opens, tools=template_tools,
+                           **_template_kwargs(template, call))
+    if call.continue_final:
+        text = _cut_after_final(text, call.messages[-1]["content"])
     prompt = tok.encode(text)
     thinking = _thinking(template, text)
     constraint = None
@@ -138,6 +174,10 @@ def prepare(model, call: ChatCall) -> Prepared:
                                                         choice is None, special_tokens=special_tokens(tok)))
     else:
         constraint = call.response
+    if constraint is not None and call.continue_final:
+        raise InvalidArgumentError("a continued assistant message cannot be combined with a response format or "
+                                   "a constrained tool call (tool_choice required or named, or this template's "
+                                   "JSON tool calls): its grammar starts at the reply's beginning")
     thinks = thinking is not None and (thinking.open or not text.rstrip().endswith(thinking.end))
     forced_call = offered and call.tool_choice != "auto"
     if forced_call and fmt.call_opens_reply:

@@ -152,7 +152,7 @@ def _call(req: ResponsesRequest) -> ChatCall:
     effort = req.reasoning.effort if req.reasoning is not None else None
     return ChatCall(messages=_messages(req), tools=tools, tool_choice=_tool_choice(req.tool_choice),
                     parallel_tool_calls=req.parallel_tool_calls is not False, response=response,
-                    reasoning_effort=effort)
+                    reasoning_effort=effort, effort_field="reasoning.effort")
 
 
 def read(model, data, rid: str, timeout_s: float | None) -> Submission:

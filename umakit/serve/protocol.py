@@ -1,12 +1,10 @@
 """OpenAI's requests: models that validate once, every error body (`APIError`), and the mapping of a request
 to the scheduler's `GenerationRequest` (with, for a chat, its `umakit.serve.conversation.Prepared`).
 
-The fields umakit implements are declared. Any other top-level field is refused
-with a 400 that names it, as OpenAI's API refuses an argument it does not
-recognise: a field that would change the answer is never accepted and dropped.
-A few that cannot change it (``user``, ``metadata``, ...) are accepted.
-Sampling ranges are `umakit.generate.sampling.SamplingParams`'s own checks,
-turned into 400s that name the field.
+The fields umakit implements are declared. Any other top-level field is refused with a 400 that names it, as
+OpenAI's API refuses an argument it does not recognise: a field that would change the answer is never accepted and
+dropped. A few that cannot change it (``user``, ``metadata``, ...) are accepted. Sampling ranges are
+`umakit.generate.sampling.SamplingParams`'s own checks, turned into 400s that name the field.
 """
 
 from __future__ import annotations
@@ -36,12 +34,11 @@ SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty
 IGNORED = frozenset({"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key"})
 # Why some fields clients send are refused (any other unknown field is refused too).
 REFUSED = {
-    "logit_bias": "logit_bias is not supported",
     "functions": "'functions' is not supported: use 'tools'",
     "function_call": "'function_call' is not supported: use 'tool_choice'",
     "audio": "audio output is not supported", "prediction": "predicted outputs are not supported",
-    "web_search_options": "web search is not supported", "best_of": "best_of is not supported",
-    "echo": "echo is not supported", "suffix": "suffix is not supported",
+    "web_search_options": "web search is not supported",
+    **{k: f"{k} is not supported" for k in ("logit_bias", "best_of", "echo", "suffix")},
 }
 
 # -- requests ----------------------------------------------------------------------------------------
@@ -218,6 +215,8 @@ class ChatRequest(RequestBase):
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: str | None = None
     modalities: list[Literal["text"]] | None = None
+    continue_final_message: bool | None = None  # vLLM's: the reply continues the last (assistant) message
+    add_generation_prompt: bool | None = None  # vLLM's: False ends the prompt after the messages
 
     def chat_call(self) -> ChatCall:
         """The request in the terms every chat API shares."""
@@ -231,7 +230,8 @@ class ChatRequest(RequestBase):
             tool_choice=choice.function.name if isinstance(choice, NamedToolChoice) else choice or "auto",
             parallel_tool_calls=self.parallel_tool_calls is not False,
             response=self.response_format.constraint() if self.response_format else None,
-            template_kwargs=dict(self.chat_template_kwargs or {}), reasoning_effort=self.reasoning_effort)
+            template_kwargs=dict(self.chat_template_kwargs or {}), reasoning_effort=self.reasoning_effort,
+            generation_prompt=self.add_generation_prompt, continue_final=bool(self.continue_final_message))
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
