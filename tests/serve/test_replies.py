@@ -390,6 +390,11 @@ def test_a_prefill_is_continued_as_transformers_renders_it_and_the_reply_is_what
                                                "continue_final_message": True, "add_generation_prompt": False})
     assert chat["choices"][0]["message"]["content"] == " yellow."
     assert scripted.tokenizer.decode(scripted.requests[-1].prompt) == want
+    # Mistral's and DeepSeek's way of asking the same: the message marked as a prefix
+    prefixed = _post(app, "/v1/chat/completions", {"model": name, "messages": [
+        *PREFILLED[:2], {**PREFILLED[2], "prefix": True}]})
+    assert prefixed["choices"][0]["message"]["content"] == " yellow."
+    assert scripted.tokenizer.decode(scripted.requests[-1].prompt) == want
     # OpenAI's own meaning without the flag: the assistant message is a past turn, and a new one is opened
     _post(app, "/v1/chat/completions", {"model": name, "messages": PREFILLED})
     assert scripted.tokenizer.decode(scripted.requests[-1].prompt) == oracle.apply_chat_template(
@@ -446,3 +451,5 @@ def test_what_a_continued_message_cannot_be_combined_with_is_refused_by_name(app
         **chat, "add_generation_prompt": True})
     assert "must be the last one, an assistant's text" in _refused(app, "/v1/chat/completions", {
         **chat, "messages": PREFILLED[:2]})
+    assert "may be a prefix" in _refused(app, "/v1/chat/completions", {"model": name, "messages": [
+        PREFILLED[0], {**PREFILLED[1], "prefix": True}]})

@@ -30,10 +30,12 @@ from typing import Any
 from umakit.errors import InvalidArgumentError
 from umakit.generate.chat import thinking_markers
 from umakit.generate.constrain import Constraint, special_tokens
+from umakit.serve.api_errors import APIError
 from umakit.serve.replies import ReplyParser, Thinking
 from umakit.serve.toolcalls import GenericFormat, ToolFormat, detect, generic_auto_grammar
 
 EFFORTS = ("none", "minimal", "low", "medium", "high")
+MAX_CHARS_PER_TOKEN = 64  # more text than this a token cannot fit the context, whatever the tokenizer
 _NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 
 
@@ -188,3 +190,15 @@ def prepare(model, call: ChatCall) -> Prepared:
         lead = next((m for m in thinking.leads if thinking.end.endswith(m)), thinking.end)
         constraint = constraint.starting_after(lead)
     return Prepared(prompt, constraint, thinking, fmt if offered else None)
+
+
+def cannot_fit(call: ChatCall, limit: int) -> None:
+    """400 before the template is rendered, for a conversation that cannot fit the context whatever its tokens:
+    more messages than tokens (each takes at least one), or more text than `MAX_CHARS_PER_TOKEN` a token."""
+    if not limit:
+        return
+    chars = sum(len(m.get("content") or "") if isinstance(m.get("content"), str) else 0 for m in call.messages)
+    if len(call.messages) > limit or chars > limit * MAX_CHARS_PER_TOKEN:
+        raise APIError(400, f"This model's maximum context length is {limit} tokens; these {len(call.messages)} "
+                            f"messages ({chars} characters) cannot fit in it", param="messages",
+                       code="context_length_exceeded")

@@ -18,13 +18,12 @@ from umakit.backends.base import CONSTRAIN
 from umakit.errors import InvalidArgumentError, UmakitError
 from umakit.generate.constrain import Constraint
 from umakit.generate.sampling import DEFAULT_MAX_TOKENS, SamplingParams
-from umakit.serve.conversation import ChatCall, Prepared, prepare
+from umakit.serve.conversation import ChatCall, Prepared, cannot_fit, prepare
 from umakit.serve.api_errors import APIError
 from umakit.serve.types import GenerationRequest
 
 MAX_STOP = 4  # stop strings per request, as OpenAI allows
 MAX_STOP_CHARS = 1000  # each one's length: every new token's text is matched against each stop string's tail
-MAX_CHARS_PER_TOKEN = 64  # more text than this a token cannot fit the context, whatever the tokenizer
 UNKNOWN_CONTEXT_MAX_TOKENS = 1 << 20  # max_tokens's bound where the model does not state its context length
 MAX_TOP_LOGPROBS = 20
 INT64 = 2**63
@@ -74,6 +73,7 @@ class ChatMessage(WireModel):
     tool_call_id: str | None = None
     reasoning_content: str | None = None  # a reasoning model's thinking, as llama.cpp and vLLM return it
     reasoning: str | None = None  # ... and as OpenRouter and Ollama do
+    prefix: bool | None = None  # Mistral's and DeepSeek's: the reply continues this message (the last, an assistant's)
 
     @field_validator("content")
     @classmethod
@@ -223,6 +223,8 @@ class ChatRequest(RequestBase):
         for i, m in enumerate(self.messages):
             if m.role == "tool" and not m.tool_call_id:
                 raise APIError(400, "a tool message needs the tool_call_id it answers", param=f"messages[{i}]")
+            if m.prefix and (i < len(self.messages) - 1 or m.role != "assistant"):
+                raise APIError(400, "only the last message, an assistant's, may be a prefix", param=f"messages[{i}]")
         choice = self.tool_choice
         return ChatCall(
             messages=[m.as_message() for m in self.messages],
@@ -231,7 +233,8 @@ class ChatRequest(RequestBase):
             parallel_tool_calls=self.parallel_tool_calls is not False,
             response=self.response_format.constraint() if self.response_format else None,
             template_kwargs=dict(self.chat_template_kwargs or {}), reasoning_effort=self.reasoning_effort,
-            generation_prompt=self.add_generation_prompt, continue_final=bool(self.continue_final_message))
+            generation_prompt=self.add_generation_prompt,
+            continue_final=bool(self.continue_final_message or self.messages[-1].prefix))
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -292,9 +295,10 @@ def parse_request(cls: type[RequestBase], data, ignored: frozenset[str] = IGNORE
 
 
 def refuse_unknown(extra: dict, ignored: frozenset[str] = IGNORED) -> None:
-    """A 400 naming the first field umakit does not implement (those in ``ignored`` pass)."""
-    for key in extra:
-        if key not in ignored:
+    """A 400 naming the first field umakit does not implement (those in ``ignored`` pass, as does a null: a
+    client that writes every field it knows, null where unset, asks for nothing by it)."""
+    for key, value in extra.items():
+        if key not in ignored and value is not None:
             reason = REFUSED.get(key, f"unrecognized request argument supplied: {key}")
             raise APIError(400, f"{reason} (umakit serve refuses fields it does not implement)", param=key)
 
@@ -334,22 +338,10 @@ def generation_request(req: RequestBase, model, *, id: str, timeout_s: float | N
 
 def chat_request(model, call: ChatCall, max_tokens: int | None, **settings) -> tuple[GenerationRequest, Prepared]:
     """A chat (whichever API it came through) as the scheduler's request and its reply's format."""
-    _cannot_fit(call, model.info.context_length)
+    cannot_fit(call, model.info.context_length)
     where = "tools" if call.tools and call.tool_choice != "auto" else "messages"
     prepared = _checked(lambda: prepare(model, call), where)
     return _request(model, prepared.prompt, prepared.constraint, max_tokens, "messages", **settings), prepared
-
-
-def _cannot_fit(call: ChatCall, limit: int) -> None:
-    """400 before the template is rendered, for a conversation that cannot fit the context whatever its tokens:
-    more messages than tokens (each takes at least one), or more text than `MAX_CHARS_PER_TOKEN` a token."""
-    if not limit:
-        return
-    chars = sum(len(m.get("content") or "") if isinstance(m.get("content"), str) else 0 for m in call.messages)
-    if len(call.messages) > limit or chars > limit * MAX_CHARS_PER_TOKEN:
-        raise APIError(400, f"This model's maximum context length is {limit} tokens; these {len(call.messages)} "
-                            f"messages ({chars} characters) cannot fit in it", param="messages",
-                       code="context_length_exceeded")
 
 
 def _checked(build, where: str):
