@@ -245,7 +245,7 @@ def test_failed_requests_go_to_the_errors_file_and_a_rerun_retries_only_them(tin
     rows = [
         line("good", {"model": name, "messages": msgs, "max_tokens": 3}),
         line("other-model", {"model": "gpt-4o-mini", "messages": msgs}),
-        line("bias", {"model": name, "messages": msgs, "logit_bias": {"1": 5}}),
+        line("bias", {"model": name, "messages": msgs, "logit_bias": {"999999": 5}}),  # past the vocabulary
         line("embed", {"model": name, "input": "Hi"}, "/v1/embeddings"),
         "{not json",
         {"id": 3, "prompt": "umakit's own item, in an OpenAI file"},

@@ -189,3 +189,39 @@ def test_presence_and_frequency_penalties_cut_repeats(model):
         model.generate("The", presence_penalty=3)
     with pytest.raises(InvalidArgumentError, match="presence and frequency"):
         model.generate("The", presence_penalty=1, prompt_lookup=True)
+
+
+# -- OpenAI's logit_bias: added to the logits before everything else, on every engine ----------------------------
+def test_logit_bias_moves_the_greedy_choice_as_the_biased_logits_say(model):
+    ids = model.encode("The lazy", raw=True)
+    logits = np.asarray(model.logits(ids)[-1], dtype=np.float64)
+    ranked = np.argsort(-logits)
+    fifth = int(ranked[4])
+    lift = float(logits[ranked[0]] - logits[fifth]) + 1.0  # enough to put the fifth first, and no more
+    assert lift <= 100
+    lifted = model.generate("The lazy", temperature=0, max_tokens=1, raw=True, logit_bias={fifth: lift})
+    assert lifted.tokens == [fifth]
+    banned = model.generate("The lazy", temperature=0, max_tokens=1, raw=True, logit_bias={int(ranked[0]): -100})
+    assert banned.tokens == [int(ranked[1])]
+    # a batch row carries its own bias, beside rows with none or another; each is its lone run
+    plain = model.generate("The lazy", temperature=0, max_tokens=6, raw=True)
+    lone = model.generate("The lazy", temperature=0, max_tokens=6, raw=True, logit_bias={fifth: lift})
+    run = generate_batch(model, ["The lazy", {"prompt": "The lazy", "logit_bias": {fifth: lift}},
+                                 {"prompt": "The lazy", "logit_bias": {str(ranked[0]): -100}}],
+                         temperature=0, max_tokens=6, raw=True)
+    assert run[0].tokens == plain.tokens and run[1].tokens == lone.tokens and run[2].tokens[0] == ranked[1]
+
+
+@pytest.mark.parametrize("bias, message", [({"x": 1}, "token id"), ({5: 101}, r"\[-100, 100\]"),
+                                            ({-1: 1}, "token id"), ({5: float("nan")}, "finite"),
+                                            ({5: "a"}, "number")])
+def test_a_bad_logit_bias_is_refused_by_name(bias, message):
+    with pytest.raises(InvalidArgumentError, match=message):
+        SamplingParams(logit_bias=bias)
+
+
+def test_logit_bias_past_the_logits_and_with_speculation_is_refused(model):
+    with pytest.raises(InvalidArgumentError, match="logit_bias token id"):
+        model.generate("The", max_tokens=1, raw=True, logit_bias={10**7: 5})
+    with pytest.raises(InvalidArgumentError, match="logit bias"):
+        model.generate("The", max_tokens=4, raw=True, logit_bias={5: 5}, prompt_lookup=True)

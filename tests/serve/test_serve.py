@@ -116,6 +116,21 @@ def test_chat_matches_local_generate_with_usage(client, local, name):
     assert ext["batch_rows"] >= 1 and ext["mbu"] == pytest.approx(ext["achieved_gbps"] / ext["peak_gbps"])
 
 
+def test_logit_bias_is_the_local_generates(client, local, name):
+    """OpenAI's ``logit_bias`` (token ids as JSON's text keys) reaches the sampler as `generate`'s does."""
+    messages = user("What is the capital of France?")
+    top = local.generate(messages=messages, max_tokens=1, temperature=0).tokens[0]
+    for bias in ({top: -100}, {top: -100, local.encode("Rome", raw=True)[0]: 30}):
+        want = local.generate(messages=messages, max_tokens=6, temperature=0, logit_bias=bias)
+        r = client.chat.completions.create(model=name, messages=messages, max_tokens=6, temperature=0,
+                                           logit_bias={str(k): v for k, v in bias.items()})
+        assert r.choices[0].message.content == want.text and want.tokens[0] != top
+        c = client.completions.create(model=name, prompt="The capital of France is", max_tokens=4, temperature=0,
+                                      logit_bias={str(k): v for k, v in bias.items()})
+        assert c.choices[0].text == local.generate("The capital of France is", raw=True, max_tokens=4,
+                                                   temperature=0, logit_bias=bias).text
+
+
 def test_chat_stream_with_usage_chunk(client, local, name):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "Hi"}]}]
     want = local.generate(messages=[messages[0], user("Hi")[0]], max_tokens=10, temperature=0)
@@ -183,6 +198,7 @@ def test_logprobs(client, name):
 @pytest.mark.parametrize("field, value", [
     ("temperature", -1), ("top_p", 0), ("n", 2), ("seed", 2**70), ("top_k", -3), ("min_p", 1.5),
     ("repetition_penalty", 0), ("max_tokens", 0), ("stop", ["a", "b", "c", "d", "e"]), ("top_logprobs", 21),
+    ("logit_bias", {"5": 101}), ("logit_bias", {"x": 1}), ("logit_bias", {"99999999": 1}),
 ])
 def test_bad_values_get_400_naming_the_field(server, name, field, value):
     payload = {"model": name, "messages": user("hi"), field: value}
@@ -212,7 +228,7 @@ def test_malformed_and_incomplete_requests(server, name):
                                               "frequency_penalty": 0.5, "presence_penalty": 0.5, "user": "me",
                                               "metadata": {"a": "b"}, "logit_bias": None, "functions": None})
     assert r.status_code == 200, r.text  # a null asks for nothing (clients that write every field they know)
-    for field, value in [("whatever", {"a": 1}), ("logit_bias", {"5": 10}), ("functions", [])]:
+    for field, value in [("whatever", {"a": 1}), ("best_of", 2), ("functions", [])]:
         err = assert_error(raw(server, "/v1/chat/completions", {"model": name, "messages": user("hi"), field: value}),
                            400, param=field)
         assert field in err["message"]

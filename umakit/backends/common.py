@@ -26,7 +26,7 @@ import numpy as np
 from umakit.core import affine
 from umakit.errors import CheckpointError, InvalidArgumentError
 from umakit.backends.base import BatchRow, TokenConstraint, WeightInfo
-from umakit.generate.sampling import ArrayOps, SamplingParams, make_sampler, penalize, penalize_counts
+from umakit.generate.sampling import ArrayOps, SamplingParams, bias_row, make_sampler, penalize, penalize_counts
 
 
 def category(name: str) -> str:
@@ -181,7 +181,9 @@ class TokenSampler:
         self.penalty, self.window = sampling.repetition_penalty, sampling.repetition_context
         self.sampling = sampling
         self.counts = None  # (1, V): how often each token was drawn, for the presence and frequency penalties
-        self.plain = sampling.greedy and self.penalty == 1.0 and not sampling.counts_tokens  # a batched argmax serves it
+        self.plain = (sampling.greedy and self.penalty == 1.0 and not sampling.counts_tokens
+                      and not sampling.logit_bias)  # a batched argmax serves it
+        self.bias = None  # (1, V) on the device: `sampling.logit_bias`, made at the first draw
         self.logprobs = logprobs
         # The penalty is applied in `sample`, not in the sampler, so that log-probabilities see it.
         self._draw = make_sampler(ops, replace(sampling, repetition_penalty=1.0), ops.draw)
@@ -191,6 +193,10 @@ class TokenSampler:
     def sample(self, logits, agree: Callable = lambda token: token):
         """logits (1, V) -> (token (1,), the penalised logits it was drawn from (1, V)); ``agree`` turns the draw
         into the token fed next (a sharded engine's: rank 0's). Advances the random source and the window."""
+        if self.sampling.logit_bias:
+            if self.bias is None:
+                self.bias = self.ops.host(bias_row(self.sampling, logits.shape[-1]))
+            logits = self.ops.floating(logits) + self.bias
         logits = penalize(self.ops, logits, self.recent, self.penalty)
         if self.sampling.counts_tokens:
             if self.counts is None:

@@ -79,8 +79,29 @@ def max_tokens(value) -> int:
     return value
 
 
+LOGIT_BIAS = 100  # OpenAI's range: a bias is in [-100, 100]
+
+
+def logit_bias(value) -> tuple[tuple[int, float], ...]:
+    """A logit bias (OpenAI's ``{token id: bias}``, ids as integers or as the strings JSON gives them; or pairs),
+    as sorted ``(id, bias)`` pairs: ids non-negative integers, biases finite and in [-100, 100]."""
+    try:
+        pairs = [(key, bias) for key, bias in (value.items() if isinstance(value, dict) else value)]
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(f"logit_bias must map token ids to numbers, got {value!r}") from None
+    out = {}
+    for key, bias in pairs:
+        token = int(key) if isinstance(key, str) and key.strip().isdigit() else key
+        out[integer("a logit_bias token id", token, 0)] = float(number(f"logit_bias[{key}]", bias, -LOGIT_BIAS,
+                                                                      LOGIT_BIAS))
+    return tuple(sorted(out.items()))
+
+
 def sampling_field(name: str, value):
-    """One sampling setting checked by name (the fields of `SamplingParams`): int or float, finite, in range."""
+    """One sampling setting checked by name (the fields of `SamplingParams`): int or float, finite, in range;
+    a logit bias as `logit_bias` takes it."""
+    if name == "logit_bias":
+        return logit_bias(value)
     if name not in SAMPLING_RANGES:
         raise InvalidArgumentError(f"unknown sampling setting {name!r}; known: {', '.join(SAMPLING_RANGES)}")
     ints, lo, hi, lo_open, hi_open = SAMPLING_RANGES[name]

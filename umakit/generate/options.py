@@ -60,6 +60,8 @@ class GenerationOptions:
         None, "OpenAI's: subtract this from the logit of every token generated so far (-2 to 2; 0: off)")
     frequency_penalty: float | None = _option(
         None, "OpenAI's: subtract this times a token's count so far from its logit (-2 to 2; 0: off)")
+    logit_bias: dict[int, float] | None = _option(
+        None, "OpenAI's: ``{token id: bias}``, each bias (-100 to 100) added to that token's logit")
     schema: dict | str | Constraint | None = _option(
         None, "the reply must be JSON valid against this JSON schema (a dict, JSON text, or a `Constraint`)")
     regex: str | None = _option(None, "the reply must match this regular expression in full")
@@ -88,7 +90,7 @@ class GenerationOptions:
 PROMPT = ("messages", "system", "raw")
 LIMITS = ("max_tokens", "stop", "seed")
 SAMPLING = ("sampling", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "repetition_context",
-            "presence_penalty", "frequency_penalty")
+            "presence_penalty", "frequency_penalty", "logit_bias")
 SPECULATION = ("draft", "draft_tokens", "prompt_lookup", "ngram")
 CONSTRAINTS = ("schema", "regex", "choices", "grammar")  # at most one: umakit.generate.constrain.from_options
 ONE = (*PROMPT, *LIMITS, "kv_bits", *SAMPLING, *CONSTRAINTS, *SPECULATION)  # a reply: `Model.stream`, `Model.generate`

@@ -3,6 +3,7 @@
 A sampler is a pure function ``(logits, recent tokens, random source) -> tokens``, made by `make_sampler`,
 and these are its rules, in this order:
 
+0. a logit bias (OpenAI's ``logit_bias``) added to the model's logits;
 1. repetition penalty over the last `repetition_context` tokens (positive logits divided by the penalty,
    negative ones multiplied, as in transformers); then OpenAI's presence and frequency penalties over the
    tokens generated so far (`penalize_counts`: minus frequency x count, minus presence once a token came);
@@ -48,10 +49,11 @@ class SamplingParams:
     repetition_context: int = DEFAULT_REPETITION_CONTEXT
     presence_penalty: float = DEFAULT_PRESENCE_PENALTY  # 0 disables
     frequency_penalty: float = DEFAULT_FREQUENCY_PENALTY  # 0 disables
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit); a dict is taken too
 
     def __post_init__(self):
         # Every way in (CLI flags, /set, batch lines, API keywords) builds one of these: the checks live here once.
-        for name in SAMPLING_FIELDS:
+        for name in (*SAMPLING_FIELDS, "logit_bias"):
             object.__setattr__(self, name, validate.sampling_field(name, getattr(self, name)))
 
     @property
@@ -99,6 +101,19 @@ class ArrayOps(Protocol):
     def max(self, x): ...  # (..., 1)
     def argmax(self, x): ...
     def size(self, x) -> int: ...
+
+
+def bias_row(p: SamplingParams, width: int):
+    """``p.logit_bias`` as a dense float32 numpy row (1, ``width``), or None without one."""
+    if not p.logit_bias:
+        return None
+    import numpy as np  # this module imports the standard library only: `import umakit` reads it
+
+    ids, values = zip(*p.logit_bias)
+    validate.integer("a logit_bias token id", ids[-1], 0, width - 1)  # sorted: the last is the largest
+    row = np.zeros((1, width), dtype=np.float32)
+    row[0, list(ids)] = values
+    return row
 
 
 def penalize(ops: ArrayOps, logits, recent, penalty: float):

@@ -100,7 +100,7 @@ IGNORED = frozenset({"metadata", "service_tier", "cache_control", "inference_geo
                      "workspace_id", "diagnostics"})
 
 NOT_ANTHROPIC = ("stop", "n", "stream_options", "response_format", "min_p", "repetition_penalty",
-                 "presence_penalty", "frequency_penalty")
+                 "presence_penalty", "frequency_penalty", "logit_bias")
 
 
 def error_body(err: APIError) -> dict:

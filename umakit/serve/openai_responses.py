@@ -29,7 +29,7 @@ from umakit.serve.replies import REASONING, Piece
 from umakit.serve.types import FinalEvent, TokenEvent
 
 NOT_RESPONSES = ("stop", "n", "stream_options", "response_format", "max_tokens", "min_p", "repetition_penalty",
-                 "top_k", "presence_penalty", "frequency_penalty", "seed")
+                 "top_k", "presence_penalty", "frequency_penalty", "seed", "logit_bias")
 
 
 class InputPart(WireModel):

@@ -28,7 +28,7 @@ UNKNOWN_CONTEXT_MAX_TOKENS = 1 << 20  # max_tokens's bound where the model does 
 MAX_TOP_LOGPROBS = 20
 INT64 = 2**63
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                   "frequency_penalty")
+                   "frequency_penalty", "logit_bias")
 # Fields that cannot change the answer: accepted, and otherwise unused.
 IGNORED = frozenset({"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key"})
 # Why some fields clients send are refused (any other unknown field is refused too).
@@ -37,7 +37,7 @@ REFUSED = {
     "function_call": "'function_call' is not supported: use 'tool_choice'",
     "audio": "audio output is not supported", "prediction": "predicted outputs are not supported",
     "web_search_options": "web search is not supported",
-    **{k: f"{k} is not supported" for k in ("logit_bias", "best_of", "echo", "suffix")},
+    **{k: f"{k} is not supported" for k in ("best_of", "echo", "suffix")},
 }
 
 # -- requests ----------------------------------------------------------------------------------------
@@ -175,6 +175,7 @@ class RequestBase(WireModel):
     repetition_penalty: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # token ids (as JSON's keys are text) to the bias added to each
     seed: int | None = Field(None, ge=-INT64, lt=INT64)
     stop: str | list[str] | None = None
     n: int | None = None
@@ -322,6 +323,9 @@ def generation_request(req: RequestBase, model, *, id: str, timeout_s: float | N
         raise APIError(400, f"n must be 1: umakit serve returns one choice per request (got n={req.n})", param="n")
     logprobs = req.logprobs_count()
     sampling = sampling_from(req)
+    if sampling.logit_bias and sampling.logit_bias[-1][0] >= model.tokenizer.vocab_size:
+        raise APIError(400, f"logit_bias names token {sampling.logit_bias[-1][0]}, past the model's vocabulary of "
+                            f"{model.tokenizer.vocab_size}", param="logit_bias")
     if isinstance(req, ChatRequest):
         made, prepared = chat_request(model, _checked(req.chat_call, "response_format"), req.requested_max_tokens(),
                                       sampling=sampling, seed=req.seed, stop=req.stop, logprobs=logprobs, id=id,

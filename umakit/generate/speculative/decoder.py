@@ -95,9 +95,9 @@ class SpeculativeDecoder:
         """As `Engine.generate_tokens`: prefill ``prompt`` after ``cache``, then yield tokens until closed."""
         if not prompt:
             raise InvalidArgumentError("the prompt is empty: there is nothing to continue from")
-        if sampling.counts_tokens:
-            raise InvalidArgumentError("speculative decoding does not apply the presence and frequency penalties: "
-                                       "give one or the other")
+        if sampling.counts_tokens or sampling.logit_bias:
+            raise InvalidArgumentError("speculative decoding does not apply the presence and frequency penalties "
+                                       "or a logit bias: give one or the other")
         if not cache.trimmable:
             raise InvalidArgumentError("speculative decoding needs a KV cache that can be rewound; this model's "
                                        "sliding-window layers cannot be: drop --draft/--prompt-lookup")
