@@ -151,6 +151,10 @@ def test_completions_stream_and_not(client, local, name):
     stream = client.completions.create(model=name, prompt=["The quick brown"], max_tokens=8, temperature=0,
                                        stream=True)
     assert "".join(c.choices[0].text for c in stream) == want.text
+    ids = local.encode("The quick brown", raw=True)  # token ids, as OpenAI's completions take them too
+    for prompt in (ids, [ids]):
+        r = client.completions.create(model=name, prompt=prompt, max_tokens=8, temperature=0)
+        assert r.choices[0].text == want.text and r.usage.prompt_tokens == len(ids)
 
 
 def test_max_tokens_and_stop_strings(client, local, name):
@@ -219,6 +223,8 @@ def test_malformed_and_incomplete_requests(server, name):
                                                              b'"content": "hi"}], "temperature": NaN}' % name.encode()),
                  400, param="temperature")
     assert_error(raw(server, "/v1/completions", {"model": name, "prompt": ["a", "b"]}), 400, param="prompt")
+    for ids in ([[1], [2]], [1, 10**9], [], [1.5]):
+        assert_error(raw(server, "/v1/completions", {"model": name, "prompt": ids}), 400, param="prompt")
     image = [{"type": "image_url", "image_url": {"url": "http://x"}}]
     assert_error(raw(server, "/v1/chat/completions", {"model": name, "messages": [{"role": "user", "content": image}]}),
                  400, param="messages[0].content")

@@ -5,6 +5,7 @@
 - host.py: the models a server answers for: one fixed (`OneModel`), or many loaded by name (`ModelHost`);
 - prompt_cache.py: KV caches kept across requests, bounded in bytes;
 - protocol.py, openai_shapes.py: OpenAI's requests and replies; anthropic.py, openai_responses.py: the other APIs;
+  generation.py: a request read by any of them, as the scheduler's;
 - conversation.py, replies.py, toolcalls/: a chat's template, tools and constraint; its reply split into
   reasoning, content and tool calls;
 - outputs.py: what a request's events become for its API; api_errors.py: every error body; metrics.py: /metrics;

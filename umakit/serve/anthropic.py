@@ -25,7 +25,8 @@ from umakit.generate.constrain import Constraint
 from umakit.serve.conversation import ChatCall, prepare
 from umakit.serve.outputs import Output, Submission, named_sse
 from umakit.serve.api_errors import APIError
-from umakit.serve.protocol import INT64, RequestBase, WireModel, chat_request, parse_request, sampling_from
+from umakit.serve.generation import chat_request
+from umakit.serve.protocol import INT64, RequestBase, WireModel, parse_request, sampling_from
 from umakit.serve.replies import REASONING, Piece
 from umakit.serve.types import FinalEvent, TokenEvent
 

@@ -31,7 +31,8 @@ from starlette.routing import Route
 from umakit.serve import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, anthropic, openai_responses
 from umakit.serve.outputs import ChatOutput, CompletionOutput, Output, Submission, request_id
 from umakit.serve.api_errors import APIError, internal
-from umakit.serve.protocol import ChatRequest, CompletionRequest, generation_request, parse_request
+from umakit.serve.generation import generation_request
+from umakit.serve.protocol import ChatRequest, CompletionRequest, parse_request
 from umakit.errors import UmakitError
 from umakit.serve.host import OneModel, parse_keep_alive
 from umakit.serve.metrics import prometheus

@@ -22,8 +22,8 @@ from pydantic import Field
 from umakit.serve.conversation import ChatCall
 from umakit.serve.outputs import Output, Submission, named_sse
 from umakit.serve.api_errors import APIError
-from umakit.serve.protocol import (JSONSchemaFormat, RequestBase, WireModel, chat_request,
-                                   parse_request, sampling_from)
+from umakit.serve.generation import chat_request
+from umakit.serve.protocol import JSONSchemaFormat, RequestBase, WireModel, parse_request, sampling_from
 from umakit.generate.constrain import Constraint
 from umakit.serve.replies import REASONING, Piece
 from umakit.serve.types import FinalEvent, TokenEvent

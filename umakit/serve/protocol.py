@@ -1,5 +1,5 @@
-"""OpenAI's requests: models that validate once, every error body (`APIError`), and the mapping of a request
-to the scheduler's `GenerationRequest` (with, for a chat, its `umakit.serve.conversation.Prepared`).
+"""OpenAI's requests: models that validate once, the refusal of fields umakit does not implement, and the
+sampling settings they carry (`umakit.serve.generation` maps a request to the scheduler's).
 
 The fields umakit implements are declared. Any other top-level field is refused with a 400 that names it, as
 OpenAI's API refuses an argument it does not recognise: a field that would change the answer is never accepted and
@@ -14,13 +14,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from umakit.backends.base import CONSTRAIN
-from umakit.errors import InvalidArgumentError, UmakitError
+from umakit.errors import InvalidArgumentError
 from umakit.generate.constrain import Constraint
-from umakit.generate.sampling import DEFAULT_MAX_TOKENS, SamplingParams
-from umakit.serve.conversation import ChatCall, Prepared, cannot_fit, prepare
+from umakit.generate.sampling import SamplingParams
+from umakit.serve.conversation import ChatCall
 from umakit.serve.api_errors import APIError
-from umakit.serve.types import GenerationRequest
 
 MAX_STOP = 4  # stop strings per request, as OpenAI allows
 MAX_STOP_CHARS = 1000  # each one's length: every new token's text is matched against each stop string's tail
@@ -247,13 +245,13 @@ class ChatRequest(RequestBase):
 
 
 class CompletionRequest(RequestBase):
-    prompt: str | list[str]
+    prompt: str | list[int] | list[str] | list[list[int]]  # text or token ids, as OpenAI takes them; one a request
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
     @field_validator("prompt")
     @classmethod
     def _one_prompt(cls, prompt):
-        if isinstance(prompt, list):
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             if len(prompt) != 1:
                 raise ValueError(f"one prompt per request, got a list of {len(prompt)}")
             return prompt[0]
@@ -313,82 +311,3 @@ def sampling_from(req: RequestBase) -> SamplingParams:
         except InvalidArgumentError as e:
             raise APIError(400, str(e), param=key) from e
     return SamplingParams().with_overrides(**given)
-
-
-def generation_request(req: RequestBase, model, *, id: str, timeout_s: float | None
-                       ) -> tuple[GenerationRequest, Prepared | None]:
-    """Validate what the models alone cannot (model name, n, context, tools, constraints) and build the
-    scheduler's request, with a chat's `Prepared` (its reply's format)."""
-    if req.n not in (None, 1):
-        raise APIError(400, f"n must be 1: umakit serve returns one choice per request (got n={req.n})", param="n")
-    logprobs = req.logprobs_count()
-    sampling = sampling_from(req)
-    if sampling.logit_bias and sampling.logit_bias[-1][0] >= model.tokenizer.vocab_size:
-        raise APIError(400, f"logit_bias names token {sampling.logit_bias[-1][0]}, past the model's vocabulary of "
-                            f"{model.tokenizer.vocab_size}", param="logit_bias")
-    if isinstance(req, ChatRequest):
-        made, prepared = chat_request(model, _checked(req.chat_call, "response_format"), req.requested_max_tokens(),
-                                      sampling=sampling, seed=req.seed, stop=req.stop, logprobs=logprobs, id=id,
-                                      timeout_s=timeout_s)
-    else:
-        constraint = _checked(lambda: req.response_format.constraint() if req.response_format else None,
-                              "response_format")
-        prompt = _checked(lambda: model.encode(req.prompt, raw=True), "prompt")
-        made, prepared = _request(model, prompt, constraint, req.requested_max_tokens(), "prompt", sampling=sampling,
-                                  seed=req.seed, stop=req.stop, logprobs=logprobs, id=id, timeout_s=timeout_s), None
-    made.cache_salt = req.cache_salt or ""
-    return made, prepared
-
-
-def chat_request(model, call: ChatCall, max_tokens: int | None, **settings) -> tuple[GenerationRequest, Prepared]:
-    """A chat (whichever API it came through) as the scheduler's request and its reply's format."""
-    cannot_fit(call, model.info.context_length)
-    where = "tools" if call.tools and call.tool_choice != "auto" else "messages"
-    prepared = _checked(lambda: prepare(model, call), where)
-    return _request(model, prepared.prompt, prepared.constraint, max_tokens, "messages", **settings), prepared
-
-
-def _checked(build, where: str):
-    try:
-        return build()
-    except APIError:
-        raise
-    except UmakitError as e:  # a chat template that refuses the conversation, a schema umakit cannot enforce
-        raise APIError(400, str(e), param=where) from e
-
-
-def _request(model, prompt: list[int], constraint: Constraint | None, max_tokens: int | None, where: str, *,
-             sampling: SamplingParams, seed: int | None, stop, logprobs: int | None, id: str,
-             timeout_s: float | None) -> GenerationRequest:
-    if not prompt:
-        raise APIError(400, f"the {where} is empty", param=where)
-    matcher = None
-    if constraint is not None:
-        if CONSTRAIN not in model.engine.features:
-            raise APIError(400, f"the {model.engine.name} backend here does not support constrained decoding "
-                                f"({constraint.describe()})", param="response_format")
-        matcher = _checked(lambda: constraint.matcher(model.tokenizer), "response_format")
-    return GenerationRequest(prompt=prompt, max_tokens=_max_tokens(max_tokens, len(prompt), model.info.context_length,
-                                                                   where),
-                             sampling=sampling, seed=seed,  # seed_or_random maps any int64 into range
-                             stop=tuple(stop or ()), logprobs=logprobs, timeout_s=timeout_s, id=id,
-                             constraint=matcher)
-
-
-def _max_tokens(asked: int | None, prompt_tokens: int, limit: int, where: str) -> int:
-    """The tokens asked for, or by default as many as fit up to `DEFAULT_MAX_TOKENS`; 400 when they do not fit
-    (at most `UNKNOWN_CONTEXT_MAX_TOKENS` for a model that does not say its context length)."""
-    if not limit:
-        if asked is not None and asked > UNKNOWN_CONTEXT_MAX_TOKENS:
-            raise APIError(400, f"max_tokens is {asked}; this model does not say its context length, and a request "
-                                f"may ask for at most {UNKNOWN_CONTEXT_MAX_TOKENS}", param="max_tokens")
-        return asked or DEFAULT_MAX_TOKENS
-    if prompt_tokens + (asked or 1) > limit:
-        raise APIError(
-            400, f"This model's maximum context length is {limit} tokens. However, you requested "
-                 f"{prompt_tokens + (asked or 1)} tokens ({prompt_tokens} in the {where}, {asked or 1} in the "
-                 f"completion). Please reduce the length of the {where} or completion.",
-            param=where, code="context_length_exceeded")
-    return asked or min(DEFAULT_MAX_TOKENS, limit - prompt_tokens)
-
-

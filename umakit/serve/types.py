@@ -1,6 +1,6 @@
 """What the HTTP layer and the scheduler exchange: requests in, events out.
 
-The HTTP layer (app.py, protocol.py) turns an OpenAI request into a
+The HTTP layer (app.py, generation.py) turns a request into a
 `GenerationRequest` and hands it to the `Scheduler` (scheduler.py), which owns
 the engine; the scheduler answers with `Event`s on the request's queue. Neither
 side sees the other's internals.

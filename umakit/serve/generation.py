@@ -1,0 +1,107 @@
+"""A request read by its API, as the scheduler's `GenerationRequest` (with, for a chat, its
+`umakit.serve.conversation.Prepared`): what the request models alone cannot check (the model's context, its
+vocabulary, the engine's features, a chat's template and tools) is checked here, each refusal a 400 naming the
+field.
+"""
+
+from __future__ import annotations
+
+from umakit.backends.base import CONSTRAIN
+from umakit.errors import UmakitError
+from umakit.generate.constrain import Constraint
+from umakit.generate.sampling import DEFAULT_MAX_TOKENS, SamplingParams
+from umakit.serve.api_errors import APIError
+from umakit.serve.conversation import ChatCall, Prepared, cannot_fit, prepare
+from umakit.serve.protocol import UNKNOWN_CONTEXT_MAX_TOKENS, ChatRequest, RequestBase, sampling_from
+from umakit.serve.types import GenerationRequest
+
+
+def generation_request(req: RequestBase, model, *, id: str, timeout_s: float | None
+                       ) -> tuple[GenerationRequest, Prepared | None]:
+    """Validate what the models alone cannot (model name, n, context, tools, constraints) and build the
+    scheduler's request, with a chat's `Prepared` (its reply's format)."""
+    if req.n not in (None, 1):
+        raise APIError(400, f"n must be 1: umakit serve returns one choice per request (got n={req.n})", param="n")
+    logprobs = req.logprobs_count()
+    sampling = sampling_from(req)
+    if sampling.logit_bias and sampling.logit_bias[-1][0] >= model.tokenizer.vocab_size:
+        raise APIError(400, f"logit_bias names token {sampling.logit_bias[-1][0]}, past the model's vocabulary of "
+                            f"{model.tokenizer.vocab_size}", param="logit_bias")
+    if isinstance(req, ChatRequest):
+        made, prepared = chat_request(model, _checked(req.chat_call, "response_format"), req.requested_max_tokens(),
+                                      sampling=sampling, seed=req.seed, stop=req.stop, logprobs=logprobs, id=id,
+                                      timeout_s=timeout_s)
+    else:
+        constraint = _checked(lambda: req.response_format.constraint() if req.response_format else None,
+                              "response_format")
+        prompt = _checked(lambda: _prompt_ids(model, req.prompt), "prompt")
+        made, prepared = _request(model, prompt, constraint, req.requested_max_tokens(), "prompt", sampling=sampling,
+                                  seed=req.seed, stop=req.stop, logprobs=logprobs, id=id, timeout_s=timeout_s), None
+    made.cache_salt = req.cache_salt or ""
+    return made, prepared
+
+
+def _prompt_ids(model, prompt: str | list[int]) -> list[int]:
+    """A completion's prompt as token ids: text encoded as it is, ids checked against the vocabulary."""
+    if isinstance(prompt, str):
+        return model.encode(prompt, raw=True)
+    vocabulary = model.tokenizer.vocab_size
+    bad = next((t for t in prompt if not 0 <= t < vocabulary), None)
+    if bad is not None:
+        raise APIError(400, f"the prompt's token id {bad} is not in the model's vocabulary of {vocabulary}",
+                       param="prompt")
+    return list(prompt)
+
+
+def chat_request(model, call: ChatCall, max_tokens: int | None, **settings) -> tuple[GenerationRequest, Prepared]:
+    """A chat (whichever API it came through) as the scheduler's request and its reply's format."""
+    cannot_fit(call, model.info.context_length)
+    where = "tools" if call.tools and call.tool_choice != "auto" else "messages"
+    prepared = _checked(lambda: prepare(model, call), where)
+    return _request(model, prepared.prompt, prepared.constraint, max_tokens, "messages", **settings), prepared
+
+
+def _checked(build, where: str):
+    try:
+        return build()
+    except APIError:
+        raise
+    except UmakitError as e:  # a chat template that refuses the conversation, a schema umakit cannot enforce
+        raise APIError(400, str(e), param=where) from e
+
+
+def _request(model, prompt: list[int], constraint: Constraint | None, max_tokens: int | None, where: str, *,
+             sampling: SamplingParams, seed: int | None, stop, logprobs: int | None, id: str,
+             timeout_s: float | None) -> GenerationRequest:
+    if not prompt:
+        raise APIError(400, f"the {where} is empty", param=where)
+    matcher = None
+    if constraint is not None:
+        if CONSTRAIN not in model.engine.features:
+            raise APIError(400, f"the {model.engine.name} backend here does not support constrained decoding "
+                                f"({constraint.describe()})", param="response_format")
+        matcher = _checked(lambda: constraint.matcher(model.tokenizer), "response_format")
+    return GenerationRequest(prompt=prompt, max_tokens=_max_tokens(max_tokens, len(prompt), model.info.context_length,
+                                                                   where),
+                             sampling=sampling, seed=seed,  # seed_or_random maps any int64 into range
+                             stop=tuple(stop or ()), logprobs=logprobs, timeout_s=timeout_s, id=id,
+                             constraint=matcher)
+
+
+def _max_tokens(asked: int | None, prompt_tokens: int, limit: int, where: str) -> int:
+    """The tokens asked for, or by default as many as fit up to `DEFAULT_MAX_TOKENS`; 400 when they do not fit
+    (at most `UNKNOWN_CONTEXT_MAX_TOKENS` for a model that does not say its context length)."""
+    if not limit:
+        if asked is not None and asked > UNKNOWN_CONTEXT_MAX_TOKENS:
+            raise APIError(400, f"max_tokens is {asked}; this model does not say its context length, and a request "
+                                f"may ask for at most {UNKNOWN_CONTEXT_MAX_TOKENS}", param="max_tokens")
+        return asked or DEFAULT_MAX_TOKENS
+    if prompt_tokens + (asked or 1) > limit:
+        raise APIError(
+            400, f"This model's maximum context length is {limit} tokens. However, you requested "
+                 f"{prompt_tokens + (asked or 1)} tokens ({prompt_tokens} in the {where}, {asked or 1} in the "
+                 f"completion). Please reduce the length of the {where} or completion.",
+            param=where, code="context_length_exceeded")
+    return asked or min(DEFAULT_MAX_TOKENS, limit - prompt_tokens)
+
+
