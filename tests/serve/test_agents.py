@@ -1,8 +1,9 @@
 """What agents and extraction scripts send, through a real `umakit serve` and the official clients.
 
-Three tiny random models: one with a ChatML template that has no tool syntax (tools in the generic JSON form),
+Four tiny random models: one with a ChatML template that has no tool syntax (tools in the generic JSON form),
 one with Qwen2.5's real template (Hermes ``<tool_call>`` blocks, its markers added tokens), one with gpt-oss's
-(harmony: a call is a commentary message to the function, its markers special tokens). A random model
+(harmony: a call is a commentary message to the function, its markers special tokens), one with GLM-4.6's (the
+function's name and ``<arg_key>``/``<arg_value>`` pairs in ``<tool_call>`` tags, all of them added tokens). A random model
 says nothing sensible, so what is checked is what the server guarantees whatever the model: a forced call
 always names a tool and its arguments validate, a reply under a schema always parses and validates (the
 schemas are bounded, so a reply ends), Anthropic's and the Responses API's shapes hold, and errors are clear.
@@ -90,7 +91,21 @@ def harmony(tmp_path_factory):
     srv.stop()
 
 
-@pytest.fixture(params=["generic", "hermes", "harmony"])
+@pytest.fixture(scope="module")
+def glm(tmp_path_factory):
+    """GLM-4.6's real template: the function's name, then <arg_key>/<arg_value> pairs, in <tool_call> tags."""
+    path = make_tiny_model("qwen2", tmp_path_factory.mktemp("glm"), max_position_embeddings=LONG)
+    # thinking off unless asked: a random model never closes its thinking, and a constraint starts after it
+    write_tokenizer(path, "{%- if enable_thinking is not defined %}{% set enable_thinking = false %}{% endif -%}"
+                    + (TEMPLATES / "zai-org-GLM-4.6.jinja").read_text(),
+                    extra_specials=("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>",
+                                    "</arg_value>", "<think>", "</think>"))
+    srv = _server(path, tmp_path_factory)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(params=["generic", "hermes", "harmony", "glm"])
 def server(request):
     return request.getfixturevalue(request.param)
 

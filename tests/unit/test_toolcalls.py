@@ -67,6 +67,8 @@ FIXTURES = {
     "openai-gpt-oss-120b": (
         "harmony", 'to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris", "unit": "c"}'
                    "<|call|>"),
+    "zai-org-GLM-4.6": ("glm45", "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
+                                 "<arg_key>unit</arg_key>\n<arg_value>c</arg_value>\n</tool_call>"),
     "HuggingFaceTB-SmolLM2-135M-Instruct": (
         "generic", '{"tool_call": {"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}}'),
 }
@@ -233,6 +235,10 @@ XML_TWO = ("Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nS�
            "</function>\n</tool_call>\n<tool_call>\n<function=get_time>\n<parameter=city>\nLyon\n</parameter>\n"
            "</function>\n</tool_call>")
 XML_ARGS = {"city": "São Paulo", "days": 3, "detail": {"wind": True}}  # JSON where it parses, else text
+GLM_TWO = ("Checking.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>São Paulo</arg_value>\n"
+           "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n<arg_key>detail</arg_key>\n"
+           "<arg_value>{\"wind\": true}</arg_value>\n</tool_call>\n<tool_call>get_time\n<arg_key>city</arg_key>\n"
+           "<arg_value>Lyon</arg_value>\n</tool_call>")
 SAME = None  # the whole text stays content
 # (format, case, model text, content, [(name, arguments)])
 PARSE_CASES = [
@@ -251,6 +257,11 @@ PARSE_CASES = [
     ("qwen3_xml", "no wrapper", "<function=get_time>\n</function>", "", [("get_time", {})]),
     ("qwen3_xml", "cut", "<tool_call>\n<function=get_weather>\n<parameter=city>\nPar", SAME, []),
     ("qwen3_xml", "stray text", "<tool_call>\n<function=get_weather>\nwords\n</function>\n</tool_call>", SAME, []),
+    ("glm45", "parallel, text before", GLM_TWO, "Checking.", [("get_weather", XML_ARGS), ("get_time", {"city": "Lyon"})]),
+    ("glm45", "no arguments", "<tool_call>get_time\n</tool_call>", "", [("get_time", {})]),
+    ("glm45", "cut", "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Par", SAME, []),
+    ("glm45", "stray text", "<tool_call>get_weather\nwords\n</tool_call>", SAME, []),
+    ("glm45", "no name", "<tool_call>\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>", SAME, []),
     ("llama3", "one", '{"name": "get_weather", "parameters": {"city": "Zürich"}}', "",
      [("get_weather", {"city": "Zürich"})]),
     ("llama3", "python_tag, parallel",
@@ -288,7 +299,8 @@ PARSE_CASES = [
     ("generic", "cut", '{"tool_call": {"name": "get_weather", "argu', SAME, []),
     ("generic", "plain text", "Plain words.", SAME, []),
 ]
-FORMATS = {"hermes": tc.HermesFormat(), "qwen3_xml": tc.Qwen3XmlFormat(), "llama3": tc.Llama3Format(),
+FORMATS = {"hermes": tc.HermesFormat(), "qwen3_xml": tc.Qwen3XmlFormat(), "glm45": tc.GlmFormat(),
+           "llama3": tc.Llama3Format(),
            "mistral": tc.MistralFormat(), "generic": tc.GenericFormat(), "harmony": tc.HarmonyFormat()}
 
 
@@ -331,6 +343,7 @@ WEATHER_CALLS = {
     "hermes": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
     "qwen3_xml": "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n"
                  "</tool_call>",
+    "glm45": "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>",
     "llama3": '{"name": "get_weather", "parameters": {"city": "Paris"}}',
     "mistral": '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]',
     "mistral_args": '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}',
@@ -344,7 +357,7 @@ def two_calls(fmt: str) -> str:
     first, second = WEATHER_CALLS[fmt], WEATHER_CALLS[fmt].replace("get_weather", "get_time")
     if fmt == "mistral":
         return first[:-1] + ", " + second.removeprefix("[TOOL_CALLS][")
-    return first + {"hermes": "\n", "qwen3_xml": "\n", "llama3": "; "}.get(fmt, "") + second
+    return first + {"hermes": "\n", "qwen3_xml": "\n", "glm45": "\n", "llama3": "; "}.get(fmt, "") + second
 
 
 @pytest.mark.parametrize("fmt", sorted(WEATHER_CALLS))
@@ -370,9 +383,46 @@ def test_grammar_checks_argument_types_and_free_text_values(llg):
     assert accepts(llg, xml, optional)
     assert accepts(llg, xml, WEATHER_CALLS["qwen3_xml"].replace("Paris", "two\nlines < & >"))
     assert not accepts(llg, xml, WEATHER_CALLS["qwen3_xml"].replace("city", "town"))
+    typed = {"type": "function", "function": {"name": "trip", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 8}, "days": {"type": "integer", "minimum": 1, "maximum": 7},
+        "unit": {"enum": ["c", "f"]}, "note": {"type": "string"}}, "required": ["city", "days"]}}}
+    glm = tc.GlmFormat().grammar([typed], None, special_tokens=llg[1])
+
+    def trip(city="Paris", days="3", unit=None, note=None):
+        pairs = [("city", city), ("days", days)] + [(k, v) for k, v in (("unit", unit), ("note", note)) if v]
+        return "<tool_call>trip\n" + "".join(f"<arg_key>{k}</arg_key>\n<arg_value>{v}</arg_value>\n"
+                                             for k, v in pairs) + "</tool_call>"
+
+    assert accepts(llg, glm, trip()) and accepts(llg, glm, trip(unit="f", note="two\nlines & >"))
+    assert not accepts(llg, glm, trip(days="x")) and not accepts(llg, glm, trip(days="9"))  # JSON, in range
+    assert not accepts(llg, glm, trip(unit="k")) and not accepts(llg, glm, trip(city="Llanfairpwll"))
+    assert json.loads(tc.GlmFormat().parse(trip(unit="c"))[1][0].arguments) == {"city": "Paris", "days": 3,
+                                                                                "unit": "c"}
+    clock = {"type": "function", "function": {"name": "clock", "parameters": {"type": "object", "properties": {}}}}
+    none = tc.GlmFormat().grammar([clock], None, special_tokens=llg[1])  # declared without arguments: none
+    assert accepts(llg, none, "<tool_call>clock\n</tool_call>")
+    assert not accepts(llg, none, "<tool_call>clock\n<arg_key>x</arg_key>\n<arg_value>1</arg_value>\n</tool_call>")
     bare = {"type": "function", "function": {"name": "ping"}}  # no parameters: any object
     assert accepts(llg, tc.HermesFormat().grammar([bare], None, special_tokens=llg[1]),
                    '<tool_call>\n{"name": "ping", "arguments": {"x": [1]}}\n</tool_call>')
+
+
+def test_glm_grammar_takes_its_tags_as_special_tokens_where_the_tokenizer_has_them(tokenizer_json):
+    """GLM-4.5's tokenizer holds <arg_key> and the rest as added tokens: the grammar then writes them as such, and a
+    value still runs up to its closing tag, newlines and '<' included."""
+    from tokenizers import AddedToken, Tokenizer as HFTokenizer
+
+    hf = HFTokenizer.from_str(tokenizer_json)
+    hf.add_tokens([AddedToken(t, special=False) for t in ("<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")])
+    tok = lg.LLTokenizer(hf.to_str(), eos_token=[SPECIALS.index(EOS)])
+    added = json.loads(hf.to_str())["added_tokens"]
+    special = {a["content"]: a["id"] for a in added if tok.is_special_token(a["id"])}
+    assert "</arg_value>" in special
+    g = tc.GlmFormat().grammar([WEATHER], None, special_tokens=special)
+    assert accepts((tok, special), g, WEATHER_CALLS["glm45"])
+    assert accepts((tok, special), g, WEATHER_CALLS["glm45"].replace("Paris", "two\nlines < & >"))
+    assert not accepts((tok, special), g, WEATHER_CALLS["glm45"].replace("city", "town"))
+    assert not accepts((tok, special), tc.GlmFormat().grammar([WEATHER], None), WEATHER_CALLS["glm45"])
 
 
 def test_markers_must_be_given_as_special_tokens(llg):

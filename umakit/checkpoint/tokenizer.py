@@ -126,10 +126,13 @@ class Tokenizer:
         reserved = {"messages", "add_generation_prompt", "bos_token", "eos_token", "tools"} & set(template_kwargs)
         if reserved:
             raise TokenizerError(f"chat template arguments {', '.join(sorted(reserved))} are set by umakit")
+        # a key whose value is None is left out, as transformers leaves it out: templates test whether a key is
+        # there (`content` None beside tool calls would render as the text "None" in some)
+        messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
         try:
             return self._template.render(
                 **template_kwargs,
-                messages=list(messages),
+                messages=messages,
                 tools=list(tools) if tools else None,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "",

@@ -1,4 +1,5 @@
-"""The formats of templates with tool syntax: Hermes (Qwen2.5/3), Qwen3-Coder's XML, Mistral and Llama 3.x."""
+"""The formats of templates with tool syntax: Hermes (Qwen2.5/3), Qwen3-Coder's XML, GLM-4.5's, Mistral and
+Llama 3.x."""
 
 from __future__ import annotations
 
@@ -105,6 +106,87 @@ class Qwen3XmlFormat(ToolFormat):
             rules.append(f"p{i}_{j}: " + literal("<parameter=" + pname + ">\n") + " value")
             items.append(f"p{i}_{j}" + ("" if pname in required else "?"))
         return [f"f{i}: " + " ".join(items)] + rules
+
+
+class GlmFormat(ToolFormat):
+    """GLM-4.5 and 4.6: ``<tool_call>f\n<arg_key>k</arg_key>\n<arg_value>v</arg_value>\n...</tool_call>``, calls one
+    after another on their own lines.
+
+    The template writes a string value as it is and any other as JSON, so `parse` takes a value that parses as
+    JSON as that (as `Qwen3XmlFormat` does). The grammar fixes the function and its keys (required ones present,
+    in the schema's order) and each value as the template writes it: a typed value as JSON that follows its
+    schema, a string as text (an enum's, or bounded by ``maxLength``); the tags are written as the tokenizer's
+    special tokens where it has them.
+    """
+
+    name = "glm45"
+    markers = ("<tool_call>",)
+    _CALL = re.compile(r"<tool_call>([^<\n]*)(.*?)</tool_call>", re.S)
+    _ARG = re.compile(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
+
+    def parse(self, text):
+        return _tagged_calls(text, self._CALL, lambda m: self._call(m.group(1), m.group(2)))
+
+    def _call(self, name: str, body: str) -> ToolCall | None:
+        arguments, pos = {}, 0
+        while match := self._ARG.match(body, pos):
+            arguments[match.group(1).strip()] = _xml_value(match.group(2))
+            pos = match.end()
+        if body[pos:].strip():
+            return None  # text that is not an argument: not a call this format writes
+        return new_call(name, arguments)
+
+    def grammar(self, tools, choice, parallel=True, special_tokens=None):
+        special = special_tokens or {}
+        functions = functions_of(tools, choice)
+        tag = {t: marker(t, special) for t in ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>",
+                                               "<arg_value>", "</arg_value>")}
+        close = f'{tag["</arg_value>"]} "\\n"'
+        start = 'call ("\\n" call)*' if parallel else "call"
+        lines = [
+            f"start: {start}",
+            f'call: {tag["<tool_call>"]} fn {tag["</tool_call>"]}',
+            "fn: " + " | ".join(literal(fn["name"] + "\n") + ("" if _no_arguments(fn) else f" f{i}")
+                                for i, fn in enumerate(functions)),
+            # free text up to the closing tag: where the tag is a special token no text can contain it
+            f"text: /(?s:.*)/ {close}" if "</arg_value>" in special else r"text[lazy]: /(?s:.*)<\/arg_value>\n/",
+            f'any_arg: {tag["<arg_key>"]} /[^<\\n]+/ {tag["</arg_key>"]} "\\n" {tag["<arg_value>"]} text',
+        ]
+        for i, fn in enumerate(functions):
+            properties = parameters_of(fn).get("properties") or {}
+            required = set(parameters_of(fn).get("required") or ())
+            if _no_arguments(fn):
+                continue
+            if not properties:  # parameters not described: any keys
+                lines.append(f"f{i}: any_arg*")
+                continue
+            lines.append(f"f{i}: " + " ".join(f"a{i}_{j}" + ("" if key in required else "?")
+                                             for j, key in enumerate(properties)))
+            for j, (key, schema) in enumerate(properties.items()):
+                lines.append(f'a{i}_{j}: {tag["<arg_key>"]} {literal(key)} {tag["</arg_key>"]} "\\n" '
+                             f'{tag["<arg_value>"]} {self._value(schema, close)}')
+        return "\n".join(lines) + "\n"
+
+    @staticmethod
+    def _value(schema, close: str) -> str:
+        """A value as the template writes it, then its closing tag: a string as it is (one of its ``enum``, or at
+        most ``maxLength`` characters without a '<'), anything else as JSON that follows its schema."""
+        if not isinstance(schema, dict):
+            return "text"
+        if schema.get("type") == "string" or (schema.get("enum") and all(isinstance(e, str) for e in schema["enum"])):
+            if schema.get("enum"):
+                return "(" + " | ".join(literal(e) for e in schema["enum"]) + f") {close}"
+            if isinstance(schema.get("maxLength"), int) and "pattern" not in schema:
+                return f"/[^<]{{0,{schema['maxLength']}}}/ {close}"
+            return "text"
+        if schema.get("type") in ("integer", "number", "boolean", "object", "array", "null"):
+            return f"{json_rule(schema)} {close}"
+        return "text"
+
+
+def _no_arguments(fn: dict) -> bool:
+    """Whether a function declares that it takes no arguments (an object schema with no properties)."""
+    return parameters_of(fn).get("properties") == {}
 
 
 def _xml_value(text: str):
