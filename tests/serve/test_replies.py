@@ -119,7 +119,7 @@ def scripted_app(tmp_path_factory, name: str, template: str, specials: tuple[str
     write_tokenizer(path, template, extra_specials=specials)
     model = umakit.load(path, backend="torch", dtype="float32")
     scripted = Scripted()
-    scripted.tokenizer, scripted.path = model.tokenizer, path
+    scripted.tokenizer, scripted.path, scripted.model = model.tokenizer, path, model
     return make_app(model, scripted), scripted, model.info.name
 
 
@@ -352,6 +352,55 @@ def test_harmony_constraints_start_where_gpt_oss_writes_what_they_govern(tmp_pat
     assert "commentary to=functions.weather " in forced.constraint.value
     free = prepare(model, ChatCall(asked, tools=[WEATHER_TOOL]))
     assert free.constraint is None  # auto: the model chooses, and the reply is parsed
+
+
+# -- Gemma 4's thought channel ---------------------------------------------------------------------------------
+# Written for these tests after Gemma 4's template: turns in <|turn>role ... <turn|>, thinking switched on by a
+# <|think|> token in the system turn, and with it off the model's turn opening with an empty thought channel.
+GEMMA4_TEMPLATE = (
+    "{{ bos_token }}{%- if enable_thinking is defined and enable_thinking %}<|turn>system\n<|think|><turn|>\n"
+    "{%- endif %}{%- for m in messages %}<|turn>{{ 'model' if m.role == 'assistant' else m.role }}\n"
+    "{{ m.content }}<turn|>\n{%- endfor %}{%- if add_generation_prompt %}<|turn>model\n"
+    "{%- if not enable_thinking | default(false) %}{{ '<|channel>thought\\n<channel|>' }}{%- endif %}{%- endif %}"
+)
+GEMMA4_SPECIALS = ("<|turn>", "<turn|>", "<|think|>", "<|channel>", "<channel|>")
+
+
+@pytest.fixture(scope="module")
+def gemma4_app(tmp_path_factory):
+    return scripted_app(tmp_path_factory, "gemma4", GEMMA4_TEMPLATE, GEMMA4_SPECIALS)
+
+
+def test_gemma4_thinking_reaches_clients_as_reasoning_and_content(gemma4_app):
+    from umakit.generate.chat import GEMMA4_END, GEMMA4_START
+
+    app, scripted, name = gemma4_app
+    assert thinking_markers(GEMMA4_TEMPLATE)[:2] == (GEMMA4_START, GEMMA4_END)
+    scripted.text = GEMMA4_START + "\nThe user greets; be brief." + GEMMA4_END + "Hello there."
+    body = {"model": name, "messages": [{"role": "user", "content": "Hi"}], "reasoning_effort": "high"}
+    whole = _post(app, "/v1/chat/completions", body)["choices"][0]["message"]
+    assert whole["content"] == "Hello there." and whole["reasoning_content"].strip() == "The user greets; be brief."
+    prompt = scripted.tokenizer.decode(scripted.requests[-1].prompt)
+    assert "<|think|>" in prompt and prompt.rstrip().endswith("<|turn>model")  # thinking on: the turn left open
+    events = _post(app, "/v1/chat/completions", {**body, "stream": True}, stream=True)
+    deltas = [e["choices"][0]["delta"] for e in events if e.get("choices")]
+    assert "".join(d.get("content") or "" for d in deltas) == "Hello there."
+    assert not any(GEMMA4_START in (d.get("content") or "") for d in deltas)
+    # thinking off (the default): the prompt closes an empty thought, and the reply is all content
+    scripted.text = "Hello."
+    plain = _post(app, "/v1/chat/completions", {**body, "reasoning_effort": "none"})["choices"][0]["message"]
+    assert plain["content"] == "Hello." and not plain.get("reasoning_content")
+    assert scripted.tokenizer.decode(scripted.requests[-1].prompt).endswith("<|channel>thought\n<channel|>")
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    from umakit.generate.constrain import Constraint
+    from umakit.serve.conversation import ChatCall, prepare
+
+    asked = [{"role": "user", "content": "Hi"}]
+    closed = prepare(scripted.model, ChatCall(asked, response=Constraint.json_schema(schema)))
+    assert closed.constraint.after is None  # the prompt closed the thought: the schema governs the reply's start
+    thinking = prepare(scripted.model, ChatCall(asked, response=Constraint.json_schema(schema),
+                                                reasoning_effort="high"))
+    assert thinking.constraint.after == GEMMA4_END  # ... or, thinking on, what follows the thought
 
 
 # -- a final assistant message continued (Anthropic's prefill, vLLM's continue_final_message) ------------------

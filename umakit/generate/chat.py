@@ -31,6 +31,7 @@ THINK_START, THINK_END = "<think>", "</think>"  # a reasoning model's thinking, 
 HARMONY_START = "<|channel|>analysis<|message|>"
 HARMONY_END = "<|end|><|start|>assistant<|channel|>final<|message|>"
 HARMONY_LEAD = "<|channel|>final<|message|>"
+GEMMA4_START, GEMMA4_END = "<|channel>thought", "<channel|>"  # Gemma 4's thought channel
 DEFAULT_CONTEXT = 4096  # a model that does not say its context length
 # A prefill chunk that finishes in under this doubles the next one: fast devices soon prefill at
 # full size (small chunks cost prefill speed), while the next chunk, about twice as long, still
@@ -330,9 +331,11 @@ def _whole_turn(stats: GenerationStats, pre: int, prefill_s: float, prefill_peak
 def thinking_markers(template: str) -> tuple[str, str, tuple[str, ...]] | None:
     """(start, end, leads) of a chat template's reasoning: the reply's text between start and end is reasoning, a
     lead begins a reply that has none (and is no text of it). ``<think>`` tags where the template has them; gpt-oss's
-    harmony channels (analysis, then final) where it renders them."""
+    harmony channels (analysis, then final) where it renders them; Gemma 4's thought channel."""
     if THINK_START in template and THINK_END in template:
         return THINK_START, THINK_END, ()
+    if GEMMA4_START in template and GEMMA4_END in template:
+        return GEMMA4_START, GEMMA4_END, ()
     if "<|channel|>" in template and "<|message|>" in template:
         return HARMONY_START, HARMONY_END, (HARMONY_LEAD,)
     return None
