@@ -1,9 +1,10 @@
 """What agents and extraction scripts send, through a real `umakit serve` and the official clients.
 
-Four tiny random models: one with a ChatML template that has no tool syntax (tools in the generic JSON form),
+Five tiny random models: one with a ChatML template that has no tool syntax (tools in the generic JSON form),
 one with Qwen2.5's real template (Hermes ``<tool_call>`` blocks, its markers added tokens), one with gpt-oss's
 (harmony: a call is a commentary message to the function, its markers special tokens), one with GLM-4.6's (the
-function's name and ``<arg_key>``/``<arg_value>`` pairs in ``<tool_call>`` tags, all of them added tokens). A random model
+function's name and ``<arg_key>``/``<arg_value>`` pairs in ``<tool_call>`` tags, all of them added tokens), one
+with Gemma 4's notation (a template written after its own, tests/support/templates.py). A random model
 says nothing sensible, so what is checked is what the server guarantees whatever the model: a forced call
 always names a tool and its arguments validate, a reply under a schema always parses and validates (the
 schemas are bounded, so a reply ends), Anthropic's and the Responses API's shapes hold, and errors are clear.
@@ -20,6 +21,7 @@ import jsonschema
 import pytest
 
 from support.serve_helpers import read_metrics, start_server
+from support.templates import GEMMA4_TOOLS
 from support.tiny import make_tiny_model, write_tokenizer
 
 openai = pytest.importorskip("openai")
@@ -105,7 +107,18 @@ def glm(tmp_path_factory):
     srv.stop()
 
 
-@pytest.fixture(params=["generic", "hermes", "harmony", "glm"])
+@pytest.fixture(scope="module")
+def gemma4(tmp_path_factory):
+    """Gemma 4's tool notation (a template written after its own): <|tool_call>call:f{key:value}<tool_call|>."""
+    path = make_tiny_model("qwen2", tmp_path_factory.mktemp("gemma4"), max_position_embeddings=LONG)
+    write_tokenizer(path, GEMMA4_TOOLS, extra_specials=("<|tool_call>", "<tool_call|>", '<|"|>', "<|turn>",
+                                                        "<turn|>", "<|tool_response>", "<tool_response|>"))
+    srv = _server(path, tmp_path_factory)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(params=["generic", "hermes", "harmony", "glm", "gemma4"])
 def server(request):
     return request.getfixturevalue(request.param)
 

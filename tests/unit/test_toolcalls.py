@@ -12,6 +12,7 @@ import pytest
 
 from umakit.checkpoint.tokenizer import Tokenizer
 from umakit.errors import InvalidArgumentError
+from support.templates import GEMMA4_TOOLS
 from umakit.serve import toolcalls as tc
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "support" / "fixtures" / "templates"
@@ -21,7 +22,7 @@ BOS, EOS = "<s>", "</s>"
 SPECIALS = [BOS, EOS, "<|im_start|>", "<|im_end|>", "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "<|python_tag|>",
             # gpt-oss's harmony
             "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|call|>", "<|return|>"]
-ADDED = ["<tool_call>", "</tool_call>"]
+ADDED = ["<tool_call>", "</tool_call>", "<|tool_call>", "<tool_call|>", '<|"|>']
 TRAIN_TEXT = '{"name": "get_weather", "arguments": {"city": "Paris"}} <parameter=city> Lyon Zürich 東京 ' * 10
 
 WEATHER = {"type": "function", "function": {
@@ -152,6 +153,30 @@ def test_rendering_matches_transformers_and_teaches_what_parse_reads(name, tmp_p
     assert "get_time" in ours  # the tools reach the prompt
 
 
+def test_gemma4_results_are_read_from_the_calling_message_and_render_as_transformers_renders_them(
+        tmp_path, tokenizer_json):
+    (tmp_path / "tokenizer.json").write_text(tokenizer_json)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": BOS, "eos_token": EOS}))
+    fmt = tc.detect(GEMMA4_TOOLS)
+    assert fmt.name == "gemma4" and tc.template_supports_tools(GEMMA4_TOOLS)
+    asked = CONVERSATION[:4]  # the call and its result: the model's turn goes on after it
+    messages, tools = fmt.template_messages(asked, TOOLS)
+    assert [m["role"] for m in messages] == ["system", "user", "assistant"]
+    assert messages[2]["tool_responses"] == [{"name": "get_weather", "response": {"temp": 21}}]
+    ours = umakit_render(tmp_path, GEMMA4_TOOLS, messages, tools)
+    assert ours == transformers_render(tokenizer_json, GEMMA4_TOOLS, messages, tools)
+    call = f"<|tool_call>call:get_weather{{city:{Q}Paris{Q},unit:{Q}c{Q}}}<tool_call|>"
+    assert ours.endswith(call + "<|tool_response>response:get_weather{temp:21}<tool_response|>")
+    assert [(c.name, json.loads(c.arguments)) for c in fmt.parse(call)[1]] == [("get_weather", ARGS)]
+    # a result that is not a JSON object is passed as its text; a later answer is a turn of its own
+    plain = [*asked[:3], {**asked[3], "content": "sunny"}, *CONVERSATION[4:]]
+    messages, tools = fmt.template_messages(plain, TOOLS)
+    assert messages[2]["tool_responses"] == [{"name": "get_weather", "response": "sunny"}]
+    rendered = umakit_render(tmp_path, GEMMA4_TOOLS, messages, tools)
+    assert rendered == transformers_render(tokenizer_json, GEMMA4_TOOLS, messages, tools)
+    assert f"response:get_weather{{value:{Q}sunny{Q}}}<tool_response|><|turn>model" in rendered
+
+
 def test_template_messages_parse_arguments_and_shorten_ids_for_mistral():
     messages, tools = tc.HermesFormat().template_messages(CONVERSATION, TOOLS)
     assert messages[2]["tool_calls"][0]["function"]["arguments"] == ARGS
@@ -228,6 +253,9 @@ def test_arguments_that_are_not_a_json_object_are_refused():
 # -- parsing ---------------------------------------------------------------------
 
 PARIS, TOKYO = {"city": "Paris"}, {"city": "東京"}
+Q = '<|"|>'  # Gemma 4's string quote
+GEMMA_TWO = (f"Checking.<|tool_call>call:get_weather{{city:{Q}São Paulo{Q},days:3,detail:{{wind:true,gusts:[1,2.5]}}}}"
+             f"<tool_call|><|tool_call>call:get_time{{city:{Q}Lyon{Q}}}<tool_call|>")
 HERMES_TWO = ('I will check both.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
               '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"city": "東京"}}\n</tool_call>')
 XML_TWO = ("Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nSão Paulo\n</parameter>\n"
@@ -262,6 +290,16 @@ PARSE_CASES = [
     ("glm45", "cut", "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Par", SAME, []),
     ("glm45", "stray text", "<tool_call>get_weather\nwords\n</tool_call>", SAME, []),
     ("glm45", "no name", "<tool_call>\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>", SAME, []),
+    ("gemma4", "parallel, text before", GEMMA_TWO, "Checking.",
+     [("get_weather", {"city": "São Paulo", "days": 3, "detail": {"wind": True, "gusts": [1, 2.5]}}),
+      ("get_time", {"city": "Lyon"})]),
+    ("gemma4", "no arguments", "<|tool_call>call:get_time{}<tool_call|>", "", [("get_time", {})]),
+    ("gemma4", "a result the model wrote itself is dropped",
+     f"<|tool_call>call:get_time{{city:{Q}Lyon{Q}}}<tool_call|><|tool_response>response:get_time{{value:1}}", "",
+     [("get_time", {"city": "Lyon"})]),
+    ("gemma4", "cut", f"<|tool_call>call:get_weather{{city:{Q}Par", SAME, []),
+    ("gemma4", "unclosed string", f"<|tool_call>call:get_weather{{city:{Q}Paris}}<tool_call|>", SAME, []),
+    ("gemma4", "not an object", "<|tool_call>call:f[1]<tool_call|>", SAME, []),
     ("llama3", "one", '{"name": "get_weather", "parameters": {"city": "Zürich"}}', "",
      [("get_weather", {"city": "Zürich"})]),
     ("llama3", "python_tag, parallel",
@@ -300,6 +338,7 @@ PARSE_CASES = [
     ("generic", "plain text", "Plain words.", SAME, []),
 ]
 FORMATS = {"hermes": tc.HermesFormat(), "qwen3_xml": tc.Qwen3XmlFormat(), "glm45": tc.GlmFormat(),
+           "gemma4": tc.Gemma4Format(),
            "llama3": tc.Llama3Format(),
            "mistral": tc.MistralFormat(), "generic": tc.GenericFormat(), "harmony": tc.HarmonyFormat()}
 
@@ -344,6 +383,7 @@ WEATHER_CALLS = {
     "qwen3_xml": "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n"
                  "</tool_call>",
     "glm45": "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>",
+    "gemma4": f"<|tool_call>call:get_weather{{city:{Q}Paris{Q}}}<tool_call|>",
     "llama3": '{"name": "get_weather", "parameters": {"city": "Paris"}}',
     "mistral": '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]',
     "mistral_args": '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}',
@@ -398,6 +438,19 @@ def test_grammar_checks_argument_types_and_free_text_values(llg):
     assert not accepts(llg, glm, trip(unit="k")) and not accepts(llg, glm, trip(city="Llanfairpwll"))
     assert json.loads(tc.GlmFormat().parse(trip(unit="c"))[1][0].arguments) == {"city": "Paris", "days": 3,
                                                                                 "unit": "c"}
+    gemma = tc.Gemma4Format().grammar([typed], None, special_tokens=llg[1])
+
+    def gtrip(city="Paris", days="3", unit=None, note=None):  # keys sorted, as Gemma 4's template writes them
+        pairs = [("city", f"{Q}{city}{Q}"), ("days", days)] + [(k, f"{Q}{v}{Q}") for k, v in (("note", note),
+                                                                                            ("unit", unit)) if v]
+        return "<|tool_call>call:trip{" + ",".join(f"{k}:{v}" for k, v in pairs) + "}<tool_call|>"
+
+    assert accepts(llg, gemma, gtrip()) and accepts(llg, gemma, gtrip(unit="f", note="two\nlines & >"))
+    assert not accepts(llg, gemma, gtrip(days="x")) and not accepts(llg, gemma, gtrip(days="9"))
+    assert not accepts(llg, gemma, gtrip(unit="k")) and not accepts(llg, gemma, gtrip(city="Llanfairpwll"))
+    assert not accepts(llg, gemma, gtrip().replace("city:", "town:"))
+    assert json.loads(tc.Gemma4Format().parse(gtrip(unit="c"))[1][0].arguments) == {"city": "Paris", "days": 3,
+                                                                                   "unit": "c"}
     clock = {"type": "function", "function": {"name": "clock", "parameters": {"type": "object", "properties": {}}}}
     none = tc.GlmFormat().grammar([clock], None, special_tokens=llg[1])  # declared without arguments: none
     assert accepts(llg, none, "<tool_call>clock\n</tool_call>")

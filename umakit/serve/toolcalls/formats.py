@@ -9,23 +9,7 @@ import re
 from typing import Mapping
 
 from umakit.serve.toolcalls.syntax import (DECODER, ToolCall, ToolFormat, call_from_object, call_schema, functions_of,
-                                           json_rule, literal, marker, new_call, one_of, parameters_of)
-
-
-def _tagged_calls(text: str, pattern: re.Pattern, make) -> tuple[str, list[ToolCall]]:
-    """Cut every match of ``pattern`` that ``make(match)`` turns into a call out of ``text``."""
-    calls, kept, pos = [], [], 0
-    for match in pattern.finditer(text):
-        call = make(match)
-        if call is None:
-            continue  # malformed: the text stays in the content
-        kept.append(text[pos:match.start()])
-        pos = match.end()
-        calls.append(call)
-    if not calls:
-        return text, []
-    kept.append(text[pos:])
-    return "".join(kept).strip(), calls
+                                           json_rule, literal, marker, new_call, one_of, parameters_of, tagged_calls)
 
 
 class HermesFormat(ToolFormat):
@@ -42,7 +26,7 @@ class HermesFormat(ToolFormat):
             except ValueError:
                 return None
 
-        return _tagged_calls(text, self._CALL, make)
+        return tagged_calls(text, self._CALL, make)
 
     def grammar(self, tools, choice, parallel=True, special_tokens=None):
         special = special_tokens or {}
@@ -68,7 +52,7 @@ class Qwen3XmlFormat(ToolFormat):
     _PARAM = re.compile(r"\s*<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
 
     def parse(self, text):
-        return _tagged_calls(text, self._CALL, lambda m: self._call(m.group(1), m.group(2)))
+        return tagged_calls(text, self._CALL, lambda m: self._call(m.group(1), m.group(2)))
 
     def _call(self, name: str, body: str) -> ToolCall | None:
         arguments, pos = {}, 0
@@ -125,7 +109,7 @@ class GlmFormat(ToolFormat):
     _ARG = re.compile(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
 
     def parse(self, text):
-        return _tagged_calls(text, self._CALL, lambda m: self._call(m.group(1), m.group(2)))
+        return tagged_calls(text, self._CALL, lambda m: self._call(m.group(1), m.group(2)))
 
     def _call(self, name: str, body: str) -> ToolCall | None:
         arguments, pos = {}, 0

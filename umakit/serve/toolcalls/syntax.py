@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import secrets
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -44,6 +45,22 @@ def call_from_object(obj, keys: tuple[str, ...] = ("arguments", "parameters"), n
     if key is None and need_arguments:
         return None
     return new_call(obj["name"], obj[key] if key else {})
+
+
+def tagged_calls(text: str, pattern: re.Pattern, make) -> tuple[str, list[ToolCall]]:
+    """Cut every match of ``pattern`` that ``make(match)`` turns into a call out of ``text``."""
+    calls, kept, pos = [], [], 0
+    for match in pattern.finditer(text):
+        call = make(match)
+        if call is None:
+            continue  # malformed: the text stays in the content
+        kept.append(text[pos:match.start()])
+        pos = match.end()
+        calls.append(call)
+    if not calls:
+        return text, []
+    kept.append(text[pos:])
+    return "".join(kept).strip(), calls
 
 
 def functions_of(tools: list[dict] | None, choice: str | None) -> list[dict]:
