@@ -32,7 +32,7 @@ import re
 
 from umakit.serve.toolcalls.syntax import ToolCall, ToolFormat
 from umakit.serve.toolcalls.formats import GlmFormat, HermesFormat, Llama3Format, MistralFormat, Qwen3XmlFormat
-from umakit.serve.toolcalls.gemma4 import Gemma4Format
+from umakit.serve.toolcalls.gemma_calls import Gemma4Format
 from umakit.serve.toolcalls.generic import GenericFormat, generic_auto_grammar
 from umakit.serve.toolcalls.harmony import HarmonyFormat
 
