@@ -1,10 +1,11 @@
 """What agents and extraction scripts send, through a real `umakit serve` and the official clients.
 
-Five tiny random models: one with a ChatML template that has no tool syntax (tools in the generic JSON form),
+Six tiny random models: one with a ChatML template that has no tool syntax (tools in the generic JSON form),
 one with Qwen2.5's real template (Hermes ``<tool_call>`` blocks, its markers added tokens), one with gpt-oss's
 (harmony: a call is a commentary message to the function, its markers special tokens), one with GLM-4.6's (the
 function's name and ``<arg_key>``/``<arg_value>`` pairs in ``<tool_call>`` tags, all of them added tokens), one
-with Gemma 4's notation (a template written after its own, tests/support/templates.py). A random model
+with Gemma 4's notation (a template written after its own, tests/support/templates.py), one with DeepSeek
+V3.1's (JSON arguments between its marker tokens). A random model
 says nothing sensible, so what is checked is what the server guarantees whatever the model: a forced call
 always names a tool and its arguments validate, a reply under a schema always parses and validates (the
 schemas are bounded, so a reply ends), Anthropic's and the Responses API's shapes hold, and errors are clear.
@@ -118,7 +119,20 @@ def gemma4(tmp_path_factory):
     srv.stop()
 
 
-@pytest.fixture(params=["generic", "hermes", "harmony", "glm", "gemma4"])
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory):
+    """DeepSeek V3.1's real template: JSON arguments between its marker tokens, the tools in the system prompt."""
+    path = make_tiny_model("qwen2", tmp_path_factory.mktemp("deepseek"), max_position_embeddings=LONG)
+    write_tokenizer(path, (TEMPLATES / "deepseek-ai-DeepSeek-V3.1.jinja").read_text(), extra_specials=(
+        "<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>", "<think>", "</think>", "<｜tool▁calls▁begin｜>",
+        "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>", "<｜tool▁output▁begin｜>",
+        "<｜tool▁output▁end｜>"))
+    srv = _server(path, tmp_path_factory)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(params=["generic", "hermes", "harmony", "glm", "gemma4", "deepseek"])
 def server(request):
     return request.getfixturevalue(request.param)
 

@@ -21,7 +21,9 @@ BOS, EOS = "<s>", "</s>"
 # (llguidance treats every added <...> token as special, so a string literal never matches it).
 SPECIALS = [BOS, EOS, "<|im_start|>", "<|im_end|>", "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "<|python_tag|>",
             # gpt-oss's harmony
-            "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|call|>", "<|return|>"]
+            "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|call|>", "<|return|>",
+            # DeepSeek V3.1's
+            "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"]
 ADDED = ["<tool_call>", "</tool_call>", "<|tool_call>", "<tool_call|>", '<|"|>']
 TRAIN_TEXT = '{"name": "get_weather", "arguments": {"city": "Paris"}} <parameter=city> Lyon Zürich 東京 ' * 10
 
@@ -50,6 +52,7 @@ CONVERSATION = [
 MISTRAL_ID = tc.MistralFormat()._template_id(CALL_ID)
 ARGS = {"city": "Paris", "unit": "c"}
 
+DS_OPEN, DS_CLOSE = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>", "<｜tool▁call▁end｜><｜tool▁calls▁end｜>"
 HERMES_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>'
 LLAMA_CALL = '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "c"}}'
 # fixture -> (format name, the text its template writes for the conversation's call)
@@ -70,6 +73,8 @@ FIXTURES = {
                    "<|call|>"),
     "zai-org-GLM-4.6": ("glm45", "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
                                  "<arg_key>unit</arg_key>\n<arg_value>c</arg_value>\n</tool_call>"),
+    "deepseek-ai-DeepSeek-V3.1": ("deepseek_v3", DS_OPEN + 'get_weather<｜tool▁sep｜>{"city": "Paris", "unit": "c"}'
+                                                + DS_CLOSE),
     "HuggingFaceTB-SmolLM2-135M-Instruct": (
         "generic", '{"tool_call": {"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}}'),
 }
@@ -102,7 +107,8 @@ def test_detect_reads_the_format_from_the_template(name):
     assert fmt.name == FIXTURES[name][0]
     if fmt.name == "mistral":  # the newer [ARGS] syntax only where the template writes it
         assert fmt.args_form == ("Small-3.2" in name)
-    assert tc.template_supports_tools(template(name)) == (fmt.name != "generic")
+    # DeepSeek's template reads no tools: its format describes them in the system prompt, as the generic one does
+    assert tc.template_supports_tools(template(name)) == (fmt.name not in ("generic", "deepseek_v3"))
 
 
 def test_no_template_is_generic():
@@ -144,6 +150,10 @@ def test_rendering_matches_transformers_and_teaches_what_parse_reads(name, tmp_p
     assert CONVERSATION == before  # the request's messages are not changed
 
     ours = undated(umakit_render(tmp_path, template(name), messages, tools))
+    if fmt.name == "deepseek_v3":
+        # transformers 5 drops keys whose value is None, and DeepSeek V3.1's template then adds a missing
+        # content to text and fails; it writes "" exactly as it writes None, so the oracle is given ""
+        messages = [{**m, "content": "" if m.get("content") is None else m["content"]} for m in messages]
     theirs = undated(transformers_render(tokenizer_json, template(name), messages, tools))
     assert ours == theirs
     call_text = FIXTURES[name][1]
@@ -300,6 +310,11 @@ PARSE_CASES = [
     ("gemma4", "cut", f"<|tool_call>call:get_weather{{city:{Q}Par", SAME, []),
     ("gemma4", "unclosed string", f"<|tool_call>call:get_weather{{city:{Q}Paris}}<tool_call|>", SAME, []),
     ("gemma4", "not an object", "<|tool_call>call:f[1]<tool_call|>", SAME, []),
+    ("deepseek_v3", "parallel, text before", "Checking." + DS_OPEN + 'get_weather<｜tool▁sep｜>{"city": "Paris"}'
+     '<｜tool▁call▁end｜><｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{"city": "東京"}' + DS_CLOSE, "Checking.",
+     [("get_weather", PARIS), ("get_time", TOKYO)]),
+    ("deepseek_v3", "cut", DS_OPEN + 'get_weather<｜tool▁sep｜>{"city": "Pa', SAME, []),
+    ("deepseek_v3", "bad JSON", DS_OPEN + "get_weather<｜tool▁sep｜>{city}" + DS_CLOSE, SAME, []),
     ("llama3", "one", '{"name": "get_weather", "parameters": {"city": "Zürich"}}', "",
      [("get_weather", {"city": "Zürich"})]),
     ("llama3", "python_tag, parallel",
@@ -338,7 +353,7 @@ PARSE_CASES = [
     ("generic", "plain text", "Plain words.", SAME, []),
 ]
 FORMATS = {"hermes": tc.HermesFormat(), "qwen3_xml": tc.Qwen3XmlFormat(), "glm45": tc.GlmFormat(),
-           "gemma4": tc.Gemma4Format(),
+           "gemma4": tc.Gemma4Format(), "deepseek_v3": tc.DeepSeekFormat(),
            "llama3": tc.Llama3Format(),
            "mistral": tc.MistralFormat(), "generic": tc.GenericFormat(), "harmony": tc.HarmonyFormat()}
 
@@ -384,6 +399,7 @@ WEATHER_CALLS = {
                  "</tool_call>",
     "glm45": "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>",
     "gemma4": f"<|tool_call>call:get_weather{{city:{Q}Paris{Q}}}<tool_call|>",
+    "deepseek_v3": DS_OPEN + 'get_weather<｜tool▁sep｜>{"city": "Paris"}' + DS_CLOSE,
     "llama3": '{"name": "get_weather", "parameters": {"city": "Paris"}}',
     "mistral": '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]',
     "mistral_args": '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}',
@@ -397,6 +413,8 @@ def two_calls(fmt: str) -> str:
     first, second = WEATHER_CALLS[fmt], WEATHER_CALLS[fmt].replace("get_weather", "get_time")
     if fmt == "mistral":
         return first[:-1] + ", " + second.removeprefix("[TOOL_CALLS][")
+    if fmt == "deepseek_v3":  # one section, its calls one after another
+        return first.removesuffix("<｜tool▁calls▁end｜>") + second.removeprefix("<｜tool▁calls▁begin｜>")
     return first + {"hermes": "\n", "qwen3_xml": "\n", "glm45": "\n", "llama3": "; "}.get(fmt, "") + second
 
 

@@ -101,7 +101,11 @@ class Tokenizer:
         def raise_exception(message):
             raise TokenizerError(f"chat template error: {message}")
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        # None prints as nothing: an assistant's `content` None beside its tool calls is no text "None" (templates
+        # that test `content is none` still see None, as they were written for)
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"],
+                                            finalize=lambda value: "" if value is None else value)
         env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(
             x, indent=indent, ensure_ascii=ensure_ascii
         )
@@ -126,13 +130,10 @@ class Tokenizer:
         reserved = {"messages", "add_generation_prompt", "bos_token", "eos_token", "tools"} & set(template_kwargs)
         if reserved:
             raise TokenizerError(f"chat template arguments {', '.join(sorted(reserved))} are set by umakit")
-        # a key whose value is None is left out, as transformers leaves it out: templates test whether a key is
-        # there (`content` None beside tool calls would render as the text "None" in some)
-        messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
         try:
             return self._template.render(
                 **template_kwargs,
-                messages=messages,
+                messages=list(messages),
                 tools=list(tools) if tools else None,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "",

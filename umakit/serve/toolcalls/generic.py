@@ -42,7 +42,7 @@ class GenericFormat(ToolFormat):
                 out.append({"role": m["role"], "content": m.get("content")})
         if tools:
             described = "\n".join(json.dumps(t.get("function", t), ensure_ascii=False) for t in tools)
-            out = _with_system_text(out, GENERIC_INSTRUCTIONS.format(tools=described))
+            out = with_system_text(out, GENERIC_INSTRUCTIONS.format(tools=described))
         return out, None
 
     def parse(self, text):
@@ -89,7 +89,7 @@ def _tool_result_text(message: dict, names: dict) -> str:
     return f"{answer}:\n{message.get('content') or ''}"
 
 
-def _with_system_text(messages: list[dict], text: str) -> list[dict]:
+def with_system_text(messages: list[dict], text: str) -> list[dict]:
     """``text`` appended to the first system message, or a new system message in front."""
     if messages and messages[0].get("role") == "system":
         first = messages[0].get("content") or ""
