@@ -315,4 +315,3 @@ class MessagesOutput(Output):
 
     def error(self, body: dict) -> list[bytes]:
         return [named_sse("error", body)]
-

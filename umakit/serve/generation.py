@@ -103,5 +103,3 @@ def _max_tokens(asked: int | None, prompt_tokens: int, limit: int, where: str) -
                  f"completion). Please reduce the length of the {where} or completion.",
             param=where, code="context_length_exceeded")
     return asked or min(DEFAULT_MAX_TOKENS, limit - prompt_tokens)
-
-
