@@ -70,12 +70,21 @@ def generic(tmp_path_factory):
     srv.stop()
 
 
+def _templated(tmp_path_factory, name: str, template: str, specials: tuple[str, ...], eos: tuple[str, ...] = ()):
+    """A server of a tiny random model with ``template`` and ``specials`` added to its tokenizer (``eos``: its
+    end tokens, among them)."""
+    path = make_tiny_model("qwen2", tmp_path_factory.mktemp(name), max_position_embeddings=LONG)
+    write_tokenizer(path, template, extra_specials=specials)
+    if eos:
+        ids = {t["content"]: t["id"] for t in json.loads((path / "tokenizer.json").read_text())["added_tokens"]}
+        (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [ids[t] for t in eos]}))
+    return _server(path, tmp_path_factory)
+
+
 @pytest.fixture(scope="module")
 def hermes(tmp_path_factory):
-    path = make_tiny_model("qwen2", tmp_path_factory.mktemp("qwen25"), max_position_embeddings=LONG)
-    write_tokenizer(path, (TEMPLATES / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text(),
-                    extra_specials=("<tool_call>", "</tool_call>"))
-    srv = _server(path, tmp_path_factory)
+    srv = _templated(tmp_path_factory, "qwen25", (TEMPLATES / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text(),
+                     ("<tool_call>", "</tool_call>"))
     yield srv
     srv.stop()
 
@@ -83,27 +92,21 @@ def hermes(tmp_path_factory):
 @pytest.fixture(scope="module")
 def harmony(tmp_path_factory):
     """gpt-oss's real template: a call is a commentary message to=functions.NAME, <|call|> ending the reply."""
-    path = make_tiny_model("qwen2", tmp_path_factory.mktemp("gpt_oss"), max_position_embeddings=LONG)
     specials = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>")
-    write_tokenizer(path, (TEMPLATES / "openai-gpt-oss-120b.jinja").read_text(), extra_specials=specials)
-    vocab = json.loads((path / "tokenizer.json").read_text())["added_tokens"]
-    ids = {t["content"]: t["id"] for t in vocab}
-    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [ids["<|return|>"], ids["<|call|>"]]}))
-    srv = _server(path, tmp_path_factory)
+    srv = _templated(tmp_path_factory, "gpt_oss", (TEMPLATES / "openai-gpt-oss-120b.jinja").read_text(), specials,
+                     eos=("<|return|>", "<|call|>"))
     yield srv
     srv.stop()
 
 
 @pytest.fixture(scope="module")
 def glm(tmp_path_factory):
-    """GLM-4.6's real template: the function's name, then <arg_key>/<arg_value> pairs, in <tool_call> tags."""
-    path = make_tiny_model("qwen2", tmp_path_factory.mktemp("glm"), max_position_embeddings=LONG)
-    # thinking off unless asked: a random model never closes its thinking, and a constraint starts after it
-    write_tokenizer(path, "{%- if enable_thinking is not defined %}{% set enable_thinking = false %}{% endif -%}"
-                    + (TEMPLATES / "zai-org-GLM-4.6.jinja").read_text(),
-                    extra_specials=("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>",
-                                    "</arg_value>", "<think>", "</think>"))
-    srv = _server(path, tmp_path_factory)
+    """GLM-4.6's real template: the function's name, then <arg_key>/<arg_value> pairs, in <tool_call> tags; thinking
+    off unless asked (a random model never closes its thinking, and a constraint starts after it)."""
+    template = ("{%- if enable_thinking is not defined %}{% set enable_thinking = false %}{% endif -%}"
+                + (TEMPLATES / "zai-org-GLM-4.6.jinja").read_text())
+    srv = _templated(tmp_path_factory, "glm", template, ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>",
+                                                          "<arg_value>", "</arg_value>", "<think>", "</think>"))
     yield srv
     srv.stop()
 
@@ -111,10 +114,8 @@ def glm(tmp_path_factory):
 @pytest.fixture(scope="module")
 def gemma4(tmp_path_factory):
     """Gemma 4's tool notation (a template written after its own): <|tool_call>call:f{key:value}<tool_call|>."""
-    path = make_tiny_model("qwen2", tmp_path_factory.mktemp("gemma4"), max_position_embeddings=LONG)
-    write_tokenizer(path, GEMMA4_TOOLS, extra_specials=("<|tool_call>", "<tool_call|>", '<|"|>', "<|turn>",
-                                                        "<turn|>", "<|tool_response>", "<tool_response|>"))
-    srv = _server(path, tmp_path_factory)
+    srv = _templated(tmp_path_factory, "gemma4", GEMMA4_TOOLS, ("<|tool_call>", "<tool_call|>", '<|"|>', "<|turn>",
+                                                                 "<turn|>", "<|tool_response>", "<tool_response|>"))
     yield srv
     srv.stop()
 
@@ -122,12 +123,10 @@ def gemma4(tmp_path_factory):
 @pytest.fixture(scope="module")
 def deepseek(tmp_path_factory):
     """DeepSeek V3.1's real template: JSON arguments between its marker tokens, the tools in the system prompt."""
-    path = make_tiny_model("qwen2", tmp_path_factory.mktemp("deepseek"), max_position_embeddings=LONG)
-    write_tokenizer(path, (TEMPLATES / "deepseek-ai-DeepSeek-V3.1.jinja").read_text(), extra_specials=(
+    srv = _templated(tmp_path_factory, "deepseek", (TEMPLATES / "deepseek-ai-DeepSeek-V3.1.jinja").read_text(), (
         "<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>", "<think>", "</think>", "<｜tool▁calls▁begin｜>",
         "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>", "<｜tool▁output▁begin｜>",
         "<｜tool▁output▁end｜>"))
-    srv = _server(path, tmp_path_factory)
     yield srv
     srv.stop()
 

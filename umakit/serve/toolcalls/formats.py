@@ -37,7 +37,27 @@ class HermesFormat(ToolFormat):
                 f"body: {json_rule(body)}\n")
 
 
-class Qwen3XmlFormat(ToolFormat):
+class _PairedCalls(ToolFormat):
+    """A format whose call holds the function's name and key-value pairs, each value text (`_CALL` finds a call:
+    the name, then the pairs; `_PAIR` one pair: the key, then the value)."""
+
+    _CALL: re.Pattern
+    _PAIR: re.Pattern
+
+    def parse(self, text):
+        return tagged_calls(text, self._CALL, lambda m: self._call(m.group(1), m.group(2)))
+
+    def _call(self, name: str, body: str) -> ToolCall | None:
+        arguments, pos = {}, 0
+        while match := self._PAIR.match(body, pos):
+            arguments[match.group(1).strip()] = _xml_value(match.group(2))
+            pos = match.end()
+        if body[pos:].strip():
+            return None  # text that is not a pair: not a call this format writes
+        return new_call(name, arguments)
+
+
+class Qwen3XmlFormat(_PairedCalls):
     """Qwen3-Coder: ``<tool_call>\\n<function=f>\\n<parameter=p>\\nvalue\\n</parameter>\\n</function>\\n</tool_call>``.
 
     Values are raw text. `parse` cannot see the schema, so a value that parses as JSON (a number, a
@@ -49,19 +69,7 @@ class Qwen3XmlFormat(ToolFormat):
     name = "qwen3_xml"
     markers = ("<tool_call>", "<function=")
     _CALL = re.compile(r"(?:<tool_call>\s*)?<function=([^>\n]+)>(.*?)</function>(?:\s*</tool_call>)?", re.S)
-    _PARAM = re.compile(r"\s*<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
-
-    def parse(self, text):
-        return tagged_calls(text, self._CALL, lambda m: self._call(m.group(1), m.group(2)))
-
-    def _call(self, name: str, body: str) -> ToolCall | None:
-        arguments, pos = {}, 0
-        while match := self._PARAM.match(body, pos):
-            arguments[match.group(1).strip()] = _xml_value(match.group(2))
-            pos = match.end()
-        if body[pos:].strip():
-            return None  # text that is not a parameter: not a call this format writes
-        return new_call(name, arguments)
+    _PAIR = re.compile(r"\s*<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
 
     def grammar(self, tools, choice, parallel=True, special_tokens=None):
         special = special_tokens or {}
@@ -92,7 +100,7 @@ class Qwen3XmlFormat(ToolFormat):
         return [f"f{i}: " + " ".join(items)] + rules
 
 
-class GlmFormat(ToolFormat):
+class GlmFormat(_PairedCalls):
     """GLM-4.5 and 4.6: ``<tool_call>f\n<arg_key>k</arg_key>\n<arg_value>v</arg_value>\n...</tool_call>``, calls one
     after another on their own lines.
 
@@ -106,19 +114,7 @@ class GlmFormat(ToolFormat):
     name = "glm45"
     markers = ("<tool_call>",)
     _CALL = re.compile(r"<tool_call>([^<\n]*)(.*?)</tool_call>", re.S)
-    _ARG = re.compile(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
-
-    def parse(self, text):
-        return tagged_calls(text, self._CALL, lambda m: self._call(m.group(1), m.group(2)))
-
-    def _call(self, name: str, body: str) -> ToolCall | None:
-        arguments, pos = {}, 0
-        while match := self._ARG.match(body, pos):
-            arguments[match.group(1).strip()] = _xml_value(match.group(2))
-            pos = match.end()
-        if body[pos:].strip():
-            return None  # text that is not an argument: not a call this format writes
-        return new_call(name, arguments)
+    _PAIR = re.compile(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
 
     def grammar(self, tools, choice, parallel=True, special_tokens=None):
         special = special_tokens or {}
