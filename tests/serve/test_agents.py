@@ -1,11 +1,12 @@
 """What agents and extraction scripts send, through a real `umakit serve` and the official clients.
 
-Six tiny random models: one with a ChatML template that has no tool syntax (tools in the generic JSON form),
+Seven tiny random models: one with a ChatML template that has no tool syntax (tools in the generic JSON form),
 one with Qwen2.5's real template (Hermes ``<tool_call>`` blocks, its markers added tokens), one with gpt-oss's
 (harmony: a call is a commentary message to the function, its markers special tokens), one with GLM-4.6's (the
 function's name and ``<arg_key>``/``<arg_value>`` pairs in ``<tool_call>`` tags, all of them added tokens), one
 with Gemma 4's notation (a template written after its own, tests/support/templates.py), one with DeepSeek
-V3.1's (JSON arguments between its marker tokens). A random model
+V3.1's (JSON arguments between its marker tokens), one with Qwen3-Coder's (``<function=f>`` and ``<parameter=p>``
+blocks, Qwen3.5's syntax). A random model
 says nothing sensible, so what is checked is what the server guarantees whatever the model: a forced call
 always names a tool and its arguments validate, a reply under a schema always parses and validates (the
 schemas are bounded, so a reply ends), Anthropic's and the Responses API's shapes hold, and errors are clear.
@@ -60,6 +61,7 @@ def _server(path, tmp_path_factory, *extra):
 
 
 LONG = 4096  # context: the tools' descriptions take hundreds of the tiny vocabulary's tokens
+CALL_TOKENS = 200  # room for a forced call: spelt out by the tiny vocabulary, Qwen3-Coder's takes over 100
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +133,16 @@ def deepseek(tmp_path_factory):
     srv.stop()
 
 
-@pytest.fixture(params=["generic", "hermes", "harmony", "glm", "gemma4", "deepseek"])
+@pytest.fixture(scope="module")
+def qwen3_coder(tmp_path_factory):
+    """Qwen3-Coder's real template (Qwen3.5's tool syntax): <function=f> and <parameter=p> blocks in <tool_call>."""
+    srv = _templated(tmp_path_factory, "qwen3_coder", (TEMPLATES / "Qwen3-Coder.jinja").read_text(),
+                     ("<tool_call>", "</tool_call>"))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(params=["generic", "hermes", "harmony", "glm", "gemma4", "deepseek", "qwen3_coder"])
 def server(request):
     return request.getfixturevalue(request.param)
 
@@ -161,7 +172,7 @@ def test_tool_round_trip_required_then_the_answer(server):
     c, name = client(server), name_of(server)
     messages = user("What's the weather in Paris for 2 days?")
     r = c.chat.completions.create(model=name, messages=messages, tools=TOOLS, tool_choice="required",
-                                  temperature=0, max_tokens=80)
+                                  temperature=0, max_tokens=CALL_TOKENS)
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
     for call in choice.message.tool_calls:
@@ -179,7 +190,7 @@ def test_named_tool_streamed(server):
     c, name = client(server), name_of(server)
     stream = c.chat.completions.create(model=name, messages=user("Weather?"), tools=TOOLS, stream=True,
                                        tool_choice={"type": "function", "function": {"name": "weather"}},
-                                       temperature=0.8, seed=3, max_tokens=80)
+                                       temperature=0.8, seed=3, max_tokens=CALL_TOKENS)
     calls, finish, content = {}, None, ""
     for chunk in stream:
         delta = chunk.choices[0].delta
@@ -288,7 +299,7 @@ def test_anthropic_text_and_stream(generic):
 def test_anthropic_tool_round_trip(server):
     a, name = aclient(server), name_of(server)
     tools = [{"name": "weather", "description": "The forecast.", "input_schema": WEATHER}]
-    m = a.messages.create(model=name, max_tokens=80, messages=user("Weather in Paris?"), tools=tools,
+    m = a.messages.create(model=name, max_tokens=CALL_TOKENS, messages=user("Weather in Paris?"), tools=tools,
                           tool_choice={"type": "any"}, extra_body={"temperature": 0})
     uses = [b for b in m.content if b.type == "tool_use"]
     assert m.stop_reason == "tool_use" and uses and uses[0].name == "weather"
@@ -352,7 +363,7 @@ def test_responses_text_stream_and_function(server):
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r.output_text
     tools = [{"type": "function", "name": "weather", "parameters": WEATHER, "strict": True}]
     called = c.responses.create(model=name, input="Weather in Paris?", tools=tools, tool_choice="required",
-                                max_output_tokens=80, temperature=0)
+                                max_output_tokens=CALL_TOKENS, temperature=0)
     calls = [i for i in called.output if i.type == "function_call"]
     assert calls and calls[0].name == "weather"
     jsonschema.validate(json.loads(calls[0].arguments), WEATHER)

@@ -456,6 +456,16 @@ def test_grammar_checks_argument_types_and_free_text_values(llg):
     assert not accepts(llg, glm, trip(unit="k")) and not accepts(llg, glm, trip(city="Llanfairpwll"))
     assert json.loads(tc.GlmFormat().parse(trip(unit="c"))[1][0].arguments) == {"city": "Paris", "days": 3,
                                                                                 "unit": "c"}
+    xml = tc.Qwen3XmlFormat().grammar([typed], None, special_tokens=llg[1])
+
+    def xtrip(city="Paris", days="3", unit=None, note=None):
+        pairs = [("city", city), ("days", days)] + [(k, v) for k, v in (("unit", unit), ("note", note)) if v]
+        return ("<tool_call>\n<function=trip>\n" + "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in pairs)
+                + "</function>\n</tool_call>")
+
+    assert accepts(llg, xml, xtrip()) and accepts(llg, xml, xtrip(unit="f", note="two\nlines & >"))
+    assert not accepts(llg, xml, xtrip(days="x")) and not accepts(llg, xml, xtrip(days="9"))
+    assert not accepts(llg, xml, xtrip(unit="k")) and not accepts(llg, xml, xtrip(city="Llanfairpwll"))
     gemma = tc.Gemma4Format().grammar([typed], None, special_tokens=llg[1])
 
     def gtrip(city="Paris", days="3", unit=None, note=None):  # keys sorted, as Gemma 4's template writes them
@@ -472,6 +482,8 @@ def test_grammar_checks_argument_types_and_free_text_values(llg):
     clock = {"type": "function", "function": {"name": "clock", "parameters": {"type": "object", "properties": {}}}}
     none = tc.GlmFormat().grammar([clock], None, special_tokens=llg[1])  # declared without arguments: none
     assert accepts(llg, none, "<tool_call>clock\n</tool_call>")
+    assert accepts(llg, tc.Qwen3XmlFormat().grammar([clock], None, special_tokens=llg[1]),
+                   "<tool_call>\n<function=clock>\n</function>\n</tool_call>")
     assert not accepts(llg, none, "<tool_call>clock\n<arg_key>x</arg_key>\n<arg_value>1</arg_value>\n</tool_call>")
     bare = {"type": "function", "function": {"name": "ping"}}  # no parameters: any object
     assert accepts(llg, tc.HermesFormat().grammar([bare], None, special_tokens=llg[1]),

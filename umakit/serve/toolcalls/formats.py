@@ -62,8 +62,8 @@ class Qwen3XmlFormat(_PairedCalls):
 
     Values are raw text. `parse` cannot see the schema, so a value that parses as JSON (a number, a
     boolean, an object) is taken as that, anything else as a string. The grammar fixes the function and
-    parameter names (required ones present, in the schema's order) and leaves each value free text up to
-    the ``\\n</parameter>`` that closes it.
+    parameter names (required ones present, in the schema's order) and each value as the template writes it
+    (`_typed_value`): a string as free text up to the ``\\n</parameter>`` that closes it.
     """
 
     name = "qwen3_xml"
@@ -79,23 +79,26 @@ class Qwen3XmlFormat(_PairedCalls):
         lines = [
             f"start: {start}",
             f'call: {open_} "\\n<function=" fn "</function>\\n" {close}',
-            "fn: " + " | ".join(literal(fn["name"] + ">\n") + f" f{i}" for i, fn in enumerate(functions)),
+            "fn: " + " | ".join(literal(fn["name"] + ">\n") + ("" if _no_arguments(fn) else f" f{i}")
+                                for i, fn in enumerate(functions)),
             r"value[lazy]: /(?s:.*)\n<\/parameter>\n/",
             r'any_param: "<parameter=" /[^>\n]+/ ">\n" value',
         ]
         for i, fn in enumerate(functions):
-            lines += self._function_rules(i, parameters_of(fn))
+            if not _no_arguments(fn):
+                lines += self._function_rules(i, parameters_of(fn))
         return "\n".join(lines) + "\n"
 
     @staticmethod
     def _function_rules(i: int, schema: dict) -> list[str]:
         properties = schema.get("properties") or {}
-        if not properties:
+        if not properties:  # parameters not described: any names
             return [f"f{i}: any_param*"]
         required = set(schema.get("required") or ())
         items, rules = [], []
-        for j, pname in enumerate(properties):
-            rules.append(f"p{i}_{j}: " + literal("<parameter=" + pname + ">\n") + " value")
+        for j, (pname, pschema) in enumerate(properties.items()):
+            value = _typed_value(pschema, literal("\n</parameter>\n"), "value")
+            rules.append(f"p{i}_{j}: " + literal("<parameter=" + pname + ">\n") + " " + value)
             items.append(f"p{i}_{j}" + ("" if pname in required else "?"))
         return [f"f{i}: " + " ".join(items)] + rules
 
@@ -144,24 +147,29 @@ class GlmFormat(_PairedCalls):
                                              for j, key in enumerate(properties)))
             for j, (key, schema) in enumerate(properties.items()):
                 lines.append(f'a{i}_{j}: {tag["<arg_key>"]} {literal(key)} {tag["</arg_key>"]} "\\n" '
-                             f'{tag["<arg_value>"]} {self._value(schema, close)}')
+                             f'{tag["<arg_value>"]} {_typed_value(schema, close, "text")}')
         return "\n".join(lines) + "\n"
 
-    @staticmethod
-    def _value(schema, close: str) -> str:
-        """A value as the template writes it, then its closing tag: a string as it is (one of its ``enum``, or at
-        most ``maxLength`` characters without a '<'), anything else as JSON that follows its schema."""
-        if not isinstance(schema, dict):
-            return "text"
-        if schema.get("type") == "string" or (schema.get("enum") and all(isinstance(e, str) for e in schema["enum"])):
-            if schema.get("enum"):
-                return "(" + " | ".join(literal(e) for e in schema["enum"]) + f") {close}"
-            if isinstance(schema.get("maxLength"), int) and "pattern" not in schema:
-                return f"/[^<]{{0,{schema['maxLength']}}}/ {close}"
-            return "text"
-        if schema.get("type") in ("integer", "number", "boolean", "object", "array", "null"):
-            return f"{json_rule(schema)} {close}"
-        return "text"
+
+def _typed_value(schema, close: str, free: str) -> str:
+    """A value as these templates write it, then ``close``: a string as it is (one of its ``enum``, or a line of at
+    most ``maxLength`` characters without a '<'; else ``free``, the format's free-text rule, which closes itself), a
+    boolean as JSON or Python writes it (Qwen3-Coder's template writes ``True``), anything else as JSON that
+    follows its schema."""
+    if not isinstance(schema, dict):
+        return free
+    kind, enum = schema.get("type"), schema.get("enum")
+    if kind == "string" or (enum and all(isinstance(e, str) for e in enum)):
+        if enum:
+            return "(" + " | ".join(literal(e) for e in enum) + f") {close}"
+        if isinstance(schema.get("maxLength"), int) and "pattern" not in schema:
+            return f"/[^<\\n]{{0,{schema['maxLength']}}}/ {close}"  # one line, so it cannot run into close
+        return free
+    if kind == "boolean":
+        return f'("true" | "false" | "True" | "False") {close}'
+    if kind in ("integer", "number", "object", "array", "null"):
+        return f"{json_rule(schema)} {close}"
+    return free
 
 
 def _no_arguments(fn: dict) -> bool:
