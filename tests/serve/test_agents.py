@@ -83,68 +83,58 @@ def _templated(tmp_path_factory, name: str, template: str, specials: tuple[str, 
     return _server(path, tmp_path_factory)
 
 
-@pytest.fixture(scope="module")
-def hermes(tmp_path_factory):
-    srv = _templated(tmp_path_factory, "qwen25", (TEMPLATES / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text(),
-                     ("<tool_call>", "</tool_call>"))
-    yield srv
-    srv.stop()
+def _read(name: str) -> str:
+    return (TEMPLATES / name).read_text()
+
+
+# name -> (its chat template, the markers added to its tokenizer, its end tokens among them)
+TEMPLATED = {
+    # Qwen2.5's real template: Hermes <tool_call> JSON
+    "hermes": (lambda: _read("Qwen-Qwen2.5-7B-Instruct.jinja"), ("<tool_call>", "</tool_call>"), ()),
+    # gpt-oss's real template: a call is a commentary message to=functions.NAME, <|call|> ending the reply
+    "harmony": (lambda: _read("openai-gpt-oss-120b.jinja"),
+                ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>"),
+                ("<|return|>", "<|call|>")),
+    # GLM-4.6's real template: the function's name, then <arg_key>/<arg_value> pairs, in <tool_call> tags;
+    # thinking off unless asked (a random model never closes its thinking, and a constraint starts after it)
+    "glm": (lambda: "{%- if enable_thinking is not defined %}{% set enable_thinking = false %}{% endif -%}"
+            + _read("zai-org-GLM-4.6.jinja"),
+            ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>", "<think>",
+             "</think>"), ()),
+    # Gemma 4's notation (a template written after its own): <|tool_call>call:f{key:value}<tool_call|>
+    "gemma4": (lambda: GEMMA4_TOOLS, ("<|tool_call>", "<tool_call|>", '<|"|>', "<|turn>", "<turn|>",
+                                      "<|tool_response>", "<tool_response|>"), ()),
+    # DeepSeek V3.1's real template: JSON arguments between its marker tokens, the tools in the system prompt
+    "deepseek": (lambda: _read("deepseek-ai-DeepSeek-V3.1.jinja"),
+                 ("<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>", "<think>", "</think>", "<｜tool▁calls▁begin｜>",
+                  "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>",
+                  "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>"), ()),
+    # Qwen3-Coder's real template (Qwen3.5's tool syntax): <function=f> and <parameter=p> blocks in <tool_call>
+    "qwen3_coder": (lambda: _read("Qwen3-Coder.jinja"), ("<tool_call>", "</tool_call>"), ()),
+}
 
 
 @pytest.fixture(scope="module")
-def harmony(tmp_path_factory):
-    """gpt-oss's real template: a call is a commentary message to=functions.NAME, <|call|> ending the reply."""
-    specials = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>")
-    srv = _templated(tmp_path_factory, "gpt_oss", (TEMPLATES / "openai-gpt-oss-120b.jinja").read_text(), specials,
-                     eos=("<|return|>", "<|call|>"))
-    yield srv
-    srv.stop()
+def templated(tmp_path_factory):
+    """``templated(name)``: the server of `TEMPLATED`'s ``name``, started on first use, stopped with the module."""
+    made = {}
+
+    def get(name):
+        if name not in made:
+            template, specials, eos = TEMPLATED[name]
+            made[name] = _templated(tmp_path_factory, name, template(), specials, eos)
+        return made[name]
+
+    yield get
+    for srv in made.values():
+        srv.stop()
 
 
-@pytest.fixture(scope="module")
-def glm(tmp_path_factory):
-    """GLM-4.6's real template: the function's name, then <arg_key>/<arg_value> pairs, in <tool_call> tags; thinking
-    off unless asked (a random model never closes its thinking, and a constraint starts after it)."""
-    template = ("{%- if enable_thinking is not defined %}{% set enable_thinking = false %}{% endif -%}"
-                + (TEMPLATES / "zai-org-GLM-4.6.jinja").read_text())
-    srv = _templated(tmp_path_factory, "glm", template, ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>",
-                                                          "<arg_value>", "</arg_value>", "<think>", "</think>"))
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def gemma4(tmp_path_factory):
-    """Gemma 4's tool notation (a template written after its own): <|tool_call>call:f{key:value}<tool_call|>."""
-    srv = _templated(tmp_path_factory, "gemma4", GEMMA4_TOOLS, ("<|tool_call>", "<tool_call|>", '<|"|>', "<|turn>",
-                                                                 "<turn|>", "<|tool_response>", "<tool_response|>"))
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def deepseek(tmp_path_factory):
-    """DeepSeek V3.1's real template: JSON arguments between its marker tokens, the tools in the system prompt."""
-    srv = _templated(tmp_path_factory, "deepseek", (TEMPLATES / "deepseek-ai-DeepSeek-V3.1.jinja").read_text(), (
-        "<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>", "<think>", "</think>", "<｜tool▁calls▁begin｜>",
-        "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>", "<｜tool▁output▁begin｜>",
-        "<｜tool▁output▁end｜>"))
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def qwen3_coder(tmp_path_factory):
-    """Qwen3-Coder's real template (Qwen3.5's tool syntax): <function=f> and <parameter=p> blocks in <tool_call>."""
-    srv = _templated(tmp_path_factory, "qwen3_coder", (TEMPLATES / "Qwen3-Coder.jinja").read_text(),
-                     ("<tool_call>", "</tool_call>"))
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(params=["generic", "hermes", "harmony", "glm", "gemma4", "deepseek", "qwen3_coder"])
+@pytest.fixture(params=["generic", *TEMPLATED])
 def server(request):
-    return request.getfixturevalue(request.param)
+    if request.param == "generic":
+        return request.getfixturevalue("generic")
+    return request.getfixturevalue("templated")(request.param)
 
 
 def client(srv):
@@ -377,7 +367,8 @@ def test_responses_text_stream_and_function(server):
 
 
 # -- CORS ------------------------------------------------------------------------------------------------
-def test_cors_preflight_for_allowed_origins_only(generic, hermes):
+def test_cors_preflight_for_allowed_origins_only(generic, templated):
+    hermes = templated("hermes")
     preflight = {"Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST",
                  "Access-Control-Request-Headers": "authorization,content-type"}
     r = httpx.options(f"{generic.url}/v1/chat/completions", headers=preflight)
