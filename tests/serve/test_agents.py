@@ -1,12 +1,13 @@
 """What agents and extraction scripts send, through a real `umakit serve` and the official clients.
 
-Seven tiny random models: one with a ChatML template that has no tool syntax (tools in the generic JSON form),
+Nine tiny random models: one with a ChatML template that has no tool syntax (tools in the generic JSON form),
 one with Qwen2.5's real template (Hermes ``<tool_call>`` blocks, its markers added tokens), one with gpt-oss's
 (harmony: a call is a commentary message to the function, its markers special tokens), one with GLM-4.6's (the
 function's name and ``<arg_key>``/``<arg_value>`` pairs in ``<tool_call>`` tags, all of them added tokens), one
 with Gemma 4's notation (a template written after its own, tests/support/templates.py), one with DeepSeek
 V3.1's (JSON arguments between its marker tokens), one with Qwen3-Coder's (``<function=f>`` and ``<parameter=p>``
-blocks, Qwen3.5's syntax). A random model
+blocks, Qwen3.5's syntax), one with Kimi K2 Thinking's (``functions.NAME:N`` ids before JSON arguments), one with
+LFM2.5's (a Python list of calls). A random model
 says nothing sensible, so what is checked is what the server guarantees whatever the model: a forced call
 always names a tool and its arguments validate, a reply under a schema always parses and validates (the
 schemas are bounded, so a reply ends), Anthropic's and the Responses API's shapes hold, and errors are clear.
@@ -72,10 +73,11 @@ def generic(tmp_path_factory):
     srv.stop()
 
 
-def _templated(tmp_path_factory, name: str, template: str, specials: tuple[str, ...], eos: tuple[str, ...] = ()):
-    """A server of a tiny random model with ``template`` and ``specials`` added to its tokenizer (``eos``: its
-    end tokens, among them)."""
-    path = make_tiny_model("qwen2", tmp_path_factory.mktemp(name), max_position_embeddings=LONG)
+def _templated(tmp_path_factory, name: str, template: str, specials: tuple[str, ...], eos: tuple[str, ...] = (),
+               seed: int = 0):
+    """A server of a tiny random model (its weights drawn from ``seed``) with ``template`` and ``specials`` added to
+    its tokenizer (``eos``: its end tokens, among them)."""
+    path = make_tiny_model("qwen2", tmp_path_factory.mktemp(name), seed=seed, max_position_embeddings=LONG)
     write_tokenizer(path, template, extra_specials=specials)
     if eos:
         ids = {t["content"]: t["id"] for t in json.loads((path / "tokenizer.json").read_text())["added_tokens"]}
@@ -87,7 +89,16 @@ def _read(name: str) -> str:
     return (TEMPLATES / name).read_text()
 
 
-# name -> (its chat template, the markers added to its tokenizer, its end tokens among them)
+def _closed_thinking(name: str, prompt: str, closed: str) -> str:
+    """The template ``name`` with its generation prompt (the last ``prompt`` in it) made ``closed``, which closes an
+    empty thinking: a thinking model's call comes after its thinking, which a random model never closes."""
+    head, found, tail = _read(name).rpartition(prompt)
+    assert found
+    return head + closed + tail
+
+
+# name -> (its chat template, the markers added to its tokenizer, its end tokens among them[, the weights' seed: one
+# whose greedy forced calls end, where seed 0's repeat a parallel call to the end of max_tokens])
 TEMPLATED = {
     # Qwen2.5's real template: Hermes <tool_call> JSON
     "hermes": (lambda: _read("Qwen-Qwen2.5-7B-Instruct.jinja"), ("<tool_call>", "</tool_call>"), ()),
@@ -111,6 +122,16 @@ TEMPLATED = {
                   "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>"), ()),
     # Qwen3-Coder's real template (Qwen3.5's tool syntax): <function=f> and <parameter=p> blocks in <tool_call>
     "qwen3_coder": (lambda: _read("Qwen3-Coder.jinja"), ("<tool_call>", "</tool_call>"), ()),
+    # Kimi K2 Thinking's real template: functions.NAME:N ids before JSON arguments, in a section of markers
+    "kimi": (lambda: _closed_thinking("moonshotai-Kimi-K2-Thinking.jinja", "<|im_middle|>\n{%- endif",
+                                               "<|im_middle|><think></think>\n{%- endif"),
+             ("<|im_user|>", "<|im_assistant|>", "<|im_system|>", "<|im_middle|>", "<|im_end|>", "<think>", "</think>",
+              "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
+              "<|tool_call_argument_begin|>", "<|tool_call_end|>"), ("<|im_end|>",)),
+    # LFM2.5's real template: a Python list of calls with keyword arguments between its markers
+    "lfm2": (lambda: _closed_thinking("LiquidAI-LFM2.5-8B-A1B.jinja", 'assistant\\n"', 'assistant\\n<think></think>"'),
+             ("<|im_start|>", "<|im_end|>", "<|tool_call_start|>", "<|tool_call_end|>", "<think>", "</think>"),
+             ("<|im_end|>",), 2),
 }
 
 
@@ -121,8 +142,8 @@ def templated(tmp_path_factory):
 
     def get(name):
         if name not in made:
-            template, specials, eos = TEMPLATED[name]
-            made[name] = _templated(tmp_path_factory, name, template(), specials, eos)
+            template, specials, eos, *seed = TEMPLATED[name]
+            made[name] = _templated(tmp_path_factory, name, template(), specials, eos, *seed)
         return made[name]
 
     yield get

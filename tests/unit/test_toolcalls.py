@@ -23,7 +23,10 @@ SPECIALS = [BOS, EOS, "<|im_start|>", "<|im_end|>", "[TOOL_CALLS]", "[ARGS]", "[
             # gpt-oss's harmony
             "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|call|>", "<|return|>",
             # DeepSeek V3.1's
-            "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"]
+            "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>",
+            # Kimi K2's, then LFM2's (both end a call with <|tool_call_end|>)
+            "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
+            "<|tool_call_argument_begin|>", "<|tool_call_end|>", "<|tool_call_start|>"]
 ADDED = ["<tool_call>", "</tool_call>", "<|tool_call>", "<tool_call|>", '<|"|>']
 TRAIN_TEXT = '{"name": "get_weather", "arguments": {"city": "Paris"}} <parameter=city> Lyon Zürich 東京 ' * 10
 
@@ -53,6 +56,7 @@ MISTRAL_ID = tc.MistralFormat()._template_id(CALL_ID)
 ARGS = {"city": "Paris", "unit": "c"}
 
 DS_OPEN, DS_CLOSE = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>", "<｜tool▁call▁end｜><｜tool▁calls▁end｜>"
+KIMI_OPEN, KIMI_CLOSE = "<|tool_calls_section_begin|><|tool_call_begin|>", "<|tool_call_end|><|tool_calls_section_end|>"
 HERMES_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>'
 LLAMA_CALL = '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "c"}}'
 # fixture -> (format name, the text its template writes for the conversation's call)
@@ -75,6 +79,9 @@ FIXTURES = {
                                  "<arg_key>unit</arg_key>\n<arg_value>c</arg_value>\n</tool_call>"),
     "deepseek-ai-DeepSeek-V3.1": ("deepseek_v3", DS_OPEN + 'get_weather<｜tool▁sep｜>{"city": "Paris", "unit": "c"}'
                                                 + DS_CLOSE),
+    "moonshotai-Kimi-K2-Thinking": ("kimi_k2", KIMI_OPEN + 'functions.get_weather:0<|tool_call_argument_begin|>'
+                                               '{"city": "Paris", "unit": "c"}' + KIMI_CLOSE),
+    "LiquidAI-LFM2.5-8B-A1B": ("pythonic", "<|tool_call_start|>[get_weather(city='Paris', unit='c')]<|tool_call_end|>"),
     "HuggingFaceTB-SmolLM2-135M-Instruct": (
         "generic", '{"tool_call": {"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}}'),
 }
@@ -137,7 +144,7 @@ def transformers_render(tokenizer_json, chat_template, messages, tools):
 
 
 def undated(text: str) -> str:
-    return re.sub(r"(Today Date|Current date): [^\n]*", r"\1: -", text)
+    return re.sub(r"(Today Date|Current date|Today's date): [^\n]*", r"\1: -", text)
 
 
 @pytest.mark.parametrize("name", sorted(FIXTURES))
@@ -185,6 +192,25 @@ def test_gemma4_results_are_read_from_the_calling_message_and_render_as_transfor
     rendered = umakit_render(tmp_path, GEMMA4_TOOLS, messages, tools)
     assert rendered == transformers_render(tokenizer_json, GEMMA4_TOOLS, messages, tools)
     assert f"response:get_weather{{value:{Q}sunny{Q}}}<tool_response|><|turn>model" in rendered
+
+
+def test_kimi_ids_name_the_function_and_count_the_conversations_calls(tmp_path, tokenizer_json):
+    """Kimi K2 knows a call, and its result, by ``functions.NAME:N``: the client's ids are replaced in order."""
+    (tmp_path / "tokenizer.json").write_text(tokenizer_json)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": BOS, "eos_token": EOS}))
+    conversation = CONVERSATION[:4] + [
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "a", "type": "function", "function": {"name": "get_time", "arguments": '{"city": "Lyon"}'}},
+            {"id": "b", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Lyon"}'}}]},
+        {"role": "tool", "tool_call_id": "b", "content": "rain"}, {"role": "tool", "tool_call_id": "a", "content": "9"}]
+    messages, tools = tc.KimiK2Format().template_messages(conversation, TOOLS)
+    assert [m.get("tool_call_id") for m in messages[3:]] == ["functions.get_weather:0", None,
+                                                             "functions.get_weather:2", "functions.get_time:1"]
+    assert [c["id"] for c in messages[4]["tool_calls"]] == ["functions.get_time:1", "functions.get_weather:2"]
+    text = umakit_render(tmp_path, template("moonshotai-Kimi-K2-Thinking"), messages, tools)
+    assert text == transformers_render(tokenizer_json, template("moonshotai-Kimi-K2-Thinking"), messages, tools)
+    assert "## Return of functions.get_weather:2\nrain" in text and "## Return of functions.get_time:1\n9" in text
+    assert conversation[4]["tool_calls"][0]["id"] == "a"  # the request's messages are not changed
 
 
 def test_template_messages_parse_arguments_and_shorten_ids_for_mistral():
@@ -315,6 +341,27 @@ PARSE_CASES = [
      [("get_weather", PARIS), ("get_time", TOKYO)]),
     ("deepseek_v3", "cut", DS_OPEN + 'get_weather<｜tool▁sep｜>{"city": "Pa', SAME, []),
     ("deepseek_v3", "bad JSON", DS_OPEN + "get_weather<｜tool▁sep｜>{city}" + DS_CLOSE, SAME, []),
+    ("kimi_k2", "parallel, text before", "Checking." + KIMI_OPEN + 'functions.get_weather:0<|tool_call_argument_begin|>'
+     '{"city": "Paris"}<|tool_call_end|><|tool_call_begin|>functions.get_time:1<|tool_call_argument_begin|>'
+     '{"city": "東京"}' + KIMI_CLOSE, "Checking.", [("get_weather", PARIS), ("get_time", TOKYO)]),
+    ("kimi_k2", "cut", KIMI_OPEN + 'functions.get_weather:0<|tool_call_argument_begin|>{"city": "Pa', SAME, []),
+    ("kimi_k2", "bad JSON", KIMI_OPEN + "functions.get_weather:0<|tool_call_argument_begin|>{city}" + KIMI_CLOSE,
+     SAME, []),
+    ("pythonic", "parallel, text before, Python and JSON literals",
+     "Checking.<|tool_call_start|>[get_weather(city='São Paulo', days=3, detail={\"wind\": true, \"gusts\": [1, "
+     "-2.5]}, alerts=True, since=None), get_time(city=\"Lyon\")]<|tool_call_end|>", "Checking.",
+     [("get_weather", {"city": "São Paulo", "days": 3, "detail": {"wind": True, "gusts": [1, -2.5]}, "alerts": True,
+                       "since": None}), ("get_time", {"city": "Lyon"})]),
+    ("pythonic", "JSON calls, as llama.cpp's LFM2 template writes them",
+     '<|tool_call_start|>[{"name": "get_time", "arguments": {"city": "Lyon"}}]<|tool_call_end|>', "",
+     [("get_time", {"city": "Lyon"})]),
+    ("pythonic", "an expression is not evaluated", "<|tool_call_start|>[get_time(city=open('x').read())]"
+     "<|tool_call_end|>", SAME, []),
+    ("pythonic", "a method", "<|tool_call_start|>[os.system(cmd='ls')]<|tool_call_end|>", SAME, []),
+    ("pythonic", "positional arguments", "<|tool_call_start|>[get_time('Lyon')]<|tool_call_end|>", SAME, []),
+    ("pythonic", "cut", "<|tool_call_start|>[get_time(city='Ly", SAME, []),
+    ("pythonic", "an unquoted apostrophe", "<|tool_call_start|>[get_time(city='L'Aquila')]<|tool_call_end|>",
+     SAME, []),
     ("llama3", "one", '{"name": "get_weather", "parameters": {"city": "Zürich"}}', "",
      [("get_weather", {"city": "Zürich"})]),
     ("llama3", "python_tag, parallel",
@@ -353,7 +400,8 @@ PARSE_CASES = [
     ("generic", "plain text", "Plain words.", SAME, []),
 ]
 FORMATS = {"hermes": tc.HermesFormat(), "qwen3_xml": tc.Qwen3XmlFormat(), "glm45": tc.GlmFormat(),
-           "gemma4": tc.Gemma4Format(), "deepseek_v3": tc.DeepSeekFormat(),
+           "gemma4": tc.Gemma4Format(), "deepseek_v3": tc.DeepSeekFormat(), "kimi_k2": tc.KimiK2Format(),
+           "pythonic": tc.PythonicFormat(),
            "llama3": tc.Llama3Format(),
            "mistral": tc.MistralFormat(), "generic": tc.GenericFormat(), "harmony": tc.HarmonyFormat()}
 
@@ -400,6 +448,8 @@ WEATHER_CALLS = {
     "glm45": "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>",
     "gemma4": f"<|tool_call>call:get_weather{{city:{Q}Paris{Q}}}<tool_call|>",
     "deepseek_v3": DS_OPEN + 'get_weather<｜tool▁sep｜>{"city": "Paris"}' + DS_CLOSE,
+    "kimi_k2": KIMI_OPEN + 'functions.get_weather:0<|tool_call_argument_begin|>{"city": "Paris"}' + KIMI_CLOSE,
+    "pythonic": "<|tool_call_start|>[get_weather(city='Paris')]<|tool_call_end|>",
     "llama3": '{"name": "get_weather", "parameters": {"city": "Paris"}}',
     "mistral": '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]',
     "mistral_args": '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}',
@@ -415,6 +465,10 @@ def two_calls(fmt: str) -> str:
         return first[:-1] + ", " + second.removeprefix("[TOOL_CALLS][")
     if fmt == "deepseek_v3":  # one section, its calls one after another
         return first.removesuffix("<｜tool▁calls▁end｜>") + second.removeprefix("<｜tool▁calls▁begin｜>")
+    if fmt == "kimi_k2":
+        return first.removesuffix("<|tool_calls_section_end|>") + second.removeprefix("<|tool_calls_section_begin|>")
+    if fmt == "pythonic":  # one list
+        return first.removesuffix("]<|tool_call_end|>") + ", " + second.removeprefix("<|tool_call_start|>[")
     return first + {"hermes": "\n", "qwen3_xml": "\n", "glm45": "\n", "llama3": "; "}.get(fmt, "") + second
 
 
@@ -479,6 +533,25 @@ def test_grammar_checks_argument_types_and_free_text_values(llg):
     assert not accepts(llg, gemma, gtrip().replace("city:", "town:"))
     assert json.loads(tc.Gemma4Format().parse(gtrip(unit="c"))[1][0].arguments) == {"city": "Paris", "days": 3,
                                                                                    "unit": "c"}
+    pythonic = tc.PythonicFormat().grammar([typed], None, special_tokens=llg[1])
+
+    def ptrip(city="'Paris'", days="3", unit=None, note=None):  # in the schema's order, as the call sets them
+        pairs = [("city", city), ("days", days)] + [(k, v) for k, v in (("unit", unit), ("note", note)) if v]
+        return "<|tool_call_start|>[trip(" + ", ".join(f"{k}={v}" for k, v in pairs) + ")]<|tool_call_end|>"
+
+    assert accepts(llg, pythonic, ptrip()) and accepts(llg, pythonic, ptrip(unit="'f'", note="'l\\'Aquila'"))
+    assert not accepts(llg, pythonic, ptrip(days="'3'")) and not accepts(llg, pythonic, ptrip(days="9"))
+    assert not accepts(llg, pythonic, ptrip(unit="'k'")) and not accepts(llg, pythonic, ptrip(city="'Llanfairpwll'"))
+    assert not accepts(llg, pythonic, ptrip(city="\"Paris\"")) and not accepts(llg, pythonic, ptrip(days=None))
+    assert json.loads(tc.PythonicFormat().parse(ptrip(note="'l\\'Aquila'"))[1][0].arguments) == {
+        "city": "Paris", "days": 3, "note": "l'Aquila"}
+    optional = {"type": "function", "function": {"name": "find", "parameters": {"type": "object", "properties": {
+        "q": {"type": "string"}, "limit": {"type": "integer"}, "exact": {"type": "boolean"}}}}}
+    find = tc.PythonicFormat().grammar([optional], None, special_tokens=llg[1])
+    for args in ("", "q='x'", "limit=2", "exact=True", "q='x', exact=False", "limit=2, exact=True"):
+        assert accepts(llg, find, f"<|tool_call_start|>[find({args})]<|tool_call_end|>"), args
+    for args in (", limit=2", "limit=2, q='x'", "exact=true", "q='x',limit=2"):
+        assert not accepts(llg, find, f"<|tool_call_start|>[find({args})]<|tool_call_end|>"), args
     clock = {"type": "function", "function": {"name": "clock", "parameters": {"type": "object", "properties": {}}}}
     none = tc.GlmFormat().grammar([clock], None, special_tokens=llg[1])  # declared without arguments: none
     assert accepts(llg, none, "<tool_call>clock\n</tool_call>")

@@ -30,6 +30,26 @@ def _token_text(value) -> str | None:
     return value
 
 
+def _generation_tag():
+    """transformers' ``{% generation %}...{% endgeneration %}`` (it marks an assistant's text for training masks):
+    the body renders as it is, in a scope of its own, as there."""
+    from jinja2 import nodes
+    from jinja2.ext import Extension
+
+    class GenerationTag(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
+
+    return GenerationTag
+
+
 class Tokenizer:
     """Encode, decode and render chats for one model directory."""
 
@@ -104,7 +124,7 @@ class Tokenizer:
         # None prints as nothing: an assistant's `content` None beside its tool calls is no text "None" (templates
         # that test `content is none` still see None, as they were written for)
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=["jinja2.ext.loopcontrols"],
+                                            extensions=["jinja2.ext.loopcontrols", _generation_tag()],
                                             finalize=lambda value: "" if value is None else value)
         env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(
             x, indent=indent, ensure_ascii=ensure_ascii

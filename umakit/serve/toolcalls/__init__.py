@@ -5,7 +5,8 @@ the one place that syntax is written down: Qwen2.5 and Hermes wrap JSON in
 ``<tool_call>`` tags, Qwen3-Coder writes XML-like ``<function=...>`` blocks,
 GLM-4.5 writes the function's name then ``<arg_key>``/``<arg_value>`` pairs in them,
 Gemma 4 writes ``<|tool_call>call:f{key:value}<tool_call|>`` in a notation of its own, DeepSeek V3.1
-puts JSON arguments between marker tokens of its own,
+puts JSON arguments between marker tokens of its own, Kimi K2 too after an id that names the function,
+LFM2 writes a Python list of calls with keyword arguments,
 Mistral prefixes ``[TOOL_CALLS]``, Llama 3.x replies with a bare JSON object,
 gpt-oss addresses a message on its commentary channel to the function (harmony).
 So the format is judged from the template text, never from the model's name
@@ -35,12 +36,14 @@ from umakit.serve.toolcalls.syntax import ToolCall, ToolFormat
 from umakit.serve.toolcalls.formats import GlmFormat, HermesFormat, Llama3Format, MistralFormat, Qwen3XmlFormat
 from umakit.serve.toolcalls.deepseek_calls import DeepSeekFormat
 from umakit.serve.toolcalls.gemma_calls import Gemma4Format
+from umakit.serve.toolcalls.kimi_calls import KimiK2Format
+from umakit.serve.toolcalls.pythonic_calls import PythonicFormat
 from umakit.serve.toolcalls.generic import GenericFormat, generic_auto_grammar
 from umakit.serve.toolcalls.harmony import HarmonyFormat
 
 __all__ = ["ToolCall", "ToolFormat", "HermesFormat", "Qwen3XmlFormat", "GlmFormat", "MistralFormat", "Llama3Format",
-           "HarmonyFormat", "Gemma4Format", "DeepSeekFormat", "GenericFormat", "generic_auto_grammar", "detect",
-           "template_supports_tools"]
+           "HarmonyFormat", "Gemma4Format", "DeepSeekFormat", "KimiK2Format", "PythonicFormat", "GenericFormat",
+           "generic_auto_grammar", "detect", "template_supports_tools"]
 
 # -- choosing a format -----------------------------------------------------------
 
@@ -59,6 +62,10 @@ def detect(chat_template: str | None) -> ToolFormat:
     t = chat_template or ""
     if "<｜tool▁calls▁begin｜>" in t:  # DeepSeek V3.1's marker tokens (fullwidth bars)
         return DeepSeekFormat()
+    if "<|tool_calls_section_begin|>" in t or "<|im_system|>tool_declare" in t:  # Kimi K2's sections
+        return KimiK2Format()
+    if "<|tool_call_start|>" in t:  # LFM2's Python calls
+        return PythonicFormat()
     if "<|tool_call>" in t and "<tool_call|>" in t:  # Gemma 4's own notation
         return Gemma4Format()
     if "<tool_call>" in t and "<arg_key>" in t:  # GLM-4.5's keys and values, before Hermes' JSON in the same tags

@@ -1,0 +1,79 @@
+"""Kimi K2's tool calls: JSON arguments after an id that names the function, in a section of marker tokens.
+
+    <|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>
+    {"city": "Paris"}<|tool_call_end|>...<|tool_calls_section_end|>
+
+The id is the call's name for the model, ``functions.NAME:N`` with N counting the conversation's calls from 0,
+and the template writes it both before a past call's arguments and before its result (``## Return of ID``). So
+`template_messages` gives each call of the request that id, in order, and its result the same one, whatever ids
+the client sent; `parse` reads the function's name from it. One section holds every call of a reply.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from umakit.serve.toolcalls.syntax import ToolCall, ToolFormat, functions_of, json_rule, literal, marker, new_call
+from umakit.serve.toolcalls.syntax import parameters_of
+
+SECTION, SECTION_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+CALL, ARGS, CALL_END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
+_SECTION = re.compile(re.escape(SECTION) + r"(.*?)" + re.escape(SECTION_END), re.S)
+_CALL = re.compile(r"\s*" + re.escape(CALL) + r"\s*(?:functions\.)?([^\s<:]+)(?::\d+)?\s*" + re.escape(ARGS)
+                   + r"(.*?)" + re.escape(CALL_END) + r"\s*", re.S)
+
+
+class KimiK2Format(ToolFormat):
+    name = "kimi_k2"
+    markers = (SECTION,)
+
+    def template_messages(self, messages, tools):
+        out, tools = super().template_messages(messages, tools)
+        ids: dict[str, str] = {}  # the client's call id -> the model's
+        count = 0
+        for m in out:  # a result comes after its call
+            for call in m.get("tool_calls") or ():
+                model_id, count = f"functions.{call['function'].get('name')}:{count}", count + 1
+                if call.get("id") is not None:
+                    ids[call["id"]] = model_id
+                call["id"] = model_id
+            if m.get("tool_call_id") is not None:
+                m["tool_call_id"] = ids.get(m["tool_call_id"], m["tool_call_id"])
+        return out, tools
+
+    def parse(self, text):
+        calls, kept, pos = [], [], 0
+        for section in _SECTION.finditer(text):
+            body, found, at = section.group(1), [], 0
+            while match := _CALL.match(body, at):
+                found.append(_call(match.group(1), match.group(2)))
+                at = match.end()
+            if not found or None in found or body[at:].strip():
+                continue  # malformed or cut: the text stays in the content
+            kept.append(text[pos:section.start()])
+            pos = section.end()
+            calls += found
+        if not calls:
+            return text, []
+        kept.append(text[pos:])
+        return "".join(kept).strip(), calls
+
+    def grammar(self, tools, choice, parallel=True, special_tokens=None):
+        special = special_tokens or {}
+        functions = functions_of(tools, choice)
+        m = {t: marker(t, special) for t in (SECTION, SECTION_END, CALL, ARGS, CALL_END)}
+        alternatives = " | ".join(f'{literal("functions." + fn["name"] + ":")} index {m[ARGS]} a{i}'
+                                  for i, fn in enumerate(functions))
+        lines = [f"start: {m[SECTION]} {'call+' if parallel else 'call'} {m[SECTION_END]}",
+                 f"call: {m[CALL]} ({alternatives}) {m[CALL_END]}",
+                 "index: /[0-9]{1,3}/"]
+        lines += [f"a{i}: {json_rule(parameters_of(fn))}" for i, fn in enumerate(functions)]
+        return "\n".join(lines) + "\n"
+
+
+def _call(name: str, arguments: str) -> ToolCall | None:
+    try:
+        return new_call(name, json.loads(arguments))
+    except ValueError:
+        return None
