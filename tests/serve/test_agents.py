@@ -1,12 +1,12 @@
 """What agents and extraction scripts send, through a real `umakit serve` and the official clients.
 
-Nine tiny random models: one with a ChatML template that has no tool syntax (tools in the generic JSON form),
+Ten tiny random models: one with a ChatML template that has no tool syntax (tools in the generic JSON form),
 one with Qwen2.5's real template (Hermes ``<tool_call>`` blocks, its markers added tokens), one with gpt-oss's
 (harmony: a call is a commentary message to the function, its markers special tokens), one with GLM-4.6's (the
 function's name and ``<arg_key>``/``<arg_value>`` pairs in ``<tool_call>`` tags, all of them added tokens), one
 with Gemma 4's notation (a template written after its own, tests/support/templates.py), one with DeepSeek
 V3.1's (JSON arguments between its marker tokens), one with Qwen3-Coder's (``<function=f>`` and ``<parameter=p>``
-blocks, Qwen3.5's syntax), one with Kimi K2 Thinking's (``functions.NAME:N`` ids before JSON arguments), one with
+blocks, Qwen3.5's syntax), one with Llama 4's (bare JSON calls), one with Kimi K2 Thinking's (``functions.NAME:N`` ids before JSON arguments), one with
 LFM2.5's (a Python list of calls). A random model
 says nothing sensible, so what is checked is what the server guarantees whatever the model: a forced call
 always names a tool and its arguments validate, a reply under a schema always parses and validates (the
@@ -128,6 +128,9 @@ TEMPLATED = {
              ("<|im_user|>", "<|im_assistant|>", "<|im_system|>", "<|im_middle|>", "<|im_end|>", "<think>", "</think>",
               "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
               "<|tool_call_argument_begin|>", "<|tool_call_end|>"), ("<|im_end|>",)),
+    # Llama 4's template (as transformers' conversion writes it): bare JSON calls after the header, several in a row
+    "llama4": (lambda: _read("meta-llama-Llama-4-Scout-17B-16E-Instruct.jinja"),
+               ("<|header_start|>", "<|header_end|>", "<|eot|>", "<|python_start|>", "<|python_end|>"), ("<|eot|>",)),
     # LFM2.5's real template: a Python list of calls with keyword arguments between its markers
     "lfm2": (lambda: _closed_thinking("LiquidAI-LFM2.5-8B-A1B.jinja", 'assistant\\n"', 'assistant\\n<think></think>"'),
              ("<|im_start|>", "<|im_end|>", "<|tool_call_start|>", "<|tool_call_end|>", "<think>", "</think>"),

@@ -77,5 +77,5 @@ def detect(chat_template: str | None) -> ToolFormat:
     if "<|channel|>" in t and "<|call|>" in t:  # gpt-oss's harmony: a call is a commentary message
         return HarmonyFormat()
     if "<|python_tag|>" in t or ('"parameters"' in t and ("<|eom_id|>" in t or "ipython" in t)):
-        return Llama3Format()
+        return Llama3Format(single_call="<|python_start|>" not in t)  # Llama 4's template takes several
     return GenericFormat()

@@ -258,27 +258,38 @@ class MistralFormat(ToolFormat):
 
 
 class Llama3Format(ToolFormat):
-    """Llama 3.1-3.3: the whole reply is ``{"name": ..., "parameters": {...}}`` (or "arguments"),
-    perhaps after ``<|python_tag|>``; several calls are separated by ``;``. Since a call can only
-    open the reply, ``{`` is a marker: streaming holds back replies that begin with one."""
+    """Llama 3.1-3.3 and 4: the whole reply is ``{"name": ..., "parameters": {...}}`` (or "arguments"),
+    perhaps after ``<|python_tag|>`` (3.x) or after ``<|python_start|>text<|python_end|>`` (4's template writes a
+    call's text there); several calls are separated by ``;`` or follow one another. Since a call can only open the
+    reply, ``{`` is a marker: streaming holds back replies that begin with one."""
 
     name = "llama3"
-    markers = ("<|python_tag|>", "{")
+    markers = ("<|python_tag|>", "<|python_start|>", "{")
     _SEPARATOR = re.compile(r"\s*;?\s*")
+    _TEXT = re.compile(r"<\|python_start\|>(.*?)<\|python_end\|>", re.S)
+
+    def __init__(self, single_call: bool = True):
+        self.single_call = single_call  # 3.x's templates refuse more than one call in a message; 4's take several
+
+    def __repr__(self):
+        return f"Llama3Format(single_call={self.single_call})"
 
     def template_messages(self, messages, tools):
-        """As for every format, but a message with several calls becomes one message per call:
-        Llama's templates refuse more than one call in a message."""
+        """As for every format, but where the template takes one call in a message, a message with several
+        becomes one message per call."""
         split = []
         for m in messages:
-            calls = m.get("tool_calls") or []
+            calls = (m.get("tool_calls") or []) if self.single_call else []
             split.append({**m, "tool_calls": calls[:1]} if calls else m)
             split += [{**m, "content": None, "tool_calls": [call]} for call in calls[1:]]
         return super().template_messages(split, tools)
 
     def parse(self, text):
         body = text.strip().removeprefix("<|python_tag|>").strip()
-        body = body.removesuffix("<|eom_id|>").removesuffix("<|eot_id|>").strip()
+        body = body.removesuffix("<|eom_id|>").removesuffix("<|eot_id|>").removesuffix("<|eot|>").strip()
+        content = ""
+        if wrapped := self._TEXT.match(body):
+            content, body = wrapped.group(1).strip(), body[wrapped.end():].strip()
         if not body.startswith("{"):
             return text, []
         calls, pos = [], 0
@@ -292,7 +303,7 @@ class Llama3Format(ToolFormat):
                 pos = self._SEPARATOR.match(body, pos).end()
         except ValueError:
             return text, []
-        return "", calls
+        return content, calls
 
     def grammar(self, tools, choice, parallel=True, special_tokens=None):
         body = one_of([call_schema(fn, "parameters") for fn in functions_of(tools, choice)])

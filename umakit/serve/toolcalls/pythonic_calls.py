@@ -31,13 +31,6 @@ class PythonicFormat(ToolFormat):
     name = "pythonic"
     markers = (START,)
 
-    def template_messages(self, messages, tools):
-        out, tools = super().template_messages(messages, tools)
-        for m in out:  # LFM2.5's template reads an assistant's content as text beside its calls
-            if m.get("tool_calls") and m.get("content") is None:
-                m["content"] = ""
-        return out, tools
-
     def parse(self, text):
         found: list[list[ToolCall]] = []
 

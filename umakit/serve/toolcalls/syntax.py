@@ -142,12 +142,15 @@ class ToolFormat(ABC):
 
     def template_messages(self, messages: list[dict], tools: list[dict] | None) -> tuple[list[dict], list[dict] | None]:
         """Messages and tools as the chat template takes them: each assistant tool call's arguments parsed
-        into a dict (templates write ``arguments | tojson``), the rest passed through; no tools -> None."""
+        into a dict (templates write ``arguments | tojson``), its message's content None made "", the rest passed
+        through; no tools -> None."""
         out = []
         for m in messages:
             m = dict(m)
             if m.get("tool_calls"):
                 m["tool_calls"] = [self._template_call(c) for c in m["tool_calls"]]
+                if m.get("content") is None:  # no text beside the calls (templates that iterate a content need "")
+                    m["content"] = ""
             else:
                 m.pop("tool_calls", None)  # templates test `'tool_calls' in message`
             if m.get("tool_call_id") is not None:
