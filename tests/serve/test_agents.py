@@ -4,7 +4,7 @@ Ten tiny random models: one with a ChatML template that has no tool syntax (tool
 one with Qwen2.5's real template (Hermes ``<tool_call>`` blocks, its markers added tokens), one with gpt-oss's
 (harmony: a call is a commentary message to the function, its markers special tokens), one with GLM-4.6's (the
 function's name and ``<arg_key>``/``<arg_value>`` pairs in ``<tool_call>`` tags, all of them added tokens), one
-with Gemma 4's notation (a template written after its own, tests/support/templates.py), one with DeepSeek
+with Gemma 4's (its own notation), one with DeepSeek
 V3.1's (JSON arguments between its marker tokens), one with Qwen3-Coder's (``<function=f>`` and ``<parameter=p>``
 blocks, Qwen3.5's syntax), one with Llama 4's (bare JSON calls), one with Kimi K2 Thinking's (``functions.NAME:N`` ids before JSON arguments), one with
 LFM2.5's (a Python list of calls). A random model
@@ -24,7 +24,6 @@ import jsonschema
 import pytest
 
 from support.serve_helpers import read_metrics, start_server
-from support.templates import GEMMA4_TOOLS
 from support.tiny import make_tiny_model, write_tokenizer
 
 openai = pytest.importorskip("openai")
@@ -112,9 +111,10 @@ TEMPLATED = {
             + _read("zai-org-GLM-4.6.jinja"),
             ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>", "<think>",
              "</think>"), ()),
-    # Gemma 4's notation (a template written after its own): <|tool_call>call:f{key:value}<tool_call|>
-    "gemma4": (lambda: GEMMA4_TOOLS, ("<|tool_call>", "<tool_call|>", '<|"|>', "<|turn>", "<turn|>",
-                                      "<|tool_response>", "<tool_response|>"), ()),
+    # Gemma 4's real template: its own notation, <|tool_call>call:f{key:value}<tool_call|>
+    "gemma4": (lambda: _read("google-gemma-4.jinja"),
+               ("<|tool_call>", "<tool_call|>", '<|"|>', "<|turn>", "<turn|>", "<|tool_response>", "<tool_response|>",
+                "<|tool>", "<tool|>", "<|think|>", "<|channel>", "<channel|>"), ("<turn|>",)),
     # DeepSeek V3.1's real template: JSON arguments between its marker tokens, the tools in the system prompt
     "deepseek": (lambda: _read("deepseek-ai-DeepSeek-V3.1.jinja"),
                  ("<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>", "<think>", "</think>", "<｜tool▁calls▁begin｜>",

@@ -355,14 +355,10 @@ def test_harmony_constraints_start_where_gpt_oss_writes_what_they_govern(tmp_pat
 
 
 # -- Gemma 4's thought channel ---------------------------------------------------------------------------------
-# Written for these tests after Gemma 4's template: turns in <|turn>role ... <turn|>, thinking switched on by a
-# <|think|> token in the system turn, and with it off the model's turn opening with an empty thought channel.
-GEMMA4_TEMPLATE = (
-    "{{ bos_token }}{%- if enable_thinking is defined and enable_thinking %}<|turn>system\n<|think|><turn|>\n"
-    "{%- endif %}{%- for m in messages %}<|turn>{{ 'model' if m.role == 'assistant' else m.role }}\n"
-    "{{ m.content }}<turn|>\n{%- endfor %}{%- if add_generation_prompt %}<|turn>model\n"
-    "{%- if not enable_thinking | default(false) %}{{ '<|channel>thought\\n<channel|>' }}{%- endif %}{%- endif %}"
-)
+# Gemma 4's real template: turns in <|turn>role ... <turn|>, thinking switched on by a <|think|> token in the system
+# turn, and with it off the model's turn opening with an empty thought channel.
+GEMMA4_TEMPLATE = (Path(__file__).resolve().parent.parent / "support" / "fixtures" / "templates" /
+                   "google-gemma-4.jinja").read_text()
 GEMMA4_SPECIALS = ("<|turn>", "<turn|>", "<|think|>", "<|channel>", "<channel|>")
 
 

@@ -12,7 +12,6 @@ import pytest
 
 from umakit.checkpoint.tokenizer import Tokenizer
 from umakit.errors import InvalidArgumentError
-from support.templates import GEMMA4_TOOLS
 from umakit.serve import toolcalls as tc
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "support" / "fixtures" / "templates"
@@ -80,6 +79,7 @@ FIXTURES = {
                                  "<arg_key>unit</arg_key>\n<arg_value>c</arg_value>\n</tool_call>"),
     "deepseek-ai-DeepSeek-V3.1": ("deepseek_v3", DS_OPEN + 'get_weather<｜tool▁sep｜>{"city": "Paris", "unit": "c"}'
                                                 + DS_CLOSE),
+    "google-gemma-4": ("gemma4", '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,unit:<|"|>c<|"|>}<tool_call|>'),
     "moonshotai-Kimi-K2-Thinking": ("kimi_k2", KIMI_OPEN + 'functions.get_weather:0<|tool_call_argument_begin|>'
                                                '{"city": "Paris", "unit": "c"}' + KIMI_CLOSE),
     "LiquidAI-LFM2.5-8B-A1B": ("pythonic", "<|tool_call_start|>[get_weather(city='Paris', unit='c')]<|tool_call_end|>"),
@@ -173,23 +173,25 @@ def test_gemma4_results_are_read_from_the_calling_message_and_render_as_transfor
         tmp_path, tokenizer_json):
     (tmp_path / "tokenizer.json").write_text(tokenizer_json)
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": BOS, "eos_token": EOS}))
-    fmt = tc.detect(GEMMA4_TOOLS)
-    assert fmt.name == "gemma4" and tc.template_supports_tools(GEMMA4_TOOLS)
+    gemma4 = template("google-gemma-4")
+    fmt = tc.detect(gemma4)
     asked = CONVERSATION[:4]  # the call and its result: the model's turn goes on after it
     messages, tools = fmt.template_messages(asked, TOOLS)
     assert [m["role"] for m in messages] == ["system", "user", "assistant"]
     assert messages[2]["tool_responses"] == [{"name": "get_weather", "response": {"temp": 21}}]
-    ours = umakit_render(tmp_path, GEMMA4_TOOLS, messages, tools)
-    assert ours == transformers_render(tokenizer_json, GEMMA4_TOOLS, messages, tools)
+    ours = umakit_render(tmp_path, gemma4, messages, tools)
+    assert ours == transformers_render(tokenizer_json, gemma4, messages, tools)
     call = f"<|tool_call>call:get_weather{{city:{Q}Paris{Q},unit:{Q}c{Q}}}<tool_call|>"
-    assert ours.endswith(call + "<|tool_response>response:get_weather{temp:21}<tool_response|>")
+    # (and its thinking off, the turn goes on with an empty thought)
+    assert ours.endswith(call + "<|tool_response>response:get_weather{temp:21}<tool_response|>"
+                         "<|channel>thought\n<channel|>")
     assert [(c.name, json.loads(c.arguments)) for c in fmt.parse(call)[1]] == [("get_weather", ARGS)]
     # a result that is not a JSON object is passed as its text; a later answer is a turn of its own
     plain = [*asked[:3], {**asked[3], "content": "sunny"}, *CONVERSATION[4:]]
     messages, tools = fmt.template_messages(plain, TOOLS)
     assert messages[2]["tool_responses"] == [{"name": "get_weather", "response": "sunny"}]
-    rendered = umakit_render(tmp_path, GEMMA4_TOOLS, messages, tools)
-    assert rendered == transformers_render(tokenizer_json, GEMMA4_TOOLS, messages, tools)
+    rendered = umakit_render(tmp_path, gemma4, messages, tools)
+    assert rendered == transformers_render(tokenizer_json, gemma4, messages, tools)
     assert f"response:get_weather{{value:{Q}sunny{Q}}}<tool_response|><|turn>model" in rendered
 
 
