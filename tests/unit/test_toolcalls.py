@@ -82,6 +82,9 @@ FIXTURES = {
     "google-gemma-4": ("gemma4", '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,unit:<|"|>c<|"|>}<tool_call|>'),
     "moonshotai-Kimi-K2-Thinking": ("kimi_k2", KIMI_OPEN + 'functions.get_weather:0<|tool_call_argument_begin|>'
                                                '{"city": "Paris", "unit": "c"}' + KIMI_CLOSE),
+    # llama.cpp's shortened Kimi K2 template writes no past calls: the format puts them in the message's text
+    "moonshotai-Kimi-K2": ("kimi_k2", KIMI_OPEN + 'functions.get_weather:0<|tool_call_argument_begin|>'
+                                      '{"city": "Paris", "unit": "c"}' + KIMI_CLOSE),
     "LiquidAI-LFM2.5-8B-A1B": ("pythonic", "<|tool_call_start|>[get_weather(city='Paris', unit='c')]<|tool_call_end|>"),
     "HuggingFaceTB-SmolLM2-135M-Instruct": (
         "generic", '{"tool_call": {"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}}'),
@@ -115,6 +118,8 @@ def test_detect_reads_the_format_from_the_template(name):
     assert fmt.name == FIXTURES[name][0]
     if fmt.name == "mistral":  # the newer [ARGS] syntax only where the template writes it
         assert fmt.args_form == ("Small-3.2" in name)
+    if fmt.name == "kimi_k2":
+        assert fmt.calls_in_content == (name == "moonshotai-Kimi-K2")
     # DeepSeek's template reads no tools: its format describes them in the system prompt, as the generic one does
     assert tc.template_supports_tools(template(name)) == (fmt.name not in ("generic", "deepseek_v3"))
 

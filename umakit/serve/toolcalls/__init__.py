@@ -63,7 +63,7 @@ def detect(chat_template: str | None) -> ToolFormat:
     if "<｜tool▁calls▁begin｜>" in t:  # DeepSeek V3.1's marker tokens (fullwidth bars)
         return DeepSeekFormat()
     if "<|tool_calls_section_begin|>" in t or "<|im_system|>tool_declare" in t:  # Kimi K2's sections
-        return KimiK2Format()
+        return KimiK2Format(calls_in_content="tool_calls" not in t)
     if "<|tool_call_start|>" in t:  # LFM2's Python calls
         return PythonicFormat()
     if "<|tool_call>" in t and "<tool_call|>" in t:  # Gemma 4's own notation

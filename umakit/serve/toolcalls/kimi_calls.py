@@ -6,7 +6,9 @@
 The id is the call's name for the model, ``functions.NAME:N`` with N counting the conversation's calls from 0,
 and the template writes it both before a past call's arguments and before its result (``## Return of ID``). So
 `template_messages` gives each call of the request that id, in order, and its result the same one, whatever ids
-the client sent; `parse` reads the function's name from it. One section holds every call of a reply.
+the client sent; `parse` reads the function's name from it. One section holds every call of a reply. A template
+that writes no past calls (llama.cpp's shortened Kimi K2 one) gets them in the message's text instead
+(``calls_in_content``), as the model wrote them, so the model still sees what it called.
 """
 
 from __future__ import annotations
@@ -28,6 +30,12 @@ class KimiK2Format(ToolFormat):
     name = "kimi_k2"
     markers = (SECTION,)
 
+    def __init__(self, calls_in_content: bool = False):
+        self.calls_in_content = calls_in_content
+
+    def __repr__(self):
+        return f"KimiK2Format(calls_in_content={self.calls_in_content})"
+
     def template_messages(self, messages, tools):
         out, tools = super().template_messages(messages, tools)
         ids: dict[str, str] = {}  # the client's call id -> the model's
@@ -40,6 +48,8 @@ class KimiK2Format(ToolFormat):
                 call["id"] = model_id
             if m.get("tool_call_id") is not None:
                 m["tool_call_id"] = ids.get(m["tool_call_id"], m["tool_call_id"])
+            if self.calls_in_content and m.get("tool_calls") and isinstance(m.get("content"), str):
+                m["content"] += _section(m.pop("tool_calls"))
         return out, tools
 
     def parse(self, text):
@@ -70,6 +80,12 @@ class KimiK2Format(ToolFormat):
                  "index: /[0-9]{1,3}/"]
         lines += [f"a{i}: {json_rule(parameters_of(fn))}" for i, fn in enumerate(functions)]
         return "\n".join(lines) + "\n"
+
+
+def _section(calls: list[dict]) -> str:
+    """Calls (ids given, arguments dicts) as the model writes them."""
+    return SECTION + "".join(CALL + c["id"] + ARGS + json.dumps(c["function"]["arguments"], ensure_ascii=False)
+                             + CALL_END for c in calls) + SECTION_END
 
 
 def _call(name: str, arguments: str) -> ToolCall | None:
