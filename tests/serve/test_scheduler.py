@@ -148,6 +148,34 @@ def test_requests_sharing_a_system_prompt_prefill_it_once(model, loop):
         assert text_and_tokens(events)[1] == [next(stream) for _ in range(6)]
 
 
+def test_a_scored_prompt_gets_each_tokens_logprob_beside_rows_and_the_same_reply(model, loop):
+    """A request that asks for its prompt's logprobs (a completion's echo) is scored slice by slice while other
+    rows decode (mixed steps or not), never from the prompt cache or another row's cache: every score is the
+    model's over the whole prompt, its top-n the most likely, and its reply still its lone greedy run's."""
+    import numpy as np
+
+    from umakit.generate.scoring import token_scores
+
+    ids = model.encode(PROMPTS[5], raw=True)
+    want = token_scores(model.engine.logits(ids), ids[1:], 3)
+    s = Scheduler(model, SchedulerSettings(max_concurrency=4, step_tokens=4))
+    s.start()
+    try:
+        run_all(loop, [s.submit(GenerationRequest(ids, 3, GREEDY), loop)])  # the prompt, in the prompt cache
+        others = [s.submit(request(model, p, 12), loop) for p in PROMPTS[:2]]
+        scored = s.submit(GenerationRequest(ids, 5, GREEDY, prompt_logprobs=3), loop)
+        *_, events = run_all(loop, [*others, scored])
+    finally:
+        s.stop()
+    text, tokens, final = text_and_tokens(events)
+    assert final.usage.cached_tokens == 0 and [e.token for e in final.prompt_scores] == ids
+    assert final.prompt_scores[0].logprob is None
+    got = [e.logprob for e in final.prompt_scores[1:]]
+    assert np.allclose(got, [lp for lp, _ in want], atol=2e-4)
+    assert [[t for t, _ in e.top_logprobs] for e in final.prompt_scores[1:]] == [[t for t, _ in top] for _, top in want]
+    assert tokens == model.generate(PROMPTS[5], raw=True, max_tokens=5, temperature=0).tokens
+
+
 def test_a_request_that_can_never_fit_is_refused_at_once_and_blocks_nobody(model, loop, monkeypatch):
     """Room for about 100 tokens of KV cache: a request for 1,000 is refused when submitted (never queued, even
     behind a running one), and requests that fit go on."""

@@ -198,9 +198,70 @@ def test_logprobs(client, name):
         assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)  # greedy: the most likely one
 
 
+def test_several_prompts_and_n_are_choices_of_one_body(client, name):
+    """A completion's list of prompts, and ``n``, are one choice each, at its index, as lone requests give them
+    (the k-th sample of a prompt seeded seed + k); the usage counts each prompt once and every choice's tokens."""
+    prompts = ["The quick brown", "Once upon a"]
+    alone = [client.completions.create(model=name, prompt=p, max_tokens=6, temperature=0) for p in prompts]
+    r = client.completions.create(model=name, prompt=prompts, max_tokens=6, temperature=0)
+    assert [(c.index, c.text) for c in r.choices] == [(i, a.choices[0].text) for i, a in enumerate(alone)]
+    assert r.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert r.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+
+    def chat(**kw):
+        return client.chat.completions.create(model=name, messages=user("Say something"), max_tokens=8,
+                                              temperature=1.0, **kw)
+
+    many = chat(n=3, seed=7)
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    assert [c.message.content for c in many.choices] == [chat(seed=7 + k).choices[0].message.content
+                                                         for k in range(3)]
+    assert many.usage.prompt_tokens == chat(seed=1).usage.prompt_tokens  # the prompt once
+    ids = [[1, 2, 3], [4, 5]]  # token-id prompts too, each with n samples
+    r = client.completions.create(model=name, prompt=ids, max_tokens=3, temperature=0, n=2)
+    assert len(r.choices) == 4 and r.choices[0].text == r.choices[1].text and r.usage.prompt_tokens == 5
+
+
+def test_echo_scores_the_prompt_as_the_engine_does(server, client, local, name):
+    """``echo`` with ``logprobs``, as evaluation harnesses send it (lm-eval's local-completions: token ids,
+    max_tokens 1, logprobs 1): the prompt's text and tokens first, each token after the first scored as the
+    model predicts it (the engine's own logits, softmaxed here), then the reply's."""
+    import numpy as np
+
+    text = "The quick brown fox jumps"
+    ids = local.encode(text, raw=True)
+    logits = local.engine.logits(ids).astype(np.float64)
+    peak = logits.max(1, keepdims=True)
+    lp = logits - peak - np.log(np.exp(logits - peak).sum(1, keepdims=True))
+    want = [lp[j, ids[j + 1]] for j in range(len(ids) - 1)]
+    plain = client.completions.create(model=name, prompt=text, max_tokens=2, temperature=0, logprobs=2)
+    r = client.completions.create(model=name, prompt=text, max_tokens=2, temperature=0, logprobs=2, echo=True)
+    c = r.choices[0]
+    assert c.text == text + plain.choices[0].text
+    assert c.logprobs.tokens[:len(ids)] == [local.tokenizer.decode([t]) for t in ids]
+    assert c.logprobs.token_logprobs[0] is None and c.logprobs.top_logprobs[0] is None
+    assert c.logprobs.token_logprobs[1:len(ids)] == pytest.approx(want, abs=1e-4)
+    for j, top in enumerate(c.logprobs.top_logprobs[1:len(ids)]):  # (two tokens of one text are one key)
+        assert 1 <= len(top) <= 2 and max(top.values()) == pytest.approx(lp[j].max(), abs=1e-4)
+    assert c.logprobs.token_logprobs[len(ids):] == plain.choices[0].logprobs.token_logprobs
+    assert c.logprobs.text_offset[:2] == [0, len(c.logprobs.tokens[0])]
+    # the harness's own request and reading of it (lm_eval/models/openai_completions.py)
+    ctx = 3
+    body = raw(server, "/v1/completions", {"model": name, "prompt": [ids, ids[:4]], "temperature": 0,
+                                           "max_tokens": 1, "logprobs": 1, "seed": 1234, "echo": True}).json()
+    choices = sorted(body["choices"], key=lambda ch: ch["index"])
+    scored = choices[0]["logprobs"]["token_logprobs"][ctx:-1]
+    assert sum(scored) == pytest.approx(sum(want[ctx - 1:]), abs=1e-3)
+    greedy = all(t == max(top.values()) for t, top in zip(scored, choices[0]["logprobs"]["top_logprobs"][ctx:-1]))
+    assert greedy == all(ids[j + 1] == int(lp[j].argmax()) for j in range(ctx - 1, len(ids) - 1))
+    assert choices[1]["logprobs"]["token_logprobs"][1:4] == pytest.approx(want[:3], abs=1e-4)
+    stream = client.completions.create(model=name, prompt=text, max_tokens=2, temperature=0, echo=True, stream=True)
+    assert "".join(ch.choices[0].text for ch in stream) == c.text  # echo streams its text first
+
+
 # -- raw HTTP: every error in OpenAI's shape -----------------------------------------------------------
 @pytest.mark.parametrize("field, value", [
-    ("temperature", -1), ("top_p", 0), ("n", 2), ("seed", 2**70), ("top_k", -3), ("min_p", 1.5),
+    ("temperature", -1), ("top_p", 0), ("n", 0), ("n", 65), ("seed", 2**70), ("top_k", -3), ("min_p", 1.5),
     ("repetition_penalty", 0), ("max_tokens", 0), ("stop", ["a", "b", "c", "d", "e"]), ("top_logprobs", 21),
     ("logit_bias", {"5": 101}), ("logit_bias", {"x": 1}), ("logit_bias", {"99999999": 1}),
 ])
@@ -211,7 +272,7 @@ def test_bad_values_get_400_naming_the_field(server, name, field, value):
     err = assert_error(raw(server, "/v1/chat/completions", payload), 400, param=field)
     assert err["type"] == "invalid_request_error"
     if field == "n":
-        assert "n must be 1" in err["message"]
+        assert "n must be at least 1" in err["message"] or "at most 64 choices" in err["message"]
 
 
 def test_malformed_and_incomplete_requests(server, name):
@@ -222,8 +283,15 @@ def test_malformed_and_incomplete_requests(server, name):
     assert_error(raw(server, "/v1/chat/completions", content=b'{"model": "%s", "messages": [{"role": "user", '
                                                              b'"content": "hi"}], "temperature": NaN}' % name.encode()),
                  400, param="temperature")
-    assert_error(raw(server, "/v1/completions", {"model": name, "prompt": ["a", "b"]}), 400, param="prompt")
-    for ids in ([[1], [2]], [1, 10**9], [], [1.5]):
+    for many in ({"n": 2}, {"prompt": ["a", "b"]}):  # several choices are answered whole
+        err = assert_error(raw(server, "/v1/completions", {"model": name, "prompt": "a", "stream": True, **many}),
+                           400, param=next(iter(many)))
+        assert "not streamed" in err["message"]
+    err = assert_error(raw(server, "/v1/completions", {"model": name, "prompt": "a", "stream": True, "echo": True,
+                                                       "logprobs": 1}), 400, param="echo")
+    assert_error(raw(server, "/v1/chat/completions", {"model": name, "messages": user("hi"), "echo": True}), 400,
+                 param="echo")
+    for ids in ([[1], [10**9]], [1, 10**9], [], [1.5]):
         assert_error(raw(server, "/v1/completions", {"model": name, "prompt": ids}), 400, param="prompt")
     image = [{"type": "image_url", "image_url": {"url": "http://x"}}]
     assert_error(raw(server, "/v1/chat/completions", {"model": name, "messages": [{"role": "user", "content": image}]}),

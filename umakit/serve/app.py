@@ -31,7 +31,8 @@ from starlette.routing import Route
 from umakit.serve import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, anthropic, openai_responses
 from umakit.serve.outputs import ChatOutput, CompletionOutput, Output, Submission, request_id
 from umakit.serve.api_errors import APIError, internal
-from umakit.serve.generation import generation_request
+from umakit.serve.choices import Choices, ChoicesOutput, submit
+from umakit.serve.generation import openai_choices
 from umakit.serve.protocol import ChatRequest, CompletionRequest, parse_request
 from umakit.errors import UmakitError
 from umakit.serve.host import OneModel, parse_keep_alive
@@ -59,9 +60,13 @@ class API:
 def _openai(kind: type, output: type) -> Callable:
     def read(model, data, rid: str, timeout_s: float | None) -> Submission:
         req = parse_request(kind, data)
-        gen, prepared = generation_request(req, model, id=rid, timeout_s=timeout_s)
-        out = output(rid, model.info.name, model.tokenizer, prepared.parser() if prepared is not None else None)
-        return Submission(gen, out, bool(req.stream), req.include_usage)
+        made = openai_choices(req, model, id=rid, timeout_s=timeout_s)
+        outs = [output(rid, model.info.name, model.tokenizer, c.prepared.parser() if c.prepared else None, c.echo)
+                for c in made]
+        if len(made) == 1:
+            return Submission(made[0].request, outs[0], bool(req.stream), req.include_usage)
+        firsts = frozenset(i for i, c in enumerate(made) if c.first)
+        return Submission(Choices([c.request for c in made], firsts), ChoicesOutput(outs), False)
     return read
 
 
@@ -216,7 +221,7 @@ class _Server:
                 sub.output.name = name  # the model as the request named it
                 if namespace:  # each key's prompts apart from the others' (guard.py `Keys`)
                     sub.request.cache_salt = f"{namespace}/{sub.request.cache_salt}"
-                handle = lease.scheduler.submit(sub.request, asyncio.get_running_loop())
+                handle = submit(lease.scheduler, sub.request, asyncio.get_running_loop())
             watcher = asyncio.create_task(_watch_disconnect(request, handle))
             events = request_events(handle, None if self.timeout_s is None else self.timeout_s + TIMEOUT_GRACE_S)
             try:

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from umakit.serve.api_errors import APIError
+from umakit.serve.choices import submit
 from umakit.serve.app import (OPENAI_CHAT, OPENAI_COMPLETIONS, OPENAI_RESPONSES, API, request_events,
                               scheduler_refusals)
 from umakit.serve.outputs import request_id
@@ -113,7 +114,7 @@ async def _answer(model, scheduler, api: API, line: BatchLine, rid: str) -> dict
     sub = await asyncio.to_thread(api.read, model, line.body, rid, None)
     sub.output.name = name
     with scheduler_refusals():
-        handle = scheduler.submit(sub.request, asyncio.get_running_loop())
+        handle = submit(scheduler, sub.request, asyncio.get_running_loop())
     events = [event async for event in request_events(handle, None)]  # an error event raises its APIError
     return sub.output.full(events[:-1], events[-1])
 

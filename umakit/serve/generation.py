@@ -6,22 +6,67 @@ field.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from umakit.backends.base import CONSTRAIN
 from umakit.errors import UmakitError
 from umakit.generate.constrain import Constraint
 from umakit.generate.sampling import DEFAULT_MAX_TOKENS, SamplingParams
 from umakit.serve.api_errors import APIError
 from umakit.serve.conversation import ChatCall, Prepared, cannot_fit, prepare
-from umakit.serve.protocol import UNKNOWN_CONTEXT_MAX_TOKENS, ChatRequest, RequestBase, sampling_from
+from umakit.serve.protocol import UNKNOWN_CONTEXT_MAX_TOKENS, ChatRequest, CompletionRequest, RequestBase, sampling_from
 from umakit.serve.types import GenerationRequest
 
 
-def generation_request(req: RequestBase, model, *, id: str, timeout_s: float | None
+MAX_CHOICES = 64  # choices one request may ask for: its prompts times n
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One choice a request asks for: the scheduler's request, a chat's `Prepared`, a completion's prompt text to
+    echo (or None), and whether it is its prompt's first (the one whose prompt the usage counts)."""
+
+    request: GenerationRequest
+    prepared: Prepared | None
+    echo: str | None
+    first: bool
+
+
+def openai_choices(req: RequestBase, model, *, id: str, timeout_s: float | None) -> list[Choice]:
+    """Every choice of an OpenAI request: ``n`` of each of its prompts (a completion may give several), the k-th
+    of a prompt seeded ``seed + k`` where the request gives a seed; each validated (`generation_request`)."""
+    n = 1 if req.n is None else req.n
+    prompts = req.prompts() if isinstance(req, CompletionRequest) else [None]
+    if n < 1:
+        raise APIError(400, f"n must be at least 1 (got {n})", param="n")
+    if n * len(prompts) > MAX_CHOICES:
+        raise APIError(400, f"a request may ask for at most {MAX_CHOICES} choices: {len(prompts)} prompt(s) times "
+                            f"n={n} is {n * len(prompts)}", param="n" if n > 1 else "prompt")
+    if req.stream and n * len(prompts) > 1:
+        raise APIError(400, "several choices (n above 1, or several prompts) are answered whole, not streamed: ask "
+                            "without stream, or for one choice a request", param="n" if n > 1 else "prompt")
+    echo = isinstance(req, CompletionRequest) and bool(req.echo)
+    if echo and req.stream and req.logprobs is not None:
+        raise APIError(400, "echo with logprobs (the prompt's tokens scored) is answered whole, not streamed",
+                       param="echo")
+    out = []
+    for p, prompt in enumerate(prompts):
+        for k in range(n):
+            made, prepared = generation_request(req, model, id=f"{id}-{p * n + k}" if len(prompts) * n > 1 else id,
+                                                timeout_s=timeout_s, prompt=prompt)
+            if k and made.seed is not None:  # (in the signed 64-bit range seeds take)
+                made.seed = (made.seed + k + 2**63) % 2**64 - 2**63
+            if echo:
+                made.prompt_logprobs = req.logprobs
+            text = (prompt if isinstance(prompt, str) else model.tokenizer.decode(made.prompt)) if echo else None
+            out.append(Choice(made, prepared, text, k == 0))
+    return out
+
+
+def generation_request(req: RequestBase, model, *, id: str, timeout_s: float | None, prompt=None
                        ) -> tuple[GenerationRequest, Prepared | None]:
-    """Validate what the models alone cannot (model name, n, context, tools, constraints) and build the
-    scheduler's request, with a chat's `Prepared` (its reply's format)."""
-    if req.n not in (None, 1):
-        raise APIError(400, f"n must be 1: umakit serve returns one choice per request (got n={req.n})", param="n")
+    """Validate what the models alone cannot (model name, context, tools, constraints) and build the scheduler's
+    request, with a chat's `Prepared` (its reply's format); ``prompt``: a completion's (one of its prompts)."""
     logprobs = req.logprobs_count()
     sampling = sampling_from(req)
     if sampling.logit_bias and sampling.logit_bias[-1][0] >= model.tokenizer.vocab_size:
@@ -34,8 +79,8 @@ def generation_request(req: RequestBase, model, *, id: str, timeout_s: float | N
     else:
         constraint = _checked(lambda: req.response_format.constraint() if req.response_format else None,
                               "response_format")
-        prompt = _checked(lambda: _prompt_ids(model, req.prompt), "prompt")
-        made, prepared = _request(model, prompt, constraint, req.requested_max_tokens(), "prompt", sampling=sampling,
+        ids = _checked(lambda: _prompt_ids(model, req.prompts()[0] if prompt is None else prompt), "prompt")
+        made, prepared = _request(model, ids, constraint, req.requested_max_tokens(), "prompt", sampling=sampling,
                                   seed=req.seed, stop=req.stop, logprobs=logprobs, id=id, timeout_s=timeout_s), None
     made.cache_salt = req.cache_salt or ""
     return made, prepared

@@ -6,8 +6,9 @@ import asyncio
 from dataclasses import dataclass, field
 
 from umakit.errors import UmakitError
+from umakit.generate.scoring import token_scores
 from umakit.generate.stream import DecodeRow
-from umakit.serve.types import ErrorEvent, GenerationRequest
+from umakit.serve.types import ErrorEvent, GenerationRequest, TokenEvent
 
 
 class QueueFull(UmakitError):
@@ -42,9 +43,9 @@ class Handle:
 
     MAX_PENDING = 4096  # events handed over and not yet taken: a few hundred KB
 
-    def __init__(self, id: str, loop: asyncio.AbstractEventLoop, wake):
+    def __init__(self, id: str, loop: asyncio.AbstractEventLoop, wake, queue=None):
         self.id = id
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.queue = asyncio.Queue() if queue is None else queue  # or anything with put_nowait (choices.py's)
         self._loop = loop
         self._wake = wake
         self.cancelled = False
@@ -59,8 +60,12 @@ class Handle:
     async def get(self):
         """The next event, on the request's loop."""
         event = await self.queue.get()
-        self._taken += 1
+        self.taken()
         return event
+
+    def taken(self) -> None:
+        """One event was taken off the queue (by `get`, or by whatever reads the queue given for it)."""
+        self._taken += 1
 
     def put(self, event) -> None:
         """From the worker thread: hand ``event`` to the request's event loop."""
@@ -93,6 +98,24 @@ class Job:
     cached_tokens: int = 0  # of those, found in the prompt cache
     generated: list[int] = field(default_factory=list)  # every token returned, end-of-sequence included
     start: tuple[float, float, int, int] = (0.0, 0.0, 0, 0)  # (time, bytes read, steps, rows summed) when it joined
+    scores: list[TokenEvent] | None = None  # with prompt_logprobs: the prompt's tokens scored so far
+
+    def __post_init__(self):
+        if self.request.prompt_logprobs is not None:  # the first token is scored by nothing (OpenAI's null)
+            self.scores = [TokenEvent("", self.request.prompt[0])]
+
+    def prefill(self, engine, end: int) -> None:
+        """Run the prompt's tokens up to ``end`` into the job's cache: by the engine's prefill or, to score them,
+        by a pass with the head (`Engine.logits`, which fills the cache the same way)."""
+        prompt = self.request.prompt
+        if self.scores is None:
+            engine.prefill(prompt[self.prefilled:end], self.cache)
+        else:
+            targets = prompt[self.prefilled + 1:end + 1]
+            scored = token_scores(engine.logits(prompt[self.prefilled:end], self.cache), targets,
+                                  self.request.prompt_logprobs)
+            self.scores += [TokenEvent("", t, lp, top) for t, (lp, top) in zip(targets, scored)]
+        self.prefilled = end
 
     @property
     def deadline(self) -> float | None:

@@ -58,9 +58,17 @@ class ChatLogprobs(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]  # None: a prompt's first token, which nothing predicted
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
+
+    def joined(self, after: CompletionLogprobs | None) -> CompletionLogprobs:
+        if after is None:
+            return self
+        return CompletionLogprobs(tokens=self.tokens + after.tokens,
+                                  token_logprobs=self.token_logprobs + after.token_logprobs,
+                                  top_logprobs=self.top_logprobs + after.top_logprobs,
+                                  text_offset=self.text_offset + after.text_offset)
 
 
 class FunctionCallOut(BaseModel):
@@ -172,8 +180,11 @@ def completion_logprobs(tokenizer, entries: Sequence, offset: int = 0) -> Comple
     for e in entries:
         text = tokenizer.decode([e.token])
         out.tokens.append(text)
-        out.token_logprobs.append(_finite(e.logprob))
-        out.top_logprobs.append({tokenizer.decode([t]): _finite(lp) for t, lp in e.top_logprobs or ()})
+        out.token_logprobs.append(None if e.logprob is None else _finite(e.logprob))
+        top: dict[str, float] = {}
+        for t, lp in e.top_logprobs or ():  # most likely first: of two tokens with one text, the likelier's
+            top.setdefault(tokenizer.decode([t]), _finite(lp))
+        out.top_logprobs.append(None if e.logprob is None else top)
         out.text_offset.append(offset)
         offset += len(text)
     return out

@@ -54,8 +54,9 @@ def named_sse(event: str, data: dict) -> bytes:
 class Output:
     """One request's answer in one API's shape (a subclass per API)."""
 
-    def __init__(self, id: str, name: str, tokenizer, parser: ReplyParser | None = None):
+    def __init__(self, id: str, name: str, tokenizer, parser: ReplyParser | None = None, echo: str | None = None):
         self.id, self.name, self.tokenizer, self.parser = id, name, tokenizer, parser
+        self.echo = echo  # the prompt's text, to begin the reply's (a completion's echo)
         self.created = int(time.time())
         self.final: FinalEvent | None = None
 
@@ -148,10 +149,11 @@ class ChatOutput(Output):
 
 
 class CompletionOutput(Output):
-    """OpenAI's legacy completions: ``text_completion``."""
+    """OpenAI's legacy completions: ``text_completion``; with ``echo``, the prompt's text begins the reply's, and
+    with prompt scores (`FinalEvent.prompt_scores`) its tokens begin the logprobs."""
 
-    def __init__(self, id: str, name: str, tokenizer, parser: ReplyParser | None = None):
-        super().__init__(id, name, tokenizer, parser)
+    def __init__(self, id: str, name: str, tokenizer, parser: ReplyParser | None = None, echo: str | None = None):
+        super().__init__(id, name, tokenizer, parser, echo)
         self.sent = 0  # characters streamed so far: the logprobs' text_offset
 
     def _piece(self, text: str, scored=(), finish: str | None = None) -> bytes:
@@ -159,6 +161,9 @@ class CompletionOutput(Output):
         self.sent += len(text)
         return sse(Completion(**self._meta(), choices=[CompletionChoice(text=text, logprobs=logprobs,
                                                                         finish_reason=finish)]))
+
+    def start(self) -> list[bytes]:
+        return [self._piece(self.echo)] if self.echo else []
 
     def token(self, e: TokenEvent) -> list[bytes]:
         if not e.text and e.logprob is None:
@@ -175,7 +180,11 @@ class CompletionOutput(Output):
 
     def full(self, tokens: list[TokenEvent], final: FinalEvent) -> dict:
         self.final = final
+        echo = self.echo or ""
         scored = [e for e in tokens if e.logprob is not None]
+        logprobs = completion_logprobs(self.tokenizer, scored, len(echo)) if scored else None
+        if final.prompt_scores:  # the prompt's tokens first, their offsets from the text's start
+            logprobs = completion_logprobs(self.tokenizer, final.prompt_scores).joined(logprobs)
         return Completion(**self._meta(), usage=UsageInfo.of(final.usage), choices=[CompletionChoice(
-            text="".join(e.text for e in tokens) + final.text, finish_reason=final.finish_reason,
-            logprobs=completion_logprobs(self.tokenizer, scored) if scored else None)]).model_dump(mode="json")
+            text=echo + "".join(e.text for e in tokens) + final.text, finish_reason=final.finish_reason,
+            logprobs=logprobs)]).model_dump(mode="json")

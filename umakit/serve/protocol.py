@@ -35,7 +35,7 @@ REFUSED = {
     "function_call": "'function_call' is not supported: use 'tool_choice'",
     "audio": "audio output is not supported", "prediction": "predicted outputs are not supported",
     "web_search_options": "web search is not supported",
-    **{k: f"{k} is not supported" for k in ("best_of", "echo", "suffix")},
+    **{k: f"{k} is not supported" for k in ("best_of", "suffix")},
 }
 
 # -- requests ----------------------------------------------------------------------------------------
@@ -245,17 +245,14 @@ class ChatRequest(RequestBase):
 
 
 class CompletionRequest(RequestBase):
-    prompt: str | list[int] | list[str] | list[list[int]]  # text or token ids, as OpenAI takes them; one a request
+    prompt: str | list[int] | list[str] | list[list[int]]  # text or token ids, one prompt or several, as OpenAI's
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool | None = False  # the prompt's text before the reply's, and with logprobs its tokens' too
 
-    @field_validator("prompt")
-    @classmethod
-    def _one_prompt(cls, prompt):
-        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-            if len(prompt) != 1:
-                raise ValueError(f"one prompt per request, got a list of {len(prompt)}")
-            return prompt[0]
-        return prompt
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt the request gives (a list of texts or of token-id lists is several, each a choice)."""
+        p = self.prompt
+        return [p] if isinstance(p, str) or not p or isinstance(p[0], int) else list(p)
 
     def logprobs_count(self) -> int | None:
         return self.logprobs

@@ -117,9 +117,9 @@ class Scheduler:
             raise QueueFull(f"{len(self._waiting)} requests are waiting already; try again shortly",
                             retry_after_s=self._retry_after())
 
-    def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> Handle:
-        """Queue ``request``; `QueueFull` when too many wait, `NeverFits` when its KV cache alone exceeds what this
-        machine can give a row (it would wait for ever)."""
+    def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop, queue=None) -> Handle:
+        """Queue ``request``, its events for ``queue`` (default: the handle's own); `QueueFull` when too many wait,
+        `NeverFits` when its KV cache alone exceeds what this machine can give a row (it would wait for ever)."""
         with self._lock:
             if self._kv_budget and self._never_fits(request):
                 self._counters["requests_rejected_total"] += 1
@@ -127,7 +127,7 @@ class Scheduler:
             self._refuse_if_full()
             if request.timeout_s is None:
                 request.timeout_s = self.settings.request_timeout_s
-            handle = Handle(request.id or f"req-{next(self._ids)}", loop, self._notify)
+            handle = Handle(request.id or f"req-{next(self._ids)}", loop, self._notify, queue)
             self._waiting.append(Job(handle, request, time.perf_counter()))
             self._counters["requests_total"] += 1
             self._lock.notify_all()
@@ -259,7 +259,8 @@ class Scheduler:
                     continue
                 self._waiting.popleft()
             prompt = job.request.prompt
-            cache, n = self.prompt_cache.take(prompt, job.request.cache_salt)
+            # (a prompt to score is run from its start: its cached part would go unscored)
+            cache, n = self.prompt_cache.take(prompt, job.request.cache_salt) if job.scores is None else (None, 0)
             job.cache = cache if cache is not None else self.model.engine.make_cache(self.settings.kv_bits)
             job.prefilled = job.cached_tokens = n
             job.row = DecodeRow(self.model.tokenizer, job.request.max_tokens, job.request.stop,
@@ -291,16 +292,15 @@ class Scheduler:
                 return did
             row_id, job = min(pending, key=lambda p: p[1].submitted)
             prompt = job.request.prompt
-            if job.prefilled == job.cached_tokens:  # not started: a running row may hold more of its prompt
+            if job.prefilled == job.cached_tokens and job.scores is None:  # a running row may hold more of it
                 self._share(decoder, job)
             end = min(job.prefilled + budget, len(prompt) - 1)
             if end > job.prefilled:
-                if decoder.size and decoder.mixes:  # the slice rides in the rows' next step, in their pass
-                    self._slice = (prompt[job.prefilled:end], job.cache)
+                budget, passed = budget - (end - job.prefilled), True
+                if decoder.size and decoder.mixes and job.scores is None:  # in the rows' next step, their pass
+                    self._slice, job.prefilled = (prompt[job.prefilled:end], job.cache), end
                 else:
-                    self.model.engine.prefill(prompt[job.prefilled:end], job.cache)
-                budget -= end - job.prefilled
-                job.prefilled, passed = end, True
+                    job.prefill(self.model.engine, end)
             did = True
             if job.prefilled >= len(prompt) - 1:
                 if self._slice is not None and self._slice[1] is job.cache:
@@ -395,6 +395,6 @@ class Scheduler:
         self._counters["prompt_tokens_total"] += len(job.request.prompt)
         self._counters["cached_tokens_total"] += job.cached_tokens
         finish = "stop" if job.row.finish in ("stop", "stop_string") else "length"
-        job.handle.put(FinalEvent(finish, usage, tail, job.row.stops.matched))
+        job.handle.put(FinalEvent(finish, usage, tail, job.row.stops.matched, job.scores))
         self._service_s = 0.8 * self._service_s + 0.2 * (now - job.submitted)
         self._failures = 0

@@ -28,6 +28,7 @@ class GenerationRequest:
     id: str = ""  # for the log line
     constraint: object = None  # a `umakit.backends.base.TokenConstraint` every token is drawn under, or None
     cache_salt: str = ""  # requests reuse each other's KV caches only when their salts are equal
+    prompt_logprobs: int | None = None  # score the prompt's tokens too: None no; else as ``logprobs`` (its top n)
 
 
 @dataclass
@@ -59,6 +60,7 @@ class FinalEvent:
     usage: Usage
     text: str = ""  # any text held back until the end (emitted after the last TokenEvent)
     stop: str | None = None  # the stop string that ended it, if one did
+    prompt_scores: list[TokenEvent] | None = None  # with prompt_logprobs: each prompt token after the first, scored
 
 
 @dataclass
