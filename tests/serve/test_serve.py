@@ -259,6 +259,31 @@ def test_echo_scores_the_prompt_as_the_engine_does(server, client, local, name):
     assert "".join(ch.choices[0].text for ch in stream) == c.text  # echo streams its text first
 
 
+def test_tokenizer_routes_count_and_split_as_the_model_does(server, client, local, name):
+    """vLLM's /tokenize, /detokenize and /tokenizer_info (llama-server's field names too), which lm-eval's remote
+    tokenizer looks for: the model's own ids, a chat's prompt as a chat completion is given it, and refusals."""
+    text = "The quick brown fox"
+    ids = local.tokenizer.encode(text, add_special_tokens=False)
+    r = raw(server, "/tokenize", {"prompt": text, "add_special_tokens": False}).json()
+    assert r["tokens"] == ids and r["count"] == len(ids) and r["max_model_len"] == local.info.context_length
+    assert raw(server, "/tokenize", {"content": text, "add_special": False}).json()["tokens"] == ids
+    assert raw(server, "/tokenize", {"model": name, "prompt": text}).json()["tokens"] == local.tokenizer.encode(text)
+    chat = client.chat.completions.create(model=name, messages=user("Hi there"), max_tokens=1)
+    assert raw(server, "/tokenize", {"messages": user("Hi there")}).json()["count"] == chat.usage.prompt_tokens
+    r = raw(server, "/detokenize", {"tokens": ids}).json()
+    assert r["prompt"] == r["content"] == local.tokenizer.decode(ids)
+    info = raw(server, "/tokenizer_info", method="GET").json()
+    assert info["eos_token"] == local.tokenizer.eos_token and info["chat_template"] == local.tokenizer.chat_template
+    assert raw(server, f"/tokenizer_info?model={name}", method="GET").status_code == 200
+    assert_error(raw(server, "/tokenize", {"prompt": text, "messages": user("x")}), 400, param="prompt")
+    assert_error(raw(server, "/tokenize", {"prompt": text, "with_pieces": True}), 400, param="with_pieces")
+    assert_error(raw(server, "/tokenize", {"prompt": 5}), 400, param="prompt")
+    assert_error(raw(server, "/detokenize", {"tokens": [1, 10**9]}), 400, param="tokens")
+    assert_error(raw(server, "/detokenize", {"tokens": "abc"}), 400, param="tokens")
+    assert_error(raw(server, "/tokenize", {"model": "other", "prompt": text}), 404, param="model")
+    assert raw(server, "/tokenize", {"prompt": text}, key=None).status_code == 401
+
+
 # -- raw HTTP: every error in OpenAI's shape -----------------------------------------------------------
 @pytest.mark.parametrize("field, value", [
     ("temperature", -1), ("top_p", 0), ("n", 0), ("n", 65), ("seed", 2**70), ("top_k", -3), ("min_p", 1.5),

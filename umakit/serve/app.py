@@ -10,12 +10,11 @@ error, whatever raised it, is answered by `_error_response` in OpenAI's shape.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import math
 import time
 from collections import Counter
 from datetime import datetime, timezone
+from functools import partial
 
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -28,7 +27,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from umakit.serve import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, anthropic, openai_responses
+from umakit.serve import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, anthropic, openai_responses, tokenizer_routes
 from umakit.serve.outputs import ChatOutput, CompletionOutput, Output, Submission, request_id
 from umakit.serve.api_errors import APIError, internal
 from umakit.serve.choices import Choices, ChoicesOutput, submit
@@ -38,13 +37,12 @@ from umakit.errors import UmakitError
 from umakit.serve.host import OneModel, parse_keep_alive
 from umakit.serve.metrics import prometheus
 from umakit.serve.guard import HostGuard, Keys, parse_json
-from umakit.serve.jobs import NeverFits, QueueFull
-from umakit.serve.types import ErrorEvent, FinalEvent, SchedulerSettings, TokenEvent
+from umakit.serve.events import ClientGone, request_events, scheduler_refusals, watch_disconnect
+from umakit.serve.types import FinalEvent, SchedulerSettings, TokenEvent
 
 log = logging.getLogger("umakit.serve")
 
 TIMEOUT_GRACE_S = 5.0  # the scheduler times requests out itself; this bounds the wait if it cannot
-_GONE = object()  # put on a request's queue when its client disconnects
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -100,6 +98,9 @@ def make_app(model, scheduler=None, *, api_key: str | Sequence[str] | None = Non
         Route("/v1/responses", server.endpoint(OPENAI_RESPONSES), methods=["POST"]),
         Route("/v1/models", server.list_models, methods=["GET"]),
         Route("/v1/models/{model_id:path}", server.model_card, methods=["GET"]),
+        Route("/tokenize", partial(server.tool, work=tokenizer_routes.tokenize), methods=["POST"]),
+        Route("/detokenize", partial(server.tool, work=tokenizer_routes.detokenize), methods=["POST"]),
+        Route("/tokenizer_info", partial(server.tool, work=tokenizer_routes.tokenizer_info), methods=["GET"]),
         Route("/health", server.health, methods=["GET"]),
         Route("/metrics", server.metrics, methods=["GET"]),
     ]
@@ -170,7 +171,30 @@ class _Server:
                 self.models.release(lease)
         except APIError as e:
             return self._count(_error_response(e, ANTHROPIC_MESSAGES))
-        except _ClientGone:
+        except ClientGone:
+            return Response(status_code=499)
+
+    async def tool(self, request: Request, work) -> Response:
+        """A route answered from the model's tokenizer (tokenizer_routes.py): ``work(model, data)`` on a thread, with
+        the request's JSON (a GET's query), for the model it names, or else the one this server serves or knows."""
+        try:
+            self._authorize(request)
+            data = await self._json(request) if request.method == "POST" else dict(request.query_params)
+            if not isinstance(data, dict):
+                raise APIError(400, "the request body must be a JSON object")
+            name = data.get("model") or getattr(self.models, "name", None)  # or OneModel's, or a host's only one
+            if name is None and len(cards := await asyncio.to_thread(self.models.cards)) == 1:
+                name = cards[0]["id"]
+            if not isinstance(name, str):
+                raise APIError(400, "name the model ('model'): this server serves several", param="model")
+            lease = await self.models.acquire(name, self.timeout_s)
+            try:
+                return self._count(JSONResponse(await asyncio.to_thread(work, lease.model, data)))
+            finally:
+                self.models.release(lease)
+        except APIError as e:
+            return self._count(_error_response(e))
+        except ClientGone:
             return Response(status_code=499)
 
     def _card(self, card: dict) -> dict:
@@ -222,7 +246,7 @@ class _Server:
                 if namespace:  # each key's prompts apart from the others' (guard.py `Keys`)
                     sub.request.cache_salt = f"{namespace}/{sub.request.cache_salt}"
                 handle = submit(lease.scheduler, sub.request, asyncio.get_running_loop())
-            watcher = asyncio.create_task(_watch_disconnect(request, handle))
+            watcher = asyncio.create_task(watch_disconnect(request, handle))
             events = request_events(handle, None if self.timeout_s is None else self.timeout_s + TIMEOUT_GRACE_S)
             try:
                 first = await anext(events)  # before any byte is sent, so an early failure keeps its status
@@ -244,7 +268,7 @@ class _Server:
         except APIError as e:
             _log(rid, e.status, None, t0, e.message)
             return self._count(_error_response(e, api))
-        except _ClientGone:
+        except ClientGone:
             _log(rid, 499, None, t0, "the client went away")
             return Response(status_code=499)
         except Exception as e:  # a bug of ours: still an answer in the API's shape, and a traceback in the log
@@ -277,7 +301,7 @@ class _Server:
                 if len(body) > self.max_body_bytes:
                     raise self._too_large()
         except ClientDisconnect:
-            raise _ClientGone() from None  # an upload cut off: 499, not a failure of ours
+            raise ClientGone() from None  # an upload cut off: 499, not a failure of ours
         return await asyncio.to_thread(parse_json, bytes(body))  # megabytes of JSON: not on the event loop
 
     def _too_large(self) -> APIError:
@@ -311,7 +335,7 @@ class _Server:
             status, error = e.status, e.message
             for data in out.error(api.error_body(e)):
                 yield data
-        except _ClientGone:
+        except ClientGone:
             status, error = 499, "the client went away"
         finally:
             watcher.cancel()
@@ -320,10 +344,6 @@ class _Server:
                 handle.cancel()
                 status, error = (499, "the client went away") if status == 200 else (status, error)
             _log(out.id, status, final, t0, error)
-
-
-class _ClientGone(Exception):
-    pass
 
 
 def _model_name(data) -> str:
@@ -346,45 +366,6 @@ def _keep_alive(value) -> float | None:
         return parse_keep_alive(value)
     except UmakitError as e:
         raise APIError(400, str(e), param="keep_alive") from e
-
-
-async def _watch_disconnect(request: Request, handle) -> None:
-    """Cancel ``handle`` as soon as the client disconnects (the body has been read: only that can arrive)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-    handle.cancel()
-    handle.queue.put_nowait(_GONE)
-
-
-@contextlib.contextmanager
-def scheduler_refusals():
-    """A scheduler's refusals as the API's errors: a full queue is a 429 with its Retry-After, a request whose KV
-    cache can never fit a 400."""
-    try:
-        yield
-    except QueueFull as e:
-        raise APIError(429, str(e), headers={"Retry-After": str(max(1, math.ceil(e.retry_after_s)))}) from e
-    except NeverFits as e:
-        raise APIError(400, str(e), param="max_tokens", code="kv_cache_exceeded") from e
-
-
-async def request_events(handle, timeout_s: float | None):
-    """The request's events up to and including its last one; an `ErrorEvent` raises its `APIError`."""
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    while True:
-        try:
-            event = await asyncio.wait_for(handle.get(), None if deadline is None
-                                           else max(deadline - time.monotonic(), 0))
-        except asyncio.TimeoutError:
-            handle.cancel()
-            raise APIError(504, f"no answer from the generation worker within {timeout_s:g} s") from None
-        if event is _GONE:
-            raise _ClientGone()
-        if isinstance(event, ErrorEvent):
-            raise APIError(event.status, event.message, code=event.code)
-        yield event
-        if isinstance(event, FinalEvent):
-            return
 
 
 def _log(rid: str, status: int, final: FinalEvent | None, t0: float, error: str | None = None) -> None:

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 from umakit.serve.api_errors import APIError
 from umakit.serve.choices import submit
-from umakit.serve.app import (OPENAI_CHAT, OPENAI_COMPLETIONS, OPENAI_RESPONSES, API, request_events,
-                              scheduler_refusals)
+from umakit.serve.app import OPENAI_CHAT, OPENAI_COMPLETIONS, OPENAI_RESPONSES, API
+from umakit.serve.events import request_events, scheduler_refusals
 from umakit.serve.outputs import request_id
 
 ROUTES = {"/v1/chat/completions": OPENAI_CHAT, "/v1/completions": OPENAI_COMPLETIONS,
