@@ -284,6 +284,43 @@ def test_tokenizer_routes_count_and_split_as_the_model_does(server, client, loca
     assert raw(server, "/tokenize", {"prompt": text}, key=None).status_code == 401
 
 
+@pytest.mark.parametrize("markers, suffix_first", [(("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"), False),
+                                                   (("[PREFIX]", "[SUFFIX]"), True)])
+def test_suffix_fills_in_the_middle_with_the_models_own_markers(tmp_path, markers, suffix_first):
+    """OpenAI's ``suffix``: the prompt around the model's fill-in-the-middle markers, in its layout (Qwen-Coder's
+    prefix-suffix-middle; Codestral's suffix first), the reply exactly a completion of that prompt given as ids."""
+    import umakit
+    from support.tiny import make_tiny_model, write_tokenizer
+
+    path = make_tiny_model("llama", tmp_path / "coder")
+    write_tokenizer(path, extra_specials=markers)
+    local = umakit.load(path, backend="torch")
+    name, tok = local.info.name, local.tokenizer
+    prefix, suffix = "def add(a, b):\n    c = ", "\n    return c\n"
+    m = [tok.token_to_id(t) for t in markers]
+    pre, suf = local.encode(prefix, raw=True), local.encode(suffix, raw=True)
+    ids = [m[1], *suf, m[0], *pre] if suffix_first else [m[0], *pre, m[1], *suf, m[2]]
+    scheduler, app = served(local)
+    try:
+        filled, by_ids = asgi_calls(app, [
+            ("POST", "/v1/completions", {"model": name, "prompt": prefix, "suffix": suffix, "max_tokens": 6,
+                                         "temperature": 0}),
+            ("POST", "/v1/completions", {"model": name, "prompt": ids, "max_tokens": 6, "temperature": 0})])
+    finally:
+        scheduler.stop()
+    assert filled.status_code == 200, filled.text
+    assert filled.json()["choices"][0]["text"] == by_ids.json()["choices"][0]["text"]
+    assert filled.json()["usage"]["prompt_tokens"] == len(ids)
+
+
+def test_suffix_on_a_model_without_markers_is_refused(server, name):
+    err = assert_error(raw(server, "/v1/completions", {"model": name, "prompt": "a", "suffix": "b"}), 400,
+                       param="suffix")
+    assert "fill-in-the-middle" in err["message"]
+    assert_error(raw(server, "/v1/completions", {"model": name, "prompt": "a", "suffix": "b", "echo": True}), 400,
+                 param="echo")
+
+
 # -- raw HTTP: every error in OpenAI's shape -----------------------------------------------------------
 @pytest.mark.parametrize("field, value", [
     ("temperature", -1), ("top_p", 0), ("n", 0), ("n", 65), ("seed", 2**70), ("top_k", -3), ("min_p", 1.5),

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from umakit.backends.base import CONSTRAIN
 from umakit.errors import UmakitError
 from umakit.generate.constrain import Constraint
+from umakit.generate.infill import infill_ids
 from umakit.generate.sampling import DEFAULT_MAX_TOKENS, SamplingParams
 from umakit.serve.api_errors import APIError
 from umakit.serve.conversation import ChatCall, Prepared, cannot_fit, prepare
@@ -46,6 +47,9 @@ def openai_choices(req: RequestBase, model, *, id: str, timeout_s: float | None)
         raise APIError(400, "several choices (n above 1, or several prompts) are answered whole, not streamed: ask "
                             "without stream, or for one choice a request", param="n" if n > 1 else "prompt")
     echo = isinstance(req, CompletionRequest) and bool(req.echo)
+    if echo and req.suffix is not None:
+        raise APIError(400, "echo and suffix together are not supported: the prompt of a fill-in-the-middle is the "
+                            "prefix and the suffix around markers, not one text to echo", param="echo")
     if echo and req.stream and req.logprobs is not None:
         raise APIError(400, "echo with logprobs (the prompt's tokens scored) is answered whole, not streamed",
                        param="echo")
@@ -80,6 +84,8 @@ def generation_request(req: RequestBase, model, *, id: str, timeout_s: float | N
         constraint = _checked(lambda: req.response_format.constraint() if req.response_format else None,
                               "response_format")
         ids = _checked(lambda: _prompt_ids(model, req.prompts()[0] if prompt is None else prompt), "prompt")
+        if req.suffix is not None:  # the reply goes between the prompt and the suffix
+            ids = _checked(lambda: infill_ids(model.tokenizer, ids, model.encode(req.suffix, raw=True)), "suffix")
         made, prepared = _request(model, ids, constraint, req.requested_max_tokens(), "prompt", sampling=sampling,
                                   seed=req.seed, stop=req.stop, logprobs=logprobs, id=id, timeout_s=timeout_s), None
     made.cache_salt = req.cache_salt or ""

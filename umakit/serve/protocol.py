@@ -35,7 +35,7 @@ REFUSED = {
     "function_call": "'function_call' is not supported: use 'tool_choice'",
     "audio": "audio output is not supported", "prediction": "predicted outputs are not supported",
     "web_search_options": "web search is not supported",
-    **{k: f"{k} is not supported" for k in ("best_of", "suffix")},
+    **{k: f"{k} is not supported" for k in ("best_of",)},
 }
 
 # -- requests ----------------------------------------------------------------------------------------
@@ -248,6 +248,7 @@ class CompletionRequest(RequestBase):
     prompt: str | list[int] | list[str] | list[list[int]]  # text or token ids, one prompt or several, as OpenAI's
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool | None = False  # the prompt's text before the reply's, and with logprobs its tokens' too
+    suffix: str | None = None  # the text after the reply: fill in the middle (a code model's markers)
 
     def prompts(self) -> list[str | list[int]]:
         """Each prompt the request gives (a list of texts or of token-id lists is several, each a choice)."""
