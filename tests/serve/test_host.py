@@ -103,6 +103,19 @@ def test_names_that_are_wrong(host, paths):
     assert r.status_code == 400 and r.json()["error"]["param"] == "keep_alive"
 
 
+def test_the_tokenizer_routes_take_the_model_by_name(host, paths, local):
+    """/tokenize and /tokenizer_info answer for the model named (a GET's in its query); with several models known
+    and none named, a 400 says to name one."""
+    for f in FAMILIES:
+        r = httpx.post(f"{host.url}/tokenize", json={"model": paths[f], "prompt": "Paris is",
+                                                     "add_special_tokens": False})
+        assert r.json()["tokens"] == local[f].tokenizer.encode("Paris is", add_special_tokens=False)
+        info = httpx.get(f"{host.url}/tokenizer_info", params={"model": paths[f]}).json()
+        assert info["chat_template"] == local[f].tokenizer.chat_template
+    r = httpx.post(f"{host.url}/tokenize", json={"prompt": "Paris is"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+
+
 def test_a_model_that_fails_to_load_leaves_the_others_served(host, paths, tmp_path):
     broken = tmp_path / "broken"
     broken.mkdir()

@@ -81,7 +81,7 @@ def make_app(model, scheduler=None, *, api_key: str | Sequence[str] | None = Non
              body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> Starlette:
     """The app serving ``model`` through ``scheduler`` (started and stopped by the caller), or, without a
     scheduler, the models of a `umakit.serve.host.ModelHost` by name: OpenAI's chat completions, completions
-    and responses, and Anthropic's messages.
+    and responses, Anthropic's messages, and the tokenizer's routes (vLLM's /tokenize and friends).
 
     With ``api_key`` (one key, or several) every route but /health needs ``Authorization: Bearer KEY`` (or
     Anthropic's ``x-api-key: KEY``), and each key's requests share the prompt cache only among themselves. ``allowed_origins`` (``"*"`` for any) may call it from a browser page:
