@@ -6,8 +6,8 @@ one with Qwen2.5's real template (Hermes ``<tool_call>`` blocks, its markers add
 function's name and ``<arg_key>``/``<arg_value>`` pairs in ``<tool_call>`` tags, all of them added tokens), one
 with Gemma 4's (its own notation), one with DeepSeek
 V3.1's (JSON arguments between its marker tokens), one with Qwen3-Coder's (``<function=f>`` and ``<parameter=p>``
-blocks, Qwen3.5's syntax), one with Llama 4's (bare JSON calls), one with Kimi K2 Thinking's (``functions.NAME:N`` ids before JSON arguments), one with
-LFM2.5's (a Python list of calls). A random model
+blocks, Qwen3.5's syntax), one with Llama 4's (bare JSON calls), one with Kimi K2 Thinking's
+(``functions.NAME:N`` ids before JSON arguments), one with LFM2.5's (a Python list of calls). A random model
 says nothing sensible, so what is checked is what the server guarantees whatever the model: a forced call
 always names a tool and its arguments validate, a reply under a schema always parses and validates (the
 schemas are bounded, so a reply ends), Anthropic's and the Responses API's shapes hold, and errors are clear.

@@ -7,7 +7,8 @@ from typing import Sequence
 import numpy as np
 
 
-def token_scores(logits: np.ndarray, targets: Sequence[int], top: int = 0) -> list[tuple[float, list[tuple[int, float]]]]:
+def token_scores(logits: np.ndarray, targets: Sequence[int], top: int = 0
+                 ) -> list[tuple[float, list[tuple[int, float]]]]:
     """``logits`` (T, V), row j the model's prediction of ``targets[j]`` -> for each target, its log-probability
     and the ``top`` most likely tokens with theirs, descending (OpenAI's ``logprobs`` and ``top_logprobs``)."""
     x = np.asarray(logits[:len(targets)], dtype=np.float64)
