@@ -200,7 +200,8 @@ def test_logprobs(client, name):
 
 def test_several_prompts_and_n_are_choices_of_one_body(client, name):
     """A completion's list of prompts, and ``n``, are one choice each, at its index, as lone requests give them
-    (the k-th sample of a prompt seeded seed + k); the usage counts each prompt once and every choice's tokens."""
+    (the k-th sample of a prompt seeded seed + k), whole or streamed; the usage counts each prompt once and every
+    choice's tokens."""
     prompts = ["The quick brown", "Once upon a"]
     alone = [client.completions.create(model=name, prompt=p, max_tokens=6, temperature=0) for p in prompts]
     r = client.completions.create(model=name, prompt=prompts, max_tokens=6, temperature=0)
@@ -217,6 +218,21 @@ def test_several_prompts_and_n_are_choices_of_one_body(client, name):
     assert [c.message.content for c in many.choices] == [chat(seed=7 + k).choices[0].message.content
                                                          for k in range(3)]
     assert many.usage.prompt_tokens == chat(seed=1).usage.prompt_tokens  # the prompt once
+    stream = chat(n=3, seed=7, stream=True, stream_options={"include_usage": True})
+    texts, finishes, usage = ["", "", ""], [None] * 3, None
+    for chunk in stream:  # the choices' chunks as they come, each naming its index; then one usage
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+            finishes[c.index] = c.finish_reason or finishes[c.index]
+        usage = chunk.usage or usage
+    assert texts == [c.message.content for c in many.choices] and None not in finishes
+    assert usage.completion_tokens == many.usage.completion_tokens
+    streamed = client.completions.create(model=name, prompt=prompts, max_tokens=6, temperature=0, stream=True)
+    pieces = ["", ""]
+    for chunk in streamed:
+        for c in chunk.choices:
+            pieces[c.index] += c.text
+    assert pieces == [a.choices[0].text for a in alone]
     ids = [[1, 2, 3], [4, 5]]  # token-id prompts too, each with n samples
     r = client.completions.create(model=name, prompt=ids, max_tokens=3, temperature=0, n=2)
     assert len(r.choices) == 4 and r.choices[0].text == r.choices[1].text and r.usage.prompt_tokens == 5
@@ -345,10 +361,6 @@ def test_malformed_and_incomplete_requests(server, name):
     assert_error(raw(server, "/v1/chat/completions", content=b'{"model": "%s", "messages": [{"role": "user", '
                                                              b'"content": "hi"}], "temperature": NaN}' % name.encode()),
                  400, param="temperature")
-    for many in ({"n": 2}, {"prompt": ["a", "b"]}):  # several choices are answered whole
-        err = assert_error(raw(server, "/v1/completions", {"model": name, "prompt": "a", "stream": True, **many}),
-                           400, param=next(iter(many)))
-        assert "not streamed" in err["message"]
     err = assert_error(raw(server, "/v1/completions", {"model": name, "prompt": "a", "stream": True, "echo": True,
                                                        "logprobs": 1}), 400, param="echo")
     assert_error(raw(server, "/v1/chat/completions", {"model": name, "messages": user("hi"), "echo": True}), 400,

@@ -38,7 +38,7 @@ from umakit.serve.host import OneModel, parse_keep_alive
 from umakit.serve.metrics import prometheus
 from umakit.serve.guard import HostGuard, Keys, parse_json
 from umakit.serve.events import ClientGone, request_events, scheduler_refusals, watch_disconnect
-from umakit.serve.types import FinalEvent, SchedulerSettings, TokenEvent
+from umakit.serve.types import FinalEvent, SchedulerSettings
 
 log = logging.getLogger("umakit.serve")
 
@@ -64,7 +64,8 @@ def _openai(kind: type, output: type) -> Callable:
         if len(made) == 1:
             return Submission(made[0].request, outs[0], bool(req.stream), req.include_usage)
         firsts = frozenset(i for i, c in enumerate(made) if c.first)
-        return Submission(Choices([c.request for c in made], firsts), ChoicesOutput(outs), False)
+        return Submission(Choices([c.request for c in made], firsts), ChoicesOutput(outs), bool(req.stream),
+                          req.include_usage)
     return read
 
 
@@ -321,14 +322,11 @@ class _Server:
             for data in out.start():
                 yield data
             event = first
-            while True:
-                if isinstance(event, TokenEvent):
-                    for data in out.token(event):
-                        yield data
-                else:
-                    final = event
-                    break
+            while not isinstance(event, FinalEvent):  # a token, or one of several choices' events (choices.py)
+                for data in out.token(event):
+                    yield data
                 event = await anext(events)
+            final = event
             for data in out.end(final, sub.include_usage):
                 yield data
         except APIError as e:  # after the status line went out: the error travels as an event, as OpenAI's does

@@ -4,8 +4,8 @@ a choice, run side by side as rows of the same steps, and answered as one body.
 The HTTP layer drives a request the same way whatever its choices: `submit` gives it one handle, whose events end
 with one `FinalEvent`, and one `Output`. For several choices that handle is a `ChoiceGroup`: the members' events
 reach one queue, each tagged with its choice (`Tagged`), and the group's last event sums their usage; its output,
-`ChoicesOutput`, hands each member's events to that member's own output and joins their bodies, each choice at its
-index. Several choices are answered whole, not streamed (generation.py refuses a stream of them).
+`ChoicesOutput`, hands each member's events to that member's own output, each choice at its index: their bodies
+joined, or their streams' chunks as they come (OpenAI's: each chunk's choice names its index), then one usage.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import asyncio
 from dataclasses import dataclass
 
 from umakit.serve.openai_shapes import UsageInfo
-from umakit.serve.outputs import Output
+from umakit.serve.outputs import DONE, Output
 from umakit.serve.types import ErrorEvent, FinalEvent, GenerationRequest, Usage
 
 
@@ -90,6 +90,8 @@ class ChoicesOutput(Output):
 
     def __init__(self, outputs: list[Output]):
         self.outputs = outputs
+        for i, out in enumerate(outputs):
+            out.index = i
         super().__init__(outputs[0].id, outputs[0].name, outputs[0].tokenizer)
 
     @property
@@ -100,6 +102,19 @@ class ChoicesOutput(Output):
     def name(self, name: str) -> None:  # the model as the request named it, in every choice's body
         for out in self.outputs:
             out.name = name
+
+    def start(self) -> list[bytes]:
+        return [data for out in self.outputs for data in out.start()]
+
+    def token(self, item: Tagged) -> list[bytes]:
+        out = self.outputs[item.index]
+        if isinstance(item.event, FinalEvent):  # that choice's last chunks, without the stream's end
+            return [data for data in out.end(item.event, include_usage=False) if data != DONE]
+        return out.token(item.event)
+
+    def end(self, final: FinalEvent, include_usage: bool) -> list[bytes]:
+        self.final = final
+        return ([self.outputs[0].usage_chunk(final)] if include_usage else []) + [DONE]
 
     def full(self, tokens: list, final: FinalEvent) -> dict:
         self.final = final

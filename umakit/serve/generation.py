@@ -43,9 +43,6 @@ def openai_choices(req: RequestBase, model, *, id: str, timeout_s: float | None)
     if n * len(prompts) > MAX_CHOICES:
         raise APIError(400, f"a request may ask for at most {MAX_CHOICES} choices: {len(prompts)} prompt(s) times "
                             f"n={n} is {n * len(prompts)}", param="n" if n > 1 else "prompt")
-    if req.stream and n * len(prompts) > 1:
-        raise APIError(400, "several choices (n above 1, or several prompts) are answered whole, not streamed: ask "
-                            "without stream, or for one choice a request", param="n" if n > 1 else "prompt")
     echo = isinstance(req, CompletionRequest) and bool(req.echo)
     if echo and req.suffix is not None:
         raise APIError(400, "echo and suffix together are not supported: the prompt of a fill-in-the-middle is the "

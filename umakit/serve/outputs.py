@@ -57,6 +57,7 @@ class Output:
     def __init__(self, id: str, name: str, tokenizer, parser: ReplyParser | None = None, echo: str | None = None):
         self.id, self.name, self.tokenizer, self.parser = id, name, tokenizer, parser
         self.echo = echo  # the prompt's text, to begin the reply's (a completion's echo)
+        self.index = 0  # the choice's, among a request's several (choices.py)
         self.created = int(time.time())
         self.final: FinalEvent | None = None
 
@@ -99,7 +100,8 @@ class ChatOutput(Output):
 
     def _chunk(self, delta: ChatDelta, finish: str | None = None, scored=()) -> bytes:
         return sse(ChatCompletionChunk(**self._meta(), choices=[ChatChunkChoice(
-            delta=delta, finish_reason=finish, logprobs=chat_logprobs(self.tokenizer, scored) if scored else None)]))
+            index=self.index, delta=delta, finish_reason=finish,
+            logprobs=chat_logprobs(self.tokenizer, scored) if scored else None)]))
 
     @staticmethod
     def _delta(piece: Piece) -> ChatDelta:
@@ -126,9 +128,10 @@ class ChatOutput(Output):
                 ToolCallDelta(index=i, id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments))
                 for i, c in enumerate(self.calls)])))
         out.append(self._chunk(ChatDelta(), self.finish_reason(final)))
-        if include_usage:
-            out.append(sse(ChatCompletionChunk(**self._meta(), choices=[], usage=UsageInfo.of(final.usage))))
-        return out + [DONE]
+        return out + ([self.usage_chunk(final)] if include_usage else []) + [DONE]
+
+    def usage_chunk(self, final: FinalEvent) -> bytes:
+        return sse(ChatCompletionChunk(**self._meta(), choices=[], usage=UsageInfo.of(final.usage)))
 
     def full(self, tokens: list[TokenEvent], final: FinalEvent) -> dict:
         self.final = final
@@ -159,8 +162,8 @@ class CompletionOutput(Output):
     def _piece(self, text: str, scored=(), finish: str | None = None) -> bytes:
         logprobs = completion_logprobs(self.tokenizer, scored, self.sent) if scored else None
         self.sent += len(text)
-        return sse(Completion(**self._meta(), choices=[CompletionChoice(text=text, logprobs=logprobs,
-                                                                        finish_reason=finish)]))
+        return sse(Completion(**self._meta(), choices=[CompletionChoice(index=self.index, text=text,
+                                                                        logprobs=logprobs, finish_reason=finish)]))
 
     def start(self) -> list[bytes]:
         return [self._piece(self.echo)] if self.echo else []
@@ -174,9 +177,10 @@ class CompletionOutput(Output):
         self.final = final
         out = [self._piece(final.text)] if final.text else []
         out.append(self._piece("", finish=final.finish_reason))
-        if include_usage:
-            out.append(sse(Completion(**self._meta(), choices=[], usage=UsageInfo.of(final.usage))))
-        return out + [DONE]
+        return out + ([self.usage_chunk(final)] if include_usage else []) + [DONE]
+
+    def usage_chunk(self, final: FinalEvent) -> bytes:
+        return sse(Completion(**self._meta(), choices=[], usage=UsageInfo.of(final.usage)))
 
     def full(self, tokens: list[TokenEvent], final: FinalEvent) -> dict:
         self.final = final
