@@ -533,6 +533,10 @@ def test_queue_full_gets_429_with_retry_after(tight_server, name):
         assert_error(r, 429, code="rate_limit_exceeded")
         assert int(r.headers["retry-after"]) >= 1
     assert httpx.get(f"{tight_server.url}/health").status_code == 200
+    # more choices than the queue holds would never all be queued: a 400 that says so, not a 429 for ever
+    err = assert_error(raw(tight_server, "/v1/completions", {"model": name, "prompt": "a", "n": 2, "max_tokens": 2},
+                           key=None), 400, param="n")
+    assert "--max-queue" in err["message"]
 
 
 def test_metrics_and_log(server):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
+from umakit.serve.api_errors import APIError
 from umakit.serve.openai_shapes import UsageInfo
 from umakit.serve.outputs import DONE, Output
 from umakit.serve.types import ErrorEvent, FinalEvent, GenerationRequest, Usage
@@ -134,6 +135,9 @@ class ChoicesOutput(Output):
 def submit(scheduler, request, loop: asyncio.AbstractEventLoop):
     """``request`` (one `GenerationRequest`, or a `Choices`) submitted: its handle."""
     if isinstance(request, Choices):
+        if len(request.requests) > scheduler.settings.max_queue:  # they would never all be queued at once
+            raise APIError(400, f"{len(request.requests)} choices are more than this server queues at once "
+                                f"({scheduler.settings.max_queue}: umakit serve --max-queue)", param="n")
         return ChoiceGroup(scheduler, request.requests, loop, request.firsts)
     return scheduler.submit(request, loop)
 
