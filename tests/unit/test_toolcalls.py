@@ -219,6 +219,19 @@ def test_kimi_ids_name_the_function_and_count_the_conversations_calls(tmp_path, 
     assert conversation[4]["tool_calls"][0]["id"] == "a"  # the request's messages are not changed
 
 
+def test_lfm2_keeps_the_turns_reasoning_before_its_calls(tmp_path, tokenizer_json):
+    """LFM2.5's template writes an assistant's ``thinking`` within the current turn (a tool loop): a client's
+    ``reasoning_content`` reaches it under that name."""
+    (tmp_path / "tokenizer.json").write_text(tokenizer_json)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": BOS, "eos_token": EOS}))
+    name = "LiquidAI-LFM2.5-8B-A1B"
+    looping = CONVERSATION[:2] + [{**CONVERSATION[2], "reasoning_content": "Paris, in Celsius."}, CONVERSATION[3]]
+    messages, tools = tc.detect(template(name)).template_messages(looping, TOOLS)
+    ours = undated(umakit_render(tmp_path, template(name), messages, tools))
+    assert ours == undated(transformers_render(tokenizer_json, template(name), messages, tools))
+    assert "<think>Paris, in Celsius.</think><|tool_call_start|>[get_weather(" in ours
+
+
 def test_template_messages_parse_arguments_and_shorten_ids_for_mistral():
     messages, tools = tc.HermesFormat().template_messages(CONVERSATION, TOOLS)
     assert messages[2]["tool_calls"][0]["function"]["arguments"] == ARGS

@@ -31,6 +31,13 @@ class PythonicFormat(ToolFormat):
     name = "pythonic"
     markers = (START,)
 
+    def template_messages(self, messages, tools):
+        out, tools = super().template_messages(messages, tools)
+        for m in out:  # LFM2.5's template reads an assistant's reasoning as ``thinking``
+            if m.get("reasoning_content") is not None and "thinking" not in m:
+                m["thinking"] = m.pop("reasoning_content")
+        return out, tools
+
     def parse(self, text):
         found: list[list[ToolCall]] = []
 
