@@ -214,12 +214,14 @@ def test_each_request_answered_as_the_server_answers_it(tiny_dir, torch_models, 
              "/v1/responses"),
         line("json", {"model": name, "messages": chat, "max_tokens": 40, "temperature": 0,
                       "response_format": {"type": "json_object"}}),
+        line("many", {"model": name, "prompt": ["Paris is", "The quick"], "max_tokens": 4, "temperature": 0,
+                      "echo": True}, "/v1/completions"),  # several choices, each its prompt's text first
     ])
     out = tmp_path / "out.jsonl"
     r = run(tiny_dir("llama"), "-i", inp, "-o", out, "-b", "2", *ENGINE)
     assert r.exit_code == 0, r.output
     rows = {row["custom_id"]: row for row in read_jsonl(out)}
-    assert set(rows) == {"chat", "text", "resp", "json"}
+    assert set(rows) == {"chat", "text", "resp", "json", "many"}
     for row in rows.values():
         assert set(row) == {"id", "custom_id", "response", "error"} and row["error"] is None
         assert row["id"].startswith("batch_req_") and row["response"]["status_code"] == 200
@@ -236,7 +238,11 @@ def test_each_request_answered_as_the_server_answers_it(tiny_dir, torch_models, 
     reply = rows["json"]["response"]["body"]["choices"][0]
     if reply["finish_reason"] == "stop":  # a JSON object the reply stopped on parses as one
         assert isinstance(json.loads(reply["message"]["content"]), dict)
-    assert "4/4" in r.stderr and not (tmp_path / "out.errors.jsonl").exists()
+    many = rows["many"]["response"]["body"]["choices"]
+    assert [(c["index"], c["text"]) for c in many] == [
+        (i, p + model.generate(p, raw=True, temperature=0, max_tokens=4).text) for i, p in enumerate(["Paris is",
+                                                                                                     "The quick"])]
+    assert "5/5" in r.stderr and not (tmp_path / "out.errors.jsonl").exists()
 
 
 def test_failed_requests_go_to_the_errors_file_and_a_rerun_retries_only_them(tiny_dir, torch_models, tmp_path):
