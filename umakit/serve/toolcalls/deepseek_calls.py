@@ -15,8 +15,8 @@ import json
 import re
 
 from umakit.serve.toolcalls.generic import with_system_text
-from umakit.serve.toolcalls.syntax import (ToolCall, ToolFormat, arguments_dict, functions_of, json_rule, literal,
-                                           marker, new_call, parameters_of)
+from umakit.serve.toolcalls.syntax import (ToolCall, ToolFormat, arguments_dict, functions_of, json_call, json_rule,
+                                           literal, marker, parameters_of, tagged_calls)
 
 SECTION, SECTION_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 CALL, SEP, CALL_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
@@ -47,18 +47,7 @@ class DeepSeekFormat(ToolFormat):
         return out
 
     def parse(self, text):
-        calls, kept, pos = [], [], 0
-        for section in _SECTION.finditer(text):
-            found = [_call(m.group(1), m.group(2)) for m in _CALL.finditer(section.group(1))]
-            if not found or any(c is None for c in found) or _CALL.sub("", section.group(1)).strip():
-                continue  # malformed or cut: the text stays in the content
-            kept.append(text[pos:section.start()])
-            pos = section.end()
-            calls += found
-        if not calls:
-            return text, []
-        kept.append(text[pos:])
-        return "".join(kept).strip(), calls
+        return tagged_calls(text, _SECTION, lambda section: _section_calls(section.group(1)))
 
     def grammar(self, tools, choice, parallel=True, special_tokens=None):
         special = special_tokens or {}
@@ -71,8 +60,7 @@ class DeepSeekFormat(ToolFormat):
         return "\n".join(lines) + "\n"
 
 
-def _call(name: str, arguments: str) -> ToolCall | None:
-    try:
-        return new_call(name, json.loads(arguments))
-    except ValueError:
-        return None
+def _section_calls(body: str) -> list[ToolCall] | None:
+    """A section's calls, or None where it holds anything else (a call cut short, text between calls)."""
+    found = [json_call(m.group(1), m.group(2)) for m in _CALL.finditer(body)]
+    return None if not found or None in found or _CALL.sub("", body).strip() else found

@@ -16,8 +16,8 @@ from __future__ import annotations
 import json
 import re
 
-from umakit.serve.toolcalls.syntax import ToolCall, ToolFormat, functions_of, json_rule, literal, marker, new_call
-from umakit.serve.toolcalls.syntax import parameters_of
+from umakit.serve.toolcalls.syntax import (ToolCall, ToolFormat, functions_of, json_call, json_rule, literal, marker,
+                                           parameters_of, tagged_calls)
 
 SECTION, SECTION_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
 CALL, ARGS, CALL_END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
@@ -53,21 +53,7 @@ class KimiK2Format(ToolFormat):
         return out, tools
 
     def parse(self, text):
-        calls, kept, pos = [], [], 0
-        for section in _SECTION.finditer(text):
-            body, found, at = section.group(1), [], 0
-            while match := _CALL.match(body, at):
-                found.append(_call(match.group(1), match.group(2)))
-                at = match.end()
-            if not found or None in found or body[at:].strip():
-                continue  # malformed or cut: the text stays in the content
-            kept.append(text[pos:section.start()])
-            pos = section.end()
-            calls += found
-        if not calls:
-            return text, []
-        kept.append(text[pos:])
-        return "".join(kept).strip(), calls
+        return tagged_calls(text, _SECTION, lambda section: _section_calls(section.group(1)))
 
     def grammar(self, tools, choice, parallel=True, special_tokens=None):
         special = special_tokens or {}
@@ -88,8 +74,10 @@ def _section(calls: list[dict]) -> str:
                              + CALL_END for c in calls) + SECTION_END
 
 
-def _call(name: str, arguments: str) -> ToolCall | None:
-    try:
-        return new_call(name, json.loads(arguments))
-    except ValueError:
-        return None
+def _section_calls(body: str) -> list[ToolCall] | None:
+    """A section's calls, one after another with nothing else between them, or None."""
+    found, at = [], 0
+    while match := _CALL.match(body, at):
+        found.append(json_call(match.group(1), match.group(2)))
+        at = match.end()
+    return None if not found or None in found or body[at:].strip() else found

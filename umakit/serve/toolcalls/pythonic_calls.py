@@ -39,16 +39,7 @@ class PythonicFormat(ToolFormat):
         return out, tools
 
     def parse(self, text):
-        found: list[list[ToolCall]] = []
-
-        def make(match):
-            calls = _calls(match.group(1))
-            if calls:
-                found.append(calls)
-            return calls or None
-
-        content, _ = tagged_calls(text, _CALLS, make)
-        return content, [c for calls in found for c in calls]
+        return tagged_calls(text, _CALLS, lambda match: _calls(match.group(1)))
 
     def grammar(self, tools, choice, parallel=True, special_tokens=None):
         special = special_tokens or {}

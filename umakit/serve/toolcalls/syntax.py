@@ -47,16 +47,25 @@ def call_from_object(obj, keys: tuple[str, ...] = ("arguments", "parameters"), n
     return new_call(obj["name"], obj[key] if key else {})
 
 
+def json_call(name: str, arguments: str) -> ToolCall | None:
+    """A call whose arguments are JSON text, or None where they are not JSON (or not an object)."""
+    try:
+        return new_call(name, json.loads(arguments))
+    except ValueError:
+        return None
+
+
 def tagged_calls(text: str, pattern: re.Pattern, make) -> tuple[str, list[ToolCall]]:
-    """Cut every match of ``pattern`` that ``make(match)`` turns into a call out of ``text``."""
+    """Cut every match of ``pattern`` that ``make(match)`` turns into a call (or a non-empty list of calls: a
+    section of several) out of ``text``."""
     calls, kept, pos = [], [], 0
     for match in pattern.finditer(text):
         call = make(match)
-        if call is None:
+        if not call:
             continue  # malformed: the text stays in the content
         kept.append(text[pos:match.start()])
         pos = match.end()
-        calls.append(call)
+        calls += call if isinstance(call, list) else [call]
     if not calls:
         return text, []
     kept.append(text[pos:])
