@@ -244,8 +244,9 @@ def test_template_messages_parse_arguments_and_shorten_ids_for_mistral():
     assert re.fullmatch(r"[A-Za-z0-9]{9}", short) and messages[3]["tool_call_id"] == short
 
 
-def test_llama_gets_one_call_per_message(tmp_path, tokenizer_json):
-    """Llama's templates refuse a message with two calls; parallel calls are written one after the other."""
+def test_llama_gets_one_call_per_message(tmp_path, tokenizer_json, llg):
+    """Llama 3.x's templates refuse a message with two calls: parallel calls become one message each. Llama 4's
+    take them in one message, one after another, and a forced pair is written that way too."""
     parallel = copy.deepcopy(CONVERSATION)
     second = {"id": "call_2", "type": "function", "function": {"name": "get_time", "arguments": '{"city": "Paris"}'}}
     parallel[2]["tool_calls"].append(second)
@@ -264,6 +265,9 @@ def test_llama_gets_one_call_per_message(tmp_path, tokenizer_json):
     assert "<|python_end|>" + LLAMA_CALL + '{"name": "get_time", "parameters": {"city": "Paris"}}<|eot|>' in text
     assert [c.name for c in fmt.parse(text.split("assistant<|header_end|>\n\n")[1].split("<|eot|>")[0])[1]] == [
         "get_weather", "get_time"]
+    two = LLAMA_CALL + '{"name": "get_time", "parameters": {"city": "Paris"}}'  # forced, they follow one another too
+    assert accepts(llg, fmt.grammar(TOOLS, None, special_tokens=llg[1]), two)
+    assert not accepts(llg, tc.Llama3Format().grammar(TOOLS, None, special_tokens=llg[1]), two)
 
 
 def test_harmony_gets_one_call_per_message_each_followed_by_its_result(tmp_path, tokenizer_json):

@@ -307,5 +307,6 @@ class Llama3Format(ToolFormat):
 
     def grammar(self, tools, choice, parallel=True, special_tokens=None):
         body = one_of([call_schema(fn, "parameters") for fn in functions_of(tools, choice)])
-        start = 'call (";" " "? call)*' if parallel else "call"
+        # several: separated by "; " in 3.x's prompt format; one after another, as Llama 4's template writes them
+        start = ("call+" if not self.single_call else 'call (";" " "? call)*') if parallel else "call"
         return f"start: {start}\ncall: {json_rule(body)}\n"
