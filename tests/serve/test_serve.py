@@ -475,6 +475,25 @@ def test_disconnect_frees_the_row_and_spares_the_others(server, client, local, n
         time.sleep(0.05)
 
 
+def test_a_client_that_leaves_a_stream_of_several_choices_cancels_them_all(server, name):
+    before = metrics(server)["umakit_requests_cancelled_total"]
+    payload = {"model": name, "messages": user("Tell me everything you know"), "max_tokens": 400, "temperature": 1,
+               "seed": 5, "n": 3, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=payload,
+                      headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+        for _ in range(3):  # a few events, then the stream is closed mid-reply
+            next(lines)
+    deadline = time.monotonic() + 10
+    while metrics(server)["umakit_requests_cancelled_total"] < before + 3:
+        assert time.monotonic() < deadline, "the choices of the stream left were not all dropped"
+        time.sleep(0.05)
+    while metrics(server)["umakit_active_rows"] != 0:
+        assert time.monotonic() < deadline, "rows are still active after the client left"
+        time.sleep(0.05)
+
+
 def test_second_turn_reuses_the_first_from_the_prompt_cache(client, local, name):
     first = user("Remember the number 4817 and the quick brown fox.")
     r1 = client.chat.completions.create(model=name, messages=first, max_tokens=10, temperature=0)
