@@ -273,6 +273,14 @@ def test_echo_scores_the_prompt_as_the_engine_does(server, client, local, name):
     assert choices[1]["logprobs"]["token_logprobs"][1:4] == pytest.approx(want[:3], abs=1e-4)
     stream = client.completions.create(model=name, prompt=text, max_tokens=2, temperature=0, echo=True, stream=True)
     assert "".join(ch.choices[0].text for ch in stream) == c.text  # echo streams its text first
+    # max_tokens 0: the prompt scored alone (OpenAI's legacy scoring request, older harnesses')
+    alone = client.completions.create(model=name, prompt=[ids, ids], max_tokens=0, echo=True, logprobs=1)
+    for choice in alone.choices:
+        assert choice.text == local.tokenizer.decode(ids) and choice.finish_reason == "length"
+        assert choice.logprobs.token_logprobs[1:] == pytest.approx(want, abs=1e-4)
+    assert alone.usage.completion_tokens == 0 and alone.usage.prompt_tokens == 2 * len(ids)
+    assert_error(raw(server, "/v1/completions", {"model": name, "prompt": text, "max_tokens": 0}), 400,
+                 param="max_tokens")
 
 
 def test_tokenizer_routes_count_and_split_as_the_model_does(server, client, local, name):

@@ -44,6 +44,9 @@ def openai_choices(req: RequestBase, model, *, id: str, timeout_s: float | None)
         raise APIError(400, f"a request may ask for at most {MAX_CHOICES} choices: {len(prompts)} prompt(s) times "
                             f"n={n} is {n * len(prompts)}", param="n" if n > 1 else "prompt")
     echo = isinstance(req, CompletionRequest) and bool(req.echo)
+    if req.max_tokens == 0 and not echo:
+        raise APIError(400, "max_tokens must be at least 1 (0 only with echo, which scores the prompt)",
+                       param="max_tokens")
     if echo and req.suffix is not None:
         raise APIError(400, "echo and suffix together are not supported: the prompt of a fill-in-the-middle is the "
                             "prefix and the suffix around markers, not one text to echo", param="echo")
@@ -139,6 +142,8 @@ def _request(model, prompt: list[int], constraint: Constraint | None, max_tokens
 def _max_tokens(asked: int | None, prompt_tokens: int, limit: int, where: str) -> int:
     """The tokens asked for, or by default as many as fit up to `DEFAULT_MAX_TOKENS`; 400 when they do not fit
     (at most `UNKNOWN_CONTEXT_MAX_TOKENS` for a model that does not say its context length)."""
+    if asked == 0 and (not limit or prompt_tokens <= limit):  # the prompt scored alone (echo)
+        return 0
     if not limit:
         if asked is not None and asked > UNKNOWN_CONTEXT_MAX_TOKENS:
             raise APIError(400, f"max_tokens is {asked}; this model does not say its context length, and a request "

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from umakit.errors import UmakitError
 from umakit.generate.scoring import token_scores
 from umakit.generate.stream import DecodeRow
+from umakit.serve.prompt_cache import common_prefix
 from umakit.serve.types import ErrorEvent, GenerationRequest, TokenEvent
 
 
@@ -103,6 +104,25 @@ class Job:
     def __post_init__(self):
         if self.request.prompt_logprobs is not None:  # the first token is scored by nothing (OpenAI's null)
             self.scores = [TokenEvent("", self.request.prompt[0])]
+
+    def start_from(self, decoder, rows: list[tuple[int, list[int]]], least: int) -> None:
+        """Take the cache of the batch's row (of ``rows``: id, prompt) whose prompt shares the most of this one's,
+        trimmed to what they share, where that is at least ``least`` tokens and more than this job holds."""
+        prompt = self.request.prompt
+        best, shared = None, max(self.prefilled, least - 1)
+        for i, other in rows:
+            n = min(common_prefix(other, prompt), len(prompt) - 1)
+            if n > shared:
+                best, shared = i, n
+        if best is None:
+            return
+        cache = decoder.export(best)
+        shared = min(shared, cache.offset)
+        if not cache.trimmable or shared <= self.prefilled:
+            return
+        cache.trim(cache.offset - shared)
+        self.cache, self.prefilled, self.cached_tokens = cache, shared, shared
+        self.row.prompt_tokens, self.row.cached_tokens = len(prompt) - shared, shared
 
     def prefill(self, engine, end: int) -> None:
         """Run the prompt's tokens up to ``end`` into the job's cache: by the engine's prefill or, to score them,

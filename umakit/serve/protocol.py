@@ -246,6 +246,7 @@ class ChatRequest(RequestBase):
 
 class CompletionRequest(RequestBase):
     prompt: str | list[int] | list[str] | list[list[int]]  # text or token ids, one prompt or several, as OpenAI's
+    max_tokens: int | None = Field(None, ge=0)  # 0 with echo: the prompt scored, nothing generated
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool | None = False  # the prompt's text before the reply's, and with logprobs its tokens' too
     suffix: str | None = None  # the text after the reply: fill in the middle (a code model's markers)

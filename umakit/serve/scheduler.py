@@ -35,7 +35,7 @@ from umakit.serve.budget import StepBudget, measure_model
 from umakit.serve.api_errors import internal
 from umakit.serve.jobs import Handle, Job, NeverFits, QueueFull, kv_tokens, too_big
 from umakit.serve.metrics import RecentRates
-from umakit.serve.prompt_cache import PromptCache, common_prefix
+from umakit.serve.prompt_cache import PromptCache
 from umakit.serve.types import ErrorEvent, FinalEvent, GenerationRequest, SchedulerSettings, TokenEvent, Usage
 
 log = logging.getLogger("umakit.serve")
@@ -312,6 +312,12 @@ class Scheduler:
 
     def _join(self, decoder, row_id: int, job: Job) -> None:
         r = job.request
+        if not r.max_tokens:  # a prompt scored, nothing to generate (a completion's echo with max_tokens 0)
+            with self._lock:
+                del self._jobs[row_id]
+            self._counters["prompt_tokens_total"] += len(r.prompt)
+            job.handle.put(FinalEvent("length", Usage(len(r.prompt), 0), "", None, job.scores))
+            return
         decoder.add([BatchRow(row_id, r.prompt, r.sampling, r.seed, cache=job.cache, logprobs=r.logprobs,
                               constraint=r.constraint)])
         job.cache = None
@@ -321,24 +327,10 @@ class Scheduler:
         """Start ``job`` from the cache of a row in the batch whose prompt shares more of its own than ``job``
         holds (at least `SHARE_MIN_TOKENS`): requests sent together with one long system prompt prefill it once,
         before any of them has finished and left it in the prompt cache."""
-        prompt = job.request.prompt
         with self._lock:
-            rows = [(i, j) for i, j in self._jobs.items()
+            rows = [(i, j.request.prompt) for i, j in self._jobs.items()
                     if j.cache is None and j.request.cache_salt == job.request.cache_salt]
-        best, shared = None, max(job.prefilled, SHARE_MIN_TOKENS - 1)
-        for i, other in rows:
-            n = min(common_prefix(other.request.prompt, prompt), len(prompt) - 1)
-            if n > shared:
-                best, shared = i, n
-        if best is None:
-            return
-        cache = decoder.export(best)
-        shared = min(shared, cache.offset)
-        if not cache.trimmable or shared <= job.prefilled:
-            return
-        cache.trim(cache.offset - shared)
-        job.cache, job.prefilled, job.cached_tokens = cache, shared, shared
-        job.row.prompt_tokens, job.row.cached_tokens = len(prompt) - shared, shared
+        job.start_from(decoder, rows, SHARE_MIN_TOKENS)
 
     def _step(self, decoder) -> None:
         out = decoder.step(self._slice)
