@@ -96,7 +96,8 @@ def builtin_gguf() -> Path:
 def serve(model: Path, port: int, home: Path, log: Path) -> subprocess.Popen:
     umakit = Path(sys.executable).parent / "umakit"
     proc = subprocess.Popen([str(umakit), "serve", str(model), "--port", str(port), "--peak-bandwidth", "100"],
-                            stdout=log.open("w"), stderr=subprocess.STDOUT, env={**os.environ, "UMAKIT_HOME": str(home)})
+                            stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            env={**os.environ, "UMAKIT_HOME": str(home)})
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         try:
