@@ -183,9 +183,9 @@ class _Server:
             data = await self._json(request) if request.method == "POST" else dict(request.query_params)
             if not isinstance(data, dict):
                 raise APIError(400, "the request body must be a JSON object")
-            name = data.get("model") or getattr(self.models, "name", None)  # or OneModel's, or a host's only one
+            name = data.get("model")
             if name is None and len(cards := await asyncio.to_thread(self.models.cards)) == 1:
-                name = cards[0]["id"]
+                name = cards[0]["id"]  # the one model served, or the only one a host knows
             if not isinstance(name, str):
                 raise APIError(400, "name the model ('model'): this server serves several", param="model")
             lease = await self.models.acquire(name, self.timeout_s)

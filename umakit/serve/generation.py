@@ -77,15 +77,15 @@ def generation_request(req: RequestBase, model, *, id: str, timeout_s: float | N
         raise APIError(400, f"logit_bias names token {sampling.logit_bias[-1][0]}, past the model's vocabulary of "
                             f"{model.tokenizer.vocab_size}", param="logit_bias")
     if isinstance(req, ChatRequest):
-        made, prepared = chat_request(model, _checked(req.chat_call, "response_format"), req.requested_max_tokens(),
+        made, prepared = chat_request(model, checked(req.chat_call, "response_format"), req.requested_max_tokens(),
                                       sampling=sampling, seed=req.seed, stop=req.stop, logprobs=logprobs, id=id,
                                       timeout_s=timeout_s)
     else:
-        constraint = _checked(lambda: req.response_format.constraint() if req.response_format else None,
+        constraint = checked(lambda: req.response_format.constraint() if req.response_format else None,
                               "response_format")
-        ids = _checked(lambda: _prompt_ids(model, req.prompts()[0] if prompt is None else prompt), "prompt")
+        ids = checked(lambda: _prompt_ids(model, req.prompts()[0] if prompt is None else prompt), "prompt")
         if req.suffix is not None:  # the reply goes between the prompt and the suffix
-            ids = _checked(lambda: infill_ids(model.tokenizer, ids, model.encode(req.suffix, raw=True)), "suffix")
+            ids = checked(lambda: infill_ids(model.tokenizer, ids, model.encode(req.suffix, raw=True)), "suffix")
         made, prepared = _request(model, ids, constraint, req.requested_max_tokens(), "prompt", sampling=sampling,
                                   seed=req.seed, stop=req.stop, logprobs=logprobs, id=id, timeout_s=timeout_s), None
     made.cache_salt = req.cache_salt or ""
@@ -108,11 +108,12 @@ def chat_request(model, call: ChatCall, max_tokens: int | None, **settings) -> t
     """A chat (whichever API it came through) as the scheduler's request and its reply's format."""
     cannot_fit(call, model.info.context_length)
     where = "tools" if call.tools and call.tool_choice != "auto" else "messages"
-    prepared = _checked(lambda: prepare(model, call), where)
+    prepared = checked(lambda: prepare(model, call), where)
     return _request(model, prepared.prompt, prepared.constraint, max_tokens, "messages", **settings), prepared
 
 
-def _checked(build, where: str):
+def checked(build, where: str):
+    """``build()``, a library error it raises made a 400 naming ``where``."""
     try:
         return build()
     except APIError:
@@ -131,7 +132,7 @@ def _request(model, prompt: list[int], constraint: Constraint | None, max_tokens
         if CONSTRAIN not in model.engine.features:
             raise APIError(400, f"the {model.engine.name} backend here does not support constrained decoding "
                                 f"({constraint.describe()})", param="response_format")
-        matcher = _checked(lambda: constraint.matcher(model.tokenizer), "response_format")
+        matcher = checked(lambda: constraint.matcher(model.tokenizer), "response_format")
     return GenerationRequest(prompt=prompt, max_tokens=_max_tokens(max_tokens, len(prompt), model.info.context_length,
                                                                    where),
                              sampling=sampling, seed=seed,  # seed_or_random maps any int64 into range

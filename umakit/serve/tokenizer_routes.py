@@ -15,10 +15,10 @@ an `APIError` naming its field.
 
 from __future__ import annotations
 
-from umakit.errors import UmakitError
 from umakit.serve.api_errors import APIError
 from umakit.serve.conversation import ChatCall, prepare
-from umakit.serve.protocol import ChatMessage
+from umakit.serve.generation import checked
+from umakit.serve.protocol import ChatMessage, refuse_unknown
 
 TOKENIZE_FIELDS = {"model", "prompt", "content", "messages", "add_special_tokens", "add_special",
                    "add_generation_prompt"}
@@ -32,12 +32,12 @@ def tokenize(model, data: dict) -> dict:
         raise APIError(400, "give one of 'prompt' (or 'content') and 'messages'", param="prompt")
     special = _flag(data, "add_special_tokens", _flag(data, "add_special", True))
     if texts[0] == "messages":
-        ids = _checked(lambda: _chat_ids(model, data), "messages")
+        ids = checked(lambda: _chat_ids(model, data), "messages")
     else:
         text = data[texts[0]]
         if not isinstance(text, str):
             raise APIError(400, f"'{texts[0]}' must be a string", param=texts[0])
-        ids = _checked(lambda: tok.encode(text, add_special_tokens=special), texts[0])
+        ids = checked(lambda: tok.encode(text, add_special_tokens=special), texts[0])
     return {"tokens": ids, "count": len(ids), "max_model_len": model.info.context_length or None}
 
 
@@ -56,9 +56,9 @@ def detokenize(model, data: dict) -> dict:
 def tokenizer_info(model, data: dict) -> dict:
     _known(data, {"model"})
     tok = model.tokenizer
-    return {"eos_token": tok.eos_token, "bos_token": tok.bos_token, "pad_token": getattr(tok, "pad_token", None),
-            "chat_template": tok.chat_template, "add_bos_token": bool(tok.add_bos),
-            "model_max_length": model.info.context_length or None, "vocab_size": tok.vocab_size}
+    return {"eos_token": tok.eos_token, "bos_token": tok.bos_token, "chat_template": tok.chat_template,
+            "add_bos_token": bool(tok.add_bos), "model_max_length": model.info.context_length or None,
+            "vocab_size": tok.vocab_size}
 
 
 def _chat_ids(model, data: dict) -> list[int]:
@@ -77,9 +77,7 @@ def _chat_ids(model, data: dict) -> list[int]:
 
 
 def _known(data: dict, fields: set[str]) -> None:
-    unknown = sorted(k for k, v in data.items() if k not in fields and v is not None)
-    if unknown:
-        raise APIError(400, f"unrecognized request argument supplied: {unknown[0]}", param=unknown[0])
+    refuse_unknown({k: v for k, v in data.items() if k not in fields})
 
 
 def _flag(data: dict, key: str, default: bool) -> bool:
@@ -89,10 +87,3 @@ def _flag(data: dict, key: str, default: bool) -> bool:
     if not isinstance(value, bool):
         raise APIError(400, f"'{key}' must be true or false", param=key)
     return value
-
-
-def _checked(work, where: str):
-    try:
-        return work()
-    except UmakitError as e:  # a chat template that refuses the conversation
-        raise APIError(400, str(e), param=where) from e
