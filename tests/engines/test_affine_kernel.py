@@ -247,6 +247,27 @@ def test_umakit_prefill_gemm_float32_keeps_a_long_prefill_in_float32(monkeypatch
         assert not torch.equal(run(x), in_float32)
 
 
+@pytest.mark.parametrize("bits, group, rows", [(4, 32, 72), (5, 64, 40), (6, 32, 8), (8, 128, 136), (3, 32, 24)])
+def test_amx_tiles_multiply_a_slice_as_dequantize_then_matmul(monkeypatch, bits, group, rows):
+    """csrc/amx.cpp: the weights and x rounded to bfloat16 once, float32 sums and outputs (never rounded to
+    bfloat16, as oneDNN's are), for slices whose rows and outputs are no multiples of the tiles' 16 and 32."""
+    if not affine.gemm_form() & affine.DENSE_AMX:
+        pytest.skip("the bfloat16 GEMMs do not run on AMX tiles here (no AMX, or not the two-pass form)")
+    m = layer(rows, 384, bits, group, bias=True)
+    run, weights = affine.AffineLinear([m]), m.dequantized(torch.float32)
+    for n in (crossover.AFFINE_INT8X2_BF16_DENSE_ROWS, 17, 33, 100, 255):
+        x = torch.randn(n, 384)
+        expected, got = F.linear(x, weights, m.bias), run(x)
+        bound = F.linear(x.abs(), weights.abs()) * 2 ** -8 + 1e-6
+        assert ((got - expected).abs() <= bound).all(), n
+        assert (got.view(torch.int32) & 0xFFFF).any()  # float32 outputs: not oneDNN's widened bfloat16
+    monkeypatch.setenv(affine.PREFILL_VARIABLE, "bfloat16-onednn")
+    assert affine.gemm_form() & affine.DENSE_BF16 and not affine.gemm_form() & affine.DENSE_AMX
+    on_onednn = run(x)
+    assert_close(on_onednn, expected, x, [m], exact=True)
+    assert ((got - expected).abs().sum() < (on_onednn - expected).abs().sum())  # no output rounding
+
+
 def test_an_unknown_umakit_prefill_gemm_is_refused_by_name(monkeypatch):
     from umakit.errors import ConfigError
 

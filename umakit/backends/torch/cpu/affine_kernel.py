@@ -38,7 +38,7 @@ def available() -> bool:
 
 
 FLOAT32, INT8, INT8X2 = 0, 2, 3  # the forms the kernel multiplies x in (csrc/affine.h)
-AVX512, VECTOR, VNNI, INT8_LOOPS = 1, 2, 4, 8  # the library's features (csrc/affine.h `affine_features`)
+AVX512, VECTOR, VNNI, INT8_LOOPS, AMX = 1, 2, 4, 8, 16  # the library's features (csrc/affine.h `affine_features`)
 
 
 @functools.cache
@@ -56,10 +56,12 @@ def inputs() -> int:
     return INT8X2 if features() & INT8_LOOPS else FLOAT32
 
 
-DENSE_BF16, DENSE_ONEDNN = 16, 32  # or'ed into the form: a long prefill's GEMMs in bfloat16, or float32 on oneDNN
-# "float32" keeps a long prefill's GEMMs in float32 where bfloat16 is the default
+# or'ed into the form: a long prefill's GEMMs in bfloat16, or float32 on oneDNN; the bfloat16 ones on AMX tiles
+DENSE_BF16, DENSE_ONEDNN, DENSE_AMX = 16, 32, 64
+# "float32" keeps a long prefill's GEMMs in float32 where bfloat16 is the default; "bfloat16-onednn" keeps the
+# bfloat16 ones on oneDNN where AMX tiles would take them
 PREFILL_VARIABLE = "UMAKIT_PREFILL_GEMM"
-PREFILL_GEMMS = ("bfloat16", "float32")
+PREFILL_GEMMS = ("bfloat16", "float32", "bfloat16-onednn")
 
 
 def dense_rows() -> int:
@@ -105,7 +107,18 @@ def gemm_form() -> int:
     form = inputs()
     if not onednn():
         return form
-    return form | DENSE_ONEDNN | (DENSE_BF16 if form == INT8X2 and prefill_gemm() == "bfloat16" else 0)
+    if form != INT8X2 or prefill_gemm() != "bfloat16":
+        return form | DENSE_ONEDNN
+    return form | DENSE_ONEDNN | DENSE_BF16 | (DENSE_AMX if gemm_tiles() else 0)
+
+
+def gemm_tiles() -> bool:
+    """Whether a long prefill's bfloat16 GEMMs run on AMX tiles (csrc/amx.cpp): where the library was built with
+    them and Linux grants their state, unless `PREFILL_VARIABLE` asks for "bfloat16-onednn". The tiles multiply
+    the slabs of weights as they are dequantized, where oneDNN repacks each slab first, and write float32
+    outputs."""
+    return prefill_gemm() == "bfloat16" and os.environ.get(PREFILL_VARIABLE, "") != "bfloat16-onednn" \
+        and bool(features() & AMX)
 
 
 def onednn() -> bool:

@@ -39,7 +39,7 @@ from umakit.core.home import home_dir
 NAME = "umakit_fused"  # the library cpp_extension builds (its ops register as torch.ops.umakit)
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = (CSRC / "fused_decode.cpp", CSRC / "attention.cpp", CSRC / "affine_mm.cpp", CSRC / "gemm.cpp",
-           CSRC / "experts.cpp", CSRC / "norm.cpp", CSRC / "delta.cpp", CSRC / "scale_codes.cpp")
+           CSRC / "amx.cpp", CSRC / "experts.cpp", CSRC / "norm.cpp", CSRC / "delta.cpp", CSRC / "scale_codes.cpp")
 FLAGS = ("-O3", "-w", "-fopenmp")  # OpenMP: at::parallel_for is inline, so threads only where it is compiled so
 _AVX2_FLAGS = ("-mavx2", "-mfma", "-mf16c")  # for the loops, where torch itself found AVX2 (or AVX-512)
 _AVX512_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")  # the affine kernel's, where torch found them
@@ -62,9 +62,11 @@ def flags() -> list[str]:
     capability = torch.backends.cpu.get_cpu_capability() if x86 else ""
     arch = _AVX2_FLAGS if capability in ("AVX2", "AVX512") else ()
     wide = _AVX512_FLAGS if capability == "AVX512" else ()
-    # the affine kernel's dot products, where this CPU has them
-    dots = [f"-m{f.replace('_', '')}" for f in ("avx512_vnni",) if wide and f in _cpu_flags()]
-    return [*FLAGS, *arch, *wide, *dots]
+    # the affine kernel's dot products, and the GEMMs' bfloat16 rounding in one instruction, where this CPU has them
+    dots = [f"-m{f.replace('_', '')}" for f in ("avx512_vnni", "avx512_bf16") if wide and f in _cpu_flags()]
+    # a prompt slice's bfloat16 GEMMs on AMX tiles (csrc/amx.cpp), where this CPU has them
+    tiles = ["-mamx-tile", "-mamx-bf16"] if wide and {"amx_tile", "amx_bf16"} <= _cpu_flags() else []
+    return [*FLAGS, *arch, *wide, *dots, *tiles]
 
 
 def _cpu_flags() -> set[str]:

@@ -30,7 +30,8 @@ namespace umakit {
 // Q8_0; by AVX512-VNNI's vpdpbusd, else AVX2's vpmaddubsw, an 8-bit part then in float32); 3, that plus the
 // remainder of its rounding in int8 blocks again, a second pass (15 bits of each block's largest value). A form
 // the library is not built for is float32. Or'ed into it, for the GEMMs: 16, in bfloat16 (x and the weights
-// rounded, float32 sums, each output rounded once); 32, float32 ones on oneDNN (`gemm_f32`).
+// rounded, float32 sums, each output rounded once); 32, float32 ones on oneDNN (`gemm_f32`); 64, with 16, the
+// bfloat16 GEMMs on AMX tiles where `amx_ready` (float32 outputs, not rounded).
 at::Tensor affine_mm(const at::Tensor& x, at::TensorList codes, at::TensorList sb, at::IntArrayRef bits,
                      at::IntArrayRef groups, int64_t dense_rows, int64_t inputs);
 
@@ -40,8 +41,18 @@ at::Tensor affine_mm_each(const at::Tensor& x, at::TensorList codes, at::TensorL
                           at::IntArrayRef groups, int64_t inputs);
 
 // Bit 0: the AVX-512 loops are built; bit 1: the vector loops (AVX2, FMA, F16C), without which it is a scalar
-// loop; bit 2: AVX512-VNNI's dot products; bit 3: int8 inputs (forms 2 and 3).
+// loop; bit 2: AVX512-VNNI's dot products; bit 3: int8 inputs (forms 2 and 3); bit 4: AMX tiles (amx.cpp), built
+// and granted by Linux.
 int64_t affine_features();
+
+// The bfloat16 GEMMs on AMX tiles (amx.cpp). `amx_ready`: built with AMX and the tiles' state granted (asked
+// once). `amx_inputs`: x (M, K) bfloat16 laid out as the tiles' right operand, `amx_inputs_size(M, K)` values
+// (M padded to 16 rows with zeros). `amx_gemm`: y[m, j] = sum_k x[m, k] w[j, k] as float32 for j < n, into y's
+// rows `ldy` apart, from w's bfloat16 rows (K a multiple of 32; w readable to a multiple of 32 rows).
+bool amx_ready();
+int64_t amx_inputs_size(int64_t M, int64_t K);
+void amx_inputs(const uint16_t* x, int64_t M, int64_t K, uint16_t* xv);
+void amx_gemm(const uint16_t* xv, int64_t M, const uint16_t* w, int64_t n, int64_t K, float* y, int64_t ldy);
 
 // (M, K) times (N, K) transposed, float32 in and out: with `onednn`, oneDNN's GEMM where torch exports it and the
 // CPU passes its checks (faster than torch's BLAS on AMD's AVX-512 CPUs), else at::mm (gemm.cpp).

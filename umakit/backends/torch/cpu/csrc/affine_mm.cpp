@@ -17,6 +17,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <type_traits>
@@ -65,8 +66,8 @@ constexpr bool kVNNI = true;
 constexpr bool kVNNI = false;
 #endif
 constexpr int64_t FLOAT32 = 0, INT8 = 2, INT8X2 = 3;  // the forms x is multiplied in (affine.h)
-constexpr int64_t DENSE_BF16 = 16, DENSE_ONEDNN = 32;  // or'ed into them: the GEMMs in bfloat16, float32 ones on
-                                                      // oneDNN (gemm.cpp)
+// or'ed into them: the GEMMs in bfloat16, float32 ones on oneDNN (gemm.cpp), the bfloat16 ones on AMX tiles (amx.cpp)
+constexpr int64_t DENSE_BF16 = 16, DENSE_ONEDNN = 32, DENSE_AMX = 64;
 
 // x as the parts multiply it: as is, or in int8 blocks of 32, block b of row m being dx[m * K / 32 + b] *
 // xq[m * K + 32 b ...], plus, in two passes, the remainder in int8 blocks again (xq2, dx2).
@@ -503,6 +504,18 @@ inline void dequantize16(__m128i codes, __m256 s, __m256 b, T* out) {
   }
 }
 
+#ifdef __AVX512BF16__
+// 32 codes (bytes) as scale * code + bias in bfloat16, the first 16 under (s0, b0), the next under (s1, b1): the
+// same float32 values as `dequantize16`'s, rounded to nearest even by one instruction (AVX512-BF16).
+inline void dequantize32_bf16(__m256i codes, float s0, float b0, float s1, float b1, uint16_t* out) {
+  const __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(codes))),
+                                    _mm512_set1_ps(s0), _mm512_set1_ps(b0));
+  const __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(codes, 1))),
+                                    _mm512_set1_ps(s1), _mm512_set1_ps(b1));
+  _mm512_storeu_si512(out, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+}
+#endif
+
 // `dequantize_tiles` in vector loops: each tile-block decoded as the kernel decodes it, transposed to its rows,
 // and each row's 32 codes widened, scaled and stored 16 at a time; scales stepped through as the kernel does.
 template <int BITS, typename T>
@@ -527,6 +540,13 @@ void dequantize_tiles_simd(const Part& p, int64_t t0, int64_t t1, int64_t K, T* 
       __m256i q[8];
       decode<BITS>(tb, q);
       transpose8(q);
+#ifdef __AVX512BF16__
+      if constexpr (!std::is_same_v<T, float>) {
+        for (int r = 0; r < ROWS; ++r)
+          dequantize32_bf16(q[r], s[0][r], b[0][r], s[second][r], b[second][r], rows + r * K + k);
+        continue;
+      }
+#endif
       for (int r = 0; r < ROWS; ++r) {
         T* out = rows + r * K + k;
         dequantize16(_mm256_castsi256_si128(q[r]), _mm256_set1_ps(s[0][r]), _mm256_set1_ps(b[0][r]), out);
@@ -674,6 +694,10 @@ int64_t slab_tiles(const std::vector<Part>& parts, int64_t K, int64_t M) {
   return std::clamp<int64_t>(tiles / (4 * threads), 1, fits);
 }
 
+// Tiles of a slab on AMX tiles: 256K weights (512 KB of bfloat16, well inside a core's L2), 4 to 32 tiles. Their
+// GEMMs have no setup to pay for, so small slabs cost nothing and keep the threads' shares even.
+int64_t amx_slab_tiles(int64_t K) { return std::clamp<int64_t>((int64_t{1} << 18) / (K * ROWS), 4, 32); }
+
 static void multiply_rows(const Tensor& x, std::vector<Part> parts, int64_t inputs, bool each, Tensor& y);
 
 Tensor affine_mm(const Tensor& x_in, at::TensorList codes, at::TensorList sb, at::IntArrayRef bits,
@@ -687,26 +711,46 @@ Tensor affine_mm(const Tensor& x_in, at::TensorList codes, at::TensorList sb, at
   if (M == 0) return y;
   if (M >= dense_rows) {  // a long prefill: dequantize slabs of tiles once, then GEMMs (bfloat16, or gemm.cpp's)
     const bool bf16 = inputs & DENSE_BF16, onednn = inputs & DENSE_ONEDNN;
+    // AMX tiles for a prompt slice's GEMMs; from SHORT rows on oneDNN's own loops were level with them (0.96-1.04x
+    // at 256-1024 tokens on the built-in model, 2026-12-07), and its longer slabs stay
+    const bool tiles = bf16 && (inputs & DENSE_AMX) && M < SHORT && amx_ready();
     const Tensor xb = bf16 ? x.to(at::kBFloat16) : x;
+    std::vector<uint16_t> xv(tiles ? amx_inputs_size(M, K) : 0);  // x as the tiles' right operand, once
+    if (tiles) amx_inputs(reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>()), M, K, xv.data());
     // slabs of output rows, each dequantized and multiplied by one thread while it is still in that core's cache
-    const int64_t slab = slab_tiles(parts, K, M);
+    const int64_t slab = tiles ? amx_slab_tiles(K) : slab_tiles(parts, K, M);
     std::vector<std::pair<const Part*, int64_t>> slabs;
     for (const Part& p : parts)
       for (int64_t t0 = 0; t0 < p.rows / ROWS; t0 += slab) slabs.emplace_back(&p, t0);
+    const auto multiply = [&](int64_t i) {
+      const Part& p = *slabs[i].first;
+      const int64_t t0 = slabs[i].second, t1 = std::min(p.rows / ROWS, t0 + slab);
+      const int64_t n = (t1 - t0) * ROWS;
+      // the tiles read weight rows 32 at a time: rows past the slab's are read, never written out
+      Tensor w = at::empty({tiles ? (n + 31) / 32 * 32 : n, K}, xb.options());
+      if (bf16)
+        dequantize_tiles(p, t0, t1, K, w.data_ptr<at::BFloat16>());
+      else
+        dequantize_tiles(p, t0, t1, K, w.data_ptr<float>());
+      if (tiles) {
+        amx_gemm(xv.data(), M, reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), n, K,
+                 y.data_ptr<float>() + p.col + t0 * ROWS, N);
+        return;
+      }
+      const Tensor out = bf16 ? at::mm(xb, w.t()) : umakit::gemm_f32(x, w, onednn);  // (M, slab rows)
+      widen_into(out, y.data_ptr<float>() + p.col + t0 * ROWS, N);
+    };
     const at::ThreadLocalState caller;  // inference mode and the like, for the torch calls on the workers
+    if (tiles) {  // small slabs, each thread taking the next: the parts' last slabs are smaller than the rest
+      std::atomic<int64_t> next{0};
+      at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+        for (int64_t i; (i = next.fetch_add(1)) < static_cast<int64_t>(slabs.size());) multiply(i);
+      });
+      return y;
+    }
     at::parallel_for(0, static_cast<int64_t>(slabs.size()), 1, [&](int64_t a, int64_t b) {
       const at::ThreadLocalStateGuard as_caller(caller);
-      for (int64_t i = a; i < b; ++i) {
-        const Part& p = *slabs[i].first;
-        const int64_t t0 = slabs[i].second, t1 = std::min(p.rows / ROWS, t0 + slab);
-        Tensor w = at::empty({(t1 - t0) * ROWS, K}, xb.options());
-        if (bf16)
-          dequantize_tiles(p, t0, t1, K, w.data_ptr<at::BFloat16>());
-        else
-          dequantize_tiles(p, t0, t1, K, w.data_ptr<float>());
-        const Tensor out = bf16 ? at::mm(xb, w.t()) : umakit::gemm_f32(x, w, onednn);  // (M, slab rows)
-        widen_into(out, y.data_ptr<float>() + p.col + t0 * ROWS, N);
-      }
+      for (int64_t i = a; i < b; ++i) multiply(i);
     });
     return y;
   }
@@ -718,7 +762,7 @@ Tensor affine_mm(const Tensor& x_in, at::TensorList codes, at::TensorList sb, at
 // multiplies row i of x alone, into row i of y (its columns from 0); else every part every row, into its columns.
 static void multiply_rows(const Tensor& x, std::vector<Part> parts, int64_t inputs, bool each, Tensor& y) {
   const int64_t M = x.size(0), K = x.size(1), N = y.size(1);
-  inputs &= ~(DENSE_BF16 | DENSE_ONEDNN);
+  inputs &= ~(DENSE_BF16 | DENSE_ONEDNN | DENSE_AMX);
   const int64_t form = (inputs == INT8 || inputs == INT8X2) && kSIMD ? inputs : FLOAT32;
   const bool int8 = form != FLOAT32, two = form == INT8X2;
   std::vector<int8_t> xq(int8 ? M * K : 0), xq2(two ? M * K : 0);
@@ -783,7 +827,9 @@ Tensor affine_mm_each(const Tensor& x_in, at::TensorList codes, at::TensorList s
   return y;
 }
 
-int64_t affine_features() { return (kAVX512 ? 1 : 0) | (kSIMD ? 2 : 0) | (kVNNI ? 4 : 0) | (kSIMD ? 8 : 0); }
+int64_t affine_features() {
+  return (kAVX512 ? 1 : 0) | (kSIMD ? 2 : 0) | (kVNNI ? 4 : 0) | (kSIMD ? 8 : 0) | (amx_ready() ? 16 : 0);
+}
 
 // MLX's packing (rows, K*bits/32 uint32: code j at bits [j*bits, (j+1)*bits) of the row) -> tiles (affine.h).
 Tensor affine_planes(const Tensor& weight, int64_t bits) {
