@@ -7,7 +7,9 @@ The same prompt into the same engine (``--dtype auto`` on a CPU whose torch kern
 - ``packed kernel``: the engine's forward pass, every layer on the CPU default's kernel (umakit's affine kernel,
   which decodes each weight once per four input rows; torch's int4 kernel where that is not built, once per row);
 - ``dequantize + GEMM``: the forward pass, each layer's weight dequantized once per call for one GEMM (float32
-  for the affine kernel, bfloat16 for the int4 one);
+  for the affine kernel, bfloat16 for the int4 one, and for the affine kernel where the CPU multiplies bfloat16
+  natively; below 256 tokens on AMX tiles where the CPU has them, `UMAKIT_PREFILL_GEMM=bfloat16-onednn` keeping
+  oneDNN's);
 - ``dequantize + GEMM, torch's BLAS``: the same with torch's oneDNN turned off, so the affine kernel's float32
   GEMMs take torch's own (csrc/gemm.cpp takes oneDNN's where it can);
 - ``fused rows``: each token run as its own fused decode step, all in one C++ call.
