@@ -386,3 +386,22 @@ def test_a_super_block_whose_largest_code_is_not_63_is_still_found():
     codes, sb = affine.planes(m)
     assert sb.dtype == torch.uint8
     assert torch.equal(dequantize(codes, sb, 4, 32, 40), m.dequantized(torch.float32))
+
+
+@pytest.mark.parametrize("listed, given", [
+    (set(), []),
+    ({"avx512_vnni"}, ["-mavx512vnni"]),
+    ({"avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16"},
+     ["-mavx512vnni", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"]),
+    ({"amx_tile"}, []),  # the tiles without their bfloat16 products: no AMX build
+])
+def test_the_build_is_given_only_the_instructions_this_cpu_lists(monkeypatch, listed, given):
+    """The compiler may use what its flags allow anywhere in the library: a flag for an instruction this CPU lacks
+    would build a library that dies of an illegal instruction."""
+    monkeypatch.setattr(build, "_cpu_flags", lambda: listed)
+    monkeypatch.setattr(build.torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    monkeypatch.setattr(build.platform, "machine", lambda: "x86_64")
+    extra = [f for f in build.flags() if f not in (*build.FLAGS, *build._AVX2_FLAGS, *build._AVX512_FLAGS)]
+    assert extra == given
+    monkeypatch.setattr(build.torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert not {f for f in build.flags() if "512" in f or "amx" in f}
