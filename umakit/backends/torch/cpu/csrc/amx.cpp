@@ -68,12 +68,15 @@ bool amx_ready() {
 void amx_inputs(const uint16_t* x, int64_t M, int64_t K, uint16_t* xv) {
   const int64_t mblocks = (M + 15) / 16;
   std::memset(xv, 0, amx_inputs_size(M, K) * sizeof(uint16_t));
-  uint32_t* out = reinterpret_cast<uint32_t*>(xv);
-  for (int64_t m = 0; m < M; ++m) {
-    const uint32_t* row = reinterpret_cast<const uint32_t*>(x + m * K);  // the row's input pairs
-    for (int64_t p = 0; p < K / 2; ++p)  // pair p of block p / 16: its tile row p % 16, column m % 16
-      out[((p / 16) * mblocks + m / 16) * 256 + (p % 16) * 16 + m % 16] = row[p];
-  }
+  // a tile at a time (1 KB, in L1): its row r holds input pair r of its 32 inputs, column j row j of its 16 of x
+  for (int64_t kb = 0; kb < K / 32; ++kb)
+    for (int64_t mb = 0; mb < mblocks; ++mb) {
+      uint32_t* tile = reinterpret_cast<uint32_t*>(xv) + (kb * mblocks + mb) * 256;
+      for (int64_t j = 0; j < 16 && mb * 16 + j < M; ++j) {
+        const uint32_t* pairs = reinterpret_cast<const uint32_t*>(x + (mb * 16 + j) * K) + kb * 16;
+        for (int r = 0; r < 16; ++r) tile[r * 16 + j] = pairs[r];
+      }
+    }
 }
 
 void amx_gemm(const uint16_t* xv, int64_t M, const uint16_t* w, int64_t n, int64_t K, float* y, int64_t ldy) {
