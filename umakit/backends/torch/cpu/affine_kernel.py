@@ -113,10 +113,10 @@ def gemm_form() -> int:
 
 
 def gemm_tiles() -> bool:
-    """Whether a long prefill's bfloat16 GEMMs run on AMX tiles (csrc/amx.cpp): where the library was built with
-    them and Linux grants their state, unless `PREFILL_VARIABLE` asks for "bfloat16-onednn". The tiles multiply
-    the slabs of weights as they are dequantized, where oneDNN repacks each slab first, and write float32
-    outputs."""
+    """Whether a prompt's bfloat16 GEMMs below 256 rows (a server's slices) run on AMX tiles (csrc/amx.cpp):
+    where the library was built with them and Linux grants their state, unless `PREFILL_VARIABLE` asks for
+    "bfloat16-onednn". The tiles multiply the slabs of weights as they are dequantized, where oneDNN repacks each
+    slab first, and write float32 outputs (docs/performance.md, "Prompt slices on AMX tiles")."""
     return prefill_gemm() == "bfloat16" and os.environ.get(PREFILL_VARIABLE, "") != "bfloat16-onednn" \
         and bool(features() & AMX)
 
