@@ -2,8 +2,9 @@
 
 A prefill pass costs a fixed part whatever its length (on a CPU, the
 quantized weights dequantized for the GEMMs: 60 ms a pass on the built-in
-model, 0.3 s on a 1.5B Q4_K_M; a half to two thirds of that where AMX
-tiles take a slice's GEMMs, csrc/amx.cpp) and a part per token. While rows decode, every
+model, 0.3 s on a 1.5B Q4_K_M; where AMX tiles take a slice's GEMMs,
+csrc/amx.cpp, a 16-token pass took 0.56-0.65x oneDNN's on the built-in
+model and a 0.5B Q4_K_M) and a part per token. While rows decode, every
 pass stalls them: a short slice stalls them little but spends most of its pass
 on the fixed part, so at 8 clients the prompts waited in many small passes
 (48 tokens a slice: 2 ms a prompt token, against 0.5 at 256). The budget is
