@@ -214,7 +214,7 @@ def describe_execution(model: nn.Module) -> str:
     kinds = {type(m).__name__ for m in model.modules()}
     if "AffineLinear" in kinds:
         gemms = ", bfloat16 GEMMs in long prefills" if affine.prefill_gemm() == "bfloat16" else ""
-        gemms += " (AMX tiles)" if gemms and affine.gemm_tiles() else ""
+        gemms += " (on AMX tiles below 256 tokens)" if gemms and affine.gemm_tiles() else ""
         floats = ", its float layers as float16 weights" if "Fp16Linear" in kinds else ""
         return f"runs on umakit's packed kernels{floats}, float32 activations{gemms}"
     if "Fp16Linear" in kinds:
