@@ -290,8 +290,10 @@ def load(
     backend = backends.parallel_backend(backend, parallel)
     backends.resolve(backend, device, needs)  # refuse the user's words before fetching or importing a model
     # a GGUF's first use writes what the engine that loads it reads (chosen by the model's architecture)
-    path = checkpoint.resolve(model, import_progress, defer_copies=lambda model_type: backends.reads_exact_groups(
-        backend, device, dtype, needs, model_type))
+    def reads(model_type: str | None) -> bool:  # whether the engine these words choose reads the exact groups
+        return backends.reads_exact_groups(backend, device, dtype, needs, model_type)
+
+    path = checkpoint.resolve(model, import_progress, defer_copies=reads, leave_layers=reads)
     ckpt = checkpoint.open_checkpoint(path, import_progress)  # each engine completes what it reads (its docstring)
     kind, asked = (config_compat.architecture(ckpt.config), config_compat.rope_kind(ckpt.config)), device
     engine_name, device, choice_note = backends.choose(backend, device, needs, *kind)
@@ -313,7 +315,7 @@ def load(
     if deterministic:
         engine.make_deterministic()
     info = load_info(engine, checkpoint.display_name(ckpt.path), path, time.perf_counter() - t0,
-                      sum(f.stat().st_size for f in ckpt.files))
+                      checkpoint.size_on_disk(path))
     if choice_note:  # why "auto" passed over its first engine, shown with the load's warnings
         info.warnings.insert(0, choice_note)
     info.deterministic = deterministic

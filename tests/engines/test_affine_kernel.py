@@ -192,7 +192,8 @@ def test_symmetric_layers_keep_their_scales_alone(bits):
     assert torch.equal(dequantize(codes, sb, bits, 32, 64), m.dequantized(torch.float32))
     x = torch.randn(3, 256)
     assert_close(affine.AffineLinear([m])(x), F.linear(x, m.dequantized(torch.float32)), x, [m])
-    assert not affine.symmetric(layer(64, 256, bits, 32))  # min-max groups keep both
+    asymmetric = layer(64, 256, bits, 32)
+    assert not affine.symmetric(asymmetric.scales, asymmetric.biases, bits)  # min-max groups keep both
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])

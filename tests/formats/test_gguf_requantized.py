@@ -16,7 +16,7 @@ import umakit
 from support.gguf_files import EXACT_LAYERS, IDS, hf_forward, write_gguf
 from umakit.backends.torch.cpu import affine_kernel as affine
 from umakit.checkpoint.files import open_checkpoint
-from umakit.checkpoint.gguf import import_gguf, requantized, tensors
+from umakit.checkpoint.gguf import import_gguf, left_layers, requantized, tensors
 from umakit.checkpoint.gguf.finished import REQUANTIZED_FILE
 from umakit.errors import CheckpointError
 
@@ -101,8 +101,9 @@ def test_the_copies_are_those_umakit_import_writes_into_the_weights(imported, tm
                                                       ("mlx", "float32", False), ("transformers", "auto", False)])
 def test_a_first_run_leaves_the_copies_out_only_where_its_engine_reads_the_exact_groups(tmp_path, monkeypatch,
                                                                                         backend, dtype, deferred):
-    """The import a GGUF's first use makes leaves them out for the torch engine on a CPU (the default there); for
-    an engine that reads them it writes them at once, as `umakit import` does, since that load would make them."""
+    """The import a GGUF's first use makes leaves them out for the torch engine on a CPU (the default there: the
+    Q6_K layers themselves are left in the GGUF, `gguf.left_layers`); for an engine that reads them it writes them at
+    once, as `umakit import` does, since that load would make them."""
     from umakit import backends
 
     if deferred and not affine.available():
@@ -113,7 +114,9 @@ def test_a_first_run_leaves_the_copies_out_only_where_its_engine_reads_the_exact
     src = write_gguf(tmp_path / "q6k.gguf", "llama", layers=Q6K_LAYERS, tied=False, output=T.Q6_K)
     model = umakit.load(src, backend=backend, dtype=dtype)
     config = json.loads((model.info.path / "config.json").read_text())
-    assert ("requantized" in config["umakit"]["exact_groups"]) == deferred
+    q6k = {m for m, e in left_layers.left(config).items() if e["type"] == "Q6_K"}
+    assert ("exact_groups" not in config["umakit"] and len(q6k) == 3) == deferred
+    assert deferred or "requantized" not in config["umakit"]["exact_groups"]
     assert not (model.info.path / REQUANTIZED_FILE).exists()  # made by neither: written at import, or not needed
 
 

@@ -55,18 +55,23 @@ class Checkpoint:
     def complete(self) -> "Checkpoint":
         """This checkpoint with every tensor its config names. A GGUF import holds its Q6_K layers exactly in
         groups of 16 and leaves their 8-bit copies for MLX's groups to the first load that reads them
-        (`gguf.requantized`): an engine that reads those layers in MLX's layout calls this first."""
-        from umakit.checkpoint.gguf.finished import deferred_file
+        (`gguf.requantized`), and a first run's import on a CPU leaves its quantized layers in the GGUF
+        (`gguf.left_layers`): an engine that reads those layers in MLX's layout calls this first."""
+        from umakit.checkpoint.gguf import finished, left_layers
 
-        extra = deferred_file(self.path, self.config)
-        if extra is None or extra in self.files:
+        extras = [(f, kind) for f, kind in ((finished.deferred_file(self.path, self.config), "requantized"),
+                                           (left_layers.deferred_file(self.path, self.config), "left_layers"))
+                  if f is not None and f not in self.files]
+        if not extras:
             return self
-        if not extra.is_file():
-            from umakit.checkpoint.gguf.requantized import write
+        tensors = dict(self.tensors)
+        for extra, kind in extras:
+            if not extra.is_file():
+                from umakit.checkpoint.gguf import requantized
 
-            write(self.path, self.config, self.progress)
-        done = replace(self, files=[*self.files, extra], tensors={**self.tensors, **read_safetensors_header(extra)})
-        return validate_checkpoint(done)
+                (requantized if kind == "requantized" else left_layers).write(self.path, self.config, self.progress)
+            tensors.update(read_safetensors_header(extra))
+        return validate_checkpoint(replace(self, files=[*self.files, *(f for f, _ in extras)], tensors=tensors))
 
     @property
     def model_type(self) -> str:
@@ -82,7 +87,8 @@ class Checkpoint:
 
 
 def resolve(model: str | os.PathLike | None, progress: Callable[[int, int], None] | None = None,
-            defer_copies: bool | Callable[[str | None], bool] = False) -> Path:
+            defer_copies: bool | Callable[[str | None], bool] = False,
+            leave_layers: bool | Callable[[str | None], bool] = False) -> Path:
     """Turn a model argument into a local directory.
 
     None means the built-in default model; an existing directory is used as is;
@@ -93,7 +99,8 @@ def resolve(model: str | os.PathLike | None, progress: Callable[[int, int], None
     compressed-tensors weights, in tensor bytes converted, where this call makes it (a first run: later ones find
     the import). ``defer_copies``: a GGUF's import leaves the 8-bit copies of its Q6_K layers to the first load
     that reads them (`Checkpoint.complete`), for a caller whose load reads the layers exactly (True, or a test of
-    the model's architecture: `gguf.convert.write_import`'s).
+    the model's architecture: `gguf.convert.write_import`'s); ``leave_layers`` (the same kinds of value): it leaves
+    the layers its CPU kernel packs from the GGUF's blocks in the GGUF (`gguf.left_layers`).
     """
     if model is None:
         from umakit.checkpoint.default import default_model_dir
@@ -111,7 +118,7 @@ def resolve(model: str | os.PathLike | None, progress: Callable[[int, int], None
 
             cache = home_dir("models", "gguf")  # an unusable $UMAKIT_HOME is one clear error
             with writing(cache):  # so is a full disk or a read-only cache mid-import
-                return cached_import(path, progress, defer_copies)
+                return cached_import(path, progress, defer_copies, leave_layers)
         raise ModelNotFoundError(
             f"{path} is a file; give the model's directory (with config.json) or a .gguf file"
         )
@@ -300,11 +307,19 @@ def validate_checkpoint(ckpt: Checkpoint) -> Checkpoint:
 
 
 def size_on_disk(path: Path) -> int:
-    """Bytes of a model directory's weight files."""
+    """Bytes of a model directory's weight files, and of the layers a GGUF import left in its GGUF
+    (`gguf.left_layers`)."""
+    from umakit.checkpoint.gguf.left_layers import left
+
     try:
-        return sum(f.stat().st_size for f in weight_files(path))
+        own = sum(f.stat().st_size for f in weight_files(path))
     except CheckpointError:
         return 0
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return own
+    return own + sum(e["bytes"] for e in left(config).values()) if isinstance(config, dict) else own
 
 
 def generation_eos_ids(path: Path, config: dict) -> set[int]:

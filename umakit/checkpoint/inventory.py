@@ -56,9 +56,10 @@ def _describe(path: Path) -> tuple[str, str]:
 
 
 def _weights_bytes(path: Path) -> int:
-    """The bytes an import holds on disk: its weights, the exact groups beside them and their 8-bit copies, and
-    the CPU packings kept for it (all of which `remove` frees)."""
-    files = [*path.glob("*.safetensors"), *path.glob("exact/*.safetensors"), *packings(path)]
+    """The bytes an import holds on disk: its weights, the exact groups beside them and their 8-bit copies, the
+    layers left in a GGUF as made for MLX's layout, and the CPU packings kept for it (all of which `remove` frees)."""
+    files = [*path.glob("*.safetensors"), *path.glob("exact/*.safetensors"), *path.glob("gguf/*.safetensors"),
+             *packings(path)]
     return sum(f.stat().st_size for f in files)
 
 

@@ -9,9 +9,10 @@ from umakit.errors import InvalidArgumentError, ModelNotFoundError
 
 
 def pull(repo_id: str, filename: str | None = None,
-         defer_copies: bool | Callable[[str | None], bool] = False) -> Path:
+         defer_copies: bool | Callable[[str | None], bool] = False,
+         leave_layers: bool | Callable[[str | None], bool] = False) -> Path:
     """Download a Hub repo's model (config, tokenizer, safetensors) or, with ``filename``, one GGUF file of it and
-    import it (``defer_copies``: `files.resolve`'s); returns the directory umakit loads. An interrupted download
+    import it (``defer_copies``, ``leave_layers``: `files.resolve`'s); returns the directory umakit loads. An interrupted download
     resumes where it stopped (the Hub library keeps the partial file), and nothing is listed until it is whole."""
     from huggingface_hub import hf_hub_download
 
@@ -31,7 +32,7 @@ def pull(repo_id: str, filename: str | None = None,
         raise ModelNotFoundError(f"could not download {repo_id}:{filename} ({type(e).__name__}: {e})") from e
     finally:
         hub_logging.set_verbosity(level)
-    return files.resolve(path, defer_copies=defer_copies)
+    return files.resolve(path, defer_copies=defer_copies, leave_layers=leave_layers)
 
 
 def _not_a_repo(name: str):

@@ -98,7 +98,10 @@ def pull_cmd(source):
 
     repo, _, filename = source.partition(":")
     # as `umakit run` would load it
-    path = pull(repo, filename or None, defer_copies=lambda model_type: backends.reads_exact_groups(model_type=model_type))
+    def reads(model_type: str | None) -> bool:
+        return backends.reads_exact_groups(model_type=model_type)
+
+    path = pull(repo, filename or None, defer_copies=reads, leave_layers=reads)
     name = path.name if filename else repo
     click.echo(f"Pulled {source}: {size(size_on_disk(path))}; run it with: umakit run {name}")
 

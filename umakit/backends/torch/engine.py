@@ -69,7 +69,7 @@ from umakit.backends.torch.model.llama import ModelArgs
 from umakit.backends.torch.offload.experts import ExpertStreamer, plan_expert_offload
 from umakit.backends.torch.cpu.fused import FusedDecoder, covers, native_norms
 from umakit.backends.torch.offload.layers import LayerStreamer
-from umakit.backends.torch.load import exact, gemma4_experts, openai_experts
+from umakit.backends.torch.load import exact, gemma4_experts, gguf_layers, openai_experts
 from umakit.backends.torch.load.packed import PackedCache
 from umakit.backends.torch.cpu import affine_kernel
 from umakit.backends.torch.sampler import TorchOps
@@ -110,10 +110,20 @@ class TorchEngine:
                                         lambda skip=frozenset(): stream_checkpoint(ckpt, staging, reads, skip),
                                         packed.names if packed is not None and affine_kernel.available() else ())
         source = gemma4_experts.tensors(config, source)
-        if packs and affine_kernel.available():  # a GGUF's Q6_K tensors exactly, in groups of 16
-            config, shapes, source = exact.substitute(ckpt, config, shapes, source)
-        return cls(config, shapes, source, device, target, gpu_layers, vram_budget, packed,
-                   None if packing is None else lambda done: packing(min(done, ckpt.nbytes), ckpt.nbytes))
+        total, kept, unread = ckpt.nbytes, packed is not None and packed.file is not None, {}
+        if packs and affine_kernel.available():  # a GGUF's Q6_K tensors exactly, in groups of 16, and the layers
+            config, shapes, source = exact.substitute(ckpt, config, shapes, source)  # a first run left in the GGUF
+            config, shapes, unread = gguf_layers.substitute(ckpt, config, shapes, kept)
+            total += gguf_layers.nbytes(ckpt)
+        try:
+            return cls(config, shapes, source, device, target, gpu_layers, vram_budget, packed,
+                       None if packing is None else lambda done: packing(min(done, total), total), unread)
+        except gguf_layers.Unpacked:  # a kept packing that lacks a layer left in the GGUF: pack it all again
+            if not kept:
+                raise
+            packed.path.unlink(missing_ok=True)
+            return cls.from_checkpoint(ckpt, device=device, dtype=dtype, progress=progress, gpu_layers=gpu_layers,
+                                       vram_budget=vram_budget)
 
     @classmethod
     def synthetic(cls, config: dict, *, device: str, dtype: str = "auto", bits: int | None = None,
@@ -139,10 +149,10 @@ class TorchEngine:
 
     def __init__(self, config: dict, shapes: dict, source, device: str, dtype: torch.dtype,
                  gpu_layers: int | None = None, vram_budget=None, packed: PackedCache | None = None,
-                 packing=None):
+                 packing=None, unread: dict | None = None):
         """An engine over ``source()``'s (name, tensor) pairs, named and shaped as ``shapes`` says;
         ``packed``: where the CPU packing of these tensors is kept between loads; ``packing(bytes)``: hears the
-        source bytes of the layers a first load has packed so far."""
+        source bytes of the layers a first load has packed so far; ``unread``: `build_model`'s."""
         if device not in SPEC.devices:
             raise InvalidArgumentError(f"the torch backend runs on {' or '.join(SPEC.devices)}, not {device!r}")
         if device == "cuda" and not torch.cuda.is_available():
@@ -168,7 +178,8 @@ class TorchEngine:
         self.experts_streamer = None  # an ExpertStreamer when routed experts live in host memory
         with torch.inference_mode():
             self.model = build_model(self.args, config, shapes, source(), self.torch_device, self.cache_dtype,
-                                     dtype, whole, host_experts=experts, packed=packed, packing=packing)
+                                     dtype, whole, host_experts=experts, packed=packed, packing=packing,
+                                     unread=unread)
             if whole:
                 self.model.streamer = LayerStreamer(self.model.model.layers, whole, self.torch_device,
                                                     RING_SLOTS, common.category)

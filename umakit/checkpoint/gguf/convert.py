@@ -24,11 +24,11 @@ from umakit.checkpoint.config import architecture
 from umakit.checkpoint.writer import WEIGHTS_FILE, StreamedSafetensors, finish_model_dir
 from umakit.core.fsutil import atomic_dir, check_destination, check_not_inside, check_writable
 from umakit.errors import UnsupportedModelError
-from umakit.checkpoint.gguf import quants, tensors
+from umakit.checkpoint.gguf import left_layers, quants, tensors
 from umakit.checkpoint.gguf.arch import ArchSpec, map_names, qk_row_order, spec_for
-from umakit.checkpoint.gguf.finished import EXACT16_FILE, IMPORT_FORMAT, REQUANTIZED_FILE
+from umakit.checkpoint.gguf.finished import EXACT16_FILE, IMPORT_FORMAT, LEFT_FORMAT, REQUANTIZED_FILE
 from umakit.checkpoint.gguf.finished import is_complete  # noqa: F401 (part of this module's API)
-from umakit.checkpoint.gguf.reader import Digest, GGUFFile, open_gguf
+from umakit.checkpoint.gguf.reader import Digest, GGUFFile, open_gguf, sha256_file
 from umakit.checkpoint.gguf.vocab import TokenizerFiles, build_tokenizer, dumps
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes in all)
@@ -169,10 +169,12 @@ class _Converted:
 
 class _Groups16:
     """`EXACT16_FILE`, made when the first tensor kept exactly in groups of 16 comes, and written as they come;
-    ``defers``: their 8-bit copies are left to the first load that reads them (requantized.py), not written."""
+    ``defers``: their 8-bit copies are left to the first load that reads them (requantized.py), not written;
+    ``leaves``: the tensors `left_layers.leaves` takes are left in the GGUF (``left``: their records), not converted."""
 
-    def __init__(self, path: Path, defers: bool):
+    def __init__(self, path: Path, defers: bool, leaves: bool = False):
         self.path, self.file, self.modules, self.defers = path, None, [], defers
+        self.leaves, self.left = leaves, {}
 
     def add(self, module: str, held: dict[str, np.ndarray]) -> None:
         if self.file is None:
@@ -189,11 +191,13 @@ class _Groups16:
             self.file.abort()
 
 
-def _convert(plan: ImportPlan, arrays: StreamedSafetensors, groups16_file: _Groups16, digest: Digest,
+def _convert(plan: ImportPlan, arrays: StreamedSafetensors, groups16_file: _Groups16, digest: Digest | None,
              progress: Progress | None = None) -> _Converted:
     """Convert ``plan.gf`` tensor by tensor into ``arrays`` (and ``groups16_file``), each written as it is made,
     its GGUF pages let go of, so memory holds one tensor and its temporaries; ``progress(done, total)`` hears
-    the GGUF's tensor bytes converted after each. ``digest``: the file's, for its provenance."""
+    the GGUF's tensor bytes converted after each. ``digest``: the file's, for its provenance (None: an import
+    that leaves its layers in the GGUF names the file by path, size and modification time instead, `left_layers.record`,
+    unless it left none: hashing a 1.3 GB file took 1.1 s of such an import's 1.6 s)."""
     import mlx.core as mx
 
     gf, spec, config = plan.gf, plan.spec, plan.config
@@ -219,11 +223,15 @@ def _convert(plan: ImportPlan, arrays: StreamedSafetensors, groups16_file: _Grou
         "generation_config.json": dumps(plan.tokenizer.generation_config),
         "tokenizer.json": plan.tokenizer.tokenizer_json,
     }
-    config = _full_config(plan, quantized, lossy, digest.result())
+    sha256 = digest.result() if digest else None if groups16_file.left else sha256_file(gf.path)
+    config = _full_config(plan, quantized, lossy, sha256)
     if groups16:
         config["umakit"]["exact_groups"] = {"file": EXACT16_FILE, "layers": groups16}
         if groups16_file.defers:
             config["umakit"]["exact_groups"]["requantized"] = REQUANTIZED_FILE
+    if groups16_file.left:
+        config["umakit"]["gguf_layers"] = left_layers.record(gf.path, groups16_file.left)
+        config["umakit"]["import_format"] = LEFT_FORMAT
     return _Converted(dumps(config), files, exact, lossy, groups16_file.modules)
 
 
@@ -244,6 +252,12 @@ def _one(plan: ImportPlan, hf: str, t, name: str, arrays: StreamedSafetensors, g
         arrays[hf] = tensors.dequantized(t)
         return 1
     module = hf.removesuffix(".weight")
+    if groups16_file.leaves and not spec.reorder and left_layers.leaves(t, module, config):  # packed from its blocks
+        groups16_file.left[module] = left_layers.entry(t, order is not None)
+        exact16 = t.tensor_type in quants.EXACT16
+        quantized[module] = (quants.GROUP_SIZE, quants.lossy_bits(t.tensor_type) if exact16 else
+                             quants.EXACT[t.tensor_type][1])
+        return 1
     try:
         if t.tensor_type in quants.EXACT16:  # held exactly, and its 8-bit copy now or on first use
             (held, codes), bits = tensors.exact16(t, order, cols), quants.EXACT16[t.tensor_type][1]
@@ -280,30 +294,32 @@ def _report(plan: ImportPlan, converted: _Converted, out_dir: Path, written: int
 
 
 def write_import(plan: ImportPlan, dest: Path, progress: Progress | None = None,
-                 defer_copies: DeferCopies = False) -> ImportReport:
+                 defer_copies: DeferCopies = False, leave_layers: DeferCopies = False) -> ImportReport:
     """Convert ``plan.gf`` into the existing, empty directory ``dest``; ``progress(done, total)``: the GGUF's
     tensor bytes converted, after each tensor; ``defer_copies``: the 8-bit copies of Q6_K layers are left to the
     first load that reads them (requantized.py), not written (True, or a test of the model's architecture, the
-    language model's model_type, as the engine that will load it is chosen by it)."""
+    language model's model_type, as the engine that will load it is chosen by it); ``leave_layers`` (the same
+    kinds of value): the layers `left_layers.leaves` takes are left in the GGUF, for the CPU kernel's first load."""
     start = time.perf_counter()
-    if callable(defer_copies):
-        defer_copies = defer_copies(architecture({"model_type": plan.spec.model_type, **plan.config}))
-    c, written = _fill(dest, plan, progress, defer_copies)
+    kind = architecture({"model_type": plan.spec.model_type, **plan.config})
+    defer_copies, leave_layers = (f(kind) if callable(f) else f for f in (defer_copies, leave_layers))
+    c, written = _fill(dest, plan, progress, defer_copies, leave_layers)
     return _report(plan, c, dest, written, start)
 
 
 def _fill(dest: Path, plan: ImportPlan, progress: Progress | None = None,
-          defer_copies: bool = False) -> tuple[_Converted, int]:
+          defer_copies: bool = False, leave_layers: bool = False) -> tuple[_Converted, int]:
     """Convert ``plan.gf`` into the empty directory ``dest``: the weights as they are made, then the files beside
     them (config.json last); returns what was converted and the bytes written. ``defer_copies``: `_Groups16`'s."""
     reserve = (1 << 16) + 768 * len(plan.gf.tensors)  # the header's room: about 3 entries a GGUF tensor
     weights = StreamedSafetensors(Path(dest) / WEIGHTS_FILE, reserve, metadata={"format": "mlx"})
-    groups16 = _Groups16(Path(dest) / EXACT16_FILE, defer_copies)
-    digest = Digest(plan.gf.path)  # hashed beside the conversion
+    groups16 = _Groups16(Path(dest) / EXACT16_FILE, defer_copies, leave_layers)
+    digest = None if leave_layers else Digest(plan.gf.path)  # hashed beside the conversion
     try:
         c = _convert(plan, weights, groups16, digest, progress)
     except BaseException:
-        digest.cancel()
+        if digest:
+            digest.cancel()
         weights.abort()
         groups16.abort()
         raise
@@ -340,7 +356,7 @@ def import_config(plan: ImportPlan, quantized: dict | None = None) -> dict:
     return config
 
 
-def _full_config(plan: ImportPlan, quantized: dict, lossy: list[LossyTensor], sha256: str) -> dict:
+def _full_config(plan: ImportPlan, quantized: dict, lossy: list[LossyTensor], sha256: str | None) -> dict:
     gf = plan.gf
     config = import_config(plan, quantized)
     config["umakit"] = {

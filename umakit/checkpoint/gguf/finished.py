@@ -10,6 +10,7 @@ from umakit.checkpoint.writer import WEIGHTS_FILE
 
 # Bump when the output layout changes: cached imports of an older format are then redone.
 IMPORT_FORMAT = 1
+LEFT_FORMAT = 2  # the same, its quantized layers left in the GGUF (layers.py), which older versions import again
 # Beside the weights: the tensors a GGUF holds exactly in groups of 16 (its Q6_K), which MLX's groups (32, 64,
 # 128) cannot hold; config.json's umakit.exact_groups names them.
 EXACT16_FILE = "exact/groups16.safetensors"
@@ -34,6 +35,6 @@ def is_complete(model_dir: Path) -> bool:
         return False
     try:
         meta = json.loads((model_dir / "config.json").read_text())["umakit"]
-        return meta["source"] == "gguf" and meta["import_format"] == IMPORT_FORMAT
+        return meta["source"] == "gguf" and meta["import_format"] in (IMPORT_FORMAT, LEFT_FORMAT)
     except (OSError, ValueError, KeyError, TypeError):
         return False

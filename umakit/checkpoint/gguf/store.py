@@ -21,9 +21,10 @@ from umakit.checkpoint.gguf.finished import is_complete
 
 
 def import_once(gguf_path: Path, target: Path, progress: Callable[[int, int], None] | None = None,
-                defer_copies: bool | Callable[[str | None], bool] = False) -> Path:
-    """Return ``target``, importing ``gguf_path`` into it first unless it holds a finished import (``progress``
-    and ``defer_copies``: `convert.write_import`'s, heard only when it imports)."""
+                defer_copies: bool | Callable[[str | None], bool] = False,
+                leave_layers: bool | Callable[[str | None], bool] = False) -> Path:
+    """Return ``target``, importing ``gguf_path`` into it first unless it holds a finished import (``progress``,
+    ``defer_copies`` and ``leave_layers``: `convert.write_import`'s, heard only when it imports)."""
     if is_complete(target):
         return target
     from umakit.checkpoint.gguf.convert import plan_import, write_import
@@ -32,7 +33,7 @@ def import_once(gguf_path: Path, target: Path, progress: Callable[[int, int], No
     plan = plan_import(open_gguf(gguf_path))
     tmp = new_temp_dir(target)
     try:
-        write_import(plan, tmp, progress, defer_copies)
+        write_import(plan, tmp, progress, defer_copies, leave_layers)
         install_dir(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # gone already unless another process won
@@ -61,13 +62,14 @@ IMPORTER = 3  # bump when an import's output changes (2: Q6_K and Q3_K re-quanti
 
 
 def cached_import(gguf_path: str | os.PathLike, progress: Callable[[int, int], None] | None = None,
-                  defer_copies: bool | Callable[[str | None], bool] = False) -> Path:
+                  defer_copies: bool | Callable[[str | None], bool] = False,
+                  leave_layers: bool | Callable[[str | None], bool] = False) -> Path:
     """The imported directory for ``gguf_path`` under ``$UMAKIT_HOME/models/gguf``.
 
     The cache key is the file's resolved path, size and modification time, and
     `IMPORTER`, so a changed file (or importer) is imported again and an unchanged
     one is not even parsed. ``progress(done, total)`` hears the GGUF's tensor bytes converted, only where this
-    call imports; ``defer_copies``: `convert.write_import`'s (either import serves every engine).
+    call imports; ``defer_copies``, ``leave_layers``: `convert.write_import`'s (either import serves every engine).
     """
     given = Path(gguf_path).expanduser()
     path = given.resolve()  # a Hub cache's snapshot file is a link to a blob named by its hash
@@ -75,4 +77,5 @@ def cached_import(gguf_path: str | os.PathLike, progress: Callable[[int, int], N
         raise ModelNotFoundError(f"{path} does not exist or is not a file")
     stat = path.stat()
     key = hashlib.sha256(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}\0{IMPORTER}".encode()).hexdigest()[:12]
-    return import_once(path, umakit_home() / "models" / "gguf" / f"{given.stem}-{key}", progress, defer_copies)
+    return import_once(path, umakit_home() / "models" / "gguf" / f"{given.stem}-{key}", progress, defer_copies,
+                       leave_layers)

@@ -23,7 +23,7 @@ from torch import nn
 from umakit.backends.torch import crossover
 from umakit.backends.torch.cpu import build, scale_codes
 from umakit.backends.torch.quant.layout import QuantizedLinear
-from umakit.errors import ConfigError
+from umakit.errors import CheckpointError, ConfigError
 
 KERNEL_BITS = (2, 3, 4, 5, 6, 8)
 BLOCK = 32  # weights of a row in a block of the tiles
@@ -142,10 +142,10 @@ def concatenates(parts: list[QuantizedLinear]) -> bool:
     return all(m.out_features % ROWS == 0 for m in parts)
 
 
-def symmetric(m: QuantizedLinear) -> bool:
-    """Whether every bias of ``m`` is -2^(bits-1) times its scale (a GGUF's Q4_0, Q5_0 and Q8_0 blocks): then the
-    kernel reads the scales alone and recomputes the biases, exactly."""
-    return torch.equal(m.biases.float(), m.scales.float() * -(2 ** (m.bits - 1)))
+def symmetric(scales: torch.Tensor, biases: torch.Tensor, bits: int) -> bool:
+    """Whether every bias is -2^(bits-1) times its scale (a GGUF's Q4_0, Q5_0 and Q8_0 blocks): then the kernel
+    reads the scales alone and recomputes the biases, exactly."""
+    return torch.equal(biases.float(), scales.float() * -(2 ** (bits - 1)))
 
 
 def planes(m: QuantizedLinear) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,16 +153,23 @@ def planes(m: QuantizedLinear) -> tuple[torch.Tensor, torch.Tensor]:
     (rows / 8, groups, 2, 8), or its scales alone, (rows / 8, groups, 1, 8), where it is `symmetric`; or, where
     they are a K-quant's, the same as int8 codes and float16 factors (`scale_codes.coded`); rows is
     ``m.out_features`` rounded up to a multiple of 8, the rows added all zero."""
+    weight, scales, biases = m.tensors()
+    if weight.is_meta:
+        raise Unpacked(f"a layer of {m.out_features} x {m.in_features} has no codes here and no kept packing")
     rows = _padded_rows(m)
-    weight = m.weight.contiguous()
+    weight = weight.contiguous()
     if rows > m.out_features:
         weight = torch.cat([weight, weight.new_zeros(rows - m.out_features, weight.shape[1])])
     codes = torch.ops.umakit.affine_planes(weight, m.bits)
-    kept = [m.scales] if symmetric(m) else [m.scales, m.biases]
+    kept = [scales] if symmetric(scales, biases, m.bits) else [scales, biases]
     coded = scale_codes.coded(kept, m.group_size, rows)  # a K-quant's: a byte a scale
     if coded is not None:
         return codes, coded
     return codes, torch.stack([_tiled(t.to(torch.float16), rows) for t in kept], dim=2).contiguous()
+
+
+class Unpacked(CheckpointError):
+    """A layer that a load left unread (its codes left in a GGUF, load/gguf_layers.py) and no kept packing holds."""
 
 
 def _padded_rows(m: QuantizedLinear) -> int:

@@ -39,7 +39,8 @@ from umakit.core.home import home_dir
 NAME = "umakit_fused"  # the library cpp_extension builds (its ops register as torch.ops.umakit)
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = tuple(CSRC / name for name in ("fused_decode.cpp", "attention.cpp", "affine_mm.cpp", "gemm.cpp", "amx.cpp",
-                                         "experts.cpp", "norm.cpp", "delta.cpp", "scale_codes.cpp"))
+                                         "experts.cpp", "norm.cpp", "delta.cpp", "scale_codes.cpp",
+                                         "gguf_blocks.cpp"))
 FLAGS = ("-O3", "-w", "-fopenmp")  # OpenMP: at::parallel_for is inline, so threads only where it is compiled so
 _AVX2_FLAGS = ("-mavx2", "-mfma", "-mf16c")  # for the loops, where torch itself found AVX2 (or AVX-512)
 _AVX512_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")  # the affine kernel's, where torch found them

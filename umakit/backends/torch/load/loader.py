@@ -31,6 +31,7 @@ from umakit.backends.torch.model.rope import rope_inv_freq
 from umakit.backends.torch.model.moe import Experts, expert_slot, stacked_shapes
 from umakit.backends.torch.cpu.affine_kernel import AffineEmbedding, AffineLinear
 from umakit.backends.torch.load.packed import PackedCache
+from umakit.backends.torch.load.gguf_layers import check_built
 from umakit.backends.torch.load.packing_stream import count_quantized, first_packing
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -136,7 +137,7 @@ def stream_checkpoint(ckpt: Checkpoint, device: str, progress=None, skip=frozens
 def build_model(args: ModelArgs, config: dict, shapes: dict, source, device: torch.device,
                 dtype: torch.dtype, weights: torch.dtype | None = None, offloaded: Sequence[int] = (),
                 host_experts: Sequence[int] = (), packed: PackedCache | None = None,
-                packing: Callable[[int], None] | None = None) -> Transformer:
+                packing: Callable[[int], None] | None = None, unread: dict | None = None) -> Transformer:
     """Build the model on the meta device, then fill it from ``source`` one tensor at a time.
 
     ``dtype`` is that of activations and float tensors, ``weights`` that of the
@@ -146,7 +147,8 @@ def build_model(args: ModelArgs, config: dict, shapes: dict, source, device: tor
     streamed; the engine then hands them to a `LayerStreamer`. The routed experts of the ``host_experts``
     layers are read into host memory, for an `ExpertStreamer`. ``packed``: the CPU int4 packing of
     an earlier load, read instead of repacking, and written when this load made it; ``packing(bytes)`` hears the
-    source bytes of the layers packed so far as it is written.
+    source bytes of the layers packed so far as it is written; ``unread``: the quantized layers ``source`` leaves
+    unread, by module path, with what makes their tensors when the packing asks (`QuantizedLinear.source`).
     """
     weights = weights or dtype
     with torch.device("meta"):
@@ -183,6 +185,8 @@ def build_model(args: ModelArgs, config: dict, shapes: dict, source, device: tor
         else:
             _assign(model, name, t.to(target))
 
+    for path, make in (unread or {}).items():
+        model.get_submodule(_renamed(path)).source = make
     embed = model.model.embed_tokens
     if tied:
         if isinstance(embed, quant.QuantizedEmbedding):
@@ -211,6 +215,7 @@ def build_model(args: ModelArgs, config: dict, shapes: dict, source, device: tor
         # the head's planes serve the lookups too: the table is held once
         model.model.embed_tokens = AffineEmbedding(model.lm_head, embed.out_dtype)
     model.inv_freq = rope_inv_freq(args).to(device)
+    check_built(model)
     backends.trim_heap()
     return model.eval()
 

@@ -73,6 +73,10 @@ def quantize(w: torch.Tensor, bits: int, group_size: int):
 class QuantizedLinear(nn.Module):
     """A linear layer in MLX's affine layout; its own forward is dequantize-then-matmul."""
 
+    # Where a load left the layer's tensors unread (meta: a GGUF's blocks, load/gguf_layers.py), what makes them:
+    # () -> (weight, scales, biases), called by the CPU kernel's packing, so memory holds one such layer at a time.
+    source = None
+
     def __init__(self, in_features: int, out_features: int, bias: bool, bits: int, group_size: int,
                  dtype=torch.float16, device=None):
         super().__init__()
@@ -87,8 +91,14 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("biases", torch.empty(out_features, groups, dtype=dtype, device=device))
         self.register_buffer("bias", torch.empty(out_features, dtype=dtype, device=device) if bias else None)
 
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(weight, scales, biases): the layer's own, or, where a load left them unread, what `source` makes."""
+        if self.weight.is_meta and self.source is not None:
+            return self.source()
+        return self.weight, self.scales, self.biases
+
     def dequantized(self, dtype) -> torch.Tensor:
-        return dequantize(self.weight, self.scales, self.biases, self.bits, self.group_size, dtype)
+        return dequantize(*self.tensors(), self.bits, self.group_size, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.to(x.dtype)
@@ -111,7 +121,7 @@ class QuantizedEmbedding(QuantizedLinear):
     def as_linear(self) -> QuantizedLinear:
         """The tied output head: the same tensors used as a linear layer."""
         head = QuantizedLinear(self.in_features, self.out_features, False, self.bits, self.group_size, device="meta")
-        head.weight, head.scales, head.biases = self.weight, self.scales, self.biases
+        head.weight, head.scales, head.biases, head.source = self.weight, self.scales, self.biases, self.source
         return head
 
 
@@ -131,9 +141,13 @@ def concat(layers: list[nn.Module]) -> nn.Module:
     ):
         fused = QuantizedLinear(first.in_features, sum(m.out_features for m in layers), first.bias is not None,
                                 first.bits, first.group_size, device="meta")
-        for name in ("weight", "scales", "biases", "bias"):
-            if getattr(first, name) is not None:
-                setattr(fused, name, torch.cat([getattr(m, name) for m in layers]))
+        if first.bias is not None:
+            fused.bias = torch.cat([m.bias for m in layers])
+        if any(m.weight.is_meta for m in layers):  # left unread: made together when the packing asks
+            fused.source = lambda: tuple(torch.cat(parts) for parts in zip(*(m.tensors() for m in layers)))
+            return fused
+        for name in ("weight", "scales", "biases"):
+            setattr(fused, name, torch.cat([getattr(m, name) for m in layers]))
         return fused
     return Concat(layers)  # mixed formats (per-layer quantization overrides): run each
 
