@@ -15,7 +15,7 @@ from gguf import GGMLQuantizationType as T
 import umakit
 from support.gguf_files import EXACT_LAYERS, IDS, tensor_data, write_gguf
 from umakit.backends.torch.cpu import affine_kernel as affine
-from umakit.checkpoint.files import open_checkpoint
+from umakit.checkpoint.files import open_checkpoint, size_on_disk as checkpoint_size
 from umakit.checkpoint.gguf import import_gguf, left_layers, quants
 from umakit.errors import CheckpointError
 
@@ -74,6 +74,10 @@ def test_a_first_cpu_run_packs_the_ggufs_own_blocks(tmp_path, cpu_only, tied):
     held = open_checkpoint(out).tensors
     assert not any(name.rsplit(".", 1)[0] in left for name in held)
     assert ("model.embed_tokens.weight" in held) == (not tied)
+    # named by path, size and time, not hashed; its size counts the layers it reads from the GGUF
+    assert config["umakit"]["sha256"] is None and config["umakit"]["gguf_layers"]["gguf"] == str(src.resolve())
+    own = (out / "model.safetensors").stat().st_size
+    assert checkpoint_size(out) == own + sum(e["bytes"] for e in left.values()) == first.info.size_on_disk
 
     whole = umakit.load(import_gguf(src, tmp_path / "whole").out_dir)  # every layer imported, then packed
     assert np.array_equal(first.logits(IDS), whole.logits(IDS))
