@@ -407,3 +407,25 @@ def test_the_build_is_given_only_the_instructions_this_cpu_lists(monkeypatch, li
     assert extra == given
     monkeypatch.setattr(build.torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
     assert not {f for f in build.flags() if "512" in f or "amx" in f}
+
+
+def test_a_layer_left_unread_is_packed_from_its_source_alone():
+    """A layer a load left unread (meta, its tensors made by `source` when packed: load/gguf_layers.py) packs as
+    the same layer read does, joined to others or tied as a head alike; one with no source is refused."""
+    parts = [layer(24, 256, 4, 32, seed=1), layer(8, 256, 4, 32, seed=2)]
+
+    def unread(m):
+        ghost = layout.QuantizedLinear(m.in_features, m.out_features, False, m.bits, m.group_size, device="meta")
+        ghost.source = lambda: (m.weight, m.scales, m.biases)
+        return ghost
+
+    x = torch.randn(3, 256)
+    want = affine.AffineLinear(parts)(x)
+    assert torch.equal(affine.AffineLinear([unread(m) for m in parts])(x), want)
+    fused = layout.concat([unread(m) for m in parts])  # stacked, as a joiner does where the parts do not concatenate
+    assert fused.weight.is_meta and torch.equal(affine.AffineLinear([fused])(x), want)
+    table = layout.QuantizedEmbedding(24, 256, 4, 32, device="meta")
+    table.source = parts[0].tensors
+    assert torch.equal(affine.AffineLinear([table.as_linear()])(x), affine.AffineLinear(parts[:1])(x))
+    with pytest.raises(affine.Unpacked, match="no codes here"):
+        affine.AffineLinear([layout.QuantizedLinear(256, 8, False, 4, 32, device="meta")])
