@@ -78,7 +78,7 @@ def gguf_of(model_dir: Path, config: dict) -> Path:
     if stat is None or (stat.st_size, stat.st_mtime_ns) != (meta["size"], meta["mtime_ns"]):
         how = "is gone" if stat is None else "has changed"
         raise CheckpointError(f"{model_dir} reads its quantized layers from {path}, which {how} since it was "
-                              f"imported: run the GGUF itself again (a changed file is imported again), or "
+                              f"imported: give umakit the GGUF as it is now (it is imported again), or "
                               f"`umakit rm {Path(model_dir).name}`")
     return path
 

@@ -60,10 +60,11 @@ def decode(mapped: mmap.mmap, module: str, e: dict, config: dict) -> tuple[torch
 
 
 def check_built(model: nn.Module) -> None:
-    """Refuse a model with a tensor no source filled (`Unpacked`): a left layer's that the kept packing lacks."""
+    """Refuse a model with a tensor no source filled (`Unpacked`): a layer the load left unread (in a GGUF) that
+    the packing kept for it does not hold."""
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
         if t.is_meta:
-            raise Unpacked(f"{name} was left in the GGUF and the packing kept for it does not hold it")
+            raise Unpacked(f"{name} has no values: the load left it unread and no kept packing holds it")
 
 
 def nbytes(ckpt: Checkpoint) -> int:
