@@ -45,7 +45,8 @@ def test_the_blocks_decode_as_the_import_decodes(qtype, rows, cols):
     bit, for every exact type."""
     data = tensor_data(qtype, rows, cols, np.random.default_rng(int(qtype) + rows))
     aff = (quants.to_affine16 if qtype in quants.EXACT16 else quants.to_affine)(data, qtype, cols)
-    words, scales, biases = torch.ops.umakit.gguf_affine(torch.from_numpy(data.copy()), left_layers.FORMS[qtype.name][0])
+    ggml = left_layers.FORMS[qtype.name][0]
+    words, scales, biases = torch.ops.umakit.gguf_affine(torch.from_numpy(data.copy()), ggml)
     assert np.array_equal(words.numpy(), quants.pack(aff.q, aff.bits).view(np.uint8))
     for got, want in ((scales, aff.scales), (biases, aff.biases)):
         assert np.array_equal(got.numpy().view(np.uint32), want.astype(np.float32).view(np.uint32))

@@ -12,8 +12,9 @@ def pull(repo_id: str, filename: str | None = None,
          defer_copies: bool | Callable[[str | None], bool] = False,
          leave_layers: bool | Callable[[str | None], bool] = False) -> Path:
     """Download a Hub repo's model (config, tokenizer, safetensors) or, with ``filename``, one GGUF file of it and
-    import it (``defer_copies``, ``leave_layers``: `files.resolve`'s); returns the directory umakit loads. An interrupted download
-    resumes where it stopped (the Hub library keeps the partial file), and nothing is listed until it is whole."""
+    import it (``defer_copies``, ``leave_layers``: `files.resolve`'s); returns the directory umakit loads. An
+    interrupted download resumes where it stopped (the Hub library keeps the partial file), and nothing is listed
+    until it is whole."""
     from huggingface_hub import hf_hub_download
 
     from umakit.checkpoint import files

@@ -2,7 +2,7 @@
 
 The loader leaves those layers unbuilt (meta). A first load gives each a `QuantizedLinear.source`, which the CPU
 kernel's packing calls when it packs the layer (quant/forms.py): it decodes the layer's blocks from the GGUF's
-map into MLX's layout in C++ (csrc/gguf_blocks.cpp: the bits the import's numpy decoders give, 5-6x as fast), Q
+map into MLX's layout in C++ (csrc/gguf_blocks.cpp: the bits the import's numpy decoders give, 4-6x as fast), Q
 and K rows put back in Hugging Face's order as the import would, and lets go of their pages; so memory holds one
 decoded layer at a time, as it held one layer of an import's map. A later load whose packing is kept
 (load/packed.py) reads none of them: the packing fills them, and a layer it did not fill is refused
