@@ -429,3 +429,8 @@ def test_a_layer_left_unread_is_packed_from_its_source_alone():
     assert torch.equal(affine.AffineLinear([table.as_linear()])(x), affine.AffineLinear(parts[:1])(x))
     with pytest.raises(affine.Unpacked, match="no codes here"):
         affine.AffineLinear([layout.QuantizedLinear(256, 8, False, 4, 32, device="meta")])
+    # its codes given in tiles already are taken before its source (which then is never called)
+    tiled = unread(parts[1])
+    tiled.source = None
+    tiled.tiled = lambda: (torch.ops.umakit.affine_planes(parts[1].weight, 4), parts[1].scales, parts[1].biases)
+    assert torch.equal(affine.AffineLinear([tiled])(x), affine.AffineLinear(parts[1:])(x))

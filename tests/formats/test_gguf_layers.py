@@ -50,6 +50,13 @@ def test_the_blocks_decode_as_the_import_decodes(qtype, rows, cols):
     assert np.array_equal(words.numpy(), quants.pack(aff.q, aff.bits).view(np.uint8))
     for got, want in ((scales, aff.scales), (biases, aff.biases)):
         assert np.array_equal(got.numpy().view(np.uint32), want.astype(np.float32).view(np.uint32))
+    # straight into the kernel's tiles: `affine_planes` of those codes, rows padded to 8 and put in any order
+    for order in (None, torch.from_numpy(np.random.default_rng(rows).permutation(rows))):
+        want = [t if order is None else t.index_select(0, order) for t in (words, scales, biases)]
+        padded = torch.cat([want[0], want[0].new_zeros(-rows % 8, want[0].shape[1])]).view(torch.uint32)
+        tiles, s, b = torch.ops.umakit.gguf_tiles(torch.from_numpy(data.copy()), ggml, order)
+        assert torch.equal(tiles, torch.ops.umakit.affine_planes(padded, aff.bits))
+        assert torch.equal(s, want[1]) and torch.equal(b, want[2])
 
 
 def test_a_block_type_without_an_exact_form_is_refused():

@@ -153,14 +153,17 @@ def planes(m: QuantizedLinear) -> tuple[torch.Tensor, torch.Tensor]:
     (rows / 8, groups, 2, 8), or its scales alone, (rows / 8, groups, 1, 8), where it is `symmetric`; or, where
     they are a K-quant's, the same as int8 codes and float16 factors (`scale_codes.coded`); rows is
     ``m.out_features`` rounded up to a multiple of 8, the rows added all zero."""
-    weight, scales, biases = m.tensors()
-    if weight.is_meta:
-        raise Unpacked(f"a layer of {m.out_features} x {m.in_features} has no codes here and no kept packing")
     rows = _padded_rows(m)
-    weight = weight.contiguous()
-    if rows > m.out_features:
-        weight = torch.cat([weight, weight.new_zeros(rows - m.out_features, weight.shape[1])])
-    codes = torch.ops.umakit.affine_planes(weight, m.bits)
+    if m.weight.is_meta and m.tiled is not None:  # a GGUF's blocks, decoded into tiles (load/gguf_layers.py)
+        codes, scales, biases = m.tiled()
+    else:
+        weight, scales, biases = m.tensors()
+        if weight.is_meta:
+            raise Unpacked(f"a layer of {m.out_features} x {m.in_features} has no codes here and no kept packing")
+        weight = weight.contiguous()
+        if rows > m.out_features:
+            weight = torch.cat([weight, weight.new_zeros(rows - m.out_features, weight.shape[1])])
+        codes = torch.ops.umakit.affine_planes(weight, m.bits)
     kept = [scales] if symmetric(scales, biases, m.bits) else [scales, biases]
     coded = scale_codes.coded(kept, m.group_size, rows)  # a K-quant's: a byte a scale
     if coded is not None:

@@ -1,10 +1,12 @@
 """The layers a first run's import left in the GGUF (checkpoint/gguf/left_layers.py), read by the CPU kernel's loads.
 
-The loader leaves those layers unbuilt (meta). A first load gives each a `QuantizedLinear.source`, which the CPU
-kernel's packing calls when it packs the layer (quant/forms.py): it decodes the layer's blocks from the GGUF's
-map into MLX's layout in C++ (csrc/gguf_blocks.cpp: the bits the import's numpy decoders give, 4-6x as fast), Q
-and K rows put back in Hugging Face's order as the import would, and lets go of their pages; so memory holds one
-decoded layer at a time, as it held one layer of an import's map. A later load whose packing is kept
+The loader leaves those layers unbuilt (meta). A first load gives each a `QuantizedLinear.tiled` (and a
+`source`), which the CPU kernel's packing calls when it packs the layer (quant/forms.py): it decodes the layer's
+blocks from the GGUF's map in C++ (csrc/gguf_blocks.cpp: the bits the import's numpy decoders give, 4-6x as
+fast) straight into the kernel's tiles (`affine_planes`' of MLX's packing of them, byte for byte; `source` gives
+MLX's layout, for a layer packed otherwise, stacked with others, say), Q and K rows put back in Hugging Face's
+order as the import would, and lets go of their pages; so memory holds one decoded layer at a time, as it held
+one layer of an import's map. A later load whose packing is kept
 (load/packed.py) reads none of them: the packing fills them, and a layer it did not fill is refused
 (`affine_kernel.Unpacked`), so the engine packs again from the GGUF.
 """
@@ -41,22 +43,28 @@ def substitute(ckpt: Checkpoint, config: dict, shapes: dict, kept: bool) -> tupl
         return config, shapes, {}
     with open(left_layers.gguf_of(ckpt.path, ckpt.config), "rb") as f:  # copy-on-write: writable arrays to torch
         mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-    return config, shapes, {m: functools.partial(decode, mapped, m, e, ckpt.config) for m, e in left.items()}
+    return config, shapes, {m: (functools.partial(decode, mapped, m, e, ckpt.config, False),
+                                 functools.partial(decode, mapped, m, e, ckpt.config, True)) for m, e in left.items()}
 
 
-def decode(mapped: mmap.mmap, module: str, e: dict, config: dict) -> tuple[torch.Tensor, ...]:
-    """A left layer's (weight, scales, biases) in MLX's layout, from the GGUF's map ``mapped`` (its pages let go
-    of once read)."""
+def decode(mapped: mmap.mmap, module: str, e: dict, config: dict, tiled: bool) -> tuple[torch.Tensor, ...]:
+    """A left layer's (weight, scales, biases) in MLX's layout, or with ``tiled`` its codes in the CPU kernel's
+    tiles (rows padded to 8) in place of the weight, from the GGUF's map ``mapped`` (its pages let go of once
+    read)."""
     from umakit.checkpoint.gguf.arch import qk_row_order
 
-    words, scales, biases = torch.ops.umakit.gguf_affine(torch.from_numpy(left_layers.blocks(mapped, e)),
-                                                         left_layers.FORMS[e["type"]][0])
+    blocks, ggml = torch.from_numpy(left_layers.blocks(mapped, e)), left_layers.FORMS[e["type"]][0]
+    order = torch.from_numpy(qk_row_order(f"{module}.weight", e["rows"], config)) if e["qk"] else None
+    if tiled:
+        made = torch.ops.umakit.gguf_tiles(blocks, ggml, order)
+    else:
+        made = torch.ops.umakit.gguf_affine(blocks, ggml)
+        if order is not None:
+            made = tuple(t.index_select(0, order) for t in made)
+        made = (made[0].view(torch.uint32), *made[1:])
     start = e["offset"] // mmap.PAGESIZE * mmap.PAGESIZE
     mapped.madvise(mmap.MADV_DONTNEED, start, e["offset"] + e["bytes"] - start)
-    if e["qk"]:
-        order = torch.from_numpy(qk_row_order(f"{module}.weight", e["rows"], config))
-        words, scales, biases = (t.index_select(0, order) for t in (words, scales, biases))
-    return words.view(torch.uint32), scales, biases
+    return made
 
 
 def check_built(model: nn.Module) -> None:

@@ -148,7 +148,8 @@ def build_model(args: ModelArgs, config: dict, shapes: dict, source, device: tor
     layers are read into host memory, for an `ExpertStreamer`. ``packed``: the CPU int4 packing of
     an earlier load, read instead of repacking, and written when this load made it; ``packing(bytes)`` hears the
     source bytes of the layers packed so far as it is written; ``unread``: the quantized layers ``source`` leaves
-    unread, by module path, with what makes their tensors when the packing asks (`QuantizedLinear.source`).
+    unread, by module path, with what makes their tensors, and their tiles, when the packing asks
+    (`QuantizedLinear.source` and ``tiled``).
     """
     weights = weights or dtype
     with torch.device("meta"):
@@ -185,8 +186,9 @@ def build_model(args: ModelArgs, config: dict, shapes: dict, source, device: tor
         else:
             _assign(model, name, t.to(target))
 
-    for path, make in (unread or {}).items():
-        model.get_submodule(_renamed(path)).source = make
+    for path, (source, tiled) in (unread or {}).items():
+        layer = model.get_submodule(_renamed(path))
+        layer.source, layer.tiled = source, tiled
     embed = model.model.embed_tokens
     if tied:
         if isinstance(embed, quant.QuantizedEmbedding):

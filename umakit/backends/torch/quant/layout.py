@@ -74,8 +74,9 @@ class QuantizedLinear(nn.Module):
     """A linear layer in MLX's affine layout; its own forward is dequantize-then-matmul."""
 
     # Where a load left the layer's tensors unread (meta: a GGUF's blocks, load/gguf_layers.py), what makes them:
-    # () -> (weight, scales, biases), called by the CPU kernel's packing, so memory holds one such layer at a time.
-    source = None
+    # () -> (weight, scales, biases), called by the CPU kernel's packing, so memory holds one such layer at a time;
+    # and `tiled`, () -> (its codes already in the kernel's tiles, scales, biases), which the packing takes first.
+    source = tiled = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool, bits: int, group_size: int,
                  dtype=torch.float16, device=None):
@@ -121,7 +122,8 @@ class QuantizedEmbedding(QuantizedLinear):
     def as_linear(self) -> QuantizedLinear:
         """The tied output head: the same tensors used as a linear layer."""
         head = QuantizedLinear(self.in_features, self.out_features, False, self.bits, self.group_size, device="meta")
-        head.weight, head.scales, head.biases, head.source = self.weight, self.scales, self.biases, self.source
+        head.weight, head.scales, head.biases = self.weight, self.scales, self.biases
+        head.source, head.tiled = self.source, self.tiled
         return head
 
 

@@ -40,6 +40,10 @@ at::Tensor affine_mm(const at::Tensor& x, at::TensorList codes, at::TensorList s
 at::Tensor affine_mm_each(const at::Tensor& x, at::TensorList codes, at::TensorList sb, at::IntArrayRef bits,
                           at::IntArrayRef groups, int64_t inputs);
 
+// One tile-block's codes in the planes above, from its lanes: lane[c][l] is chunk c's lane l (row l / 4's code
+// 4c + l % 4 of the block); 32 * bits bytes into `o` (affine_planes', and gguf_blocks.cpp's from a GGUF's blocks).
+void tile_lanes(const uint8_t lane[8][32], int64_t bits, uint8_t* o);
+
 // Bit 0: the AVX-512 loops are built; bit 1: the vector loops (AVX2, FMA, F16C), without which it is a scalar
 // loop; bit 2: AVX512-VNNI's dot products; bit 3: int8 inputs (forms 2 and 3); bit 4: AMX tiles (amx.cpp), built
 // and granted by Linux.

@@ -888,35 +888,43 @@ Tensor affine_planes(const Tensor& weight, int64_t bits) {
           }
           for (int ch = 0; ch < 8; ++ch) std::memcpy(&lane[ch][4 * r], &c[r][4 * ch], 4);
         }
-        // each plane's bytes from 32 lanes at once (the loops over l vectorise)
-        int shift = 0;
-        if (bits >= 4) {
-          for (int ch = 0; ch < 4; ++ch)
-            for (int l = 0; l < 32; ++l)
-              o[32 * ch + l] = static_cast<uint8_t>((lane[ch][l] & 15) | ((lane[ch + 4][l] & 15) << 4));
-          o += 128;
-          shift = 4;
-        }
-        if (bits - shift >= 2) {  // crumbs: byte l of half h holds chunk 4h + i's 2 bits at bits 2i, 2i + 1
-          for (int h = 0; h < 2; ++h)
-            for (int l = 0; l < 32; ++l) {
-              int byte = 0;
-              for (int i = 0; i < 4; ++i) byte |= ((lane[4 * h + i][l] >> shift) & 3) << (2 * i);
-              o[32 * h + l] = static_cast<uint8_t>(byte);
-            }
-          o += 64;
-          shift += 2;
-        }
-        if (bits - shift == 1) {  // one bit: byte l holds chunk ch's at bit ch
-          for (int l = 0; l < 32; ++l) {
-            int byte = 0;
-            for (int ch = 0; ch < 8; ++ch) byte |= ((lane[ch][l] >> shift) & 1) << ch;
-            o[l] = static_cast<uint8_t>(byte);
-          }
-        }
+        tile_lanes(lane, bits, o);
       }
   });
   return out;
+}
+
+void tile_lanes(const uint8_t lane[8][32], int64_t bits, uint8_t* o) {
+  if (bits == 8) {  // the 8 chunks as bytes
+    std::memcpy(o, lane, 256);
+    return;
+  }
+  // each plane's bytes from 32 lanes at once (the loops over l vectorise)
+  int shift = 0;
+  if (bits >= 4) {
+    for (int ch = 0; ch < 4; ++ch)
+      for (int l = 0; l < 32; ++l)
+        o[32 * ch + l] = static_cast<uint8_t>((lane[ch][l] & 15) | ((lane[ch + 4][l] & 15) << 4));
+    o += 128;
+    shift = 4;
+  }
+  if (bits - shift >= 2) {  // crumbs: byte l of half h holds chunk 4h + i's 2 bits at bits 2i, 2i + 1
+    for (int h = 0; h < 2; ++h)
+      for (int l = 0; l < 32; ++l) {
+        int byte = 0;
+        for (int i = 0; i < 4; ++i) byte |= ((lane[4 * h + i][l] >> shift) & 3) << (2 * i);
+        o[32 * h + l] = static_cast<uint8_t>(byte);
+      }
+    o += 64;
+    shift += 2;
+  }
+  if (bits - shift == 1) {  // one bit: byte l holds chunk ch's at bit ch
+    for (int l = 0; l < 32; ++l) {
+      int byte = 0;
+      for (int ch = 0; ch < 8; ++ch) byte |= ((lane[ch][l] >> shift) & 1) << ch;
+      o[l] = static_cast<uint8_t>(byte);
+    }
+  }
 }
 
 // Rows `ids` of a layer in tiles, as float32 (len(ids), K): a tied table's lookups, and the tests' reference.

@@ -10,6 +10,9 @@
 #include <cstdint>
 #include <cstring>
 #include <tuple>
+#include <vector>
+
+#include "affine.h"
 
 namespace umakit {
 
@@ -130,18 +133,25 @@ void pack(const uint8_t* q, int64_t n, int64_t bits, uint8_t* out) {
   }
 }
 
+// ``type``'s blocks, checked to be ``blocks``' (2-D uint8, rows of whole blocks).
+const BlockType& block_type(const Tensor& blocks, int64_t type) {
+  const BlockType* t = nullptr;
+  for (const BlockType& k : TYPES) t = k.id == type ? &k : t;
+  TORCH_CHECK(t != nullptr, "ggml type ", type, " has no exact affine form");
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2, "blocks must be 2-D uint8");
+  TORCH_CHECK(blocks.size(1) % t->bytes == 0, "a row of ", blocks.size(1), " bytes is not whole blocks of ",
+              t->bytes);
+  return *t;
+}
+
 }  // namespace
 
 // blocks (rows, bytes of a row's blocks) uint8, of ggml type ``type`` -> the codes in MLX's packing (rows,
 // cols * bits / 8) uint8 and float32 scales and biases (rows, cols / group).
 std::tuple<Tensor, Tensor, Tensor> gguf_affine(const Tensor& blocks, int64_t type) {
-  const BlockType* t = nullptr;
-  for (const BlockType& k : TYPES) t = k.id == type ? &k : t;
-  TORCH_CHECK(t != nullptr, "ggml type ", type, " has no exact affine form");
-  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2, "blocks must be 2-D uint8");
+  const BlockType* t = &block_type(blocks, type);
   const Tensor src = blocks.contiguous();
   const int64_t rows = src.size(0), row_bytes = src.size(1);
-  TORCH_CHECK(row_bytes % t->bytes == 0, "a row of ", row_bytes, " bytes is not whole blocks of ", t->bytes);
   const int64_t n = row_bytes / t->bytes, cols = n * t->weights, per = t->weights / t->group;
   Tensor words = at::empty({rows, cols * t->bits / 8}, src.options());
   Tensor scales = at::empty({rows, cols / t->group}, src.options().dtype(at::kFloat));
@@ -162,9 +172,62 @@ std::tuple<Tensor, Tensor, Tensor> gguf_affine(const Tensor& blocks, int64_t typ
   return {words, scales, biases};
 }
 
+// `gguf_affine`, its codes straight into the CPU kernel's tiles (affine.h; rows padded to a multiple of 8 with
+// code 0, as `affine_planes` takes MLX's packing padded with zero rows), row r of the outputs the blocks' row
+// order[r] (none: r). The tiles are `affine_planes`' of `gguf_affine`'s codes, byte for byte, without MLX's
+// packing made and read between: a first load's GGUF layers (load/gguf_layers.py).
+std::tuple<Tensor, Tensor, Tensor> gguf_tiles(const Tensor& blocks, int64_t type,
+                                              const c10::optional<Tensor>& order) {
+  const BlockType& t = block_type(blocks, type);
+  const Tensor src = blocks.contiguous();
+  const int64_t rows = src.size(0), row_bytes = src.size(1), n = row_bytes / t.bytes, K = n * t.weights;
+  TORCH_CHECK(K % 32 == 0, "the input width must be a multiple of 32");
+  Tensor idx;
+  if (order.has_value()) {
+    idx = order->to(at::kLong).contiguous();
+    TORCH_CHECK(idx.numel() == rows, "order must give every row once");
+  }
+  const int64_t* ord = idx.defined() ? idx.data_ptr<int64_t>() : nullptr;
+  for (int64_t r = 0; ord && r < rows; ++r) TORCH_CHECK(ord[r] >= 0 && ord[r] < rows, "row ", ord[r], " is outside");
+  const int64_t padded = (rows + 7) / 8 * 8, out_bytes = K * t.bits / 8, groups = K / t.group;
+  const int64_t per = t.weights / t.group;
+  Tensor tiles = at::empty({padded, out_bytes}, src.options());
+  Tensor scales = at::empty({rows, groups}, src.options().dtype(at::kFloat));
+  Tensor biases = at::empty_like(scales);
+  const uint8_t* in = src.data_ptr<uint8_t>();
+  uint8_t* o = tiles.data_ptr<uint8_t>();
+  float* s = scales.data_ptr<float>();
+  float* z = biases.data_ptr<float>();
+  at::parallel_for(0, padded / 8, 1, [&](int64_t a, int64_t b) {
+    std::vector<uint8_t> codes(8 * K);  // the tile's 8 rows, decoded
+    uint8_t lane[8][32];
+    for (int64_t tile = a; tile < b; ++tile) {
+      for (int64_t r = 0; r < 8; ++r) {
+        const int64_t row = tile * 8 + r;
+        uint8_t* c = codes.data() + r * K;
+        if (row >= rows) {
+          std::memset(c, 0, K);
+          continue;
+        }
+        const uint8_t* from = in + (ord ? ord[row] : row) * row_bytes;
+        for (int64_t k = 0; k < n; ++k)
+          decode(t.id, from + k * t.bytes, c + k * t.weights, s + row * groups + k * per, z + row * groups + k * per);
+      }
+      for (int64_t k = 0; k < K; k += 32) {
+        for (int ch = 0; ch < 8; ++ch)
+          for (int r = 0; r < 8; ++r) std::memcpy(&lane[ch][4 * r], codes.data() + r * K + k + 4 * ch, 4);
+        tile_lanes(lane, t.bits, o + tile * 8 * out_bytes + k / 32 * 32 * t.bits);
+      }
+    }
+  });
+  return {tiles, scales, biases};
+}
+
 }  // namespace umakit
 
 TORCH_LIBRARY_FRAGMENT(umakit, m) {
   m.def("gguf_affine(Tensor blocks, int type) -> (Tensor, Tensor, Tensor)");
   m.impl("gguf_affine", c10::DispatchKey::CPU, TORCH_FN(umakit::gguf_affine));
+  m.def("gguf_tiles(Tensor blocks, int type, Tensor? order) -> (Tensor, Tensor, Tensor)");
+  m.impl("gguf_tiles", c10::DispatchKey::CPU, TORCH_FN(umakit::gguf_tiles));
 }
