@@ -118,7 +118,7 @@ class TorchEngine:
         try:
             return cls(config, shapes, source, device, target, gpu_layers, vram_budget, packed,
                        None if packing is None else lambda done: packing(min(done, total), total), unread)
-        except gguf_layers.Unpacked:  # a kept packing that lacks a layer left in the GGUF: pack it all again
+        except affine_kernel.Unpacked:  # a kept packing that lacks a layer left in the GGUF: pack it all again
             if not kept:
                 raise
             packed.path.unlink(missing_ok=True)

@@ -148,6 +148,10 @@ def symmetric(scales: torch.Tensor, biases: torch.Tensor, bits: int) -> bool:
     return torch.equal(biases.float(), scales.float() * -(2 ** (bits - 1)))
 
 
+class Unpacked(CheckpointError):
+    """A layer that a load left unread (its codes left in a GGUF, load/gguf_layers.py) and no kept packing holds."""
+
+
 def planes(m: QuantizedLinear) -> tuple[torch.Tensor, torch.Tensor]:
     """``m``'s codes in the kernel's tiles, (rows, in * bits / 8) uint8, and its float16 scales and biases,
     (rows / 8, groups, 2, 8), or its scales alone, (rows / 8, groups, 1, 8), where it is `symmetric`; or, where
@@ -169,10 +173,6 @@ def planes(m: QuantizedLinear) -> tuple[torch.Tensor, torch.Tensor]:
     if coded is not None:
         return codes, coded
     return codes, torch.stack([_tiled(t.to(torch.float16), rows) for t in kept], dim=2).contiguous()
-
-
-class Unpacked(CheckpointError):
-    """A layer that a load left unread (its codes left in a GGUF, load/gguf_layers.py) and no kept packing holds."""
 
 
 def _padded_rows(m: QuantizedLinear) -> int:

@@ -17,9 +17,7 @@ import functools
 import mmap
 
 import torch
-from torch import nn
 
-from umakit.backends.torch.cpu.affine_kernel import Unpacked
 from umakit.checkpoint.files import Checkpoint
 from umakit.checkpoint.gguf import left_layers
 
@@ -65,14 +63,6 @@ def decode(mapped: mmap.mmap, module: str, e: dict, config: dict, tiled: bool) -
     start = e["offset"] // mmap.PAGESIZE * mmap.PAGESIZE
     mapped.madvise(mmap.MADV_DONTNEED, start, e["offset"] + e["bytes"] - start)
     return made
-
-
-def check_built(model: nn.Module) -> None:
-    """Refuse a model with a tensor no source filled (`Unpacked`): a layer the load left unread (in a GGUF) that
-    the packing kept for it does not hold."""
-    for name, t in [*model.named_parameters(), *model.named_buffers()]:
-        if t.is_meta:
-            raise Unpacked(f"{name} has no values: the load left it unread and no kept packing holds it")
 
 
 def nbytes(ckpt: Checkpoint) -> int:

@@ -29,9 +29,8 @@ from umakit.backends.torch.model.llama import ModelArgs, Transformer, fuse_proje
 from umakit.backends.torch.model.gemma4 import transformer_for
 from umakit.backends.torch.model.rope import rope_inv_freq
 from umakit.backends.torch.model.moe import Experts, expert_slot, stacked_shapes
-from umakit.backends.torch.cpu.affine_kernel import AffineEmbedding, AffineLinear
+from umakit.backends.torch.cpu.affine_kernel import AffineEmbedding, AffineLinear, Unpacked
 from umakit.backends.torch.load.packed import PackedCache
-from umakit.backends.torch.load.gguf_layers import check_built
 from umakit.backends.torch.load.packing_stream import count_quantized, first_packing
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -223,6 +222,14 @@ def build_model(args: ModelArgs, config: dict, shapes: dict, source, device: tor
 
 
 SMALL = 1 << 20  # bytes: tensors under this are copied out of the checkpoint's map, not held in it
+
+
+def check_built(model: nn.Module) -> None:
+    """Refuse a model with a tensor nothing filled (`Unpacked`): a layer the load left unread (in a GGUF,
+    load/gguf_layers.py) that the packing kept for it does not hold."""
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if t.is_meta:
+            raise Unpacked(f"{name} has no values: the load left it unread and no kept packing holds it")
 
 
 def layer_of(name: str) -> int | None:

@@ -1,7 +1,8 @@
-// A GGUF tensor's blocks as MLX's affine layout (checkpoint/gguf/quants.py's decoders, in C++): the packed codes,
-// and a float32 scale and bias per group, the same bits as the import's numpy decoders give. A first CPU load of a
-// GGUF reads the layers its import left in the GGUF through this (load/gguf_layers.py): numpy's decoders ran at
-// 0.2-0.3 GB/s on 2 cores, a byte at a time through temporaries; here a row's blocks are decoded in registers.
+// A GGUF tensor's blocks decoded as checkpoint/gguf/quants.py's decoders decode them, in C++: a float32 scale and
+// bias per group, the same bits as the import's numpy decoders give, and the codes in MLX's packing (`gguf_affine`)
+// or straight in the CPU kernel's tiles (`gguf_tiles`). A first CPU load of a GGUF reads the layers its import left
+// in the GGUF through this (load/gguf_layers.py): numpy's decoders ran at 0.2-0.3 GB/s on 2 cores, a byte at a
+// time through temporaries; here a row's blocks are decoded in registers (`gguf_affine`: 1.4-1.5 GB/s).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -185,7 +186,7 @@ std::tuple<Tensor, Tensor, Tensor> gguf_tiles(const Tensor& blocks, int64_t type
   Tensor idx;
   if (order.has_value()) {
     idx = order->to(at::kLong).contiguous();
-    TORCH_CHECK(idx.numel() == rows, "order must give every row once");
+    TORCH_CHECK(idx.numel() == rows, "order must name a row for each row");
   }
   const int64_t* ord = idx.defined() ? idx.data_ptr<int64_t>() : nullptr;
   for (int64_t r = 0; ord && r < rows; ++r) TORCH_CHECK(ord[r] >= 0 && ord[r] < rows, "row ", ord[r], " is outside");
